@@ -1,0 +1,754 @@
+#!/usr/bin/env python3
+"""eval_drafter.py: measure a DFlash drafter's real speculative-decoding acceptance, offline, on any box.
+
+Greedy speculative decoding commits exactly the target's greedy text, so one teacher-forced target pass
+over prompt + reference completion gives every hidden state the drafter would ever see. From it this
+script drafts a block at every anchor of the completion, scores each draft against the reference, and
+replays the greedy speculative walk. The rounds equal those of a real decoding loop when the reference is
+the target's own greedy output (the "target agreement" line says how close yours is).
+
+    python eval_drafter.py --target QWEN_DIR --ckpt DRAFTER --prompts prompts.jsonl
+    python eval_drafter.py --target QWEN_DIR --ckpt mine=ckpt_a --ckpt ref=ckpt_b --prompts p.jsonl \
+        --output result.json
+    python eval_drafter.py --demo             # the whole pipeline on the tiny bundled pair
+
+Data flows top to bottom: CLI -> prompts -> target -> hidden states -> drafter -> metrics -> report.
+Only torch, transformers, safetensors, numpy, tqdm and the standard library are used.
+"""
+import argparse
+import inspect
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEMO_DIR = os.path.join(HERE, "tests", "fixtures", "demo")
+ANCHOR_TOKENS_PER_CHUNK = 512   # query tokens (anchors x block) per SDPA call: bounds the mask and scores
+LOGIT_ROWS_PER_CHUNK = 256      # rows per lm_head call: a 248k vocab makes logits the big tensor
+AGREEMENT_WARN = 0.99
+
+
+class UsageError(Exception):
+    """Bad input: reported as one line on stderr with exit code 2."""
+
+
+def fail(message):
+    raise UsageError(message)
+
+
+def log(settings, message):
+    if not settings.get("quiet"):
+        print(message, file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------------------------------
+# CLI and resolved settings
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", help="target model directory (Qwen3 / Qwen3.5 / Qwen3.6, HF layout)")
+    p.add_argument("--ckpt", action="append", default=[], metavar="[NAME=]PATH",
+                   help="DFlash drafter directory (config.json + model.safetensors); repeat to compare")
+    p.add_argument("--prompts", help="JSONL file of prompts (see README for the formats)")
+    p.add_argument("--max-new-tokens", type=int,
+                   help="length of generated references (default 256; 128 with --demo)")
+    p.add_argument("--ignore-eos", action="store_true", help="generate references past EOS")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto = float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--layers", help="target layer ids feeding the drafter, e.g. 1,16,31,46,61 "
+                                    "(default: the checkpoint's dflash_config.target_layer_ids)")
+    p.add_argument("--block-size", type=int, help="block size (default: the checkpoint's block_size)")
+    p.add_argument("--block-mask", default="auto", choices=["auto", "bidirectional", "causal"],
+                   help="in-block attention; auto = checkpoint's is_causal, else per layer type")
+    p.add_argument("--sliding-window", default="train", choices=["train", "ignore"],
+                   help="train = window sliding layers as training did; ignore = public HF reference")
+    p.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as plain text")
+    p.add_argument("--enable-thinking", action="store_true", help="chat template with thinking on")
+    p.add_argument("--limit", type=int, help="evaluate only the first N prompts")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--output", help="write the full results as JSON to this file")
+    p.add_argument("--quiet", action="store_true", help="no progress bars or notes on stderr")
+    p.add_argument("--demo", action="store_true", help="run on the tiny pair bundled in tests/fixtures")
+    return p.parse_args(argv)
+
+
+def resolve_settings(args):
+    """Every choice the run makes, in one dict: it is echoed into the JSON output."""
+    if args.demo:
+        args.target = args.target or os.path.join(DEMO_DIR, "target")
+        args.ckpt = args.ckpt or ["demo=" + os.path.join(DEMO_DIR, "drafter")]
+        args.prompts = args.prompts or os.path.join(DEMO_DIR, "prompts.jsonl")
+        if args.max_new_tokens is None:
+            args.max_new_tokens = 128  # the demo target was trained on short texts
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 256
+    for flag, value in (("--target", args.target), ("--prompts", args.prompts)):
+        if not value:
+            fail(f"{flag} is required (or run --demo for the bundled example)")
+    if not args.ckpt:
+        fail("--ckpt is required: give at least one drafter checkpoint")
+    if not os.path.isdir(args.target):
+        fail(f"target directory not found: {args.target} (pass a local model directory to --target)")
+    if not os.path.isfile(args.prompts):
+        fail(f"prompts file not found: {args.prompts} (pass a JSONL file to --prompts)")
+    if args.max_new_tokens < 1:
+        fail("--max-new-tokens must be at least 1")
+    if args.block_size is not None and args.block_size < 2:
+        fail(f"--block-size {args.block_size} is too small: a block needs the anchor and at least one draft")
+    if args.limit is not None and args.limit < 1:
+        fail("--limit must be at least 1")
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    layers = None
+    if args.layers:
+        try:
+            layers = [int(x) for x in args.layers.split(",") if x.strip()]
+        except ValueError:
+            fail(f"--layers must be comma-separated integers, got {args.layers!r}")
+        if not layers:
+            fail("--layers is empty")
+    import transformers
+    return {
+        "target": os.path.abspath(args.target),
+        "ckpt": list(args.ckpt),
+        "prompts": os.path.abspath(args.prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "ignore_eos": args.ignore_eos,
+        "device": device,
+        "dtype": dtype,
+        "layers": layers,
+        "block_size": args.block_size,
+        "block_mask": args.block_mask,
+        "sliding_window": args.sliding_window,
+        "chat_template": not args.no_chat_template,
+        "enable_thinking": args.enable_thinking,
+        "limit": args.limit,
+        "threads": args.threads,
+        "output": args.output,
+        "quiet": args.quiet,
+        "demo": args.demo,
+        "walk_rule": "first anchor = first completion token; next anchor = anchor + acceptance; "
+                     "stop when the next block's drafts would pass the end of the reference",
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Prompts
+
+
+def read_prompts(path, limit=None):
+    """Parse the JSONL file into items {id, split, messages | text, completion | completion_ids}."""
+    items = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                fail(f"{path} line {lineno}: not valid JSON ({e.msg}); each line must be one JSON object")
+            if not isinstance(row, dict):
+                fail(f"{path} line {lineno}: expected a JSON object, got {type(row).__name__}")
+            items.append(parse_prompt_row(row, path, lineno))
+            if limit and len(items) >= limit:
+                break
+    if not items:
+        fail(f"{path} holds no prompts")
+    return items
+
+
+def parse_prompt_row(row, path, lineno):
+    where = f"{path} line {lineno}"
+    item = {"id": str(row.get("id", lineno)), "split": str(row.get("split", "all")),
+            "completion": row.get("completion"), "completion_ids": row.get("completion_ids")}
+    if isinstance(row.get("prompt"), str):
+        item["messages"] = [{"role": "user", "content": row["prompt"]}]
+    elif isinstance(row.get("messages"), list) and row["messages"]:
+        item["messages"] = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
+    elif isinstance(row.get("turns"), list) and row["turns"]:
+        item["messages"] = [{"role": "user", "content": row["turns"][0]}]
+    elif isinstance(row.get("conversations"), list) and row["conversations"]:
+        turns = [sharegpt_turn(t, where) for t in row["conversations"]]
+        last = max((i for i, t in enumerate(turns) if t["role"] == "assistant"), default=None)
+        if last is None:
+            item["messages"] = turns
+        else:
+            item["messages"] = turns[:last]
+            if item["completion"] is None and item["completion_ids"] is None:
+                item["completion"] = turns[last]["content"]
+        if not item["messages"]:
+            fail(f"{where}: the conversation has nothing before its last assistant turn")
+    else:
+        fail(f"{where}: no prompt field; give one of \"prompt\", \"messages\", \"turns\", \"conversations\"")
+    ids = item["completion_ids"]
+    if ids is not None and not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
+        fail(f"{where}: \"completion_ids\" must be a list of integer token ids")
+    return item
+
+
+def sharegpt_turn(turn, where):
+    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+             "system": "system", "bot": "assistant", "model": "assistant"}
+    role = turn.get("role", turn.get("from")) if isinstance(turn, dict) else None
+    content = turn.get("content", turn.get("value")) if isinstance(turn, dict) else None
+    if role not in roles or not isinstance(content, str):
+        fail(f"{where}: a conversation turn needs a role/from ({', '.join(sorted(roles))}) and text")
+    return {"role": roles[role], "content": content}
+
+
+def encode_prompts(tokenizer, items, settings):
+    """Token ids of each prompt (chat template with generation prompt) and of its reference, if any."""
+    use_template = settings["chat_template"] and bool(getattr(tokenizer, "chat_template", None))
+    if settings["chat_template"] and not use_template:
+        log(settings, "note: the target's tokenizer has no chat template; prompts are tokenized as plain text")
+    settings["chat_template_applied"] = use_template
+    vocab = len(tokenizer)
+    for item in items:
+        if use_template:
+            text = tokenizer.apply_chat_template(item["messages"], tokenize=False, add_generation_prompt=True,
+                                                 enable_thinking=settings["enable_thinking"])
+        else:
+            text = "\n".join(m["content"] for m in item["messages"])
+        item["prompt_ids"] = tokenizer(text, add_special_tokens=not use_template)["input_ids"]
+        if item["completion_ids"] is None and item["completion"] is not None:
+            item["completion_ids"] = tokenizer(item["completion"], add_special_tokens=False)["input_ids"]
+        if item["completion_ids"] is not None and any(not 0 <= t < vocab for t in item["completion_ids"]):
+            fail(f"prompt {item['id']}: completion_ids hold ids outside the tokenizer's vocab ({vocab})")
+        if not item["prompt_ids"]:
+            fail(f"prompt {item['id']}: the prompt tokenizes to nothing")
+    return items
+
+
+# ----------------------------------------------------------------------------------------------------
+# Target
+
+
+def read_target_config(path):
+    from transformers import AutoConfig
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - any failure here means "not a model directory we can read"
+        fail(f"cannot read the target config in {path}: {str(e).splitlines()[0]}")
+    return getattr(config, "text_config", None) or config
+
+
+def load_target(settings):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path, dtype = settings["target"], getattr(torch, settings["dtype"])
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001
+        fail(f"cannot load a tokenizer from {path}: {str(e).splitlines()[0]}")
+    if settings["quiet"] or not sys.stderr.isatty():
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+    # Load straight into the run dtype: casting afterwards would also cast rotary buffers.
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
+    model.to(settings["device"]).eval()
+    return model, tokenizer
+
+
+def eos_ids(model, tokenizer):
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+@torch.inference_mode()
+def greedy_generate(model, prompt_ids, max_new_tokens, stop_ids):
+    """Plain greedy decoding with the KV cache: the reference the speculative loop would commit."""
+    device = model.device
+    # transformers 5.x renamed past_key_values to cache (argument and output field); 4.x has only the old name.
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True, logits_to_keep=1)
+    tokens = []
+    while True:
+        token = int(out.logits[0, -1].argmax())
+        tokens.append(token)
+        if len(tokens) >= max_new_tokens or token in stop_ids:
+            return tokens
+        cache = getattr(out, "cache", None) if cache_arg == "cache" else out.past_key_values
+        out = model(input_ids=torch.tensor([[token]], device=device), use_cache=True, **{cache_arg: cache})
+
+
+def target_parts(model):
+    decoder = model.get_decoder()
+    return decoder, decoder.layers, model.get_input_embeddings(), model.get_output_embeddings()
+
+
+@torch.inference_mode()
+def extract_hidden(model, ids, layer_ids, n_prompt):
+    """One teacher-forced pass: features of `layer_ids` (T, k*H) and the target's argmax per completion token.
+
+    Layer id L is the OUTPUT of decoder layer L (transformers' hidden_states[L + 1]). Hooks keep only
+    those layers. The last layer's entry in hidden_states carries the final norm, so that id hooks the norm.
+    """
+    decoder, layers, _, head = target_parts(model)
+    captured, handles = {}, []
+
+    def keep(layer_id):
+        def hook(module, inputs, output):
+            captured[layer_id] = (output[0] if isinstance(output, tuple) else output)[0]
+        return hook
+
+    for layer_id in sorted(set(layer_ids)):
+        module = decoder.norm if layer_id == len(layers) - 1 else layers[layer_id]
+        handles.append(module.register_forward_hook(keep(layer_id)))
+    try:
+        out = decoder(input_ids=torch.tensor([ids], device=model.device), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    last = out.last_hidden_state[0, n_prompt - 1:len(ids) - 1]
+    argmax = torch.cat([head(rows).argmax(-1) for rows in last.split(LOGIT_ROWS_PER_CHUNK)])
+    return {layer_id: captured[layer_id] for layer_id in layer_ids}, argmax.tolist()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Drafter: loading and checking
+
+
+def split_ckpt_spec(spec):
+    name, sep, path = spec.partition("=")
+    if sep and name and "/" not in name and not os.path.exists(spec):
+        return name, path
+    return os.path.basename(os.path.normpath(spec)), spec
+
+
+def default_layer_ids(num_target_layers, k):
+    """The public rule when a config has no target_layer_ids: k ids evenly spaced over 1..N-3."""
+    if k == 1:
+        return [num_target_layers // 2]
+    return [int(round(1 + i * (num_target_layers - 4) / (k - 1))) for i in range(k)]
+
+
+def load_drafter(spec, target_cfg, settings):
+    from safetensors.torch import load_file
+    name, path = split_ckpt_spec(spec)
+    if not os.path.exists(path):
+        fail(f"drafter checkpoint not found: {path} (pass a drafter directory to --ckpt)")
+    cfg_path, weights_path = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
+    if not (os.path.isdir(path) and os.path.isfile(cfg_path) and os.path.isfile(weights_path)):
+        fail(f"{path} is not a DFlash drafter: expected a directory with config.json and model.safetensors")
+    with open(cfg_path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    dcfg = cfg.get("dflash_config") or {}
+    if "block_size" not in cfg and not dcfg:
+        fail(f"{path} is not a DFlash drafter: its config.json has neither block_size nor dflash_config")
+    weights = load_file(weights_path)
+    if "fc.weight" not in weights or "hidden_norm.weight" not in weights:
+        fail(f"{path} is not a DFlash drafter: model.safetensors has no fc.weight / hidden_norm.weight")
+
+    hidden = cfg.get("hidden_size")
+    if hidden != target_cfg.hidden_size:
+        fail(f"drafter {name} has hidden size {hidden} but the target has {target_cfg.hidden_size}: "
+             "it was trained for another target")
+    n_target = target_cfg.num_hidden_layers
+    if settings["layers"] is not None:
+        layer_ids, source = settings["layers"], "--layers"
+    elif dcfg.get("target_layer_ids"):
+        layer_ids, source = [int(x) for x in dcfg["target_layer_ids"]], "the checkpoint config"
+    else:
+        k = weights["fc.weight"].shape[1] // hidden
+        layer_ids = default_layer_ids(cfg.get("num_target_layers", n_target), k)
+        source = "the public default rule"
+        log(settings, f"note: {name} config has no target_layer_ids; using {layer_ids} (public default rule)")
+    fc_layers, rem = divmod(weights["fc.weight"].shape[1], hidden)
+    if rem or fc_layers != len(layer_ids):
+        fail(f"drafter {name}: fc expects {fc_layers} feature layers, {source} gives {len(layer_ids)} "
+             f"({layer_ids}); pass --layers with {fc_layers} ids")
+    bad = [i for i in layer_ids if not 0 <= i < n_target]
+    if bad:
+        fail(f"drafter {name}: layer id {bad[0]} is outside the target's {n_target} layers (0..{n_target - 1})")
+    mask_id = dcfg.get("mask_token_id", cfg.get("mask_token_id"))
+    if mask_id is None or not 0 <= int(mask_id) < target_cfg.vocab_size:
+        fail(f"drafter {name}: mask_token_id {mask_id} is outside the target vocab ({target_cfg.vocab_size})")
+    block_size = settings["block_size"] or int(cfg.get("block_size", dcfg.get("block_size", 16)))
+    if block_size < 2:
+        fail(f"drafter {name}: block size {block_size} is too small (needs at least 2)")
+    check_drafter_keys(weights, cfg, name)
+    dtype = getattr(torch, settings["dtype"])
+    weights = {k: v.to(device=settings["device"], dtype=dtype) for k, v in weights.items()}
+    return {"name": name, "checkpoint": os.path.abspath(path), "cfg": cfg, "weights": weights,
+            "layers": layer_ids, "block_size": block_size, "mask_token_id": int(mask_id),
+            "rules": layer_rules(cfg, settings), "rope": build_rope(cfg, settings["device"])}
+
+
+def check_drafter_keys(weights, cfg, name):
+    needed = ["fc.weight", "hidden_norm.weight", "norm.weight"]
+    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+                 "mlp.up_proj.weight", "mlp.down_proj.weight"] + \
+                [f"self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+    if cfg.get("attention_bias"):
+        per_layer += [f"self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    for i in range(cfg.get("num_hidden_layers", 0)):
+        needed += [f"layers.{i}.{k}" for k in per_layer]
+    missing = [k for k in needed if k not in weights]
+    if missing or not cfg.get("num_hidden_layers"):
+        fail(f"drafter {name} is not a complete DFlash drafter: missing {len(missing)} tensors "
+             f"(first: {', '.join(missing[:3]) or 'num_hidden_layers in config'})")
+
+
+def layer_rules(cfg, settings):
+    """In-block attention per drafter layer: (mode, window). See DFLASH_NOTES: the training rule makes
+    sliding layers causal with a causal window; full layers bidirectional; config overrides win."""
+    n = cfg["num_hidden_layers"]
+    dcfg = cfg.get("dflash_config") or {}
+    window = dcfg.get("swa_window_size") or cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if not types:
+        sliding = cfg.get("use_sliding_window") and window
+        first = cfg.get("max_window_layers", n)
+        types = ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(n)]
+    forced = cfg.get("is_causal", dcfg.get("causal"))
+    rules = []
+    for kind in types[:n]:
+        sliding = kind == "sliding_attention" and window and settings["sliding_window"] == "train"
+        if settings["block_mask"] != "auto":
+            mode = settings["block_mask"]
+        elif forced is not None:
+            mode = "causal" if forced else "bidirectional"
+        else:
+            mode = "causal" if sliding else "bidirectional"
+        rules.append((mode, int(window) if sliding else None))
+    return rules
+
+
+def rule_label(rule):
+    mode, window = rule
+    return mode if window is None else f"{mode}, window {window}"
+
+
+def build_rope(cfg, device):
+    """transformers' own Qwen3 rotary embedding (all rope types, YaRN included) from the drafter config."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+    keys = ("hidden_size", "num_attention_heads", "head_dim", "max_position_embeddings", "rope_theta",
+            "rope_scaling", "rope_parameters")
+    return Qwen3RotaryEmbedding(Qwen3Config(**{k: cfg[k] for k in keys if cfg.get(k) is not None})).to(device)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Drafter: forward pass with SDPA and an explicit context-plus-block mask
+
+
+def rms_norm(x, weight, eps):
+    dtype = x.dtype
+    x = x.float()
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+
+
+def linear(x, w, name):
+    return F.linear(x, w[name + ".weight"], w.get(name + ".bias"))
+
+
+def rope_cos_sin(drafter, positions, dtype):
+    cos, sin = drafter["rope"](torch.empty(0, dtype=dtype, device=positions.device), positions[None])
+    return cos[0], sin[0]
+
+
+def apply_rope(x, cos, sin):
+    # x: (heads, T, head_dim); rotate pairs (i, i + d/2) as Qwen3 does.
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def heads(x, n_heads, head_dim):
+    return x.view(x.shape[0], n_heads, head_dim).transpose(0, 1)
+
+
+def block_mask(anchors, n_ctx, block_size, rule):
+    """Boolean (n*B, n_ctx + n*B) mask for the blocks anchored at `anchors`: True = may attend.
+
+    Query (block i, slot j) sits at absolute position a_i + j. It sees context positions p < a_i, and the
+    slots of its own block: all of them (bidirectional) or those <= j (causal). A window W keeps only keys
+    at positions >= a_i + j - (W - 1).
+    """
+    mode, window = rule
+    n, dev = anchors.shape[0], anchors.device
+    slot = torch.arange(block_size, device=dev)
+    q_block = torch.arange(n, device=dev).repeat_interleave(block_size)
+    q_slot = slot.repeat(n)
+    q_pos = anchors[q_block] + q_slot
+    ctx_pos = torch.arange(n_ctx, device=dev)
+    ctx_ok = ctx_pos[None, :] < anchors[q_block][:, None]
+    blk_ok = q_block[:, None] == q_block[None, :]
+    if mode == "causal":
+        blk_ok &= q_slot[None, :] <= q_slot[:, None]
+    if window is not None:
+        lowest = q_pos[:, None] - (window - 1)
+        ctx_ok &= ctx_pos[None, :] >= lowest
+        blk_ok &= q_pos[None, :] >= lowest
+    return torch.cat([ctx_ok, blk_ok], dim=1)
+
+
+def drafter_context(drafter, features):
+    """Project the target features once per prompt: context (T, H) and per-layer context K/V."""
+    w, cfg = drafter["weights"], drafter["cfg"]
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    ctx = rms_norm(F.linear(features, w["fc.weight"]), w["hidden_norm.weight"], eps)
+    n_kv, hd = cfg["num_key_value_heads"], head_dim_of(cfg)
+    cos, sin = rope_cos_sin(drafter, torch.arange(ctx.shape[0], device=ctx.device), ctx.dtype)
+    kv = []
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}.self_attn."
+        k = rms_norm(heads(linear(ctx, w, p + "k_proj"), n_kv, hd), w[p + "k_norm.weight"], eps)
+        kv.append((apply_rope(k, cos, sin), heads(linear(ctx, w, p + "v_proj"), n_kv, hd)))
+    return kv
+
+
+def head_dim_of(cfg):
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def drafter_forward(drafter, context_kv, anchors, block_ids, embed):
+    """Hidden states (n, B, H) after the final norm for blocks [token at anchor, MASK, ...] at `anchors`."""
+    w, cfg = drafter["weights"], drafter["cfg"]
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    n, B = block_ids.shape
+    n_heads, n_kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim_of(cfg)
+    n_ctx = int(anchors.max())
+    x = embed(block_ids.reshape(-1))
+    positions = (anchors[:, None] + torch.arange(B, device=anchors.device)).reshape(-1)
+    cos, sin = rope_cos_sin(drafter, positions, x.dtype)
+    masks = {rule: block_mask(anchors, n_ctx, B, rule) for rule in set(drafter["rules"])}
+    for i, rule in enumerate(drafter["rules"]):
+        p = f"layers.{i}."
+        h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
+        q = rms_norm(heads(linear(h, w, p + "self_attn.q_proj"), n_heads, hd), w[p + "self_attn.q_norm.weight"], eps)
+        k = rms_norm(heads(linear(h, w, p + "self_attn.k_proj"), n_kv, hd), w[p + "self_attn.k_norm.weight"], eps)
+        v = heads(linear(h, w, p + "self_attn.v_proj"), n_kv, hd)
+        k_ctx, v_ctx = context_kv[i]
+        k = torch.cat([k_ctx[:, :n_ctx], apply_rope(k, cos, sin)], dim=1)
+        v = torch.cat([v_ctx[:, :n_ctx], v], dim=1)
+        groups = n_heads // n_kv
+        attn = F.scaled_dot_product_attention(apply_rope(q, cos, sin)[None], k.repeat_interleave(groups, 0)[None],
+                                              v.repeat_interleave(groups, 0)[None], attn_mask=masks[rule])
+        x = x + linear(attn[0].transpose(0, 1).reshape(n * B, n_heads * hd), w, p + "self_attn.o_proj")
+        h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
+        mlp = F.silu(linear(h, w, p + "mlp.gate_proj")) * linear(h, w, p + "mlp.up_proj")
+        x = x + linear(mlp, w, p + "mlp.down_proj")
+    return rms_norm(x, w["norm.weight"], eps).view(n, B, -1)
+
+
+@torch.inference_mode()
+def draft_all_anchors(drafter, features, ids, anchors, embed, head):
+    """Greedy drafts (n_anchors, B-1) for every anchor, many blocks per SDPA call."""
+    B = drafter["block_size"]
+    feats = torch.cat([features[L] for L in drafter["layers"]], dim=-1)
+    context_kv = drafter_context(drafter, feats)
+    ids_t = torch.tensor(ids, device=feats.device)
+    drafts = []
+    for chunk in anchors.split(max(1, ANCHOR_TOKENS_PER_CHUNK // B)):
+        block = torch.full((chunk.shape[0], B), drafter["mask_token_id"], device=feats.device)
+        block[:, 0] = ids_t[chunk]
+        hidden = drafter_forward(drafter, context_kv, chunk, block, embed)[:, 1:]
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        tokens = torch.cat([head(rows).argmax(-1) for rows in hidden.split(LOGIT_ROWS_PER_CHUNK)])
+        drafts.append(tokens.view(chunk.shape[0], B - 1))
+    return torch.cat(drafts).cpu()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Metrics
+
+
+def score_prompt(drafts, ids, n_prompt, block_size):
+    """Per anchor: matched drafts m (acceptance = 1 + m) and which drafts equal the reference; then the walk."""
+    anchors = torch.arange(n_prompt, len(ids) - block_size + 1)
+    ids_t = torch.tensor(ids)
+    if anchors.numel() == 0:
+        return {"anchors": anchors, "matched": torch.zeros(0, dtype=torch.long),
+                "equal": torch.zeros(0, block_size - 1, dtype=torch.bool), "rounds": []}
+    reference = ids_t[anchors[:, None] + torch.arange(1, block_size)]
+    equal = drafts == reference
+    matched = equal.long().cumprod(dim=1).sum(dim=1)
+    return {"anchors": anchors, "matched": matched, "equal": equal,
+            "rounds": walk(matched.tolist(), n_prompt, len(ids), block_size)}
+
+
+def walk(matched, first_anchor, total_len, block_size):
+    """The greedy speculative walk: acceptance lengths of the rounds a real decoding loop would take.
+
+    A round is taken only while its block's B-1 drafted positions lie inside the reference.
+    """
+    rounds, anchor = [], first_anchor
+    while anchor + block_size - 1 <= total_len - 1:
+        length = 1 + matched[anchor - first_anchor]
+        rounds.append(length)
+        anchor += length
+    return rounds
+
+
+def summarize(results, block_size):
+    """τ values, per-position acceptance / accuracy and the round histogram over some prompts' results."""
+    rounds = [r for res in results for r in res["rounds"]]
+    per_prompt = [sum(res["rounds"]) / len(res["rounds"]) for res in results if res["rounds"]]
+    matched = torch.cat([res["matched"] for res in results]) if results else torch.zeros(0)
+    equal = torch.cat([res["equal"] for res in results]) if results else torch.zeros(0, block_size - 1)
+    acceptance, accuracy = [], []
+    for k in range(1, block_size):
+        reached = int((matched >= k - 1).sum())
+        acceptance.append(float((matched >= k).sum()) / reached if reached else None)
+        accuracy.append(float(equal[:, k - 1].float().mean()) if equal.shape[0] else None)
+    histogram = [0] * block_size
+    for r in rounds:
+        histogram[r - 1] += 1
+    return {"tau": sum(rounds) / len(rounds) if rounds else None,
+            "tau_prompt_mean": sum(per_prompt) / len(per_prompt) if per_prompt else None,
+            "tau_all_anchors": float(matched.float().mean()) + 1 if matched.numel() else None,
+            "rounds": len(rounds), "anchors": int(matched.numel()),
+            "per_position": {"acceptance": acceptance, "accuracy": accuracy}, "histogram": histogram}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Report
+
+
+def fmt(x, digits=3):
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def print_report(report, out=sys.stdout):
+    target = report["target"]
+    print(f"target: {target['path']} ({target['device']}, {target['dtype']}); "
+          f"target agreement {fmt(target['agreement'], 4)}", file=out)
+    for d in report["drafters"]:
+        print(f"\n== drafter {d['name']}: block {d['block_size']}, layers {d['layers']}", file=out)
+        print("   block mask per layer: " + "; ".join(f"{i}: {r}" for i, r in enumerate(d["block_mask"])), file=out)
+        sections = [("all", d)] + sorted(d["splits"].items()) if len(d["splits"]) > 1 else [("all", d)]
+        for split, s in sections:
+            print(f"-- {split}: tau {fmt(s['tau'])} (pooled over {s['rounds']} rounds), "
+                  f"tau_prompt_mean {fmt(s['tau_prompt_mean'])}, tau_all_anchors {fmt(s['tau_all_anchors'])}",
+                  file=out)
+        print("   pos  accept  accuracy", file=out)
+        for k, (acc, hit) in enumerate(zip(d["per_position"]["acceptance"], d["per_position"]["accuracy"]), 1):
+            bar = "#" * round(40 * acc) if acc is not None else ""
+            print(f"   {k:>3}  {fmt(acc)}   {fmt(hit)}  |{bar}", file=out)
+        total = max(1, sum(d["histogram"]))
+        print("   rounds by acceptance length: " + "  ".join(
+            f"{n}:{c}" for n, c in enumerate(d["histogram"], 1) if c) + f"  (of {total})", file=out)
+
+
+def write_json(path, report):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Main
+
+
+def progress(settings, total, desc, position=0):
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, position=position, leave=False,
+                disable=settings["quiet"] or not sys.stderr.isatty())
+
+
+def run(settings):
+    if settings["threads"]:
+        torch.set_num_threads(settings["threads"])
+    items = read_prompts(settings["prompts"], settings["limit"])
+    target_cfg = read_target_config(settings["target"])
+    drafters = [load_drafter(spec, target_cfg, settings) for spec in settings["ckpt"]]
+    for d in drafters:
+        log(settings, f"drafter {d['name']}: block {d['block_size']}, layers {d['layers']}, in-block mask per "
+                      f"layer: {', '.join(rule_label(r) for r in d['rules'])}")
+    t0 = time.time()
+    model, tokenizer = load_target(settings)
+    encode_prompts(tokenizer, items, settings)
+    _, _, embed, head = target_parts(model)
+
+    todo = [it for it in items if it["completion_ids"] is None]
+    stops = set() if settings["ignore_eos"] else eos_ids(model, tokenizer)
+    with progress(settings, len(todo), "generate") as bar:
+        for it in todo:
+            it["completion_ids"] = greedy_generate(model, it["prompt_ids"], settings["max_new_tokens"], stops)
+            it["generated"] = True
+            bar.update()
+
+    layer_union = sorted({L for d in drafters for L in d["layers"]})
+    results = {d["name"]: [] for d in drafters}
+    agree = [0, 0]
+    with progress(settings, len(items), "extract", 0) as bar_x, progress(settings, len(items), "draft", 1) as bar_d:
+        for it in items:
+            ids, n_prompt = it["prompt_ids"] + it["completion_ids"], len(it["prompt_ids"])
+            features, argmax = extract_hidden(model, ids, layer_union, n_prompt)
+            it["agreement"] = sum(a == b for a, b in zip(argmax, it["completion_ids"])) / max(1, len(argmax))
+            agree[0] += sum(a == b for a, b in zip(argmax, it["completion_ids"]))
+            agree[1] += len(argmax)
+            bar_x.update()
+            for d in drafters:
+                anchors = torch.arange(n_prompt, len(ids) - d["block_size"] + 1)
+                drafts = draft_all_anchors(d, features, ids, anchors.to(model.device), embed, head) \
+                    if anchors.numel() else torch.zeros(0, d["block_size"] - 1, dtype=torch.long)
+                results[d["name"]].append(score_prompt(drafts, ids, n_prompt, d["block_size"]))
+            bar_d.update()
+
+    agreement = agree[0] / agree[1] if agree[1] else None
+    if agreement is not None and agreement < AGREEMENT_WARN:
+        print(f"warning: target agreement {agreement:.4f} < {AGREEMENT_WARN}: the references are not the target's "
+              "greedy output here, so tau is approximate (see README)", file=sys.stderr)
+    report = {
+        "config": {k: v for k, v in settings.items()},
+        "target": {"path": settings["target"], "device": settings["device"], "dtype": settings["dtype"],
+                   "agreement": agreement},
+        "drafters": [drafter_report(d, results[d["name"]], items) for d in drafters],
+        "elapsed_s": time.time() - t0,
+    }
+    print_report(report)
+    if settings["output"]:
+        write_json(settings["output"], report)
+        log(settings, f"wrote {settings['output']}")
+    return report
+
+
+def drafter_report(d, results, items):
+    B = d["block_size"]
+    summary = summarize(results, B)
+    splits = {}
+    for split in sorted({it["split"] for it in items}):
+        chosen = [res for res, it in zip(results, items) if it["split"] == split]
+        splits[split] = summarize(chosen, B)
+    prompts = [{"id": it["id"], "split": it["split"], "prompt_tokens": len(it["prompt_ids"]),
+                "completion_tokens": len(it["completion_ids"]), "reference_generated": it.get("generated", False),
+                "target_agreement": it["agreement"],
+                "tau": sum(res["rounds"]) / len(res["rounds"]) if res["rounds"] else None,
+                "rounds": res["rounds"]} for it, res in zip(items, results)]
+    return {"name": d["name"], "checkpoint": d["checkpoint"], "block_size": B, "layers": d["layers"],
+            "mask_token_id": d["mask_token_id"], "block_mask": [rule_label(r) for r in d["rules"]],
+            **summary, "splits": splits, "prompts": prompts}
+
+
+def main(argv=None):
+    try:
+        settings = resolve_settings(parse_args(argv))
+        run(settings)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

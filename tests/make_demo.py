@@ -1,0 +1,211 @@
+"""Build the tiny demo pair under tests/fixtures/demo: a Qwen3 target that speaks a synthetic language and a
+DFlash drafter trained on that target's greedy output. Deterministic; about two minutes on 2 CPU cores.
+
+    python tests/make_demo.py [OUT_DIR]
+
+The language: 60 words. Most words are followed by a fixed successor (a permutation); a quarter of them
+("twist" words) are followed by a word chosen by a table over (previous word, current word). Training text
+follows the rule 85% of the time and is random otherwise, so the target learns the rule as its argmax. A
+random target's greedy text would be noise no drafter can learn; this one is predictable several tokens
+ahead, with twists that make the later block positions harder, so tau lands well above 1 and below B.
+"""
+import json
+import os
+import random
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import eval_drafter as ed  # noqa: E402
+
+SPECIALS = ["<pad>", "<eos>", "<mask>", "<unk>"]
+N_WORDS = 60
+MASK_ID = 2
+SEQ_LEN = 192
+
+
+def word(i):
+    return f"w{i}"
+
+
+def save_tokenizer(out_dir, n_words=N_WORDS):
+    """A word-level tokenizer (ids: specials, then w0..w{n-1}) saved in the HF layout."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+    vocab = {t: i for i, t in enumerate(SPECIALS + [word(i) for i in range(n_words)])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>", mask_token="<mask>")
+    fast.save_pretrained(out_dir)
+    return len(vocab)
+
+
+def target_config(vocab_size, **overrides):
+    from transformers import Qwen3Config
+    cfg = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=192, num_hidden_layers=6,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+               rope_theta=10000.0, tie_word_embeddings=False, eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    cfg.update(overrides)
+    return Qwen3Config(**cfg)
+
+
+def drafter_config(target_cfg, layer_ids=(1, 3, 4), block_size=8, **overrides):
+    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+           "hidden_size": target_cfg.hidden_size, "intermediate_size": 192, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+           "max_position_embeddings": 512, "rope_theta": 10000.0, "attention_bias": False,
+           "layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True,
+           "sliding_window": 32, "vocab_size": target_cfg.vocab_size, "block_size": block_size,
+           "num_target_layers": target_cfg.num_hidden_layers,
+           "dflash_config": {"mask_token_id": MASK_ID, "target_layer_ids": list(layer_ids)}}
+    cfg.update(overrides)
+    return cfg
+
+
+def random_drafter_weights(cfg, n_feature_layers, seed=0, scale=0.08):
+    """Drafter tensors in the public layout, randomly initialised (norm weights = 1)."""
+    g = torch.Generator().manual_seed(seed)
+    H, I = cfg["hidden_size"], cfg["intermediate_size"]
+    hd, nh, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g) * scale
+
+    w = {"fc.weight": rnd(H, n_feature_layers * H), "hidden_norm.weight": torch.ones(H), "norm.weight": torch.ones(H)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        w.update({p + "input_layernorm.weight": torch.ones(H), p + "post_attention_layernorm.weight": torch.ones(H),
+                  p + "self_attn.q_proj.weight": rnd(nh * hd, H), p + "self_attn.k_proj.weight": rnd(nkv * hd, H),
+                  p + "self_attn.v_proj.weight": rnd(nkv * hd, H), p + "self_attn.o_proj.weight": rnd(H, nh * hd),
+                  p + "self_attn.q_norm.weight": torch.ones(hd), p + "self_attn.k_norm.weight": torch.ones(hd),
+                  p + "mlp.gate_proj.weight": rnd(I, H), p + "mlp.up_proj.weight": rnd(I, H),
+                  p + "mlp.down_proj.weight": rnd(H, I)})
+        if cfg.get("attention_bias"):
+            for name, n_out in (("q_proj", nh * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd), ("o_proj", H)):
+                w[p + f"self_attn.{name}.bias"] = rnd(n_out)
+    return w
+
+
+def save_drafter(out_dir, cfg, weights):
+    from safetensors.torch import save_file
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(out_dir, "model.safetensors"))
+
+
+def language(seed=1234):
+    rng = random.Random(seed)
+    perm = list(range(N_WORDS))
+    rng.shuffle(perm)
+    twist = set(rng.sample(range(N_WORDS), N_WORDS // 4))
+    table = [[rng.randrange(N_WORDS) for _ in range(N_WORDS)] for _ in range(N_WORDS)]
+    return perm, twist, table
+
+
+def next_word(lang, prev, cur):
+    perm, twist, table = lang
+    return table[prev][cur] if cur in twist else perm[cur]
+
+
+def sample_text(lang, rng, length, noise):
+    words = [rng.randrange(N_WORDS), rng.randrange(N_WORDS)]
+    while len(words) < length:
+        words.append(rng.randrange(N_WORDS) if rng.random() < noise else next_word(lang, words[-2], words[-1]))
+    return words
+
+
+def train_target(out_dir, lang, steps=1500, batch=32):
+    from transformers import Qwen3ForCausalLM
+    vocab = save_tokenizer(out_dir)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(target_config(vocab))
+    rng = random.Random(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
+    for step in range(steps):
+        ids = torch.tensor([[len(SPECIALS) + w for w in sample_text(lang, rng, SEQ_LEN, 0.15)] for _ in range(batch)])
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % 100 == 0:
+            print(f"target step {step} loss {loss.item():.3f}", flush=True)
+    model.generation_config.eos_token_id = 1
+    model.save_pretrained(out_dir)
+    return model.eval()
+
+
+def demo_prompts(lang, n=10):
+    """Ten short prompts: five like the training text (split train), five from unseen starts (split fresh)."""
+    rng = random.Random(7)
+    rows = []
+    for i in range(n):
+        split = "train" if i < n // 2 else "fresh"
+        words = sample_text(lang, rng, 6 + i % 4, 0.15 if split == "train" else 0.5)
+        rows.append({"id": f"{split}-{i % (n // 2)}", "split": split, "prompt": " ".join(word(w) for w in words)})
+    return rows
+
+
+def train_drafter(out_dir, target, lang, steps=1500, anchors_per_step=48):
+    cfg = drafter_config(target.config)
+    layer_ids = cfg["dflash_config"]["target_layer_ids"]
+    weights = {k: v.requires_grad_() for k, v in random_drafter_weights(cfg, len(layer_ids)).items()}
+    settings = {"sliding_window": "train", "block_mask": "auto"}
+    drafter = {"cfg": cfg, "weights": weights, "rules": ed.layer_rules(cfg, settings),
+               "rope": ed.build_rope(cfg, "cpu"), "block_size": cfg["block_size"], "mask_token_id": MASK_ID}
+    B = cfg["block_size"]
+    rng = random.Random(1)
+    # Training data: the target's own greedy continuations of short noisy prompts (as DFlash is trained).
+    data = []
+    for _ in range(160):
+        prompt = [len(SPECIALS) + w for w in sample_text(lang, rng, rng.randrange(4, 12), 0.5)]
+        completion = ed.greedy_generate(target, prompt, 128, set())
+        ids = prompt + completion
+        feats, _ = ed.extract_hidden(target, ids, layer_ids, len(prompt))
+        data.append((ids, len(prompt), torch.cat([feats[L] for L in layer_ids], -1).clone()))
+    print("drafter data ready", flush=True)
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(1)
+    opt = torch.optim.AdamW(weights.values(), lr=3e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
+    decay = torch.exp(-(torch.arange(1, B).float() - 1) / 4)  # earlier slots matter more, as in DFlash training
+    for step in range(steps):
+        ids, n_prompt, feats = data[rng.randrange(len(data))]
+        anchors = torch.tensor(sorted(rng.sample(range(n_prompt, len(ids) - B + 1), anchors_per_step)))
+        ids_t = torch.tensor(ids)
+        block = torch.full((len(anchors), B), MASK_ID)
+        block[:, 0] = ids_t[anchors]
+        hidden = ed.drafter_forward(drafter, ed.drafter_context(drafter, feats), anchors, block, embed)
+        logits = head(hidden[:, 1:])
+        labels = ids_t[anchors[:, None] + torch.arange(1, B)]
+        loss = (torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none").mean(0)
+                * decay).sum() / decay.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % 100 == 0:
+            print(f"drafter step {step} loss {loss.item():.3f}", flush=True)
+    save_drafter(out_dir, cfg, {k: v.detach() for k, v in weights.items()})
+
+
+def main(out=os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "demo")):
+    torch.set_num_threads(2)
+    lang = language()
+    target = train_target(os.path.join(out, "target"), lang)
+    train_drafter(os.path.join(out, "drafter"), target, lang)
+    with open(os.path.join(out, "prompts.jsonl"), "w") as f:
+        for row in demo_prompts(lang):
+            f.write(json.dumps(row) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
