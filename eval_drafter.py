@@ -179,11 +179,11 @@ def parse_prompt_row(row, path, lineno):
     if isinstance(row.get("prompt"), str):
         item["messages"] = [{"role": "user", "content": row["prompt"]}]
     elif isinstance(row.get("messages"), list) and row["messages"]:
-        item["messages"] = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
-    elif isinstance(row.get("turns"), list) and row["turns"]:
+        item["messages"] = [chat_turn(m, where) for m in row["messages"]]
+    elif isinstance(row.get("turns"), list) and row["turns"] and isinstance(row["turns"][0], str):
         item["messages"] = [{"role": "user", "content": row["turns"][0]}]
     elif isinstance(row.get("conversations"), list) and row["conversations"]:
-        turns = [sharegpt_turn(t, where) for t in row["conversations"]]
+        turns = [chat_turn(t, where) for t in row["conversations"]]
         last = max((i for i, t in enumerate(turns) if t["role"] == "assistant"), default=None)
         if last is None:
             item["messages"] = turns
@@ -201,13 +201,13 @@ def parse_prompt_row(row, path, lineno):
     return item
 
 
-def sharegpt_turn(turn, where):
+def chat_turn(turn, where):
     roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-             "system": "system", "bot": "assistant", "model": "assistant"}
+             "system": "system", "bot": "assistant", "model": "assistant", "tool": "tool"}
     role = turn.get("role", turn.get("from")) if isinstance(turn, dict) else None
     content = turn.get("content", turn.get("value")) if isinstance(turn, dict) else None
     if role not in roles or not isinstance(content, str):
-        fail(f"{where}: a conversation turn needs a role/from ({', '.join(sorted(roles))}) and text")
+        fail(f"{where}: a chat turn needs a role/from ({', '.join(sorted(roles))}) and text")
     return {"role": roles[role], "content": content}
 
 
@@ -571,9 +571,14 @@ def draft_all_anchors(drafter, features, ids, anchors, embed, head):
 # Metrics
 
 
+def fitting_anchors(n_prompt, total_len, block_size):
+    """Anchors whose block's B-1 drafted positions all lie inside the reference."""
+    return torch.arange(n_prompt, max(n_prompt, total_len - block_size + 1))
+
+
 def score_prompt(drafts, ids, n_prompt, block_size):
     """Per anchor: matched drafts m (acceptance = 1 + m) and which drafts equal the reference; then the walk."""
-    anchors = torch.arange(n_prompt, len(ids) - block_size + 1)
+    anchors = fitting_anchors(n_prompt, len(ids), block_size)
     ids_t = torch.tensor(ids)
     if anchors.numel() == 0:
         return {"anchors": anchors, "matched": torch.zeros(0, dtype=torch.long),
@@ -627,25 +632,28 @@ def fmt(x, digits=3):
     return "n/a" if x is None else f"{x:.{digits}f}"
 
 
-def print_report(report, out=sys.stdout):
+def print_report(report, out=None):
+    out = out or sys.stdout
     target = report["target"]
     print(f"target: {target['path']} ({target['device']}, {target['dtype']}); "
           f"target agreement {fmt(target['agreement'], 4)}", file=out)
     for d in report["drafters"]:
         print(f"\n== drafter {d['name']}: block {d['block_size']}, layers {d['layers']}", file=out)
-        print("   block mask per layer: " + "; ".join(f"{i}: {r}" for i, r in enumerate(d["block_mask"])), file=out)
-        sections = [("all", d)] + sorted(d["splits"].items()) if len(d["splits"]) > 1 else [("all", d)]
-        for split, s in sections:
-            print(f"-- {split}: tau {fmt(s['tau'])} (pooled over {s['rounds']} rounds), "
-                  f"tau_prompt_mean {fmt(s['tau_prompt_mean'])}, tau_all_anchors {fmt(s['tau_all_anchors'])}",
-                  file=out)
-        print("   pos  accept  accuracy", file=out)
-        for k, (acc, hit) in enumerate(zip(d["per_position"]["acceptance"], d["per_position"]["accuracy"]), 1):
-            bar = "#" * round(40 * acc) if acc is not None else ""
-            print(f"   {k:>3}  {fmt(acc)}   {fmt(hit)}  |{bar}", file=out)
-        total = max(1, sum(d["histogram"]))
-        print("   rounds by acceptance length: " + "  ".join(
-            f"{n}:{c}" for n, c in enumerate(d["histogram"], 1) if c) + f"  (of {total})", file=out)
+        print("   in-block mask per layer: " + "; ".join(f"{i}: {r}" for i, r in enumerate(d["block_mask"])), file=out)
+        sections = [("all", d)] + (sorted(d["splits"].items()) if len(d["splits"]) > 1 else [])
+        for name, s in sections:
+            print(f"-- {name}: tau {fmt(s['tau'])} (pooled, {s['rounds']} rounds)  tau_prompt_mean "
+                  f"{fmt(s['tau_prompt_mean'])}  tau_all_anchors {fmt(s['tau_all_anchors'])}  "
+                  f"target agreement {fmt(s['target_agreement'], 4)}", file=out)
+            print("   rounds by acceptance length: " + "  ".join(
+                f"{n}:{c}" for n, c in enumerate(s["histogram"], 1) if c), file=out)
+        names = [name for name, _ in sections]
+        print("   pos  " + "  ".join(f"{'accept ' + n:>14}" for n in names) + "  accuracy(all)", file=out)
+        for k in range(d["block_size"] - 1):
+            accepts = [s["per_position"]["acceptance"][k] for _, s in sections]
+            bar = "#" * round(40 * accepts[0]) if accepts[0] is not None else ""
+            print(f"   {k + 1:>3}  " + "  ".join(f"{fmt(a):>14}" for a in accepts)
+                  + f"  {fmt(d['per_position']['accuracy'][k]):>13}  |{bar}", file=out)
 
 
 def write_json(path, report):
@@ -671,6 +679,11 @@ def run(settings):
     items = read_prompts(settings["prompts"], settings["limit"])
     target_cfg = read_target_config(settings["target"])
     drafters = [load_drafter(spec, target_cfg, settings) for spec in settings["ckpt"]]
+    seen = {}
+    for d in drafters:  # run1/ckpt and run2/ckpt would both be "ckpt": keep names apart
+        seen[d["name"]] = seen.get(d["name"], 0) + 1
+        if seen[d["name"]] > 1:
+            d["name"] += f"#{seen[d['name']]}"
     for d in drafters:
         log(settings, f"drafter {d['name']}: block {d['block_size']}, layers {d['layers']}, in-block mask per "
                       f"layer: {', '.join(rule_label(r) for r in d['rules'])}")
@@ -688,24 +701,21 @@ def run(settings):
             bar.update()
 
     layer_union = sorted({L for d in drafters for L in d["layers"]})
-    results = {d["name"]: [] for d in drafters}
-    agree = [0, 0]
+    results = [[] for _ in drafters]
     with progress(settings, len(items), "extract", 0) as bar_x, progress(settings, len(items), "draft", 1) as bar_d:
         for it in items:
             ids, n_prompt = it["prompt_ids"] + it["completion_ids"], len(it["prompt_ids"])
             features, argmax = extract_hidden(model, ids, layer_union, n_prompt)
-            it["agreement"] = sum(a == b for a, b in zip(argmax, it["completion_ids"])) / max(1, len(argmax))
-            agree[0] += sum(a == b for a, b in zip(argmax, it["completion_ids"]))
-            agree[1] += len(argmax)
+            it["agree"] = (sum(a == b for a, b in zip(argmax, it["completion_ids"])), len(argmax))
             bar_x.update()
-            for d in drafters:
-                anchors = torch.arange(n_prompt, len(ids) - d["block_size"] + 1)
+            for d, res in zip(drafters, results):
+                anchors = fitting_anchors(n_prompt, len(ids), d["block_size"])
                 drafts = draft_all_anchors(d, features, ids, anchors.to(model.device), embed, head) \
                     if anchors.numel() else torch.zeros(0, d["block_size"] - 1, dtype=torch.long)
-                results[d["name"]].append(score_prompt(drafts, ids, n_prompt, d["block_size"]))
+                res.append(score_prompt(drafts, ids, n_prompt, d["block_size"]))
             bar_d.update()
 
-    agreement = agree[0] / agree[1] if agree[1] else None
+    agreement = target_agreement(items)
     if agreement is not None and agreement < AGREEMENT_WARN:
         print(f"warning: target agreement {agreement:.4f} < {AGREEMENT_WARN}: the references are not the target's "
               "greedy output here, so tau is approximate (see README)", file=sys.stderr)
@@ -713,7 +723,7 @@ def run(settings):
         "config": {k: v for k, v in settings.items()},
         "target": {"path": settings["target"], "device": settings["device"], "dtype": settings["dtype"],
                    "agreement": agreement},
-        "drafters": [drafter_report(d, results[d["name"]], items) for d in drafters],
+        "drafters": [drafter_report(d, res, items) for d, res in zip(drafters, results)],
         "elapsed_s": time.time() - t0,
     }
     print_report(report)
@@ -723,21 +733,28 @@ def run(settings):
     return report
 
 
+def target_agreement(items):
+    """Fraction of reference tokens equal to the target's argmax given the reference prefix."""
+    hits, total = (sum(it["agree"][i] for it in items) for i in (0, 1))
+    return hits / total if total else None
+
+
 def drafter_report(d, results, items):
     B = d["block_size"]
-    summary = summarize(results, B)
     splits = {}
     for split in sorted({it["split"] for it in items}):
-        chosen = [res for res, it in zip(results, items) if it["split"] == split]
-        splits[split] = summarize(chosen, B)
+        chosen = [(res, it) for res, it in zip(results, items) if it["split"] == split]
+        splits[split] = {**summarize([res for res, _ in chosen], B),
+                         "target_agreement": target_agreement([it for _, it in chosen])}
     prompts = [{"id": it["id"], "split": it["split"], "prompt_tokens": len(it["prompt_ids"]),
                 "completion_tokens": len(it["completion_ids"]), "reference_generated": it.get("generated", False),
-                "target_agreement": it["agreement"],
+                "target_agreement": it["agree"][0] / it["agree"][1] if it["agree"][1] else None,
                 "tau": sum(res["rounds"]) / len(res["rounds"]) if res["rounds"] else None,
                 "rounds": res["rounds"]} for it, res in zip(items, results)]
     return {"name": d["name"], "checkpoint": d["checkpoint"], "block_size": B, "layers": d["layers"],
             "mask_token_id": d["mask_token_id"], "block_mask": [rule_label(r) for r in d["rules"]],
-            **summary, "splits": splits, "prompts": prompts}
+            **summarize(results, B), "target_agreement": target_agreement(items), "splits": splits,
+            "prompts": prompts}
 
 
 def main(argv=None):

