@@ -16,6 +16,7 @@ Data flows top to bottom: CLI -> prompts -> target -> hidden states -> drafter -
 Only torch, transformers, safetensors, numpy, tqdm and the standard library are used.
 """
 import argparse
+import heapq
 import inspect
 import json
 import math
@@ -70,6 +71,8 @@ def parse_args(argv):
                    help="in-block attention; auto = checkpoint's is_causal, else per layer type")
     p.add_argument("--sliding-window", default="train", choices=["train", "ignore"],
                    help="train = window sliding layers as training did; ignore = public HF reference")
+    p.add_argument("--ddtree-budgets", default="8,32,128",
+                   help="DDTree node budgets, comma list (default 8,32,128); 'none' for the chain only")
     p.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as plain text")
     p.add_argument("--enable-thinking", action="store_true", help="chat template with thinking on")
     p.add_argument("--limit", type=int, help="evaluate only the first N prompts")
@@ -78,6 +81,18 @@ def parse_args(argv):
     p.add_argument("--quiet", action="store_true", help="no progress bars or notes on stderr")
     p.add_argument("--demo", action="store_true", help="run on the tiny pair bundled in tests/fixtures")
     return p.parse_args(argv)
+
+
+def parse_budgets(text):
+    if text.strip().lower() == "none":
+        return []
+    try:
+        budgets = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        fail(f"--ddtree-budgets must be positive integers like 8,32,128 (or none), got {text!r}")
+    if not budgets or budgets[0] < 1:
+        fail(f"--ddtree-budgets must be positive integers like 8,32,128 (or none), got {text!r}")
+    return budgets
 
 
 def resolve_settings(args):
@@ -132,6 +147,7 @@ def resolve_settings(args):
         "layers": layers,
         "block_size": args.block_size,
         "block_mask": args.block_mask,
+        "ddtree_budgets": parse_budgets(args.ddtree_budgets),
         "sliding_window": args.sliding_window,
         "chat_template": not args.no_chat_template,
         "enable_thinking": args.enable_thinking,
@@ -550,21 +566,87 @@ def drafter_forward(drafter, context_kv, anchors, block_ids, embed):
 
 
 @torch.inference_mode()
-def draft_all_anchors(drafter, features, ids, anchors, embed, head):
-    """Greedy drafts (n_anchors, B-1) for every anchor, many blocks per SDPA call."""
+def draft_all_anchors(drafter, features, ids, anchors, embed, head, top_k=0):
+    """Greedy drafts (n_anchors, B-1) for every anchor, many blocks per SDPA call, and with top_k > 0 the
+    top_k float32 log-probs and token ids per slot (n_anchors, B-1, top_k) that DDTree builds from."""
     B = drafter["block_size"]
+    if anchors.numel() == 0:
+        empty = torch.zeros(0, B - 1, max(top_k, 1))
+        return torch.zeros(0, B - 1, dtype=torch.long), (empty, empty.long())
     feats = torch.cat([features[L] for L in drafter["layers"]], dim=-1)
     context_kv = drafter_context(drafter, feats)
     ids_t = torch.tensor(ids, device=feats.device)
-    drafts = []
+    drafts, top_logp, top_ids = [], [], []
     for chunk in anchors.split(max(1, ANCHOR_TOKENS_PER_CHUNK // B)):
         block = torch.full((chunk.shape[0], B), drafter["mask_token_id"], device=feats.device)
         block[:, 0] = ids_t[chunk]
         hidden = drafter_forward(drafter, context_kv, chunk, block, embed)[:, 1:]
-        hidden = hidden.reshape(-1, hidden.shape[-1])
-        tokens = torch.cat([head(rows).argmax(-1) for rows in hidden.split(LOGIT_ROWS_PER_CHUNK)])
-        drafts.append(tokens.view(chunk.shape[0], B - 1))
-    return torch.cat(drafts).cpu()
+        for rows in hidden.reshape(-1, hidden.shape[-1]).split(LOGIT_ROWS_PER_CHUNK):
+            logits = head(rows)
+            drafts.append(logits.argmax(-1))
+            if top_k:
+                top = logits.float().log_softmax(-1).topk(min(top_k, logits.shape[-1]), dim=-1)
+                top_logp.append(top.values)
+                top_ids.append(top.indices)
+    shape = (anchors.shape[0], B - 1, -1)
+    top = (torch.cat(top_logp).view(shape).cpu(), torch.cat(top_ids).view(shape).cpu()) if top_k else None
+    return torch.cat(drafts).view(anchors.shape[0], B - 1).cpu(), top
+
+
+# ----------------------------------------------------------------------------------------------------
+# DDTree: draft trees from the same drafter pass
+
+
+def build_tree(logp, budget, until=None):
+    """Best-first DDTree over per-depth log-probs sorted high to low: logp[d][r] = rank r at depth d + 1.
+
+    A node is a path of ranks; its score is the sum of its log-probs. Start with rank 0 at depth 1; pop the
+    best candidate, add it, push its next sibling and its first child; stop at `budget` nodes (or once
+    `until` has joined). Equal scores: the lexicographically smaller rank path joins first. Returns the
+    paths in joining order, so the tree of any smaller budget is a prefix of this list.
+    """
+    depth, width = len(logp), len(logp[0])
+    heap = [(-logp[0][0], (0,), 0.0)]   # (-score, path, parent's score)
+    order = []
+    while heap and len(order) < budget:
+        neg, path, parent = heapq.heappop(heap)
+        order.append(path)
+        if path == until:
+            break
+        d, r = len(path), path[-1]
+        if r + 1 < width:
+            heapq.heappush(heap, (-(parent + logp[d - 1][r + 1]), path[:-1] + (r + 1,), parent))
+        if d < depth:
+            heapq.heappush(heap, (-(-neg + logp[d][0]), path + (0,), -neg))
+    return order
+
+
+def ddtree_walks(top, reference, n_prompt, total_len, block_size, budgets):
+    """Rounds of the greedy DDTree walk for each budget. Acceptance at an anchor = 1 + the depth reached by
+    following the reference's tokens down the tree. Trees are built only at anchors a walk visits, once at
+    the largest budget (a smaller budget's tree is its first nodes)."""
+    if not budgets:
+        return {}
+    top_logp, top_ids = top
+    hit = top_ids == reference[..., None]
+    ranks = torch.where(hit.any(-1), hit.int().argmax(-1), -1).tolist()
+    largest, joined = max(budgets), {}
+
+    def join_order(i):  # position in the joining order of each reference-path prefix
+        if i not in joined:
+            path = []
+            for r in ranks[i]:
+                if r < 0:
+                    break
+                path.append(r)
+            prefixes = [tuple(path[:d]) for d in range(1, len(path) + 1)]
+            order = build_tree(top_logp[i].double().tolist(), largest, prefixes[-1]) if prefixes else []
+            where = {p: j for j, p in enumerate(order)}
+            joined[i] = [where.get(p, largest) for p in prefixes]
+        return joined[i]
+
+    return {b: walk(lambda a: 1 + sum(j < b for j in join_order(a - n_prompt)), n_prompt, total_len, block_size)
+            for b in budgets}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -576,37 +658,45 @@ def fitting_anchors(n_prompt, total_len, block_size):
     return torch.arange(n_prompt, max(n_prompt, total_len - block_size + 1))
 
 
-def score_prompt(drafts, ids, n_prompt, block_size):
-    """Per anchor: matched drafts m (acceptance = 1 + m) and which drafts equal the reference; then the walk."""
+def score_prompt(drafts, ids, n_prompt, block_size, top=None, budgets=()):
+    """Per anchor: matched drafts m (acceptance = 1 + m) and which drafts equal the reference; then the
+    chain walk, and the DDTree walk of every budget from the top-k log-probs `top`."""
     anchors = fitting_anchors(n_prompt, len(ids), block_size)
-    ids_t = torch.tensor(ids)
-    if anchors.numel() == 0:
-        return {"anchors": anchors, "matched": torch.zeros(0, dtype=torch.long),
-                "equal": torch.zeros(0, block_size - 1, dtype=torch.bool), "rounds": []}
-    reference = ids_t[anchors[:, None] + torch.arange(1, block_size)]
+    reference = torch.tensor(ids)[anchors[:, None] + torch.arange(1, block_size)]
     equal = drafts == reference
     matched = equal.long().cumprod(dim=1).sum(dim=1)
     return {"anchors": anchors, "matched": matched, "equal": equal,
-            "rounds": walk(matched.tolist(), n_prompt, len(ids), block_size)}
+            "rounds": walk(lambda a: 1 + int(matched[a - n_prompt]), n_prompt, len(ids), block_size),
+            "ddtree_rounds": ddtree_walks(top, reference, n_prompt, len(ids), block_size, budgets)}
 
 
-def walk(matched, first_anchor, total_len, block_size):
+def walk(acceptance, first_anchor, total_len, block_size):
     """The greedy speculative walk: acceptance lengths of the rounds a real decoding loop would take.
 
-    A round is taken only while its block's B-1 drafted positions lie inside the reference.
+    `acceptance(anchor)` gives a round's length. A round is taken only while its block's B-1 drafted
+    positions lie inside the reference.
     """
     rounds, anchor = [], first_anchor
     while anchor + block_size - 1 <= total_len - 1:
-        length = 1 + matched[anchor - first_anchor]
-        rounds.append(length)
-        anchor += length
+        rounds.append(acceptance(anchor))
+        anchor += rounds[-1]
     return rounds
+
+
+def round_stats(round_lists, block_size):
+    """tau pooled over all rounds, tau_prompt_mean over prompts, and the histogram of round lengths."""
+    rounds = [r for rs in round_lists for r in rs]
+    per_prompt = [sum(rs) / len(rs) for rs in round_lists if rs]
+    histogram = [0] * block_size
+    for r in rounds:
+        histogram[r - 1] += 1
+    return {"tau": sum(rounds) / len(rounds) if rounds else None,
+            "tau_prompt_mean": sum(per_prompt) / len(per_prompt) if per_prompt else None,
+            "rounds": len(rounds), "histogram": histogram}
 
 
 def summarize(results, block_size):
     """τ values, per-position acceptance / accuracy and the round histogram over some prompts' results."""
-    rounds = [r for res in results for r in res["rounds"]]
-    per_prompt = [sum(res["rounds"]) / len(res["rounds"]) for res in results if res["rounds"]]
     matched = torch.cat([res["matched"] for res in results]) if results else torch.zeros(0)
     equal = torch.cat([res["equal"] for res in results]) if results else torch.zeros(0, block_size - 1)
     acceptance, accuracy = [], []
@@ -614,14 +704,12 @@ def summarize(results, block_size):
         reached = int((matched >= k - 1).sum())
         acceptance.append(float((matched >= k).sum()) / reached if reached else None)
         accuracy.append(float(equal[:, k - 1].float().mean()) if equal.shape[0] else None)
-    histogram = [0] * block_size
-    for r in rounds:
-        histogram[r - 1] += 1
-    return {"tau": sum(rounds) / len(rounds) if rounds else None,
-            "tau_prompt_mean": sum(per_prompt) / len(per_prompt) if per_prompt else None,
-            "tau_all_anchors": float(matched.float().mean()) + 1 if matched.numel() else None,
-            "rounds": len(rounds), "anchors": int(matched.numel()),
-            "per_position": {"acceptance": acceptance, "accuracy": accuracy}, "histogram": histogram}
+    chain = round_stats([res["rounds"] for res in results], block_size)
+    ddtree = {str(b): round_stats([res["ddtree_rounds"][b] for res in results], block_size)
+              for b in (results[0].get("ddtree_rounds", {}) if results else {})}
+    return {**chain, "tau_all_anchors": float(matched.float().mean()) + 1 if matched.numel() else None,
+            "anchors": int(matched.numel()), "per_position": {"acceptance": acceptance, "accuracy": accuracy},
+            "ddtree": ddtree}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -647,6 +735,10 @@ def print_report(report, out=None):
                   f"target agreement {fmt(s['target_agreement'], 4)}", file=out)
             print("   rounds by acceptance length: " + "  ".join(
                 f"{n}:{c}" for n, c in enumerate(s["histogram"], 1) if c), file=out)
+            for budget, t in s["ddtree"].items():
+                print(f"   DDTree budget {budget:>4}: tau {fmt(t['tau'])} (chain {fmt(s['tau'])})  tau_prompt_mean "
+                      f"{fmt(t['tau_prompt_mean'])}  rounds by length: "
+                      + " ".join(f"{n}:{c}" for n, c in enumerate(t["histogram"], 1) if c), file=out)
         names = [name for name, _ in sections]
         print("   pos  " + "  ".join(f"{'accept ' + n:>14}" for n in names) + "  accuracy(all)", file=out)
         for k in range(d["block_size"] - 1):
@@ -700,6 +792,7 @@ def run(settings):
             it["generated"] = True
             bar.update()
 
+    budgets = settings["ddtree_budgets"]
     layer_union = sorted({L for d in drafters for L in d["layers"]})
     results = [[] for _ in drafters]
     with progress(settings, len(items), "extract", 0) as bar_x, progress(settings, len(items), "draft", 1) as bar_d:
@@ -709,10 +802,9 @@ def run(settings):
             it["agree"] = (sum(a == b for a, b in zip(argmax, it["completion_ids"])), len(argmax))
             bar_x.update()
             for d, res in zip(drafters, results):
-                anchors = fitting_anchors(n_prompt, len(ids), d["block_size"])
-                drafts = draft_all_anchors(d, features, ids, anchors.to(model.device), embed, head) \
-                    if anchors.numel() else torch.zeros(0, d["block_size"] - 1, dtype=torch.long)
-                res.append(score_prompt(drafts, ids, n_prompt, d["block_size"]))
+                anchors = fitting_anchors(n_prompt, len(ids), d["block_size"]).to(model.device)
+                drafts, top = draft_all_anchors(d, features, ids, anchors, embed, head, max(budgets, default=0))
+                res.append(score_prompt(drafts, ids, n_prompt, d["block_size"], top, budgets))
             bar_d.update()
 
     agreement = target_agreement(items)
@@ -750,7 +842,8 @@ def drafter_report(d, results, items):
                 "completion_tokens": len(it["completion_ids"]), "reference_generated": it.get("generated", False),
                 "target_agreement": it["agree"][0] / it["agree"][1] if it["agree"][1] else None,
                 "tau": sum(res["rounds"]) / len(res["rounds"]) if res["rounds"] else None,
-                "rounds": res["rounds"]} for it, res in zip(items, results)]
+                "rounds": res["rounds"], "ddtree_rounds": {str(b): r for b, r in res["ddtree_rounds"].items()}}
+               for it, res in zip(items, results)]
     return {"name": d["name"], "checkpoint": d["checkpoint"], "block_size": B, "layers": d["layers"],
             "mask_token_id": d["mask_token_id"], "block_mask": [rule_label(r) for r in d["rules"]],
             **summarize(results, B), "target_agreement": target_agreement(items), "splits": splits,
