@@ -344,8 +344,10 @@ def test_qwen_cli_end_to_end(tmp_path, qwen_target, capsys):
     assert rc == 0, err
     with open(tmp_path / "o.json", encoding="utf-8") as f:
         report = json.load(f)
-    expected = qwen_target["tokenizer"].apply_chat_template(QWEN_MESSAGES, tokenize=True, add_generation_prompt=True,
-                                                             enable_thinking=False)["input_ids"]
+    tok = qwen_target["tokenizer"]
+    # tokenize=True returns a list in transformers 4.x and a BatchEncoding in 5.x: tokenize the text instead.
+    text = tok.apply_chat_template(QWEN_MESSAGES, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    expected = tok(text, add_special_tokens=False)["input_ids"]
     (d,) = report["drafters"]
     assert report["config"]["chat_template_applied"] is True
     assert d["prompts"][0]["prompt_tokens"] == len(expected)
