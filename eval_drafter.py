@@ -453,12 +453,20 @@ def rule_label(rule):
 
 
 def build_rope(cfg, device):
-    """transformers' own Qwen3 rotary embedding (all rope types, YaRN included) from the drafter config."""
+    """transformers' own Qwen3 rotary embedding (all rope types, YaRN included) from the drafter config.
+
+    Configs name it `rope_parameters` (transformers 5.x, theta inside) or `rope_scaling` + `rope_theta` (4.x);
+    both versions accept the 4.x form, so that is what is passed on.
+    """
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
-    keys = ("hidden_size", "num_attention_heads", "head_dim", "max_position_embeddings", "rope_theta",
-            "rope_scaling", "rope_parameters")
-    return Qwen3RotaryEmbedding(Qwen3Config(**{k: cfg[k] for k in keys if cfg.get(k) is not None})).to(device)
+    scaling = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = scaling.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    keys = ("hidden_size", "num_attention_heads", "head_dim", "max_position_embeddings")
+    config = Qwen3Config(**{k: cfg[k] for k in keys if cfg.get(k) is not None}, rope_theta=theta, rope_scaling=scaling)
+    return Qwen3RotaryEmbedding(config).to(device)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -40,6 +40,13 @@ def save_tokenizer(out_dir, n_words=N_WORDS):
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>",
                                    unk_token="<unk>", mask_token="<mask>")
     fast.save_pretrained(out_dir)
+    # transformers 5.x writes its own class name; the generic fast class loads on 4.x and 5.x alike.
+    config_path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=1)
     return len(vocab)
 
 

@@ -37,8 +37,10 @@ def ref_hf_rope(rope_parameters, head_dim=16, max_pos=256):
     """transformers' own Qwen3 rotary embedding for a rope_parameters dict (used for YaRN only)."""
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+    scaling = dict(rope_parameters)
+    theta = scaling.pop("rope_theta")  # the 4.x form (rope_scaling + rope_theta) is read by 4.x and 5.x alike
     emb = Qwen3RotaryEmbedding(Qwen3Config(hidden_size=64, num_attention_heads=4, head_dim=head_dim,
-                                           max_position_embeddings=max_pos, rope_parameters=dict(rope_parameters)))
+                                           max_position_embeddings=max_pos, rope_theta=theta, rope_scaling=scaling))
 
     def cos_sin(positions):
         pos = torch.tensor(positions)[None]
