@@ -131,3 +131,17 @@ def qwen_target(tmp_path_factory):
     for name in ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json"):
         shutil.copy(os.path.join(tok_dir, name), path)
     return {"path": path, "cfg": cfg, "tokenizer": AutoTokenizer.from_pretrained(path)}
+
+
+def online_draft_logits(target, drafter, seq):
+    """The drafter's logits (B-1, vocab) for the block anchored at the last token of `seq`, computed the
+    online way: a fresh target pass over the committed tokens only, features strictly before the anchor."""
+    B, anchor = drafter["block_size"], len(seq) - 1
+    hidden = target(torch.tensor([seq]), output_hidden_states=True).hidden_states
+    feats = torch.cat([hidden[L + 1][0, :anchor] for L in drafter["layers"]], dim=-1)
+    block = torch.full((1, B), drafter["mask_token_id"])
+    block[0, 0] = seq[anchor]
+    out = ed.drafter_forward(drafter, ed.drafter_context(drafter, feats), torch.tensor([anchor]), block,
+                             target.get_input_embeddings())
+    return target.get_output_embeddings()(out[0, 1:])
+

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import eval_drafter as ed
-from conftest import drafter_settings, write_jsonl
+from conftest import drafter_settings, online_draft_logits, write_jsonl
 
 DEMO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "demo")
 N_NEW = 40
@@ -207,19 +207,13 @@ def demo_run(tmp_path_factory):
 
 @torch.inference_mode()
 def online_ddtree_rounds(target, drafter, prompt_ids, n_new, budget):
-    B, layers = drafter["block_size"], drafter["layers"]
-    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    B = drafter["block_size"]
     seq = list(prompt_ids)
     seq.append(int(target(torch.tensor([seq])).logits[0, -1].argmax()))  # first token: the target's prefill
     rounds = []
     while (len(seq) - len(prompt_ids)) + B - 1 <= n_new:
         anchor = len(seq) - 1
-        hidden = target(torch.tensor([seq]), output_hidden_states=True).hidden_states
-        feats = torch.cat([hidden[L + 1][0, :anchor] for L in layers], dim=-1)  # strictly before the anchor
-        block = torch.full((1, B), drafter["mask_token_id"])
-        block[0, 0] = seq[anchor]
-        out = ed.drafter_forward(drafter, ed.drafter_context(drafter, feats), torch.tensor([anchor]), block, embed)
-        top = head(out[0, 1:]).float().log_softmax(-1).topk(budget, dim=-1)
+        top = online_draft_logits(target, drafter, seq).float().log_softmax(-1).topk(budget, dim=-1)
         tree = ed.build_tree(top.values.tolist(), budget)
         assert len(tree) == budget
         token = top.indices.tolist()

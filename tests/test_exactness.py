@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import eval_drafter as ed
+from conftest import online_draft_logits
 
 DEMO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "demo")
 N_NEW = 48
@@ -34,19 +35,13 @@ def demo_drafter(target, block_mask):
 @torch.inference_mode()
 def online_rounds(target, drafter, prompt_ids, n_new):
     """Greedy speculative decoding until the next block would pass n_new completion tokens."""
-    B, layers = drafter["block_size"], drafter["layers"]
-    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    B = drafter["block_size"]
     seq = list(prompt_ids)
     seq.append(int(target(torch.tensor([seq])).logits[0, -1].argmax()))  # first token: the target's prefill
     rounds = []
     while (len(seq) - len(prompt_ids)) + B - 1 <= n_new:
         anchor = len(seq) - 1
-        hidden = target(torch.tensor([seq]), output_hidden_states=True).hidden_states
-        feats = torch.cat([hidden[L + 1][0, :anchor] for L in layers], dim=-1)  # strictly before the anchor
-        block = torch.full((1, B), drafter["mask_token_id"])
-        block[0, 0] = seq[anchor]
-        out = ed.drafter_forward(drafter, ed.drafter_context(drafter, feats), torch.tensor([anchor]), block, embed)
-        drafts = head(out[0, 1:]).argmax(-1).tolist()
+        drafts = online_draft_logits(target, drafter, seq).argmax(-1).tolist()
         verify = target(torch.tensor([seq + drafts])).logits[0, anchor:anchor + B].argmax(-1).tolist()
         accepted = 0
         while accepted < B - 1 and drafts[accepted] == verify[accepted]:
