@@ -79,6 +79,11 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--output", help="write the full results as JSON to this file")
     p.add_argument("--quiet", action="store_true", help="no progress bars or notes on stderr")
+    p.add_argument("--save-hidden", metavar="FILE.safetensors",
+                   help="also save the extracted hidden states, token ids and target argmax to this file")
+    p.add_argument("--load-hidden", metavar="FILE.safetensors",
+                   help="evaluate from a --save-hidden file: the target model is not built (only its embedding "
+                        "and lm_head are read); --prompts is not needed")
     p.add_argument("--demo", action="store_true", help="run on the tiny pair bundled in tests/fixtures")
     return p.parse_args(argv)
 
@@ -105,14 +110,16 @@ def resolve_settings(args):
             args.max_new_tokens = 128  # the demo target was trained on short texts
     if args.max_new_tokens is None:
         args.max_new_tokens = 256
-    for flag, value in (("--target", args.target), ("--prompts", args.prompts)):
+    for flag, value in (("--target", args.target), ("--prompts", args.prompts or args.load_hidden)):
         if not value:
             fail(f"{flag} is required (or run --demo for the bundled example)")
     if not args.ckpt:
         fail("--ckpt is required: give at least one drafter checkpoint")
     if not os.path.isdir(args.target):
         fail(f"target directory not found: {args.target} (pass a local model directory to --target)")
-    if not os.path.isfile(args.prompts):
+    if args.load_hidden and args.save_hidden:
+        fail("--save-hidden and --load-hidden go in separate runs: extract once, then evaluate from the file")
+    if not args.load_hidden and not os.path.isfile(args.prompts):
         fail(f"prompts file not found: {args.prompts} (pass a JSONL file to --prompts)")
     if args.max_new_tokens < 1:
         fail("--max-new-tokens must be at least 1")
@@ -139,7 +146,9 @@ def resolve_settings(args):
     return {
         "target": os.path.abspath(args.target),
         "ckpt": list(args.ckpt),
-        "prompts": os.path.abspath(args.prompts),
+        "prompts": os.path.abspath(args.prompts) if args.prompts else None,
+        "save_hidden": args.save_hidden,
+        "load_hidden": args.load_hidden,
         "max_new_tokens": args.max_new_tokens,
         "ignore_eos": args.ignore_eos,
         "device": device,
@@ -255,12 +264,34 @@ def encode_prompts(tokenizer, items, settings):
 
 
 def read_target_config(path):
+    """The target's text config (multimodal Qwen3.5/3.6 checkpoints nest it), after checking its head."""
     from transformers import AutoConfig
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - any failure here means "not a model directory we can read"
         fail(f"cannot read the target config in {path}: {str(e).splitlines()[0]}")
-    return getattr(config, "text_config", None) or config
+    text = getattr(config, "text_config", None) or config
+    tied = getattr(config, "tie_word_embeddings", None)
+    names = target_tensor_files(path)
+    if names and not (text.tie_word_embeddings if tied is None else tied) and "lm_head.weight" not in names:
+        fail(f"the target checkpoint in {path} has no lm_head.weight but its config says the head is not tied "
+             "to the embeddings: it would load a random head. Fix the checkpoint (or set tie_word_embeddings)")
+    return text
+
+
+def target_tensor_files(path):
+    """{tensor name: safetensors file} of a checkpoint directory, sharded (index) or not."""
+    from safetensors import safe_open
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+    names = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(path, name), "pt") as f:
+                names.update(dict.fromkeys(f.keys(), os.path.join(path, name)))
+    return names
 
 
 def load_target(settings):
@@ -776,7 +807,7 @@ def progress(settings, total, desc, position=0):
 def run(settings):
     if settings["threads"]:
         torch.set_num_threads(settings["threads"])
-    items = read_prompts(settings["prompts"], settings["limit"])
+    items = read_prompts(settings["prompts"], settings["limit"]) if not settings["load_hidden"] else None
     target_cfg = read_target_config(settings["target"])
     drafters = [load_drafter(spec, target_cfg, settings) for spec in settings["ckpt"]]
     seen = {}
@@ -787,33 +818,25 @@ def run(settings):
     for d in drafters:
         log(settings, f"drafter {d['name']}: block {d['block_size']}, layers {d['layers']}, in-block mask per "
                       f"layer: {', '.join(rule_label(r) for r in d['rules'])}")
+    layer_union = sorted({L for d in drafters for L in d["layers"]})
     t0 = time.time()
-    model, tokenizer = load_target(settings)
-    encode_prompts(tokenizer, items, settings)
-    _, _, embed, head = target_parts(model)
-
-    todo = [it for it in items if it["completion_ids"] is None]
-    stops = set() if settings["ignore_eos"] else eos_ids(model, tokenizer)
-    with progress(settings, len(todo), "generate") as bar:
-        for it in todo:
-            it["completion_ids"] = greedy_generate(model, it["prompt_ids"], settings["max_new_tokens"], stops)
-            it["generated"] = True
-            bar.update()
+    if settings["load_hidden"]:
+        items, stream = open_hidden(settings["load_hidden"], settings, target_cfg, layer_union)
+        embed, head = read_embed_head(settings["target"], target_cfg, settings)
+    else:
+        items, stream, embed, head = extract_from_target(items, settings, target_cfg, layer_union)
 
     budgets = settings["ddtree_budgets"]
-    layer_union = sorted({L for d in drafters for L in d["layers"]})
     results = [[] for _ in drafters]
-    with progress(settings, len(items), "extract", 0) as bar_x, progress(settings, len(items), "draft", 1) as bar_d:
-        for it in items:
+    with progress(settings, len(items), "draft", 1) as bar:
+        for it, features, argmax in stream:
             ids, n_prompt = it["prompt_ids"] + it["completion_ids"], len(it["prompt_ids"])
-            features, argmax = extract_hidden(model, ids, layer_union, n_prompt)
             it["agree"] = (sum(a == b for a, b in zip(argmax, it["completion_ids"])), len(argmax))
-            bar_x.update()
             for d, res in zip(drafters, results):
-                anchors = fitting_anchors(n_prompt, len(ids), d["block_size"]).to(model.device)
+                anchors = fitting_anchors(n_prompt, len(ids), d["block_size"]).to(settings["device"])
                 drafts, top = draft_all_anchors(d, features, ids, anchors, embed, head, max(budgets, default=0))
                 res.append(score_prompt(drafts, ids, n_prompt, d["block_size"], top, budgets))
-            bar_d.update()
+            bar.update()
 
     agreement = target_agreement(items)
     if agreement is not None and agreement < AGREEMENT_WARN:
@@ -831,6 +854,139 @@ def run(settings):
         write_json(settings["output"], report)
         log(settings, f"wrote {settings['output']}")
     return report
+
+
+def extract_from_target(items, settings, target_cfg, layer_union):
+    """Load the target, tokenize, generate missing references; then a stream of (item, features, argmax)
+    per prompt from one teacher-forced pass each, saved to --save-hidden at its end when asked."""
+    if settings["device"] == "cpu" and settings["dtype"] != "float32" and \
+            "linear_attention" in (getattr(target_cfg, "layer_types", None) or []):
+        print(f"warning: {settings['dtype']} on CPU with a hybrid (linear-attention) target: the CPU fallback of "
+              "those layers drifts from the GPU kernels enough to garble drafts; use --dtype float32 on CPU, or "
+              "extract on a GPU", file=sys.stderr)
+    model, tokenizer = load_target(settings)
+    encode_prompts(tokenizer, items, settings)
+    todo = [it for it in items if it["completion_ids"] is None]
+    stops = set() if settings["ignore_eos"] else eos_ids(model, tokenizer)
+    with progress(settings, len(todo), "generate") as bar:
+        for it in todo:
+            it["completion_ids"] = greedy_generate(model, it["prompt_ids"], settings["max_new_tokens"], stops)
+            it["generated"] = True
+            bar.update()
+
+    def stream():
+        saved = {} if settings["save_hidden"] else None
+        with progress(settings, len(items), "extract", 0) as bar:
+            for i, it in enumerate(items):
+                ids = it["prompt_ids"] + it["completion_ids"]
+                features, argmax = extract_hidden(model, ids, layer_union, len(it["prompt_ids"]))
+                if saved is not None:
+                    saved.update({f"{i}.ids": torch.tensor(ids), f"{i}.argmax": torch.tensor(argmax)})
+                    saved.update({f"{i}.layer{L}": features[L].contiguous() for L in layer_union})
+                bar.update()
+                yield it, features, argmax
+        if saved is not None:
+            save_hidden(settings, target_cfg, layer_union, items, saved)
+
+    _, _, embed, head = target_parts(model)
+    return items, stream(), embed, head
+
+
+# ----------------------------------------------------------------------------------------------------
+# Hidden-state cache: extract once (on the box that does it right), evaluate drafters anywhere
+
+
+def file_hash(path):
+    import hashlib
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def target_hash(path):
+    """Hash of the target's config.json content: two caches of one target agree, another target differs."""
+    import hashlib
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        return hashlib.sha256(json.dumps(json.load(f), sort_keys=True).encode()).hexdigest()
+
+
+def save_hidden(settings, target_cfg, layer_union, items, tensors):
+    """One safetensors file: features per prompt and layer, token ids, target argmax, and run metadata."""
+    from safetensors.torch import save_file
+    meta = {"format": "eval_drafter.hidden/1", "target_hash": target_hash(settings["target"]),
+            "layers": layer_union, "dtype": settings["dtype"], "device": settings["device"],
+            "torch_version": torch.__version__, "transformers_version": settings["transformers_version"],
+            "prompts_file": settings["prompts"], "prompts_hash": file_hash(settings["prompts"]),
+            "chat_template": settings["chat_template_applied"], "enable_thinking": settings["enable_thinking"],
+            "prompts": [{"id": it["id"], "split": it["split"], "prompt_tokens": len(it["prompt_ids"]),
+                         "completion_tokens": len(it["completion_ids"]), "generated": it.get("generated", False)}
+                        for it in items]}
+    path = settings["save_hidden"]
+    tmp = f"{path}.tmp{os.getpid()}"
+    save_file({k: v.cpu() for k, v in tensors.items()}, tmp, metadata={"eval_drafter": json.dumps(meta)})
+    os.replace(tmp, path)
+    log(settings, f"wrote hidden states of {len(items)} prompts, layers {layer_union}, to {path}")
+
+
+def read_hidden_meta(path):
+    from safetensors import safe_open
+    if not os.path.isfile(path):
+        fail(f"hidden-state file not found: {path}")
+    try:
+        with safe_open(path, "pt") as f:
+            meta = json.loads((f.metadata() or {})["eval_drafter"])
+    except Exception:  # noqa: BLE001 - unreadable or foreign file: same answer
+        fail(f"{path} is not a hidden-state file written by --save-hidden")
+    return meta
+
+
+def open_hidden(path, settings, target_cfg, layer_union):
+    """Prompts and a lazy stream of (item, features, argmax) from a --save-hidden file, after checks."""
+    from safetensors import safe_open
+    meta = read_hidden_meta(path)
+    if meta["target_hash"] != target_hash(settings["target"]):
+        fail(f"{path} was extracted from another target than {settings['target']} (config hash differs); "
+             "pass the target it was made with, or extract again")
+    missing = sorted(set(layer_union) - set(meta["layers"]))
+    if missing:
+        fail(f"{path} holds layers {meta['layers']} but the drafters need {layer_union} (missing {missing}); "
+             "extract again with drafters that need them all")
+    rows = meta["prompts"][:settings["limit"]] if settings["limit"] else meta["prompts"]
+    items = []
+
+    def stream():
+        with safe_open(path, "pt", device=settings["device"]) as f:
+            for i, it in enumerate(items):
+                dtype = getattr(torch, settings["dtype"])
+                yield (it, {L: f.get_tensor(f"{i}.layer{L}").to(dtype) for L in layer_union},
+                       f.get_tensor(f"{i}.argmax").tolist())
+
+    with safe_open(path, "pt") as f:
+        for i, row in enumerate(rows):
+            ids = f.get_tensor(f"{i}.ids").tolist()
+            items.append({"id": row["id"], "split": row["split"], "prompt_ids": ids[:row["prompt_tokens"]],
+                          "completion_ids": ids[row["prompt_tokens"]:], "generated": row["generated"]})
+    return items, stream()
+
+
+def read_embed_head(path, target_cfg, settings):
+    """The target's embedding and lm_head read by name from its safetensors: the model is never built."""
+    from safetensors import safe_open
+    files = target_tensor_files(path)
+    dtype = getattr(torch, settings["dtype"])
+
+    def tensor(*names):
+        for name in names:
+            if name in files:
+                with safe_open(files[name], "pt", device=settings["device"]) as f:
+                    return f.get_tensor(name).to(dtype)
+        return None
+
+    embed_w = tensor("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+    if embed_w is None:
+        fail(f"no embed_tokens weight found in the safetensors of {path}")
+    head_w = tensor("lm_head.weight")
+    head_w = embed_w if head_w is None else head_w
+    return (lambda ids: F.embedding(ids, embed_w)), (lambda x: F.linear(x, head_w))
 
 
 def target_agreement(items):
