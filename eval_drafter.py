@@ -84,6 +84,10 @@ def parse_args(argv):
     p.add_argument("--load-hidden", metavar="FILE.safetensors",
                    help="evaluate from a --save-hidden file: the target model is not built (only its embedding "
                         "and lm_head are read); --prompts is not needed")
+    p.add_argument("--compare-hidden", nargs=2, metavar=("A.safetensors", "B.safetensors"),
+                   help="compare two --save-hidden files layer by layer (and drafters' tau from each with --ckpt)")
+    p.add_argument("--check-mask", action="store_true",
+                   help="also draft a sample of anchors under the other in-block masks and flag a better one")
     p.add_argument("--demo", action="store_true", help="run on the tiny pair bundled in tests/fixtures")
     return p.parse_args(argv)
 
@@ -110,16 +114,18 @@ def resolve_settings(args):
             args.max_new_tokens = 128  # the demo target was trained on short texts
     if args.max_new_tokens is None:
         args.max_new_tokens = 256
-    for flag, value in (("--target", args.target), ("--prompts", args.prompts or args.load_hidden)):
-        if not value:
-            fail(f"{flag} is required (or run --demo for the bundled example)")
-    if not args.ckpt:
+    comparing, from_file = bool(args.compare_hidden), bool(args.load_hidden or args.compare_hidden)
+    if not args.target and (args.ckpt or not comparing):
+        fail("--target is required (or run --demo for the bundled example)")
+    if not args.ckpt and not comparing:
         fail("--ckpt is required: give at least one drafter checkpoint")
-    if not os.path.isdir(args.target):
+    if args.target and not os.path.isdir(args.target):
         fail(f"target directory not found: {args.target} (pass a local model directory to --target)")
-    if args.load_hidden and args.save_hidden:
-        fail("--save-hidden and --load-hidden go in separate runs: extract once, then evaluate from the file")
-    if not args.load_hidden and not os.path.isfile(args.prompts):
+    if sum(map(bool, (args.save_hidden, args.load_hidden, args.compare_hidden))) > 1:
+        fail("--save-hidden, --load-hidden and --compare-hidden go in separate runs")
+    if not from_file and not args.prompts:
+        fail("--prompts is required (or run --demo for the bundled example)")
+    if not from_file and not os.path.isfile(args.prompts):
         fail(f"prompts file not found: {args.prompts} (pass a JSONL file to --prompts)")
     if args.max_new_tokens < 1:
         fail("--max-new-tokens must be at least 1")
@@ -144,10 +150,12 @@ def resolve_settings(args):
             fail("--layers is empty")
     import transformers
     return {
-        "target": os.path.abspath(args.target),
+        "target": os.path.abspath(args.target) if args.target else None,
         "ckpt": list(args.ckpt),
         "prompts": os.path.abspath(args.prompts) if args.prompts else None,
         "save_hidden": args.save_hidden,
+        "compare_hidden": args.compare_hidden,
+        "check_mask": args.check_mask,
         "load_hidden": args.load_hidden,
         "max_new_tokens": args.max_new_tokens,
         "ignore_eos": args.ignore_eos,
@@ -689,6 +697,55 @@ def ddtree_walks(top, reference, n_prompt, total_len, block_size, budgets):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Mask check: the same drafter under the other in-block rules, on a sample of anchors
+
+MASK_CHECK_ANCHORS = 32   # anchors per prompt, evenly spaced
+MASK_CHECK_MARGIN = 0.05  # accuracy gain (absolute) of another mode that counts as "clearly better"
+
+
+def mask_variants(drafter, settings):
+    """The rule sets to try: as configured, all bidirectional, all causal, sliding windows ignored."""
+    variants = {"configured": drafter["rules"]}
+    for name, block_mask, window in (("bidirectional", "bidirectional", settings["sliding_window"]),
+                                     ("causal", "causal", settings["sliding_window"]),
+                                     ("no sliding window", settings["block_mask"], "ignore")):
+        variants[name] = layer_rules(drafter["cfg"], {"block_mask": block_mask, "sliding_window": window})
+    return {name: {"rules": rules, "hits": 0, "drafts": 0, "matched": 0, "anchors": 0}
+            for name, rules in variants.items()}
+
+
+def check_mask_prompt(drafter, variants, features, ids, anchors, embed, head):
+    if anchors.numel() == 0:
+        return
+    sample = anchors[torch.linspace(0, anchors.numel() - 1, min(MASK_CHECK_ANCHORS, anchors.numel())).long()]
+    reference = torch.tensor(ids)[sample.cpu()[:, None] + torch.arange(1, drafter["block_size"])]
+    for v in variants.values():
+        drafts, _ = draft_all_anchors({**drafter, "rules": v["rules"]}, features, ids, sample, embed, head)
+        equal = drafts == reference
+        v["hits"] += int(equal.sum())
+        v["drafts"] += equal.numel()
+        v["matched"] += int(equal.long().cumprod(1).sum())
+        v["anchors"] += equal.shape[0]
+
+
+def mask_check_summary(variants):
+    """Accuracy and mean acceptance per mode, and a warning when another mode clearly beats the configured one."""
+    table = {name: {"block_mask": [rule_label(r) for r in v["rules"]],
+                    "accuracy": v["hits"] / v["drafts"] if v["drafts"] else None,
+                    "tau_all_anchors": 1 + v["matched"] / v["anchors"] if v["anchors"] else None,
+                    "anchors": v["anchors"]} for name, v in variants.items()}
+    base = table["configured"]["accuracy"]
+    better = [name for name, t in table.items() if base is not None and t["accuracy"] is not None
+              and t["accuracy"] >= base + MASK_CHECK_MARGIN]
+    warning = None
+    if better:
+        best = max(better, key=lambda n: table[n]["accuracy"])
+        warning = (f"mode '{best}' drafts clearly better than the configured one (accuracy "
+                   f"{table[best]['accuracy']:.3f} vs {base:.3f}): the drafter was probably trained with that mask")
+    return {"modes": table, "warning": warning}
+
+
+# ----------------------------------------------------------------------------------------------------
 # Metrics
 
 
@@ -778,6 +835,14 @@ def print_report(report, out=None):
                 print(f"   DDTree budget {budget:>4}: tau {fmt(t['tau'])} (chain {fmt(s['tau'])})  tau_prompt_mean "
                       f"{fmt(t['tau_prompt_mean'])}  rounds by length: "
                       + " ".join(f"{n}:{c}" for n, c in enumerate(t["histogram"], 1) if c), file=out)
+        if "mask_check" in d:
+            print("   mask check on sampled anchors:  accuracy  tau_all_anchors  in-block mask per layer", file=out)
+            for name, t in d["mask_check"]["modes"].items():
+                print(f"   {name:>29}:  {fmt(t['accuracy']):>8}  {fmt(t['tau_all_anchors']):>15}  "
+                      + "; ".join(t["block_mask"]), file=out)
+            if d["mask_check"]["warning"]:
+                print(f"   WARNING: {d['mask_check']['warning']}", file=out)
+                print(f"warning: drafter {d['name']}: {d['mask_check']['warning']}", file=sys.stderr)
         names = [name for name, _ in sections]
         print("   pos  " + "  ".join(f"{'accept ' + n:>14}" for n in names) + "  accuracy(all)", file=out)
         for k in range(d["block_size"] - 1):
@@ -807,6 +872,18 @@ def progress(settings, total, desc, position=0):
 def run(settings):
     if settings["threads"]:
         torch.set_num_threads(settings["threads"])
+    if settings["compare_hidden"]:
+        return compare_hidden(settings)
+    report = evaluate(settings)
+    print_report(report)
+    if settings["output"]:
+        write_json(settings["output"], report)
+        log(settings, f"wrote {settings['output']}")
+    return report
+
+
+def evaluate(settings):
+    """Drafters and prompts in, report dict out: the whole pipeline below the CLI."""
     items = read_prompts(settings["prompts"], settings["limit"]) if not settings["load_hidden"] else None
     target_cfg = read_target_config(settings["target"])
     drafters = [load_drafter(spec, target_cfg, settings) for spec in settings["ckpt"]]
@@ -828,6 +905,7 @@ def run(settings):
 
     budgets = settings["ddtree_budgets"]
     results = [[] for _ in drafters]
+    mask_checks = {d["name"]: mask_variants(d, settings) for d in drafters} if settings["check_mask"] else {}
     with progress(settings, len(items), "draft", 1) as bar:
         for it, features, argmax in stream:
             ids, n_prompt = it["prompt_ids"] + it["completion_ids"], len(it["prompt_ids"])
@@ -836,6 +914,8 @@ def run(settings):
                 anchors = fitting_anchors(n_prompt, len(ids), d["block_size"]).to(settings["device"])
                 drafts, top = draft_all_anchors(d, features, ids, anchors, embed, head, max(budgets, default=0))
                 res.append(score_prompt(drafts, ids, n_prompt, d["block_size"], top, budgets))
+                if d["name"] in mask_checks:
+                    check_mask_prompt(d, mask_checks[d["name"]], features, ids, anchors, embed, head)
             bar.update()
 
     agreement = target_agreement(items)
@@ -846,13 +926,9 @@ def run(settings):
         "config": {k: v for k, v in settings.items()},
         "target": {"path": settings["target"], "device": settings["device"], "dtype": settings["dtype"],
                    "agreement": agreement},
-        "drafters": [drafter_report(d, res, items) for d, res in zip(drafters, results)],
+        "drafters": [drafter_report(d, res, items, mask_checks.get(d["name"])) for d, res in zip(drafters, results)],
         "elapsed_s": time.time() - t0,
     }
-    print_report(report)
-    if settings["output"]:
-        write_json(settings["output"], report)
-        log(settings, f"wrote {settings['output']}")
     return report
 
 
@@ -968,6 +1044,72 @@ def open_hidden(path, settings, target_cfg, layer_union):
     return items, stream()
 
 
+def compare_hidden(settings):
+    """Two extractions of the same prompts, layer by layer; with drafters, their tau from each side by side."""
+    from safetensors import safe_open
+    paths = settings["compare_hidden"]
+    metas = [read_hidden_meta(p) for p in paths]
+    if [(r["id"], r["prompt_tokens"], r["completion_tokens"]) for r in metas[0]["prompts"]] != \
+            [(r["id"], r["prompt_tokens"], r["completion_tokens"]) for r in metas[1]["prompts"]]:
+        fail(f"{paths[0]} and {paths[1]} hold different prompts or references: extract both from the same prompts file")
+    layers = sorted(set(metas[0]["layers"]) & set(metas[1]["layers"]))
+    stats = {L: {"diff_sq": 0.0, "ref_sq": 0.0, "cos_sum": 0.0, "cos_min": 1.0, "positions": 0, "max_abs": 0.0,
+                 "worst": None} for L in layers}
+    same_argmax = total_argmax = 0
+    with safe_open(paths[0], "pt") as fa, safe_open(paths[1], "pt") as fb:
+        for i, row in enumerate(metas[0]["prompts"]):
+            if not torch.equal(fa.get_tensor(f"{i}.ids"), fb.get_tensor(f"{i}.ids")):
+                fail(f"prompt {row['id']}: the two files hold different token ids")
+            a_max, b_max = fa.get_tensor(f"{i}.argmax"), fb.get_tensor(f"{i}.argmax")
+            same_argmax += int((a_max == b_max).sum())
+            total_argmax += a_max.numel()
+            for L in layers:
+                a, b = fa.get_tensor(f"{i}.layer{L}").double(), fb.get_tensor(f"{i}.layer{L}").double()
+                st, diff = stats[L], (a - b).abs()
+                st["diff_sq"] += float((a - b).pow(2).sum())
+                st["ref_sq"] += float(b.pow(2).sum())
+                cos = F.cosine_similarity(a, b, dim=-1)
+                st["cos_sum"] += float(cos.sum())
+                st["cos_min"] = min(st["cos_min"], float(cos.min()))
+                st["positions"] += cos.numel()
+                worst = int(diff.max(-1).values.argmax())
+                if float(diff[worst].max()) >= st["max_abs"]:
+                    st["max_abs"] = float(diff[worst].max())
+                    st["worst"] = {"prompt": row["id"], "position": worst}
+    per_layer = {str(L): {"relative_error": math.sqrt(st["diff_sq"] / st["ref_sq"]) if st["ref_sq"] else None,
+                          "cosine_mean": st["cos_sum"] / st["positions"] if st["positions"] else None,
+                          "cosine_min": st["cos_min"], "max_abs_diff": st["max_abs"], "worst": st["worst"]}
+                 for L, st in stats.items()}
+    report = {"config": dict(settings), "files": [{"path": p, "dtype": m["dtype"], "device": m["device"],
+                                                   "torch_version": m["torch_version"]} for p, m in zip(paths, metas)],
+              "layers": per_layer, "argmax_agreement": same_argmax / total_argmax if total_argmax else None}
+    if settings["ckpt"]:
+        quiet = {**settings, "quiet": True}
+        report["drafters"] = [evaluate({**quiet, "load_hidden": p}) ["drafters"] for p in paths]
+    print_comparison(report)
+    if settings["output"]:
+        write_json(settings["output"], report)
+    return report
+
+
+def print_comparison(report, out=None):
+    out = out or sys.stdout
+    a, b = report["files"]
+    print(f"A: {a['path']} ({a['dtype']}, {a['device']})\nB: {b['path']} ({b['dtype']}, {b['device']})", file=out)
+    print(f"target argmax agreement A vs B: {fmt(report['argmax_agreement'], 4)}", file=out)
+    print("layer  rel.err |A-B|/|B|  cos mean  cos min   max |A-B|  worst (prompt, position)", file=out)
+    for L, st in report["layers"].items():
+        worst = st["worst"] or {}
+        print(f"{L:>5}  {fmt(st['relative_error'], 6):>17}  {fmt(st['cosine_mean'], 6)}  {fmt(st['cosine_min'], 6)}"
+              f"  {st['max_abs_diff']:10.4g}  {worst.get('prompt')}, {worst.get('position')}", file=out)
+    for da, db in zip(*report.get("drafters", [[], []])):
+        print(f"\n== drafter {da['name']}: tau A {fmt(da['tau'])}  B {fmt(db['tau'])}   tau_all_anchors A "
+              f"{fmt(da['tau_all_anchors'])}  B {fmt(db['tau_all_anchors'])}", file=out)
+        print("   pos  accept A  accept B", file=out)
+        for k, (x, y) in enumerate(zip(da["per_position"]["acceptance"], db["per_position"]["acceptance"]), 1):
+            print(f"   {k:>3}  {fmt(x):>8}  {fmt(y):>8}", file=out)
+
+
 def read_embed_head(path, target_cfg, settings):
     """The target's embedding and lm_head read by name from its safetensors: the model is never built."""
     from safetensors import safe_open
@@ -995,7 +1137,7 @@ def target_agreement(items):
     return hits / total if total else None
 
 
-def drafter_report(d, results, items):
+def drafter_report(d, results, items, mask_check=None):
     B = d["block_size"]
     splits = {}
     for split in sorted({it["split"] for it in items}):
@@ -1011,7 +1153,7 @@ def drafter_report(d, results, items):
     return {"name": d["name"], "checkpoint": d["checkpoint"], "block_size": B, "layers": d["layers"],
             "mask_token_id": d["mask_token_id"], "block_mask": [rule_label(r) for r in d["rules"]],
             **summarize(results, B), "target_agreement": target_agreement(items), "splits": splits,
-            "prompts": prompts}
+            **({"mask_check": mask_check_summary(mask_check)} if mask_check else {}), "prompts": prompts}
 
 
 def main(argv=None):

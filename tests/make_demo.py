@@ -158,8 +158,11 @@ def demo_prompts(lang, n=10):
     return rows
 
 
-def train_drafter(out_dir, target, lang, steps=1500, anchors_per_step=48):
-    cfg = drafter_config(target.config)
+def train_drafter(out_dir, target, lang, steps=1500, anchors_per_step=48, n_sequences=160, completion=128,
+                  **config_overrides):
+    """Train a drafter on the target's greedy text; config_overrides (e.g. is_causal=True, layer_types=...)
+    change what is trained, so tests can make drafters trained with another mask."""
+    cfg = drafter_config(target.config, **config_overrides)
     layer_ids = cfg["dflash_config"]["target_layer_ids"]
     weights = {k: v.requires_grad_() for k, v in random_drafter_weights(cfg, len(layer_ids)).items()}
     settings = {"sliding_window": "train", "block_mask": "auto"}
@@ -169,10 +172,9 @@ def train_drafter(out_dir, target, lang, steps=1500, anchors_per_step=48):
     rng = random.Random(1)
     # Training data: the target's own greedy continuations of short noisy prompts (as DFlash is trained).
     data = []
-    for _ in range(160):
+    for _ in range(n_sequences):
         prompt = [len(SPECIALS) + w for w in sample_text(lang, rng, rng.randrange(4, 12), 0.5)]
-        completion = ed.greedy_generate(target, prompt, 128, set())
-        ids = prompt + completion
+        ids = prompt + ed.greedy_generate(target, prompt, completion, set())
         feats, _ = ed.extract_hidden(target, ids, layer_ids, len(prompt))
         data.append((ids, len(prompt), torch.cat([feats[L] for L in layer_ids], -1).clone()))
     print("drafter data ready", flush=True)
