@@ -1051,7 +1051,8 @@ def compare_hidden(settings):
     metas = [read_hidden_meta(p) for p in paths]
     if [(r["id"], r["prompt_tokens"], r["completion_tokens"]) for r in metas[0]["prompts"]] != \
             [(r["id"], r["prompt_tokens"], r["completion_tokens"]) for r in metas[1]["prompts"]]:
-        fail(f"{paths[0]} and {paths[1]} hold different prompts or references: extract both from the same prompts file")
+        fail(f"{paths[0]} and {paths[1]} hold different prompts or references: extract both from one prompts file "
+             "whose lines carry the references (completion_ids), so that both passes see the same tokens")
     layers = sorted(set(metas[0]["layers"]) & set(metas[1]["layers"]))
     stats = {L: {"diff_sq": 0.0, "ref_sq": 0.0, "cos_sum": 0.0, "cos_min": 1.0, "positions": 0, "max_abs": 0.0,
                  "worst": None} for L in layers}
