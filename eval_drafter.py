@@ -279,9 +279,9 @@ def read_target_config(path):
     except Exception as e:  # noqa: BLE001 - any failure here means "not a model directory we can read"
         fail(f"cannot read the target config in {path}: {str(e).splitlines()[0]}")
     text = getattr(config, "text_config", None) or config
-    tied = getattr(config, "tie_word_embeddings", None)
     names = target_tensor_files(path)
-    if names and not (text.tie_word_embeddings if tied is None else tied) and "lm_head.weight" not in names:
+    # The loaded text model ties its head by the TEXT config's flag (a multimodal top-level flag is ignored).
+    if names and not getattr(text, "tie_word_embeddings", False) and "lm_head.weight" not in names:
         fail(f"the target checkpoint in {path} has no lm_head.weight but its config says the head is not tied "
              "to the embeddings: it would load a random head. Fix the checkpoint (or set tie_word_embeddings)")
     return text
