@@ -16,6 +16,7 @@ Data flows top to bottom: CLI -> prompts -> target -> hidden states -> drafter -
 Only torch, transformers, safetensors, numpy, tqdm and the standard library are used.
 """
 import argparse
+import contextlib
 import heapq
 import inspect
 import json
@@ -951,14 +952,13 @@ def extract_from_target(items, settings, target_cfg, layer_union):
             bar.update()
 
     def stream():
-        saved = {} if settings["save_hidden"] else None
+        saved = {"tensors": {}, "bytes": 0, "shards": []} if settings["save_hidden"] else None
         with progress(settings, len(items), "extract", 0) as bar:
             for i, it in enumerate(items):
                 ids = it["prompt_ids"] + it["completion_ids"]
                 features, argmax = extract_hidden(model, ids, layer_union, len(it["prompt_ids"]))
                 if saved is not None:
-                    saved.update({f"{i}.ids": torch.tensor(ids), f"{i}.argmax": torch.tensor(argmax)})
-                    saved.update({f"{i}.layer{L}": features[L].contiguous() for L in layer_union})
+                    keep_hidden(saved, settings["save_hidden"], i, ids, argmax, features, layer_union)
                 bar.update()
                 yield it, features, argmax
         if saved is not None:
@@ -985,9 +985,30 @@ def target_hash(path):
         return hashlib.sha256(json.dumps(json.load(f), sort_keys=True).encode()).hexdigest()
 
 
-def save_hidden(settings, target_cfg, layer_union, items, tensors):
-    """One safetensors file: features per prompt and layer, token ids, target argmax, and run metadata."""
+SAVE_SHARD_BYTES = 2 << 30  # features held in memory before a shard is written
+
+
+def write_safetensors(path, tensors, metadata=None):
     from safetensors.torch import save_file
+    tmp = f"{path}.tmp{os.getpid()}"
+    save_file({k: v.cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
+    os.replace(tmp, path)
+
+
+def keep_hidden(saved, path, i, ids, argmax, features, layer_union):
+    """Hold one prompt's tensors for --save-hidden; past SAVE_SHARD_BYTES write them out as a shard file."""
+    tensors = {f"{i}.ids": torch.tensor(ids), f"{i}.argmax": torch.tensor(argmax),
+               **{f"{i}.layer{L}": features[L].contiguous() for L in layer_union}}
+    saved["tensors"].update(tensors)
+    saved["bytes"] += sum(t.numel() * t.element_size() for t in tensors.values())
+    if saved["bytes"] >= SAVE_SHARD_BYTES:
+        shard = f"{path}.shard{len(saved['shards']) + 1}"
+        write_safetensors(shard, saved["tensors"])
+        saved.update(tensors={}, bytes=0, shards=saved["shards"] + [os.path.basename(shard)])
+
+
+def save_hidden(settings, target_cfg, layer_union, items, saved):
+    """The main file: the last tensors and the run metadata (naming any shards written before it)."""
     meta = {"format": "eval_drafter.hidden/1", "target_hash": target_hash(settings["target"]),
             "layers": layer_union, "dtype": settings["dtype"], "device": settings["device"],
             "torch_version": torch.__version__, "transformers_version": settings["transformers_version"],
@@ -995,11 +1016,9 @@ def save_hidden(settings, target_cfg, layer_union, items, tensors):
             "chat_template": settings["chat_template_applied"], "enable_thinking": settings["enable_thinking"],
             "prompts": [{"id": it["id"], "split": it["split"], "prompt_tokens": len(it["prompt_ids"]),
                          "completion_tokens": len(it["completion_ids"]), "generated": it.get("generated", False)}
-                        for it in items]}
+                        for it in items], "shards": saved["shards"]}
     path = settings["save_hidden"]
-    tmp = f"{path}.tmp{os.getpid()}"
-    save_file({k: v.cpu() for k, v in tensors.items()}, tmp, metadata={"eval_drafter": json.dumps(meta)})
-    os.replace(tmp, path)
+    write_safetensors(path, saved["tensors"], metadata={"eval_drafter": json.dumps(meta)})
     log(settings, f"wrote hidden states of {len(items)} prompts, layers {layer_union}, to {path}")
 
 
@@ -1015,9 +1034,23 @@ def read_hidden_meta(path):
     return meta
 
 
+@contextlib.contextmanager
+def hidden_tensors(path, meta, device="cpu"):
+    """get(name) over a --save-hidden file and its shards, which lie beside it."""
+    from safetensors import safe_open
+    files = [path] + [os.path.join(os.path.dirname(os.path.abspath(path)), s) for s in meta.get("shards", [])]
+    with contextlib.ExitStack() as stack:
+        where = {}
+        for name in files:
+            if not os.path.isfile(name):
+                fail(f"{path} names a shard {name} that is missing: copy the shards along with the file")
+            f = stack.enter_context(safe_open(name, "pt", device=device))
+            where.update(dict.fromkeys(f.keys(), f))
+        yield lambda key: where[key].get_tensor(key)
+
+
 def open_hidden(path, settings, target_cfg, layer_union):
     """Prompts and a lazy stream of (item, features, argmax) from a --save-hidden file, after checks."""
-    from safetensors import safe_open
     meta = read_hidden_meta(path)
     if meta["target_hash"] != target_hash(settings["target"]):
         fail(f"{path} was extracted from another target than {settings['target']} (config hash differs); "
@@ -1030,15 +1063,14 @@ def open_hidden(path, settings, target_cfg, layer_union):
     items = []
 
     def stream():
-        with safe_open(path, "pt", device=settings["device"]) as f:
+        dtype = getattr(torch, settings["dtype"])
+        with hidden_tensors(path, meta, settings["device"]) as get:
             for i, it in enumerate(items):
-                dtype = getattr(torch, settings["dtype"])
-                yield (it, {L: f.get_tensor(f"{i}.layer{L}").to(dtype) for L in layer_union},
-                       f.get_tensor(f"{i}.argmax").tolist())
+                yield it, {L: get(f"{i}.layer{L}").to(dtype) for L in layer_union}, get(f"{i}.argmax").tolist()
 
-    with safe_open(path, "pt") as f:
+    with hidden_tensors(path, meta) as get:
         for i, row in enumerate(rows):
-            ids = f.get_tensor(f"{i}.ids").tolist()
+            ids = get(f"{i}.ids").tolist()
             items.append({"id": row["id"], "split": row["split"], "prompt_ids": ids[:row["prompt_tokens"]],
                           "completion_ids": ids[row["prompt_tokens"]:], "generated": row["generated"]})
     return items, stream()
@@ -1046,7 +1078,6 @@ def open_hidden(path, settings, target_cfg, layer_union):
 
 def compare_hidden(settings):
     """Two extractions of the same prompts, layer by layer; with drafters, their tau from each side by side."""
-    from safetensors import safe_open
     paths = settings["compare_hidden"]
     metas = [read_hidden_meta(p) for p in paths]
     if [(r["id"], r["prompt_tokens"], r["completion_tokens"]) for r in metas[0]["prompts"]] != \
@@ -1057,15 +1088,15 @@ def compare_hidden(settings):
     stats = {L: {"diff_sq": 0.0, "ref_sq": 0.0, "cos_sum": 0.0, "cos_min": 1.0, "positions": 0, "max_abs": 0.0,
                  "worst": None} for L in layers}
     same_argmax = total_argmax = 0
-    with safe_open(paths[0], "pt") as fa, safe_open(paths[1], "pt") as fb:
+    with hidden_tensors(paths[0], metas[0]) as get_a, hidden_tensors(paths[1], metas[1]) as get_b:
         for i, row in enumerate(metas[0]["prompts"]):
-            if not torch.equal(fa.get_tensor(f"{i}.ids"), fb.get_tensor(f"{i}.ids")):
+            if not torch.equal(get_a(f"{i}.ids"), get_b(f"{i}.ids")):
                 fail(f"prompt {row['id']}: the two files hold different token ids")
-            a_max, b_max = fa.get_tensor(f"{i}.argmax"), fb.get_tensor(f"{i}.argmax")
+            a_max, b_max = get_a(f"{i}.argmax"), get_b(f"{i}.argmax")
             same_argmax += int((a_max == b_max).sum())
             total_argmax += a_max.numel()
             for L in layers:
-                a, b = fa.get_tensor(f"{i}.layer{L}").double(), fb.get_tensor(f"{i}.layer{L}").double()
+                a, b = get_a(f"{i}.layer{L}").double(), get_b(f"{i}.layer{L}").double()
                 st, diff = stats[L], (a - b).abs()
                 st["diff_sq"] += float((a - b).pow(2).sum())
                 st["ref_sq"] += float(b.pow(2).sum())
