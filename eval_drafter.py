@@ -68,6 +68,11 @@ def parse_args(argv):
     p.add_argument("--layers", help="target layer ids feeding the drafter, e.g. 1,16,31,46,61 "
                                     "(default: the checkpoint's dflash_config.target_layer_ids)")
     p.add_argument("--block-size", type=int, help="block size (default: the checkpoint's block_size)")
+    p.add_argument("--drafter-config", metavar="FILE", help="config.json for checkpoint files that have none beside")
+    p.add_argument("--mask-token-id", type=int, help="mask token id (default: the checkpoint config's)")
+    p.add_argument("--head-dim", type=int, help="drafter head dim, for checkpoints without a config")
+    p.add_argument("--num-heads", type=int, help="drafter attention heads, for checkpoints without a config")
+    p.add_argument("--num-kv-heads", type=int, help="drafter KV heads, for checkpoints without a config")
     p.add_argument("--block-mask", default="auto", choices=["auto", "bidirectional", "causal"],
                    help="in-block attention; auto = checkpoint's is_causal, else per layer type")
     p.add_argument("--sliding-window", default="train", choices=["train", "ignore"],
@@ -134,6 +139,8 @@ def resolve_settings(args):
         fail(f"--block-size {args.block_size} is too small: a block needs the anchor and at least one draft")
     if args.limit is not None and args.limit < 1:
         fail("--limit must be at least 1")
+    if args.drafter_config and not os.path.isfile(args.drafter_config):
+        fail(f"--drafter-config file not found: {args.drafter_config}")
 
     device = args.device
     if device == "auto":
@@ -164,6 +171,11 @@ def resolve_settings(args):
         "dtype": dtype,
         "layers": layers,
         "block_size": args.block_size,
+        "drafter_config": args.drafter_config,
+        "mask_token_id": args.mask_token_id,
+        "head_dim": args.head_dim,
+        "num_heads": args.num_heads,
+        "num_kv_heads": args.num_kv_heads,
         "block_mask": args.block_mask,
         "ddtree_budgets": parse_budgets(args.ddtree_budgets),
         "sliding_window": args.sliding_window,
@@ -395,56 +407,173 @@ def default_layer_ids(num_target_layers, k):
     return [int(round(1 + i * (num_target_layers - 4) / (k - 1))) for i in range(k)]
 
 
-def load_drafter(spec, target_cfg, settings):
+STATE_DICT_NESTS = ("state_dict", "model", "module", "draft_model")   # tried in this order
+KEY_PREFIXES = ("module.", "_orig_mod.", "draft_model.", "model.")    # stripped only when every key has it
+
+
+def read_checkpoint(path, name):
+    """(config dict or None, raw state dict) from a public directory, a sharded directory, a single
+    .safetensors file, or a training .pt/.pth/.bin (tensors only: weights_only=True, never unpickled)."""
     from safetensors.torch import load_file
+    if os.path.isdir(path):
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as f:
+                files = sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
+        elif os.path.isfile(os.path.join(path, "model.safetensors")):
+            files = [os.path.join(path, "model.safetensors")]
+        else:
+            fail(f"{path} is not a DFlash drafter: the directory has no model.safetensors "
+                 "(or model.safetensors.index.json)")
+        state = {}
+        for file in files:
+            state.update(load_file(file))
+        config = os.path.join(path, "config.json")
+    elif path.endswith(".safetensors"):
+        state, config = load_file(path), os.path.join(os.path.dirname(path), "config.json")
+    elif path.endswith((".pt", ".pth", ".bin")):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception:  # noqa: BLE001 - UnpicklingError and friends: all mean "not plain tensors"
+            fail(f"{path} cannot be loaded with torch.load(weights_only=True): it holds Python objects beyond "
+                 "tensors and is refused, since unpickling can run code; re-save its state dict alone")
+        config = os.path.join(os.path.dirname(path), "config.json")
+    else:
+        fail(f"{path}: unknown checkpoint form; give a drafter directory, a .safetensors file or a .pt/.pth/.bin")
+    return (read_json(config) if os.path.isfile(config) else None), state
+
+
+def read_json(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        fail(f"cannot read {path} as JSON: {e}")
+
+
+def unwrap_state_dict(state, name, settings):
+    """Reach the public key layout: unnest training wrappers, strip DDP/compile/wrapper prefixes."""
+    rules = []
+    while isinstance(state, dict) and not all(isinstance(v, torch.Tensor) for v in state.values()):
+        key = next((k for k in STATE_DICT_NESTS if isinstance(state.get(k), dict)), None)
+        if key is None:
+            fail(f"drafter {name}: the checkpoint holds no state dict of tensors (top-level keys: "
+                 f"{', '.join(map(str, list(state)[:6]))}); expected one under {', '.join(STATE_DICT_NESTS)}")
+        state, rules = state[key], rules + [f"took ['{key}']"]
+    if not isinstance(state, dict) or not state:
+        fail(f"drafter {name}: the checkpoint holds no tensors")
+    stripped = True
+    while stripped:
+        stripped = False
+        for prefix in KEY_PREFIXES:
+            if all(k.startswith(prefix) for k in state):
+                state, stripped = {k[len(prefix):]: v for k, v in state.items()}, True
+                rules.append(f"stripped '{prefix}'")
+    if rules:
+        log(settings, f"drafter {name}: {', '.join(rules)} to reach the public key layout")
+    return state
+
+
+def infer_config(state, target_cfg, settings, name):
+    """A drafter config from the tensor shapes, flags and the target's config, saying what came from where."""
+    if "layers.0.self_attn.q_norm.weight" not in state or "fc.weight" not in state:
+        fail(f"drafter {name}: no config.json and the tensors are not a DFlash drafter's (no fc.weight or "
+             "layers.0.self_attn.q_norm.weight); pass --drafter-config FILE")
+    hidden = state["fc.weight"].shape[0]
+    head_dim = settings["head_dim"] or state["layers.0.self_attn.q_norm.weight"].shape[0]
+    q_width, kv_width = (state[f"layers.0.self_attn.{p}.weight"].shape[0] for p in ("q_proj", "k_proj"))
+    heads = settings["num_heads"] or q_width // head_dim
+    kv_heads = settings["num_kv_heads"] or kv_width // head_dim
+    if heads * head_dim != q_width or kv_heads * head_dim != kv_width:
+        fail(f"drafter {name}: q/k widths {q_width}/{kv_width} do not fit {heads}/{kv_heads} heads of {head_dim}; "
+             "check --head-dim, --num-heads and --num-kv-heads")
+    if settings["mask_token_id"] is None:
+        fail(f"drafter {name}: no config.json, so the mask token id is unknown; pass --mask-token-id "
+             "(or --drafter-config FILE)")
+    rope_theta = getattr(target_cfg, "rope_theta", None) or \
+        (getattr(target_cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    cfg = {"hidden_size": hidden, "intermediate_size": state["layers.0.mlp.gate_proj.weight"].shape[0],
+           "num_hidden_layers": 1 + max(int(k.split(".")[1]) for k in state if k.startswith("layers.")),
+           "head_dim": head_dim, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+           "attention_bias": "layers.0.self_attn.q_proj.bias" in state,
+           "rms_norm_eps": getattr(target_cfg, "rms_norm_eps", 1e-6), "rope_theta": rope_theta,
+           "max_position_embeddings": target_cfg.max_position_embeddings,
+           "block_size": settings["block_size"] or 16,
+           "dflash_config": {"mask_token_id": settings["mask_token_id"]}}
+    for line in (f"hidden {hidden}, {cfg['num_hidden_layers']} layers, intermediate {cfg['intermediate_size']}, "
+                 f"head_dim {head_dim}, heads {heads}/{kv_heads} kv, attention bias {cfg['attention_bias']} "
+                 "(from the tensor shapes and flags)",
+                 f"rms_norm_eps {cfg['rms_norm_eps']}, rope_theta {rope_theta} without scaling, max positions "
+                 f"{cfg['max_position_embeddings']} (from the target config; a drafter trained with YaRN needs "
+                 "--drafter-config)",
+                 f"block size {cfg['block_size']} ({'--block-size' if settings['block_size'] else 'default'}), "
+                 f"mask token id {settings['mask_token_id']} (--mask-token-id), all layers full attention "
+                 "(no sliding windows without a config)"):
+        log(settings, f"drafter {name}: inferred {line}")
+    return cfg
+
+
+def load_drafter(spec, target_cfg, settings):
     name, path = split_ckpt_spec(spec)
     if not os.path.exists(path):
-        fail(f"drafter checkpoint not found: {path} (pass a drafter directory to --ckpt)")
-    cfg_path, weights_path = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
-    if not (os.path.isdir(path) and os.path.isfile(cfg_path) and os.path.isfile(weights_path)):
-        fail(f"{path} is not a DFlash drafter: expected a directory with config.json and model.safetensors")
-    with open(cfg_path, encoding="utf-8") as f:
-        cfg = json.load(f)
+        fail(f"drafter checkpoint not found: {path} (pass a drafter directory or file to --ckpt)")
+    cfg, state = read_checkpoint(path, name)
+    if cfg is None and settings.get("drafter_config"):
+        cfg = read_json(settings["drafter_config"])
+    state = unwrap_state_dict(state, name, settings)
+    if cfg is None:
+        cfg = infer_config(state, target_cfg, settings, name)
     dcfg = cfg.get("dflash_config") or {}
     if "block_size" not in cfg and not dcfg:
         fail(f"{path} is not a DFlash drafter: its config.json has neither block_size nor dflash_config")
-    weights = load_file(weights_path)
-    if "fc.weight" not in weights or "hidden_norm.weight" not in weights:
-        fail(f"{path} is not a DFlash drafter: model.safetensors has no fc.weight / hidden_norm.weight")
+    if "fc.weight" not in state or "hidden_norm.weight" not in state:
+        fail(f"{path} is not a DFlash drafter: its weights have no fc.weight / hidden_norm.weight")
 
     hidden = cfg.get("hidden_size")
     if hidden != target_cfg.hidden_size:
         fail(f"drafter {name} has hidden size {hidden} but the target has {target_cfg.hidden_size}: "
              "it was trained for another target")
-    n_target = target_cfg.num_hidden_layers
-    if settings["layers"] is not None:
-        layer_ids, source = settings["layers"], "--layers"
-    elif dcfg.get("target_layer_ids"):
-        layer_ids, source = [int(x) for x in dcfg["target_layer_ids"]], "the checkpoint config"
-    else:
-        k = weights["fc.weight"].shape[1] // hidden
-        layer_ids = default_layer_ids(cfg.get("num_target_layers", n_target), k)
-        source = "the public default rule"
-        log(settings, f"note: {name} config has no target_layer_ids; using {layer_ids} (public default rule)")
-    fc_layers, rem = divmod(weights["fc.weight"].shape[1], hidden)
-    if rem or fc_layers != len(layer_ids):
-        fail(f"drafter {name}: fc expects {fc_layers} feature layers, {source} gives {len(layer_ids)} "
-             f"({layer_ids}); pass --layers with {fc_layers} ids")
-    bad = [i for i in layer_ids if not 0 <= i < n_target]
-    if bad:
-        fail(f"drafter {name}: layer id {bad[0]} is outside the target's {n_target} layers (0..{n_target - 1})")
-    mask_id = dcfg.get("mask_token_id", cfg.get("mask_token_id"))
+    layer_ids = drafter_layer_ids(cfg, state, target_cfg, settings, name)
+    mask_id = settings.get("mask_token_id")
+    mask_id = dcfg.get("mask_token_id", cfg.get("mask_token_id")) if mask_id is None else mask_id
     if mask_id is None or not 0 <= int(mask_id) < target_cfg.vocab_size:
         fail(f"drafter {name}: mask_token_id {mask_id} is outside the target vocab ({target_cfg.vocab_size})")
     block_size = settings["block_size"] or int(cfg.get("block_size", dcfg.get("block_size", 16)))
     if block_size < 2:
         fail(f"drafter {name}: block size {block_size} is too small (needs at least 2)")
-    check_drafter_keys(weights, cfg, name)
+    check_drafter_keys(state, cfg, name)
     dtype = getattr(torch, settings["dtype"])
-    weights = {k: v.to(device=settings["device"], dtype=dtype) for k, v in weights.items()}
+    weights = {k: v.to(device=settings["device"], dtype=dtype) for k, v in state.items()}
     return {"name": name, "checkpoint": os.path.abspath(path), "cfg": cfg, "weights": weights,
             "layers": layer_ids, "block_size": block_size, "mask_token_id": int(mask_id),
             "rules": layer_rules(cfg, settings), "rope": build_rope(cfg, settings["device"])}
+
+
+def drafter_layer_ids(cfg, state, target_cfg, settings, name):
+    """Which target layers feed the drafter: --layers, else the config's ids, else the public rule; fc's
+    input width says how many it was trained with, and must agree."""
+    hidden, n_target = cfg["hidden_size"], target_cfg.num_hidden_layers
+    config_ids = (cfg.get("dflash_config") or {}).get("target_layer_ids")
+    fc_layers, rem = divmod(state["fc.weight"].shape[1], hidden)
+    if settings["layers"] is not None:
+        layer_ids, source = settings["layers"], "--layers"
+        if config_ids and list(config_ids) != layer_ids:
+            log(settings, f"drafter {name}: --layers {layer_ids} wins over the config's target_layer_ids "
+                          f"{list(config_ids)} (an explicit flag beats the file; check this is what you mean)")
+    elif config_ids:
+        layer_ids, source = [int(x) for x in config_ids], "the checkpoint config"
+    else:
+        layer_ids = default_layer_ids(cfg.get("num_target_layers", n_target), fc_layers)
+        source = "the public default rule"
+        log(settings, f"drafter {name}: no target_layer_ids in its config; using {layer_ids} (public default rule "
+                      f"for {fc_layers} layers of a {cfg.get('num_target_layers', n_target)}-layer target)")
+    if rem or fc_layers != len(layer_ids):
+        fail(f"drafter {name}: fc expects {fc_layers} feature layers, {source} gives {len(layer_ids)} "
+             f"({layer_ids}); it was trained with another layer set: pass --layers with {fc_layers} ids")
+    bad = [i for i in layer_ids if not 0 <= i < n_target]
+    if bad:
+        fail(f"drafter {name}: layer id {bad[0]} is outside the target's {n_target} layers (0..{n_target - 1})")
+    return layer_ids
 
 
 def check_drafter_keys(weights, cfg, name):
@@ -457,9 +586,14 @@ def check_drafter_keys(weights, cfg, name):
     for i in range(cfg.get("num_hidden_layers", 0)):
         needed += [f"layers.{i}.{k}" for k in per_layer]
     missing = [k for k in needed if k not in weights]
-    if missing or not cfg.get("num_hidden_layers"):
-        fail(f"drafter {name} is not a complete DFlash drafter: missing {len(missing)} tensors "
-             f"(first: {', '.join(missing[:3]) or 'num_hidden_layers in config'})")
+    unexpected = [k for k in weights if k not in set(needed) and not k.endswith("rotary_emb.inv_freq")]
+    if missing or unexpected or not cfg.get("num_hidden_layers"):
+        fail(f"drafter {name} does not match a DFlash drafter of its config: {len(missing)} missing "
+             f"({', '.join(missing[:3]) or 'none'}{', ...' if len(missing) > 3 else ''}), {len(unexpected)} unexpected "
+             f"({', '.join(unexpected[:3]) or 'none'}{', ...' if len(unexpected) > 3 else ''})")
+    bad = next((k for k in needed if not torch.isfinite(weights[k]).all()), None)
+    if bad:
+        fail(f"drafter {name}: tensor {bad} holds NaN or Inf values; the checkpoint is broken")
 
 
 def layer_rules(cfg, settings):
