@@ -22,6 +22,7 @@ import inspect
 import json
 import math
 import os
+import signal
 import sys
 import time
 
@@ -94,6 +95,8 @@ def parse_args(argv):
                    help="compare two --save-hidden files layer by layer (and drafters' tau from each with --ckpt)")
     p.add_argument("--check-mask", action="store_true",
                    help="also draft a sample of anchors under the other in-block masks and flag a better one")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run from <output>.partial.jsonl (same settings required)")
     p.add_argument("--demo", action="store_true", help="run on the tiny pair bundled in tests/fixtures")
     return p.parse_args(argv)
 
@@ -139,6 +142,10 @@ def resolve_settings(args):
         fail(f"--block-size {args.block_size} is too small: a block needs the anchor and at least one draft")
     if args.limit is not None and args.limit < 1:
         fail("--limit must be at least 1")
+    if args.resume and not args.output:
+        fail("--resume needs --output: the partial results live in <output>.partial.jsonl")
+    if args.resume and args.save_hidden:
+        fail("--resume cannot add to a --save-hidden file; extract in one uninterrupted run, or drop --save-hidden")
     if args.drafter_config and not os.path.isfile(args.drafter_config):
         fail(f"--drafter-config file not found: {args.drafter_config}")
 
@@ -164,6 +171,8 @@ def resolve_settings(args):
         "save_hidden": args.save_hidden,
         "compare_hidden": args.compare_hidden,
         "check_mask": args.check_mask,
+        "resume": args.resume,
+        "prompts_hash": file_hash(args.prompts) if args.prompts and not from_file else None,
         "load_hidden": args.load_hidden,
         "max_new_tokens": args.max_new_tokens,
         "ignore_eos": args.ignore_eos,
@@ -198,10 +207,14 @@ def resolve_settings(args):
 
 
 def read_prompts(path, limit=None):
-    """Parse the JSONL file into items {id, split, messages | text, completion | completion_ids}."""
-    items = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    """Parse the JSONL file into items {index, id, split, messages, completion | completion_ids}."""
+    items, lines_of = [], {}
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                fail(f"{path} line {lineno}: not valid UTF-8 (byte {e.start}); save the file as UTF-8")
             if not line.strip():
                 continue
             try:
@@ -210,7 +223,12 @@ def read_prompts(path, limit=None):
                 fail(f"{path} line {lineno}: not valid JSON ({e.msg}); each line must be one JSON object")
             if not isinstance(row, dict):
                 fail(f"{path} line {lineno}: expected a JSON object, got {type(row).__name__}")
-            items.append(parse_prompt_row(row, path, lineno))
+            item = parse_prompt_row(row, path, lineno)
+            if item["id"] in lines_of:
+                fail(f"{path} line {lineno}: id {item['id']!r} was already used on line {lines_of[item['id']]}; "
+                     "ids must be unique")
+            lines_of[item["id"]] = lineno
+            items.append({**item, "index": len(items)})
             if limit and len(items) >= limit:
                 break
     if not items:
@@ -385,8 +403,8 @@ def extract_hidden(model, ids, layer_ids, n_prompt):
         for h in handles:
             h.remove()
     last = out.last_hidden_state[0, n_prompt - 1:len(ids) - 1]
-    argmax = torch.cat([head(rows).argmax(-1) for rows in last.split(LOGIT_ROWS_PER_CHUNK)])
-    return {layer_id: captured[layer_id] for layer_id in layer_ids}, argmax.tolist()
+    argmax = [t for rows in last.split(LOGIT_ROWS_PER_CHUNK) for t in head(rows).argmax(-1).tolist()]
+    return {layer_id: captured[layer_id] for layer_id in layer_ids}, argmax
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -748,7 +766,7 @@ def drafter_forward(drafter, context_kv, anchors, block_ids, embed):
 
 
 @torch.inference_mode()
-def draft_all_anchors(drafter, features, ids, anchors, embed, head, top_k=0):
+def draft_all_anchors(drafter, features, ids, anchors, embed, head, top_k=0, prompt_id=None):
     """Greedy drafts (n_anchors, B-1) for every anchor, many blocks per SDPA call, and with top_k > 0 the
     top_k float32 log-probs and token ids per slot (n_anchors, B-1, top_k) that DDTree builds from."""
     B = drafter["block_size"]
@@ -765,6 +783,9 @@ def draft_all_anchors(drafter, features, ids, anchors, embed, head, top_k=0):
         hidden = drafter_forward(drafter, context_kv, chunk, block, embed)[:, 1:]
         for rows in hidden.reshape(-1, hidden.shape[-1]).split(LOGIT_ROWS_PER_CHUNK):
             logits = head(rows)
+            if not torch.isfinite(logits).all():
+                fail(f"drafter {drafter['name']}: its logits on prompt {prompt_id} hold NaN or Inf (features are "
+                     "finite, so the drafter's weights or its numerics in this dtype are at fault)")
             drafts.append(logits.argmax(-1))
             if top_k:
                 top = logits.float().log_softmax(-1).topk(min(top_k, logits.shape[-1]), dim=-1)
@@ -845,30 +866,30 @@ def mask_variants(drafter, settings):
                                      ("causal", "causal", settings["sliding_window"]),
                                      ("no sliding window", settings["block_mask"], "ignore")):
         variants[name] = layer_rules(drafter["cfg"], {"block_mask": block_mask, "sliding_window": window})
-    return {name: {"rules": rules, "hits": 0, "drafts": 0, "matched": 0, "anchors": 0}
-            for name, rules in variants.items()}
+    return variants
 
 
 def check_mask_prompt(drafter, variants, features, ids, anchors, embed, head):
+    """Per mode: [draft hits, drafts, matched drafts, anchors] on a sample of this prompt's anchors."""
     if anchors.numel() == 0:
-        return
+        return {name: [0, 0, 0, 0] for name in variants}
     sample = anchors[torch.linspace(0, anchors.numel() - 1, min(MASK_CHECK_ANCHORS, anchors.numel())).long()]
     reference = torch.tensor(ids)[sample.cpu()[:, None] + torch.arange(1, drafter["block_size"])]
-    for v in variants.values():
-        drafts, _ = draft_all_anchors({**drafter, "rules": v["rules"]}, features, ids, sample, embed, head)
+    counts = {}
+    for name, rules in variants.items():
+        drafts, _ = draft_all_anchors({**drafter, "rules": rules}, features, ids, sample, embed, head)
         equal = drafts == reference
-        v["hits"] += int(equal.sum())
-        v["drafts"] += equal.numel()
-        v["matched"] += int(equal.long().cumprod(1).sum())
-        v["anchors"] += equal.shape[0]
+        counts[name] = [int(equal.sum()), equal.numel(), int(equal.long().cumprod(1).sum()), equal.shape[0]]
+    return counts
 
 
-def mask_check_summary(variants):
+def mask_check_summary(variants, per_prompt):
     """Accuracy and mean acceptance per mode, and a warning when another mode clearly beats the configured one."""
-    table = {name: {"block_mask": [rule_label(r) for r in v["rules"]],
-                    "accuracy": v["hits"] / v["drafts"] if v["drafts"] else None,
-                    "tau_all_anchors": 1 + v["matched"] / v["anchors"] if v["anchors"] else None,
-                    "anchors": v["anchors"]} for name, v in variants.items()}
+    table = {}
+    for name, rules in variants.items():
+        hits, drafts, matched, anchors = (sum(c[name][i] for c in per_prompt) for i in range(4))
+        table[name] = {"block_mask": [rule_label(r) for r in rules], "accuracy": hits / drafts if drafts else None,
+                       "tau_all_anchors": 1 + matched / anchors if anchors else None, "anchors": anchors}
     base = table["configured"]["accuracy"]
     better = [name for name, t in table.items() if base is not None and t["accuracy"] is not None
               and t["accuracy"] >= base + MASK_CHECK_MARGIN]
@@ -1014,11 +1035,14 @@ def run(settings):
     if settings["output"]:
         write_json(settings["output"], report)
         log(settings, f"wrote {settings['output']}")
+        if not report.get("interrupted"):
+            os.remove(partial_path(settings))
     return report
 
 
 def evaluate(settings):
-    """Drafters and prompts in, report dict out: the whole pipeline below the CLI."""
+    """Drafters and prompts in, report dict out: the whole pipeline below the CLI. Each finished prompt is
+    appended to <output>.partial.jsonl; Ctrl-C or SIGTERM ends the loop with the finished prompts kept."""
     items = read_prompts(settings["prompts"], settings["limit"]) if not settings["load_hidden"] else None
     target_cfg = read_target_config(settings["target"])
     drafters = [load_drafter(spec, target_cfg, settings) for spec in settings["ckpt"]]
@@ -1030,46 +1054,168 @@ def evaluate(settings):
     for d in drafters:
         log(settings, f"drafter {d['name']}: block {d['block_size']}, layers {d['layers']}, in-block mask per "
                       f"layer: {', '.join(rule_label(r) for r in d['rules'])}")
+        d["mask_variants"] = mask_variants(d, settings) if settings["check_mask"] else None
     layer_union = sorted({L for d in drafters for L in d["layers"]})
-    t0 = time.time()
-    if settings["load_hidden"]:
-        items, stream = open_hidden(settings["load_hidden"], settings, target_cfg, layer_union)
-        embed, head = read_embed_head(settings["target"], target_cfg, settings)
-    else:
-        items, stream, embed, head = extract_from_target(items, settings, target_cfg, layer_union)
+    records = resume_records(settings, drafters) if settings["resume"] else {}
+    partial = open_partial(settings, records)
+    t0, interrupted, skipped = time.time(), False, []
+    previous = signal.signal(signal.SIGTERM, raise_interrupt) if is_main_thread() else None
+    try:
+        if settings["load_hidden"]:
+            items, stream = open_hidden(settings["load_hidden"], settings, target_cfg, layer_union, set(records))
+            embed, head = read_embed_head(settings["target"], target_cfg, settings)
+        else:
+            stream, embed, head = extract_from_target(items, settings, target_cfg, layer_union, set(records))
+            skipped = [{"id": it["id"], "reason": it["skip"]} for it in items if it.get("skip")]
+        with progress(settings, len(items) - len(records), "draft", 1) as bar:
+            for it, features, argmax in stream:
+                records[it["index"]] = evaluate_prompt(it, features, argmax, drafters, embed, head, settings)
+                if partial:
+                    partial.write(json.dumps(record_json(records[it["index"]])) + "\n")
+                    partial.flush()
+                bar.update()
+    except KeyboardInterrupt:
+        interrupted = True
+        print(f"interrupted: reporting the {len(records)} prompts finished so far", file=sys.stderr)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        if partial:
+            partial.close()
 
-    budgets = settings["ddtree_budgets"]
-    results = [[] for _ in drafters]
-    mask_checks = {d["name"]: mask_variants(d, settings) for d in drafters} if settings["check_mask"] else {}
-    with progress(settings, len(items), "draft", 1) as bar:
-        for it, features, argmax in stream:
-            ids, n_prompt = it["prompt_ids"] + it["completion_ids"], len(it["prompt_ids"])
-            it["agree"] = (sum(a == b for a, b in zip(argmax, it["completion_ids"])), len(argmax))
-            for d, res in zip(drafters, results):
-                anchors = fitting_anchors(n_prompt, len(ids), d["block_size"]).to(settings["device"])
-                drafts, top = draft_all_anchors(d, features, ids, anchors, embed, head, max(budgets, default=0))
-                res.append(score_prompt(drafts, ids, n_prompt, d["block_size"], top, budgets))
-                if d["name"] in mask_checks:
-                    check_mask_prompt(d, mask_checks[d["name"]], features, ids, anchors, embed, head)
-            bar.update()
-
-    agreement = target_agreement(items)
+    done = [records[i] for i in sorted(records)]
+    finished = [r["item"] for r in done]
+    agreement = target_agreement(finished)
     if agreement is not None and agreement < AGREEMENT_WARN:
         print(f"warning: target agreement {agreement:.4f} < {AGREEMENT_WARN}: the references are not the target's "
               "greedy output here, so tau is approximate (see README)", file=sys.stderr)
+    if skipped:
+        print(f"warning: skipped {len(skipped)} prompts (see \"skipped\" in the JSON): {skipped[0]['reason']}",
+              file=sys.stderr)
     report = {
-        "config": {k: v for k, v in settings.items()},
+        "config": dict(settings),
         "target": {"path": settings["target"], "device": settings["device"], "dtype": settings["dtype"],
                    "agreement": agreement},
-        "drafters": [drafter_report(d, res, items, mask_checks.get(d["name"])) for d, res in zip(drafters, results)],
+        "drafters": [drafter_report(d, [r["results"][j] for r in done], finished) for j, d in enumerate(drafters)],
+        "skipped": skipped,
         "elapsed_s": time.time() - t0,
     }
+    if interrupted:
+        report["interrupted"] = True
     return report
 
 
-def extract_from_target(items, settings, target_cfg, layer_union):
+def evaluate_prompt(it, features, argmax, drafters, embed, head, settings):
+    """Every drafter on one prompt: scores, walks, and the mask check when asked."""
+    ids, n_prompt = it["prompt_ids"] + it["completion_ids"], len(it["prompt_ids"])
+    for L, f in features.items():
+        if not torch.isfinite(f).all():
+            fail(f"prompt {it['id']}: the target's layer {L} output holds NaN or Inf (a numerics problem in the "
+                 "extraction: try --dtype float32)")
+    it["agree"] = (sum(a == b for a, b in zip(argmax, it["completion_ids"])), len(argmax))
+    budgets, results = settings["ddtree_budgets"], []
+    for d in drafters:
+        anchors = fitting_anchors(n_prompt, len(ids), d["block_size"]).to(settings["device"])
+        drafts, top = draft_all_anchors(d, features, ids, anchors, embed, head, max(budgets, default=0), it["id"])
+        res = score_prompt(drafts, ids, n_prompt, d["block_size"], top, budgets)
+        if d["mask_variants"]:
+            res["mask_check"] = check_mask_prompt(d, d["mask_variants"], features, ids, anchors, embed, head)
+        results.append(res)
+    keep = ("index", "id", "split", "prompt_ids", "completion_ids", "agree")
+    return {"item": {**{k: it[k] for k in keep}, "generated": bool(it.get("generated"))}, "results": results}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Nothing lost: the partial file, resume, interruption
+
+RESUME_KEYS = ("target", "ckpt", "prompts", "prompts_hash", "load_hidden", "max_new_tokens", "ignore_eos", "device",
+               "dtype", "layers", "block_size", "block_mask", "sliding_window", "chat_template", "enable_thinking",
+               "ddtree_budgets", "check_mask", "drafter_config", "mask_token_id", "head_dim", "num_heads",
+               "num_kv_heads")
+
+
+def raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def is_main_thread():
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+def record_json(record):
+    """A finished prompt as one JSON line: enough to rebuild every statistic without recomputing."""
+    results = [{"rounds": r["rounds"], "ddtree_rounds": {str(b): v for b, v in r["ddtree_rounds"].items()},
+                "matched": r["matched"].tolist(),
+                "equal": [int(sum(1 << k for k, e in enumerate(row) if e)) for row in r["equal"].tolist()],
+                "mask_check": r.get("mask_check")} for r in record["results"]]
+    return {"item": record["item"], "results": results}
+
+
+def record_from_json(row, drafters):
+    results = []
+    for r, d in zip(row["results"], drafters):
+        bits = torch.tensor(r["equal"], dtype=torch.long).view(-1, 1)
+        results.append({"rounds": r["rounds"], "ddtree_rounds": {int(b): v for b, v in r["ddtree_rounds"].items()},
+                        "matched": torch.tensor(r["matched"], dtype=torch.long),
+                        "equal": (bits >> torch.arange(d["block_size"] - 1)) & 1 == 1,
+                        **({"mask_check": r["mask_check"]} if r.get("mask_check") else {})})
+    return {"item": {**row["item"], "agree": tuple(row["item"]["agree"])}, "results": results}
+
+
+def fingerprint(settings):
+    return {k: settings.get(k) for k in RESUME_KEYS}
+
+
+def partial_path(settings):
+    return settings["output"] + ".partial.jsonl"
+
+
+def resume_records(settings, drafters):
+    """Finished prompts from <output>.partial.jsonl, if it was written with the same settings."""
+    path = partial_path(settings)
+    if not os.path.isfile(path):
+        log(settings, f"note: --resume found no {path}; starting from the first prompt")
+        return {}
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    try:
+        header, rows = json.loads(lines[0]), [json.loads(line) for line in lines[1:]]
+    except (IndexError, json.JSONDecodeError):
+        header, rows = None, []
+        if lines:  # a line cut short by a hard kill: keep every complete one
+            header, rows = json.loads(lines[0]), []
+            for line in lines[1:]:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    break
+    if not header or "fingerprint" not in header:
+        fail(f"{path} is not a partial-results file of this tool; remove it or drop --resume")
+    now = fingerprint(settings)
+    differ = [k for k in RESUME_KEYS if header["fingerprint"].get(k) != now[k]]
+    if differ:
+        fail(f"--resume: {path} was written with other settings ({', '.join(differ)} differ); rerun with the "
+             "same settings, or without --resume to start over")
+    log(settings, f"resuming: {len(rows)} prompts already finished in {path}")
+    return {row["item"]["index"]: record_from_json(row, drafters) for row in rows}
+
+
+def open_partial(settings, records):
+    if not settings["output"]:
+        return None
+    f = open(partial_path(settings), "w", encoding="utf-8")
+    f.write(json.dumps({"fingerprint": fingerprint(settings)}) + "\n")
+    for index in sorted(records):
+        f.write(json.dumps(record_json(records[index])) + "\n")
+    f.flush()
+    return f
+
+
+def extract_from_target(items, settings, target_cfg, layer_union, done=frozenset()):
     """Load the target, tokenize, generate missing references; then a stream of (item, features, argmax)
-    per prompt from one teacher-forced pass each, saved to --save-hidden at its end when asked."""
+    per prompt from one teacher-forced pass each (prompts in `done` or too long are passed over), saved to
+    --save-hidden at its end when asked."""
     if settings["device"] == "cpu" and settings["dtype"] != "float32" and \
             "linear_attention" in (getattr(target_cfg, "layer_types", None) or []):
         print(f"warning: {settings['dtype']} on CPU with a hybrid (linear-attention) target: the CPU fallback of "
@@ -1077,29 +1223,37 @@ def extract_from_target(items, settings, target_cfg, layer_union):
               "extract on a GPU", file=sys.stderr)
     model, tokenizer = load_target(settings)
     encode_prompts(tokenizer, items, settings)
-    todo = [it for it in items if it["completion_ids"] is None]
+    limit = target_cfg.max_position_embeddings
+    todo = [it for it in items if it["index"] not in done]
+    for it in todo:
+        total = len(it["prompt_ids"]) + len(it["completion_ids"] or [])
+        if len(it["prompt_ids"]) >= limit or total > limit:
+            it["skip"] = (f"prompt + completion ({total} tokens) exceed the target's {limit} positions")
+    todo = [it for it in todo if not it.get("skip")]
     stops = set() if settings["ignore_eos"] else eos_ids(model, tokenizer)
-    with progress(settings, len(todo), "generate") as bar:
-        for it in todo:
-            it["completion_ids"] = greedy_generate(model, it["prompt_ids"], settings["max_new_tokens"], stops)
+    generate = [it for it in todo if it["completion_ids"] is None]
+    with progress(settings, len(generate), "generate") as bar:
+        for it in generate:
+            room = min(settings["max_new_tokens"], limit - len(it["prompt_ids"]))
+            it["completion_ids"] = greedy_generate(model, it["prompt_ids"], room, stops)
             it["generated"] = True
             bar.update()
 
     def stream():
         saved = {"tensors": {}, "bytes": 0, "shards": []} if settings["save_hidden"] else None
-        with progress(settings, len(items), "extract", 0) as bar:
-            for i, it in enumerate(items):
+        with progress(settings, len(todo), "extract", 0) as bar:
+            for j, it in enumerate(todo):
                 ids = it["prompt_ids"] + it["completion_ids"]
                 features, argmax = extract_hidden(model, ids, layer_union, len(it["prompt_ids"]))
                 if saved is not None:
-                    keep_hidden(saved, settings["save_hidden"], i, ids, argmax, features, layer_union)
+                    keep_hidden(saved, settings["save_hidden"], j, ids, argmax, features, layer_union)
                 bar.update()
                 yield it, features, argmax
         if saved is not None:
-            save_hidden(settings, target_cfg, layer_union, items, saved)
+            save_hidden(settings, target_cfg, layer_union, todo, saved)
 
     _, _, embed, head = target_parts(model)
-    return items, stream(), embed, head
+    return stream(), embed, head
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1183,7 +1337,7 @@ def hidden_tensors(path, meta, device="cpu"):
         yield lambda key: where[key].get_tensor(key)
 
 
-def open_hidden(path, settings, target_cfg, layer_union):
+def open_hidden(path, settings, target_cfg, layer_union, done=frozenset()):
     """Prompts and a lazy stream of (item, features, argmax) from a --save-hidden file, after checks."""
     meta = read_hidden_meta(path)
     if meta["target_hash"] != target_hash(settings["target"]):
@@ -1200,12 +1354,13 @@ def open_hidden(path, settings, target_cfg, layer_union):
         dtype = getattr(torch, settings["dtype"])
         with hidden_tensors(path, meta, settings["device"]) as get:
             for i, it in enumerate(items):
-                yield it, {L: get(f"{i}.layer{L}").to(dtype) for L in layer_union}, get(f"{i}.argmax").tolist()
+                if i not in done:
+                    yield it, {L: get(f"{i}.layer{L}").to(dtype) for L in layer_union}, get(f"{i}.argmax").tolist()
 
     with hidden_tensors(path, meta) as get:
         for i, row in enumerate(rows):
             ids = get(f"{i}.ids").tolist()
-            items.append({"id": row["id"], "split": row["split"], "prompt_ids": ids[:row["prompt_tokens"]],
+            items.append({"index": i, "id": row["id"], "split": row["split"], "prompt_ids": ids[:row["prompt_tokens"]],
                           "completion_ids": ids[row["prompt_tokens"]:], "generated": row["generated"]})
     return items, stream()
 
@@ -1251,7 +1406,7 @@ def compare_hidden(settings):
               "layers": per_layer, "argmax_agreement": same_argmax / total_argmax if total_argmax else None}
     if settings["ckpt"]:
         quiet = {**settings, "quiet": True}
-        report["drafters"] = [evaluate({**quiet, "load_hidden": p}) ["drafters"] for p in paths]
+        report["drafters"] = [evaluate({**quiet, "load_hidden": p, "output": None})["drafters"] for p in paths]
     print_comparison(report)
     if settings["output"]:
         write_json(settings["output"], report)
@@ -1303,7 +1458,7 @@ def target_agreement(items):
     return hits / total if total else None
 
 
-def drafter_report(d, results, items, mask_check=None):
+def drafter_report(d, results, items):
     B = d["block_size"]
     splits = {}
     for split in sorted({it["split"] for it in items}):
@@ -1314,22 +1469,25 @@ def drafter_report(d, results, items, mask_check=None):
                 "completion_tokens": len(it["completion_ids"]), "reference_generated": it.get("generated", False),
                 "target_agreement": it["agree"][0] / it["agree"][1] if it["agree"][1] else None,
                 "tau": sum(res["rounds"]) / len(res["rounds"]) if res["rounds"] else None,
-                "rounds": res["rounds"], "ddtree_rounds": {str(b): r for b, r in res["ddtree_rounds"].items()}}
+                "rounds": res["rounds"], "ddtree_rounds": {str(b): r for b, r in res["ddtree_rounds"].items()},
+                **({} if res["rounds"] else {"note": f"completion of {len(it['completion_ids'])} tokens is shorter "
+                                                     f"than a block's {B - 1} drafts: nothing to score"})}
                for it, res in zip(items, results)]
     return {"name": d["name"], "checkpoint": d["checkpoint"], "block_size": B, "layers": d["layers"],
             "mask_token_id": d["mask_token_id"], "block_mask": [rule_label(r) for r in d["rules"]],
             **summarize(results, B), "target_agreement": target_agreement(items), "splits": splits,
-            **({"mask_check": mask_check_summary(mask_check)} if mask_check else {}), "prompts": prompts}
+            **({"mask_check": mask_check_summary(d["mask_variants"], [r["mask_check"] for r in results if "mask_check" in r])}
+               if d.get("mask_variants") else {}), "prompts": prompts}
 
 
 def main(argv=None):
     try:
         settings = resolve_settings(parse_args(argv))
-        run(settings)
+        report = run(settings)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
+    return 130 if report.get("interrupted") else 0
 
 
 if __name__ == "__main__":
