@@ -95,6 +95,16 @@ def parse_args(argv):
                    help="compare two --save-hidden files layer by layer (and drafters' tau from each with --ckpt)")
     p.add_argument("--check-mask", action="store_true",
                    help="also draft a sample of anchors under the other in-block masks and flag a better one")
+    p.add_argument("--server", metavar="URL", help="take missing references from a serving engine at URL")
+    p.add_argument("--server-api", default="sglang", choices=["sglang", "openai"],
+                   help="sglang: POST /generate; openai: POST /v1/completions (vLLM >= 0.10.2)")
+    p.add_argument("--server-model", help="model name for --server-api openai")
+    p.add_argument("--server-concurrency", type=int, default=4, help="requests in flight (default 4)")
+    p.add_argument("--server-timeout", type=float, default=600, help="seconds per request (default 600)")
+    p.add_argument("--server-retries", type=int, default=3, help="retries for 5xx, timeouts, resets (default 3)")
+    p.add_argument("--save-references", metavar="FILE.jsonl",
+                   help="append every fetched reference (prompt line + completion_ids) to this file; "
+                        "it works as --prompts later, with no server")
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted run from <output>.partial.jsonl (same settings required)")
     p.add_argument("--demo", action="store_true", help="run on the tiny pair bundled in tests/fixtures")
@@ -142,6 +152,12 @@ def resolve_settings(args):
         fail(f"--block-size {args.block_size} is too small: a block needs the anchor and at least one draft")
     if args.limit is not None and args.limit < 1:
         fail("--limit must be at least 1")
+    if args.server and not args.server.startswith(("http://", "https://")):
+        fail(f"--server must be an http:// or https:// URL, got {args.server!r}")
+    if args.server and args.server_api == "openai" and not args.server_model:
+        fail("--server-api openai needs --server-model (the name the server serves the target under)")
+    if args.server_concurrency < 1 or args.server_retries < 0 or args.server_timeout <= 0:
+        fail("--server-concurrency must be >= 1, --server-retries >= 0 and --server-timeout > 0")
     if args.resume and not args.output:
         fail("--resume needs --output: the partial results live in <output>.partial.jsonl")
     if args.resume and args.save_hidden:
@@ -172,6 +188,13 @@ def resolve_settings(args):
         "compare_hidden": args.compare_hidden,
         "check_mask": args.check_mask,
         "resume": args.resume,
+        "server": args.server,
+        "server_api": args.server_api,
+        "server_model": args.server_model,
+        "server_concurrency": args.server_concurrency,
+        "server_timeout": args.server_timeout,
+        "server_retries": args.server_retries,
+        "save_references": args.save_references,
         "prompts_hash": file_hash(args.prompts) if args.prompts and not from_file else None,
         "load_hidden": args.load_hidden,
         "max_new_tokens": args.max_new_tokens,
@@ -238,8 +261,9 @@ def read_prompts(path, limit=None):
 
 def parse_prompt_row(row, path, lineno):
     where = f"{path} line {lineno}"
-    item = {"id": str(row.get("id", lineno)), "split": str(row.get("split", "all")),
-            "completion": row.get("completion"), "completion_ids": row.get("completion_ids")}
+    item = {"id": str(row.get("id", lineno)), "split": str(row.get("split", "all")), "row": row,
+            "completion": row.get("completion"), "completion_ids": row.get("completion_ids"),
+            "source": row.get("reference_source", "file")}
     if isinstance(row.get("prompt"), str):
         item["messages"] = [{"role": "user", "content": row["prompt"]}]
     elif isinstance(row.get("messages"), list) and row["messages"]:
@@ -372,6 +396,136 @@ def greedy_generate(model, prompt_ids, max_new_tokens, stop_ids):
             return tokens
         cache = getattr(out, "cache", None) if cache_arg == "cache" else out.past_key_values
         out = model(input_ids=torch.tensor([[token]], device=device), use_cache=True, **{cache_arg: cache})
+
+
+# ----------------------------------------------------------------------------------------------------
+# References from a serving engine (SGLang, vLLM): token ids in, token ids out, never re-tokenized
+
+SERVER_BATCH = 8  # prompts per request
+
+
+def fetch_references(items, settings):
+    """Greedy references for `items` from --server, saved line by line to --save-references as they come."""
+    from concurrent.futures import ThreadPoolExecutor
+    batches = [items[i:i + SERVER_BATCH] for i in range(0, len(items), SERVER_BATCH)]
+    save = open(settings["save_references"], "a", encoding="utf-8") if settings["save_references"] else None
+    try:
+        with ThreadPoolExecutor(settings["server_concurrency"]) as pool, \
+                progress(settings, len(items), "server") as bar:
+            for batch, replies in zip(batches, pool.map(lambda b: server_batch(b, settings), batches)):
+                for it, (ids, finish) in zip(batch, replies):
+                    it.update(completion_ids=ids, source="server", finish_reason=finish)
+                    if save:
+                        save.write(json.dumps({**it["row"], "id": it["id"], "split": it["split"], "completion_ids": ids,
+                                               "reference_source": "server", "server": settings["server"],
+                                               "server_api": settings["server_api"], "finish_reason": finish}) + "\n")
+                        save.flush()
+                bar.update(len(batch))
+    finally:
+        if save:
+            save.close()
+
+
+def server_batch(batch, settings):
+    """One request for a batch of prompts: [(completion ids, finish reason)] in the batch's order."""
+    api, url = settings["server_api"], settings["server"].rstrip("/")
+    room = min(it["room"] for it in batch)
+    neutral = {"temperature": 0, "repetition_penalty": 1.0, "frequency_penalty": 0, "presence_penalty": 0}
+    what = "prompt " + ", ".join(it["id"] for it in batch[:3]) + (" ..." if len(batch) > 3 else "")
+    if api == "sglang":
+        body = {"input_ids": [it["prompt_ids"] for it in batch],
+                "sampling_params": {**neutral, "max_new_tokens": room, "ignore_eos": settings["ignore_eos"]}}
+        reply = post_json(url + "/generate", body, settings, batch, what)
+        entries = reply if isinstance(reply, list) else [reply]
+    else:
+        body = {"model": settings["server_model"], "prompt": [it["prompt_ids"] for it in batch], "max_tokens": room,
+                "ignore_eos": settings["ignore_eos"], "skip_special_tokens": False, **neutral}
+        if settings.get("server_ids") == "logprobs":
+            body.update(logprobs=0, return_tokens_as_token_ids=True)
+        else:
+            body["return_token_ids"] = True
+        reply = post_json(url + "/v1/completions", body, settings, batch, what)
+        entries = sorted(reply.get("choices") or [], key=lambda c: c.get("index", 0)) if isinstance(reply, dict) else []
+        if entries and settings.get("server_ids") != "logprobs" and "token_ids" not in entries[0]:
+            settings["server_ids"] = "logprobs"  # older vLLM: ids only as "token_id:N" strings in logprobs
+            return server_batch(batch, settings)
+    if len(entries) != len(batch):
+        fail(f"{what}: the server answered for {len(entries)} prompts, {len(batch)} were sent")
+    return [reply_ids(entry, api, what) for entry in entries]
+
+
+def reply_ids(entry, api, what):
+    if api == "sglang":
+        ids = entry.get("output_ids", entry.get("token_ids"))
+        meta = entry.get("meta_info") or {}
+        finish, n = meta.get("finish_reason"), meta.get("completion_tokens")
+        if isinstance(ids, list) and isinstance(n, int) and len(ids) > n:
+            ids = ids[len(ids) - n:]  # some builds echo the prompt ids first
+        finish = finish.get("type") if isinstance(finish, dict) else finish
+    else:
+        ids, finish = entry.get("token_ids"), entry.get("finish_reason")
+        if ids is None:
+            tokens = (entry.get("logprobs") or {}).get("tokens")
+            if isinstance(tokens, list) and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+                ids = [int(t.split(":", 1)[1]) for t in tokens]
+    if not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
+        fail(f"{what}: the server's reply has no token ids (expected "
+             f"{'output_ids or token_ids' if api == 'sglang' else 'choices[].token_ids or token_id:N logprobs'})")
+    return ids, finish
+
+
+def post_json(url, body, settings, batch, what):
+    """POST with retries (5xx, timeouts, resets; exponential backoff); any other failure is one clear error."""
+    import http.client
+    import socket
+    import urllib.error
+    import urllib.request
+    data = json.dumps(body).encode()
+    retries = settings["server_retries"]
+    for attempt in range(retries + 1):
+        last = attempt == retries
+        try:
+            request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=settings["server_timeout"]) as response:
+                text = response.read()
+            try:
+                return json.loads(text)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                fail(f"{what}: the server at {url} answered with malformed JSON: {text[:100]!r}")
+        except urllib.error.HTTPError as e:
+            words = server_words(e)
+            if e.code >= 500 and not last:
+                time.sleep(0.5 * 2 ** attempt)
+                continue
+            if e.code == 400 and ("context" in words.lower() or "too long" in words.lower()):
+                fail(f"{what} ({max(len(it['prompt_ids']) for it in batch)} prompt tokens) does not fit the server's "
+                     f"context: {words}")
+            fail(f"{what}: the server at {url} answered HTTP {e.code}: {words}")
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+            reason = getattr(e, "reason", e)
+            if isinstance(reason, ConnectionRefusedError):
+                fail(f"cannot reach the server at {url}: connection refused (is it running, and is --server right?)")
+            if not last:
+                time.sleep(0.5 * 2 ** attempt)
+                continue
+            kind = "timed out" if isinstance(reason, (TimeoutError, socket.timeout)) else f"failed ({reason})"
+            fail(f"{what}: the request to {url} {kind} after {retries + 1} tries")
+
+
+def server_words(error):
+    """The server's own message from an HTTP error body: error.message, message, detail, or the text."""
+    text = error.read().decode("utf-8", "replace")
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError:
+        return text.strip()[:300] or error.reason
+    inner = body.get("error") if isinstance(body, dict) else None
+    for candidate in ((inner or {}).get("message") if isinstance(inner, dict) else inner,
+                      body.get("message") if isinstance(body, dict) else None,
+                      body.get("detail") if isinstance(body, dict) else None):
+        if isinstance(candidate, str) and candidate:
+            return candidate
+    return text.strip()[:300]
 
 
 def target_parts(model):
@@ -1121,8 +1275,9 @@ def evaluate_prompt(it, features, argmax, drafters, embed, head, settings):
         if d["mask_variants"]:
             res["mask_check"] = check_mask_prompt(d, d["mask_variants"], features, ids, anchors, embed, head)
         results.append(res)
-    keep = ("index", "id", "split", "prompt_ids", "completion_ids", "agree")
-    return {"item": {**{k: it[k] for k in keep}, "generated": bool(it.get("generated"))}, "results": results}
+    keep = ("index", "id", "split", "prompt_ids", "completion_ids", "agree", "source")
+    diverge = next((k for k, (a, b) in enumerate(zip(argmax, it["completion_ids"])) if a != b), None)
+    return {"item": {**{k: it[k] for k in keep}, "first_divergence": diverge}, "results": results}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1232,12 +1387,16 @@ def extract_from_target(items, settings, target_cfg, layer_union, done=frozenset
     todo = [it for it in todo if not it.get("skip")]
     stops = set() if settings["ignore_eos"] else eos_ids(model, tokenizer)
     generate = [it for it in todo if it["completion_ids"] is None]
-    with progress(settings, len(generate), "generate") as bar:
-        for it in generate:
-            room = min(settings["max_new_tokens"], limit - len(it["prompt_ids"]))
-            it["completion_ids"] = greedy_generate(model, it["prompt_ids"], room, stops)
-            it["generated"] = True
-            bar.update()
+    for it in generate:
+        it["room"] = min(settings["max_new_tokens"], limit - len(it["prompt_ids"]))
+    if settings["server"]:
+        fetch_references(generate, settings)
+    else:
+        with progress(settings, len(generate), "generate") as bar:
+            for it in generate:
+                it["completion_ids"] = greedy_generate(model, it["prompt_ids"], it["room"], stops)
+                it["source"] = "target"
+                bar.update()
 
     def stream():
         saved = {"tensors": {}, "bytes": 0, "shards": []} if settings["save_hidden"] else None
@@ -1303,7 +1462,7 @@ def save_hidden(settings, target_cfg, layer_union, items, saved):
             "prompts_file": settings["prompts"], "prompts_hash": file_hash(settings["prompts"]),
             "chat_template": settings["chat_template_applied"], "enable_thinking": settings["enable_thinking"],
             "prompts": [{"id": it["id"], "split": it["split"], "prompt_tokens": len(it["prompt_ids"]),
-                         "completion_tokens": len(it["completion_ids"]), "generated": it.get("generated", False)}
+                         "completion_tokens": len(it["completion_ids"]), "source": it["source"]}
                         for it in items], "shards": saved["shards"]}
     path = settings["save_hidden"]
     write_safetensors(path, saved["tensors"], metadata={"eval_drafter": json.dumps(meta)})
@@ -1361,7 +1520,7 @@ def open_hidden(path, settings, target_cfg, layer_union, done=frozenset()):
         for i, row in enumerate(rows):
             ids = get(f"{i}.ids").tolist()
             items.append({"index": i, "id": row["id"], "split": row["split"], "prompt_ids": ids[:row["prompt_tokens"]],
-                          "completion_ids": ids[row["prompt_tokens"]:], "generated": row["generated"]})
+                          "completion_ids": ids[row["prompt_tokens"]:], "source": row["source"]})
     return items, stream()
 
 
@@ -1466,7 +1625,8 @@ def drafter_report(d, results, items):
         splits[split] = {**summarize([res for res, _ in chosen], B),
                          "target_agreement": target_agreement([it for _, it in chosen])}
     prompts = [{"id": it["id"], "split": it["split"], "prompt_tokens": len(it["prompt_ids"]),
-                "completion_tokens": len(it["completion_ids"]), "reference_generated": it.get("generated", False),
+                "completion_tokens": len(it["completion_ids"]), "reference_generated": it["source"] != "file",
+                "reference_source": it["source"], "first_divergence": it["first_divergence"],
                 "target_agreement": it["agree"][0] / it["agree"][1] if it["agree"][1] else None,
                 "tau": sum(res["rounds"]) / len(res["rounds"]) if res["rounds"] else None,
                 "rounds": res["rounds"], "ddtree_rounds": {str(b): r for b, r in res["ddtree_rounds"].items()},
