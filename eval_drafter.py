@@ -404,26 +404,48 @@ def greedy_generate(model, prompt_ids, max_new_tokens, stop_ids):
 SERVER_BATCH = 8  # prompts per request
 
 
+SAVED_REFERENCE_KEYS = ("completion_ids", "reference_source", "server", "server_api", "finish_reason")
+
+
 def fetch_references(items, settings):
-    """Greedy references for `items` from --server, saved line by line to --save-references as they come."""
-    from concurrent.futures import ThreadPoolExecutor
-    batches = [items[i:i + SERVER_BATCH] for i in range(0, len(items), SERVER_BATCH)]
-    save = open(settings["save_references"], "a", encoding="utf-8") if settings["save_references"] else None
-    try:
-        with ThreadPoolExecutor(settings["server_concurrency"]) as pool, \
-                progress(settings, len(items), "server") as bar:
-            for batch, replies in zip(batches, pool.map(lambda b: server_batch(b, settings), batches)):
-                for it, (ids, finish) in zip(batch, replies):
-                    it.update(completion_ids=ids, source="server", finish_reason=finish)
-                    if save:
-                        save.write(json.dumps({**it["row"], "id": it["id"], "split": it["split"], "completion_ids": ids,
-                                               "reference_source": "server", "server": settings["server"],
-                                               "server_api": settings["server_api"], "finish_reason": finish}) + "\n")
-                        save.flush()
-                bar.update(len(batch))
-    finally:
-        if save:
-            save.close()
+    """Greedy references for `items` from --server, saved line by line to --save-references as they come.
+    Prompts already in that file (same line, same id) are taken from it, not fetched again."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+    path = settings["save_references"]
+    saved = {}
+    if path and os.path.isfile(path):
+        saved = {row.get("id"): row for row in map(json.loads, open(path, encoding="utf-8").read().splitlines()) if row}
+    todo = []
+    for it in items:
+        row = saved.get(it["id"])
+        if row and {k: v for k, v in row.items() if k not in SAVED_REFERENCE_KEYS} == \
+                {**it["row"], "id": it["id"], "split": it["split"]}:
+            it.update(completion_ids=row["completion_ids"], source="server", finish_reason=row.get("finish_reason"))
+        else:
+            todo.append(it)
+    by_room = {}
+    for it in todo:  # one max_new_tokens per request: batch prompts that have the same room
+        by_room.setdefault(it["room"], []).append(it)
+    batches = [group[i:i + SERVER_BATCH] for group in by_room.values() for i in range(0, len(group), SERVER_BATCH)]
+    error = None
+    with ThreadPoolExecutor(settings["server_concurrency"]) as pool, progress(settings, len(todo), "server") as bar, \
+            open(path or os.devnull, "a", encoding="utf-8") as save:
+        futures = {pool.submit(server_batch, batch, settings): batch for batch in batches}
+        for future in as_completed(futures):
+            try:
+                replies = future.result()
+            except UsageError as e:  # keep saving the batches that did answer, then report the first fault
+                error = error or e
+                continue
+            for it, (ids, finish) in zip(futures[future], replies):
+                it.update(completion_ids=ids, source="server", finish_reason=finish)
+                save.write(json.dumps({**it["row"], "id": it["id"], "split": it["split"], "completion_ids": ids,
+                                       "reference_source": "server", "server": settings["server"],
+                                       "server_api": settings["server_api"], "finish_reason": finish}) + "\n")
+                save.flush()
+            bar.update(len(futures[future]))
+    if error:
+        raise error
 
 
 def server_batch(batch, settings):
@@ -432,10 +454,11 @@ def server_batch(batch, settings):
     room = min(it["room"] for it in batch)
     neutral = {"temperature": 0, "repetition_penalty": 1.0, "frequency_penalty": 0, "presence_penalty": 0}
     what = "prompt " + ", ".join(it["id"] for it in batch[:3]) + (" ..." if len(batch) > 3 else "")
+    longest = max(batch, key=lambda it: len(it["prompt_ids"]))
     if api == "sglang":
         body = {"input_ids": [it["prompt_ids"] for it in batch],
                 "sampling_params": {**neutral, "max_new_tokens": room, "ignore_eos": settings["ignore_eos"]}}
-        reply = post_json(url + "/generate", body, settings, batch, what)
+        reply = post_json(url + "/generate", body, settings, longest, what)
         entries = reply if isinstance(reply, list) else [reply]
     else:
         body = {"model": settings["server_model"], "prompt": [it["prompt_ids"] for it in batch], "max_tokens": room,
@@ -444,8 +467,11 @@ def server_batch(batch, settings):
             body.update(logprobs=0, return_tokens_as_token_ids=True)
         else:
             body["return_token_ids"] = True
-        reply = post_json(url + "/v1/completions", body, settings, batch, what)
-        entries = sorted(reply.get("choices") or [], key=lambda c: c.get("index", 0)) if isinstance(reply, dict) else []
+        reply = post_json(url + "/v1/completions", body, settings, longest, what)
+        entries = reply.get("choices") if isinstance(reply, dict) else None
+        if not (isinstance(entries, list) and all(isinstance(c, dict) for c in entries)):
+            fail(f"{what}: the server's reply has no list of choices")
+        entries = sorted(entries, key=lambda c: c.get("index", 0))
         if entries and settings.get("server_ids") != "logprobs" and "token_ids" not in entries[0]:
             settings["server_ids"] = "logprobs"  # older vLLM: ids only as "token_id:N" strings in logprobs
             return server_batch(batch, settings)
@@ -455,6 +481,8 @@ def server_batch(batch, settings):
 
 
 def reply_ids(entry, api, what):
+    if not isinstance(entry, dict):
+        fail(f"{what}: the server's reply holds {type(entry).__name__} where an object per prompt belongs")
     if api == "sglang":
         ids = entry.get("output_ids", entry.get("token_ids"))
         meta = entry.get("meta_info") or {}
@@ -474,7 +502,7 @@ def reply_ids(entry, api, what):
     return ids, finish
 
 
-def post_json(url, body, settings, batch, what):
+def post_json(url, body, settings, longest, what):
     """POST with retries (5xx, timeouts, resets; exponential backoff); any other failure is one clear error."""
     import http.client
     import socket
@@ -498,8 +526,8 @@ def post_json(url, body, settings, batch, what):
                 time.sleep(0.5 * 2 ** attempt)
                 continue
             if e.code == 400 and ("context" in words.lower() or "too long" in words.lower()):
-                fail(f"{what} ({max(len(it['prompt_ids']) for it in batch)} prompt tokens) does not fit the server's "
-                     f"context: {words}")
+                fail(f"prompt {longest['id']} ({len(longest['prompt_ids'])} prompt tokens, the longest in its request) "
+                     f"does not fit the server's context: {words}")
             fail(f"{what}: the server at {url} answered HTTP {e.code}: {words}")
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             reason = getattr(e, "reason", e)
