@@ -152,6 +152,10 @@ def resolve_settings(args):
         fail(f"--block-size {args.block_size} is too small: a block needs the anchor and at least one draft")
     if args.limit is not None and args.limit < 1:
         fail("--limit must be at least 1")
+    for flag, path in (("--output", args.output), ("--save-hidden", args.save_hidden),
+                       ("--save-references", args.save_references)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            fail(f"{flag} {path}: its directory does not exist; create it first")
     if args.server and not args.server.startswith(("http://", "https://")):
         fail(f"--server must be an http:// or https:// URL, got {args.server!r}")
     if args.server and args.server_api == "openai" and not args.server_model:
@@ -347,8 +351,7 @@ def target_tensor_files(path):
     from safetensors import safe_open
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+        return {k: os.path.join(path, v) for k, v in index_weight_map(index).items()}
     names = {}
     for name in sorted(os.listdir(path)):
         if name.endswith(".safetensors"):
@@ -614,12 +617,10 @@ KEY_PREFIXES = ("module.", "_orig_mod.", "draft_model.", "model.")    # stripped
 def read_checkpoint(path, name):
     """(config dict or None, raw state dict) from a public directory, a sharded directory, a single
     .safetensors file, or a training .pt/.pth/.bin (tensors only: weights_only=True, never unpickled)."""
-    from safetensors.torch import load_file
     if os.path.isdir(path):
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index, encoding="utf-8") as f:
-                files = sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
+            files = sorted({os.path.join(path, v) for v in index_weight_map(index).values()})
         elif os.path.isfile(os.path.join(path, "model.safetensors")):
             files = [os.path.join(path, "model.safetensors")]
         else:
@@ -627,16 +628,17 @@ def read_checkpoint(path, name):
                  "(or model.safetensors.index.json)")
         state = {}
         for file in files:
-            state.update(load_file(file))
+            state.update(load_safetensors(file))
         config = os.path.join(path, "config.json")
     elif path.endswith(".safetensors"):
-        state, config = load_file(path), os.path.join(os.path.dirname(path), "config.json")
+        state, config = load_safetensors(path), os.path.join(os.path.dirname(path), "config.json")
     elif path.endswith((".pt", ".pth", ".bin")):
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception:  # noqa: BLE001 - UnpicklingError and friends: all mean "not plain tensors"
-            fail(f"{path} cannot be loaded with torch.load(weights_only=True): it holds Python objects beyond "
-                 "tensors and is refused, since unpickling can run code; re-save its state dict alone")
+            fail(f"{path} is not a tensors-only torch checkpoint: torch.load(weights_only=True) refused it (it holds "
+                 "Python objects, or is no torch file). Unpickling is never tried, since it can run code; "
+                 "re-save the state dict alone")
         config = os.path.join(os.path.dirname(path), "config.json")
     else:
         fail(f"{path}: unknown checkpoint form; give a drafter directory, a .safetensors file or a .pt/.pth/.bin")
@@ -644,11 +646,32 @@ def read_checkpoint(path, name):
 
 
 def read_json(path):
+    """A JSON object from a file, or one clear error."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            value = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         fail(f"cannot read {path} as JSON: {e}")
+    if not isinstance(value, dict):
+        fail(f"{path} holds a JSON {type(value).__name__}, not the object expected")
+    return value
+
+
+def index_weight_map(path):
+    weight_map = read_json(path).get("weight_map")
+    if not isinstance(weight_map, dict):
+        fail(f"{path} has no weight_map: not a safetensors index")
+    return weight_map
+
+
+def load_safetensors(path):
+    from safetensors.torch import load_file
+    if not os.path.isfile(path):
+        fail(f"{path} is missing: the checkpoint's index names it")
+    try:
+        return load_file(path)
+    except Exception as e:  # noqa: BLE001 - SafetensorError and OSError: the file is damaged either way
+        fail(f"{path} is not a readable safetensors file ({str(e).splitlines()[0]})")
 
 
 def unwrap_state_dict(state, name, settings):
@@ -676,9 +699,12 @@ def unwrap_state_dict(state, name, settings):
 
 def infer_config(state, target_cfg, settings, name):
     """A drafter config from the tensor shapes, flags and the target's config, saying what came from where."""
-    if "layers.0.self_attn.q_norm.weight" not in state or "fc.weight" not in state:
-        fail(f"drafter {name}: no config.json and the tensors are not a DFlash drafter's (no fc.weight or "
-             "layers.0.self_attn.q_norm.weight); pass --drafter-config FILE")
+    needed = ["fc.weight"] + [f"layers.0.{k}.weight" for k in ("self_attn.q_norm", "self_attn.q_proj",
+                                                                 "self_attn.k_proj", "mlp.gate_proj")]
+    missing = [k for k in needed if k not in state]
+    if missing:
+        fail(f"drafter {name}: no config.json and the tensors are not a DFlash drafter's (missing "
+             f"{', '.join(missing)}); pass --drafter-config FILE")
     hidden = state["fc.weight"].shape[0]
     head_dim = settings["head_dim"] or state["layers.0.self_attn.q_norm.weight"].shape[0]
     q_width, kv_width = (state[f"layers.0.self_attn.{p}.weight"].shape[0] for p in ("q_proj", "k_proj"))
@@ -718,8 +744,11 @@ def load_drafter(spec, target_cfg, settings):
     if not os.path.exists(path):
         fail(f"drafter checkpoint not found: {path} (pass a drafter directory or file to --ckpt)")
     cfg, state = read_checkpoint(path, name)
-    if cfg is None and settings.get("drafter_config"):
-        cfg = read_json(settings["drafter_config"])
+    if settings.get("drafter_config"):
+        if cfg is None:
+            cfg = read_json(settings["drafter_config"])
+        else:
+            log(settings, f"drafter {name}: --drafter-config ignored, the checkpoint has its own config.json")
     state = unwrap_state_dict(state, name, settings)
     if cfg is None:
         cfg = infer_config(state, target_cfg, settings, name)
@@ -791,6 +820,19 @@ def check_drafter_keys(weights, cfg, name):
         fail(f"drafter {name} does not match a DFlash drafter of its config: {len(missing)} missing "
              f"({', '.join(missing[:3]) or 'none'}{', ...' if len(missing) > 3 else ''}), {len(unexpected)} unexpected "
              f"({', '.join(unexpected[:3]) or 'none'}{', ...' if len(unexpected) > 3 else ''})")
+    H, I, hd = cfg["hidden_size"], cfg.get("intermediate_size"), head_dim_of(cfg)
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    shapes = {"hidden_norm.weight": (H,), "norm.weight": (H,), "input_layernorm.weight": (H,),
+              "post_attention_layernorm.weight": (H,), "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H),
+              "mlp.down_proj.weight": (H, I), "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
+              "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, q), "self_attn.q_norm.weight": (hd,),
+              "self_attn.k_norm.weight": (hd,), "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+              "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.bias": (H,)}
+    for key in needed:
+        want = shapes.get(key.split(".", 2)[-1] if key.startswith("layers.") else key)
+        if want and tuple(weights[key].shape) != want:
+            fail(f"drafter {name}: tensor {key} has shape {tuple(weights[key].shape)}, its config implies {want}: "
+                 "the config does not describe these weights")
     bad = next((k for k in needed if not torch.isfinite(weights[k]).all()), None)
     if bad:
         fail(f"drafter {name}: tensor {bad} holds NaN or Inf values; the checkpoint is broken")
@@ -1043,10 +1085,12 @@ MASK_CHECK_MARGIN = 0.05  # accuracy gain (absolute) of another mode that counts
 
 def mask_variants(drafter, settings):
     """The rule sets to try: as configured, all bidirectional, all causal, sliding windows ignored."""
+    options = [("bidirectional", "bidirectional", "train"), ("causal", "causal", "train"),
+               ("no sliding window", settings["block_mask"], "ignore")]
+    if settings["sliding_window"] == "ignore":
+        options.append(("sliding windows as trained", settings["block_mask"], "train"))
     variants = {"configured": drafter["rules"]}
-    for name, block_mask, window in (("bidirectional", "bidirectional", settings["sliding_window"]),
-                                     ("causal", "causal", settings["sliding_window"]),
-                                     ("no sliding window", settings["block_mask"], "ignore")):
+    for name, block_mask, window in options:
         variants[name] = layer_rules(drafter["cfg"], {"block_mask": block_mask, "sliding_window": window})
     return variants
 
@@ -1157,8 +1201,13 @@ def fmt(x, digits=3):
 def print_report(report, out=None):
     out = out or sys.stdout
     target = report["target"]
-    print(f"target: {target['path']} ({target['device']}, {target['dtype']}); "
+    cache = report["config"].get("hidden_cache")
+    extracted = f"; features extracted in {cache['dtype']} on {cache['device']}" if cache else ""
+    print(f"target: {target['path']} ({target['device']}, {target['dtype']}{extracted}); "
           f"target agreement {fmt(target['agreement'], 4)}", file=out)
+    if cache:
+        print(f"features: from {report['config']['load_hidden']} (torch {cache['torch_version']}, "
+              f"transformers {cache['transformers_version']})", file=out)
     for d in report["drafters"]:
         print(f"\n== drafter {d['name']}: block {d['block_size']}, layers {d['layers']}", file=out)
         print("   in-block mask per layer: " + "; ".join(f"{i}: {r}" for i, r in enumerate(d["block_mask"])), file=out)
@@ -1249,6 +1298,7 @@ def evaluate(settings):
         else:
             stream, embed, head = extract_from_target(items, settings, target_cfg, layer_union, set(records))
             skipped = [{"id": it["id"], "reason": it["skip"]} for it in items if it.get("skip")]
+        records = {i: r for i, r in records.items() if i < len(items)}  # resumed with a smaller --limit
         with progress(settings, len(items) - len(records), "draft", 1) as bar:
             for it, features, argmax in stream:
                 records[it["index"]] = evaluate_prompt(it, features, argmax, drafters, embed, head, settings)
@@ -1362,17 +1412,13 @@ def resume_records(settings, drafters):
         return {}
     with open(path, encoding="utf-8") as f:
         lines = [line for line in f if line.strip()]
-    try:
-        header, rows = json.loads(lines[0]), [json.loads(line) for line in lines[1:]]
-    except (IndexError, json.JSONDecodeError):
-        header, rows = None, []
-        if lines:  # a line cut short by a hard kill: keep every complete one
-            header, rows = json.loads(lines[0]), []
-            for line in lines[1:]:
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break
+    rows = []
+    for line in lines:  # a last line cut short by a hard kill is dropped: every complete one is kept
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    header, rows = (rows[0] if rows and isinstance(rows[0], dict) else None), rows[1:]
     if not header or "fingerprint" not in header:
         fail(f"{path} is not a partial-results file of this tool; remove it or drop --resume")
     now = fingerprint(settings)
@@ -1427,7 +1473,8 @@ def extract_from_target(items, settings, target_cfg, layer_union, done=frozenset
                 bar.update()
 
     def stream():
-        saved = {"tensors": {}, "bytes": 0, "shards": []} if settings["save_hidden"] else None
+        saved = {"tensors": {}, "bytes": 0, "shards": [], "run": f"{os.getpid()}-{time.time_ns()}"} \
+            if settings["save_hidden"] else None
         with progress(settings, len(todo), "extract", 0) as bar:
             for j, it in enumerate(todo):
                 ids = it["prompt_ids"] + it["completion_ids"]
@@ -1453,11 +1500,19 @@ def file_hash(path):
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def target_hash(path):
-    """Hash of the target's config.json content: two caches of one target agree, another target differs."""
+def target_hash(path, weights=True):
+    """Hash of the target's config.json and of a few rows of its embedding and head: two copies of one
+    target agree; another target differs, even one with the same config (another fine-tune). Caches of the
+    first format hashed the config alone (weights=False)."""
     import hashlib
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        return hashlib.sha256(json.dumps(json.load(f), sort_keys=True).encode()).hexdigest()
+    from safetensors import safe_open
+    digest = hashlib.sha256(json.dumps(read_json(os.path.join(path, "config.json")), sort_keys=True).encode())
+    files = target_tensor_files(path) if weights else {}
+    for name in EMBED_NAMES + ("lm_head.weight",):
+        if name in files:
+            with safe_open(files[name], "pt") as f:
+                digest.update(f.get_slice(name)[:4].float().numpy().tobytes())
+    return digest.hexdigest()
 
 
 SAVE_SHARD_BYTES = 2 << 30  # features held in memory before a shard is written
@@ -1477,14 +1532,14 @@ def keep_hidden(saved, path, i, ids, argmax, features, layer_union):
     saved["tensors"].update(tensors)
     saved["bytes"] += sum(t.numel() * t.element_size() for t in tensors.values())
     if saved["bytes"] >= SAVE_SHARD_BYTES:
-        shard = f"{path}.shard{len(saved['shards']) + 1}"
+        shard = f"{path}.{saved['run']}.shard{len(saved['shards']) + 1}"  # never over a live cache's shards
         write_safetensors(shard, saved["tensors"])
         saved.update(tensors={}, bytes=0, shards=saved["shards"] + [os.path.basename(shard)])
 
 
 def save_hidden(settings, target_cfg, layer_union, items, saved):
     """The main file: the last tensors and the run metadata (naming any shards written before it)."""
-    meta = {"format": "eval_drafter.hidden/1", "target_hash": target_hash(settings["target"]),
+    meta = {"format": "eval_drafter.hidden/2", "target_hash": target_hash(settings["target"]),
             "layers": layer_union, "dtype": settings["dtype"], "device": settings["device"],
             "torch_version": torch.__version__, "transformers_version": settings["transformers_version"],
             "prompts_file": settings["prompts"], "prompts_hash": file_hash(settings["prompts"]),
@@ -1493,7 +1548,13 @@ def save_hidden(settings, target_cfg, layer_union, items, saved):
                          "completion_tokens": len(it["completion_ids"]), "source": it["source"]}
                         for it in items], "shards": saved["shards"]}
     path = settings["save_hidden"]
+    old_shards = []
+    with contextlib.suppress(UsageError):  # what was there may be no cache at all
+        old_shards = read_hidden_meta(path).get("shards", []) if os.path.isfile(path) else []
     write_safetensors(path, saved["tensors"], metadata={"eval_drafter": json.dumps(meta)})
+    for shard in set(old_shards) - set(saved["shards"]):  # the replaced cache's shards
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(os.path.dirname(os.path.abspath(path)), shard))
     log(settings, f"wrote hidden states of {len(items)} prompts, layers {layer_union}, to {path}")
 
 
@@ -1506,6 +1567,10 @@ def read_hidden_meta(path):
             meta = json.loads((f.metadata() or {})["eval_drafter"])
     except Exception:  # noqa: BLE001 - unreadable or foreign file: same answer
         fail(f"{path} is not a hidden-state file written by --save-hidden")
+    needed = ("target_hash", "layers", "dtype", "device", "prompts")
+    if not isinstance(meta, dict) or not str(meta.get("format", "")).startswith("eval_drafter.hidden/") or \
+            any(k not in meta for k in needed):
+        fail(f"{path} has incomplete hidden-state metadata (needs format and {', '.join(needed)}): extract again")
     return meta
 
 
@@ -1527,9 +1592,9 @@ def hidden_tensors(path, meta, device="cpu"):
 def open_hidden(path, settings, target_cfg, layer_union, done=frozenset()):
     """Prompts and a lazy stream of (item, features, argmax) from a --save-hidden file, after checks."""
     meta = read_hidden_meta(path)
-    if meta["target_hash"] != target_hash(settings["target"]):
-        fail(f"{path} was extracted from another target than {settings['target']} (config hash differs); "
-             "pass the target it was made with, or extract again")
+    if meta["target_hash"] != target_hash(settings["target"], meta["format"] != "eval_drafter.hidden/1"):
+        fail(f"{path} was extracted from another target than {settings['target']} (the hash of its config and "
+             "weights differs); pass the target it was made with, or extract again")
     missing = sorted(set(layer_union) - set(meta["layers"]))
     if missing:
         fail(f"{path} holds layers {meta['layers']} but the drafters need {layer_union} (missing {missing}); "
@@ -1548,7 +1613,10 @@ def open_hidden(path, settings, target_cfg, layer_union, done=frozenset()):
         for i, row in enumerate(rows):
             ids = get(f"{i}.ids").tolist()
             items.append({"index": i, "id": row["id"], "split": row["split"], "prompt_ids": ids[:row["prompt_tokens"]],
-                          "completion_ids": ids[row["prompt_tokens"]:], "source": row["source"]})
+                          "completion_ids": ids[row["prompt_tokens"]:],
+                          "source": row.get("source", "target" if row.get("generated") else "file")})
+    settings["hidden_cache"] = {k: meta.get(k) for k in ("format", "dtype", "device", "torch_version",
+                                                         "transformers_version", "prompts_file", "layers")}
     return items, stream()
 
 
@@ -1565,7 +1633,7 @@ def compare_hidden(settings):
                  "worst": None} for L in layers}
     same_argmax = total_argmax = 0
     with hidden_tensors(paths[0], metas[0]) as get_a, hidden_tensors(paths[1], metas[1]) as get_b:
-        for i, row in enumerate(metas[0]["prompts"]):
+        for i, row in enumerate(metas[0]["prompts"][:settings["limit"]]):
             if not torch.equal(get_a(f"{i}.ids"), get_b(f"{i}.ids")):
                 fail(f"prompt {row['id']}: the two files hold different token ids")
             a_max, b_max = get_a(f"{i}.argmax"), get_b(f"{i}.argmax")
@@ -1618,6 +1686,9 @@ def print_comparison(report, out=None):
             print(f"   {k:>3}  {fmt(x):>8}  {fmt(y):>8}", file=out)
 
 
+EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+
+
 def read_embed_head(path, target_cfg, settings):
     """The target's embedding and lm_head read by name from its safetensors: the model is never built."""
     from safetensors import safe_open
@@ -1631,7 +1702,7 @@ def read_embed_head(path, target_cfg, settings):
                     return f.get_tensor(name).to(dtype)
         return None
 
-    embed_w = tensor("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+    embed_w = tensor(*EMBED_NAMES)
     if embed_w is None:
         fail(f"no embed_tokens weight found in the safetensors of {path}")
     head_w = tensor("lm_head.weight")
@@ -1659,7 +1730,8 @@ def drafter_report(d, results, items):
                 "tau": sum(res["rounds"]) / len(res["rounds"]) if res["rounds"] else None,
                 "rounds": res["rounds"], "ddtree_rounds": {str(b): r for b, r in res["ddtree_rounds"].items()},
                 **({} if res["rounds"] else {"note": f"completion of {len(it['completion_ids'])} tokens is shorter "
-                                                     f"than a block's {B - 1} drafts: nothing to score"})}
+                                                     f"than one block ({B} tokens: the anchor and {B - 1} drafts): "
+                                                     "nothing to score"})}
                for it, res in zip(items, results)]
     return {"name": d["name"], "checkpoint": d["checkpoint"], "block_size": B, "layers": d["layers"],
             "mask_token_id": d["mask_token_id"], "block_mask": [rule_label(r) for r in d["rules"]],
