@@ -184,49 +184,16 @@ def resolve_settings(args):
         if not layers:
             fail("--layers is empty")
     import transformers
-    return {
-        "target": os.path.abspath(args.target) if args.target else None,
-        "ckpt": list(args.ckpt),
-        "prompts": os.path.abspath(args.prompts) if args.prompts else None,
-        "save_hidden": args.save_hidden,
-        "compare_hidden": args.compare_hidden,
-        "check_mask": args.check_mask,
-        "resume": args.resume,
-        "server": args.server,
-        "server_api": args.server_api,
-        "server_model": args.server_model,
-        "server_concurrency": args.server_concurrency,
-        "server_timeout": args.server_timeout,
-        "server_retries": args.server_retries,
-        "save_references": args.save_references,
-        "prompts_hash": file_hash(args.prompts) if args.prompts and not from_file else None,
-        "load_hidden": args.load_hidden,
-        "max_new_tokens": args.max_new_tokens,
-        "ignore_eos": args.ignore_eos,
-        "device": device,
-        "dtype": dtype,
-        "layers": layers,
-        "block_size": args.block_size,
-        "drafter_config": args.drafter_config,
-        "mask_token_id": args.mask_token_id,
-        "head_dim": args.head_dim,
-        "num_heads": args.num_heads,
-        "num_kv_heads": args.num_kv_heads,
-        "block_mask": args.block_mask,
-        "ddtree_budgets": parse_budgets(args.ddtree_budgets),
-        "sliding_window": args.sliding_window,
-        "chat_template": not args.no_chat_template,
-        "enable_thinking": args.enable_thinking,
-        "limit": args.limit,
-        "threads": args.threads,
-        "output": args.output,
-        "quiet": args.quiet,
-        "demo": args.demo,
-        "walk_rule": "first anchor = first completion token; next anchor = anchor + acceptance; "
-                     "stop when the next block's drafts would pass the end of the reference",
-        "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
-    }
+    no_template = vars(args).pop("no_chat_template")
+    return {**vars(args),  # every flag as given, then what was resolved from it
+            "target": os.path.abspath(args.target) if args.target else None,
+            "prompts": os.path.abspath(args.prompts) if args.prompts else None,
+            "prompts_hash": file_hash(args.prompts) if args.prompts and not from_file else None,
+            "device": device, "dtype": dtype, "layers": layers, "chat_template": not no_template,
+            "ddtree_budgets": parse_budgets(args.ddtree_budgets),
+            "walk_rule": "first anchor = first completion token; next anchor = anchor + acceptance; "
+                         "stop when the next block's drafts would pass the end of the reference",
+            "torch_version": torch.__version__, "transformers_version": transformers.__version__}
 
 
 # ----------------------------------------------------------------------------------------------------
