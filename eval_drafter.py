@@ -44,6 +44,20 @@ def fail(message):
     raise UsageError(message)
 
 
+TIMING = {}  # seconds per stage of the current run, reported under "timing"
+
+
+@contextlib.contextmanager
+def timed(stage):
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # CUDA work is asynchronous: charge it to the stage that queued it
+        TIMING[stage] = TIMING.get(stage, 0.0) + time.perf_counter() - start
+
+
 def log(settings, message):
     if not settings.get("quiet"):
         print(message, file=sys.stderr)
@@ -1106,13 +1120,15 @@ def fitting_anchors(n_prompt, total_len, block_size):
 def score_prompt(drafts, ids, n_prompt, block_size, top=None, budgets=()):
     """Per anchor: matched drafts m (acceptance = 1 + m) and which drafts equal the reference; then the
     chain walk, and the DDTree walk of every budget from the top-k log-probs `top`."""
-    anchors = fitting_anchors(n_prompt, len(ids), block_size)
-    reference = torch.tensor(ids)[anchors[:, None] + torch.arange(1, block_size)]
-    equal = drafts == reference
-    matched = equal.long().cumprod(dim=1).sum(dim=1)
-    return {"anchors": anchors, "matched": matched, "equal": equal,
-            "rounds": walk(lambda a: 1 + int(matched[a - n_prompt]), n_prompt, len(ids), block_size),
-            "ddtree_rounds": ddtree_walks(top, reference, n_prompt, len(ids), block_size, budgets)}
+    with timed("metrics_s"):
+        anchors = fitting_anchors(n_prompt, len(ids), block_size)
+        reference = torch.tensor(ids)[anchors[:, None] + torch.arange(1, block_size)]
+        equal = drafts == reference
+        matched = equal.long().cumprod(dim=1).sum(dim=1)
+        rounds = walk(lambda a: 1 + int(matched[a - n_prompt]), n_prompt, len(ids), block_size)
+    with timed("trees_s"):
+        trees = ddtree_walks(top, reference, n_prompt, len(ids), block_size, budgets)
+    return {"anchors": anchors, "matched": matched, "equal": equal, "rounds": rounds, "ddtree_rounds": trees}
 
 
 def walk(acceptance, first_anchor, total_len, block_size):
@@ -1255,6 +1271,7 @@ def evaluate(settings):
         d["mask_variants"] = mask_variants(d, settings) if settings["check_mask"] else None
     layer_union = sorted({L for d in drafters for L in d["layers"]})
     records = resume_records(settings, drafters) if settings["resume"] else {}
+    TIMING.clear()
     partial = open_partial(settings, records)
     t0, interrupted, skipped = time.time(), False, []
     previous = signal.signal(signal.SIGTERM, raise_interrupt) if is_main_thread() else None
@@ -1297,6 +1314,7 @@ def evaluate(settings):
                    "agreement": agreement},
         "drafters": [drafter_report(d, [r["results"][j] for r in done], finished) for j, d in enumerate(drafters)],
         "skipped": skipped,
+        "timing": {**{k: round(v, 4) for k, v in sorted(TIMING.items())}, "total_s": round(time.time() - t0, 4)},
         "elapsed_s": time.time() - t0,
     }
     if interrupted:
@@ -1315,10 +1333,12 @@ def evaluate_prompt(it, features, argmax, drafters, embed, head, settings):
     budgets, results = settings["ddtree_budgets"], []
     for d in drafters:
         anchors = fitting_anchors(n_prompt, len(ids), d["block_size"]).to(settings["device"])
-        drafts, top = draft_all_anchors(d, features, ids, anchors, embed, head, max(budgets, default=0), it["id"])
+        with timed("drafter_s"):
+            drafts, top = draft_all_anchors(d, features, ids, anchors, embed, head, max(budgets, default=0), it["id"])
         res = score_prompt(drafts, ids, n_prompt, d["block_size"], top, budgets)
         if d["mask_variants"]:
-            res["mask_check"] = check_mask_prompt(d, d["mask_variants"], features, ids, anchors, embed, head)
+            with timed("mask_check_s"):
+                res["mask_check"] = check_mask_prompt(d, d["mask_variants"], features, ids, anchors, embed, head)
         results.append(res)
     keep = ("index", "id", "split", "prompt_ids", "completion_ids", "agree", "source")
     diverge = next((k for k, (a, b) in enumerate(zip(argmax, it["completion_ids"])) if a != b), None)
@@ -1417,7 +1437,8 @@ def extract_from_target(items, settings, target_cfg, layer_union, done=frozenset
         print(f"warning: {settings['dtype']} on CPU with a hybrid (linear-attention) target: the CPU fallback of "
               "those layers drifts from the GPU kernels enough to garble drafts; use --dtype float32 on CPU, or "
               "extract on a GPU", file=sys.stderr)
-    model, tokenizer = load_target(settings)
+    with timed("load_s"):
+        model, tokenizer = load_target(settings)
     encode_prompts(tokenizer, items, settings)
     limit = target_cfg.max_position_embeddings
     todo = [it for it in items if it["index"] not in done]
@@ -1431,11 +1452,13 @@ def extract_from_target(items, settings, target_cfg, layer_union, done=frozenset
     for it in generate:
         it["room"] = min(settings["max_new_tokens"], limit - len(it["prompt_ids"]))
     if settings["server"]:
-        fetch_references(generate, settings)
+        with timed("generate_s"):
+            fetch_references(generate, settings)
     else:
         with progress(settings, len(generate), "generate") as bar:
             for it in generate:
-                it["completion_ids"] = greedy_generate(model, it["prompt_ids"], it["room"], stops)
+                with timed("generate_s"):
+                    it["completion_ids"] = greedy_generate(model, it["prompt_ids"], it["room"], stops)
                 it["source"] = "target"
                 bar.update()
 
@@ -1445,7 +1468,8 @@ def extract_from_target(items, settings, target_cfg, layer_union, done=frozenset
         with progress(settings, len(todo), "extract", 0) as bar:
             for j, it in enumerate(todo):
                 ids = it["prompt_ids"] + it["completion_ids"]
-                features, argmax = extract_hidden(model, ids, layer_union, len(it["prompt_ids"]))
+                with timed("target_s"):
+                    features, argmax = extract_hidden(model, ids, layer_union, len(it["prompt_ids"]))
                 if saved is not None:
                     keep_hidden(saved, settings["save_hidden"], j, ids, argmax, features, layer_union)
                 bar.update()
