@@ -94,6 +94,9 @@ def parse_args(argv):
                    help="train = window sliding layers as training did; ignore = public HF reference")
     p.add_argument("--ddtree-budgets", default="8,32,128",
                    help="DDTree node budgets, comma list (default 8,32,128); 'none' for the chain only")
+    p.add_argument("--anchors", default="all", choices=["all", "walk"],
+                   help="all: draft every anchor (per-position statistics over every position); walk: only the "
+                        "anchors the walks visit (same rounds and tau, drafter cost / ~tau)")
     p.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as plain text")
     p.add_argument("--enable-thinking", action="store_true", help="chat template with thinking on")
     p.add_argument("--limit", type=int, help="evaluate only the first N prompts")
@@ -971,7 +974,7 @@ def drafter_forward(drafter, context_kv, anchors, block_ids, embed):
 
 
 @torch.inference_mode()
-def draft_all_anchors(drafter, features, ids, anchors, embed, head, top_k=0, prompt_id=None):
+def draft_all_anchors(drafter, features, ids, anchors, embed, head, top_k=0, prompt_id=None, context_kv=None):
     """Greedy drafts (n_anchors, B-1) for every anchor, many blocks per SDPA call, and with top_k > 0 the
     top_k float32 log-probs and token ids per slot (n_anchors, B-1, top_k) that DDTree builds from."""
     B = drafter["block_size"]
@@ -979,7 +982,7 @@ def draft_all_anchors(drafter, features, ids, anchors, embed, head, top_k=0, pro
         empty = torch.zeros(0, B - 1, max(top_k, 1))
         return torch.zeros(0, B - 1, dtype=torch.long), (empty, empty.long())
     feats = torch.cat([features[L] for L in drafter["layers"]], dim=-1)
-    context_kv = drafter_context(drafter, feats)
+    context_kv = context_kv or drafter_context(drafter, feats)
     ids_t = torch.tensor(ids, device=feats.device)
     drafts, top_logp, top_ids = [], [], []
     for chunk in anchors.split(max(1, ANCHOR_TOKENS_PER_CHUNK // B)):
@@ -1035,26 +1038,35 @@ def ddtree_walks(top, reference, n_prompt, total_len, block_size, budgets):
     the largest budget (a smaller budget's tree is its first nodes)."""
     if not budgets:
         return {}
-    top_logp, top_ids = top
-    hit = top_ids == reference[..., None]
-    ranks = torch.where(hit.any(-1), hit.int().argmax(-1), -1).tolist()
-    largest, joined = max(budgets), {}
+    ranks, largest, joined = reference_ranks(top[1], reference), max(budgets), {}
 
-    def join_order(i):  # position in the joining order of each reference-path prefix
+    def join_order(i):
         if i not in joined:
-            path = []
-            for r in ranks[i]:
-                if r < 0:
-                    break
-                path.append(r)
-            prefixes = [tuple(path[:d]) for d in range(1, len(path) + 1)]
-            order = build_tree(top_logp[i].double().tolist(), largest, prefixes[-1]) if prefixes else []
-            where = {p: j for j, p in enumerate(order)}
-            joined[i] = [where.get(p, largest) for p in prefixes]
+            joined[i] = join_positions(top[0][i], ranks[i], largest)
         return joined[i]
 
     return {b: walk(lambda a: 1 + sum(j < b for j in join_order(a - n_prompt)), n_prompt, total_len, block_size)
             for b in budgets}
+
+
+def reference_ranks(top_ids, reference):
+    """Rank of the reference's token among each slot's top-k (-1 when it is not there): (n, B-1) lists."""
+    hit = top_ids == reference[..., None]
+    return torch.where(hit.any(-1), hit.int().argmax(-1), -1).tolist()
+
+
+def join_positions(top_logp, ranks, largest):
+    """Where each prefix of the reference's rank path joins the best-first tree of `largest` nodes
+    (`largest` when it never does): acceptance at budget b = 1 + the number of positions below b."""
+    path = []
+    for r in ranks:
+        if r < 0:
+            break
+        path.append(r)
+    prefixes = [tuple(path[:d]) for d in range(1, len(path) + 1)]
+    order = build_tree(top_logp.double().tolist(), largest, prefixes[-1]) if prefixes else []
+    where = {p: j for j, p in enumerate(order)}
+    return [where.get(p, largest) for p in prefixes]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1129,6 +1141,42 @@ def score_prompt(drafts, ids, n_prompt, block_size, top=None, budgets=()):
     with timed("trees_s"):
         trees = ddtree_walks(top, reference, n_prompt, len(ids), block_size, budgets)
     return {"anchors": anchors, "matched": matched, "equal": equal, "rounds": rounds, "ddtree_rounds": trees}
+
+
+def score_walks_only(d, features, ids, n_prompt, embed, head, budgets, prompt_id):
+    """--anchors walk: draft only the anchors the chain and DDTree walks visit. All walks advance in
+    lockstep, so each step drafts their current anchors in one batch; rounds equal those of --anchors all,
+    per-position statistics cover the visited anchors only."""
+    B, total, top_k = d["block_size"], len(ids), max(budgets, default=0)
+    context_kv = drafter_context(d, torch.cat([features[L] for L in d["layers"]], dim=-1))
+    ids_t, seen = torch.tensor(ids), {}
+    at = {"chain": n_prompt, **{b: n_prompt for b in budgets}}
+    rounds = {k: [] for k in at}
+    while True:
+        live = {k: a for k, a in at.items() if a + B - 1 <= total - 1}
+        if not live:
+            break
+        new = sorted(set(live.values()) - seen.keys())
+        if new:
+            with timed("drafter_s"):
+                drafts, top = draft_all_anchors(d, features, ids, torch.tensor(new, device=context_kv[0][0].device),
+                                                embed, head, top_k, prompt_id, context_kv)
+            for i, a in enumerate(new):
+                reference = ids_t[a + 1:a + B]
+                ranks = reference_ranks(top[1][i:i + 1], reference[None])[0] if top else None
+                seen[a] = {"drafts": drafts[i], "joined": join_positions(top[0][i], ranks, top_k) if top else None}
+        for k, a in live.items():
+            if k == "chain":
+                length = 1 + int((seen[a]["drafts"] == ids_t[a + 1:a + B]).long().cumprod(0).sum())
+            else:
+                length = 1 + sum(j < k for j in seen[a]["joined"])
+            rounds[k].append(length)
+            at[k] = a + length
+    anchors = torch.tensor(sorted(seen), dtype=torch.long)
+    drafts = torch.stack([seen[a]["drafts"] for a in sorted(seen)]) if seen else torch.zeros(0, B - 1, dtype=torch.long)
+    equal = drafts == ids_t[anchors[:, None] + torch.arange(1, B)]
+    return {"anchors": anchors, "matched": equal.long().cumprod(dim=1).sum(dim=1), "equal": equal,
+            "rounds": rounds["chain"], "ddtree_rounds": {b: rounds[b] for b in budgets}}
 
 
 def walk(acceptance, first_anchor, total_len, block_size):
@@ -1333,9 +1381,13 @@ def evaluate_prompt(it, features, argmax, drafters, embed, head, settings):
     budgets, results = settings["ddtree_budgets"], []
     for d in drafters:
         anchors = fitting_anchors(n_prompt, len(ids), d["block_size"]).to(settings["device"])
-        with timed("drafter_s"):
-            drafts, top = draft_all_anchors(d, features, ids, anchors, embed, head, max(budgets, default=0), it["id"])
-        res = score_prompt(drafts, ids, n_prompt, d["block_size"], top, budgets)
+        if settings["anchors"] == "walk":
+            res = score_walks_only(d, features, ids, n_prompt, embed, head, budgets, it["id"])
+        else:
+            with timed("drafter_s"):
+                drafts, top = draft_all_anchors(d, features, ids, anchors, embed, head, max(budgets, default=0),
+                                                it["id"])
+            res = score_prompt(drafts, ids, n_prompt, d["block_size"], top, budgets)
         if d["mask_variants"]:
             with timed("mask_check_s"):
                 res["mask_check"] = check_mask_prompt(d, d["mask_variants"], features, ids, anchors, embed, head)

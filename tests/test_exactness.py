@@ -82,3 +82,28 @@ def test_demo_tau_well_above_one(tmp_path):
     d = json.loads(out.read_text())["drafters"][0]
     assert d["tau"] > 2.0
     assert d["per_position"]["acceptance"][0] > 0.5
+
+
+@pytest.mark.parametrize("pair", ["demo", "random"])
+def test_walk_anchors_give_the_same_rounds(tmp_path, pair, request):
+    """--anchors walk drafts only the anchors the walks visit; its rounds (chain and every DDTree budget) must
+    equal --anchors all, on a confident drafter (demo) and a weak one (random pair, short rounds)."""
+    if pair == "demo":
+        base = ["--demo", "--limit", "5", "--max-new-tokens", "64", "--ignore-eos"]
+    else:
+        tiny, drafter = request.getfixturevalue("tiny_target"), request.getfixturevalue("drafter_a")
+        prompts = tmp_path / "p.jsonl"
+        prompts.write_text("".join(json.dumps({"id": i, "prompt": f"w{i} w{i + 7} w3"}) + "\n" for i in range(4)))
+        base = ["--target", tiny["path"], "--ckpt", f"a={drafter}", "--prompts", str(prompts),
+                "--max-new-tokens", "40", "--ignore-eos"]
+    reports = {}
+    for mode in ("all", "walk"):
+        out = tmp_path / f"{mode}.json"
+        assert ed.main(base + ["--ddtree-budgets", "2,8,32", "--anchors", mode, "--quiet", "--output", str(out)]) == 0
+        reports[mode] = json.loads(out.read_text())["drafters"][0]
+    every, walked = reports["all"], reports["walk"]
+    for p_all, p_walk in zip(every["prompts"], walked["prompts"]):
+        assert p_walk["rounds"] == p_all["rounds"]
+        assert p_walk["ddtree_rounds"] == p_all["ddtree_rounds"]
+    assert walked["tau"] == every["tau"] and walked["ddtree"] == every["ddtree"]
+    assert walked["anchors"] < every["anchors"]          # it really drafted fewer anchors
