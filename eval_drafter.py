@@ -94,6 +94,9 @@ def parse_args(argv):
                    help="train = window sliding layers as training did; ignore = public HF reference")
     p.add_argument("--ddtree-budgets", default="8,32,128",
                    help="DDTree node budgets, comma list (default 8,32,128); 'none' for the chain only")
+    p.add_argument("--reference-generation", default="speculative", choices=["speculative", "plain"],
+                   help="how missing references are generated locally: speculative decoding with the first "
+                        "--ckpt (same tokens as plain greedy, faster; plain for hybrid targets) or plain greedy")
     p.add_argument("--anchors", default="all", choices=["all", "walk"],
                    help="all: draft every anchor (per-position statistics over every position); walk: only the "
                         "anchors the walks visit (same rounds and tau, drafter cost / ~tau)")
@@ -548,14 +551,14 @@ def target_parts(model):
     return decoder, decoder.layers, model.get_input_embeddings(), model.get_output_embeddings()
 
 
-@torch.inference_mode()
-def extract_hidden(model, ids, layer_ids, n_prompt):
-    """One teacher-forced pass: features of `layer_ids` (T, k*H) and the target's argmax per completion token.
+def target_pass(model, ids, layer_ids, cache=None):
+    """The decoder over `ids` (after what `cache` holds, if any) with forward hooks keeping only the outputs
+    of `layer_ids`: ({layer id: (T, H)}, last hidden state (T, H), cache or None).
 
-    Layer id L is the OUTPUT of decoder layer L (transformers' hidden_states[L + 1]). Hooks keep only
-    those layers. The last layer's entry in hidden_states carries the final norm, so that id hooks the norm.
+    Layer id L is the OUTPUT of decoder layer L (transformers' hidden_states[L + 1]). The last layer's entry
+    in hidden_states carries the final norm, so that id hooks the norm.
     """
-    decoder, layers, _, head = target_parts(model)
+    decoder, layers, _, _ = target_parts(model)
     captured, handles = {}, []
 
     def keep(layer_id):
@@ -566,14 +569,55 @@ def extract_hidden(model, ids, layer_ids, n_prompt):
     for layer_id in sorted(set(layer_ids)):
         module = decoder.norm if layer_id == len(layers) - 1 else layers[layer_id]
         handles.append(module.register_forward_hook(keep(layer_id)))
+    cache_arg = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
     try:
-        out = decoder(input_ids=torch.tensor([ids], device=model.device), use_cache=False)
+        out = decoder(input_ids=torch.tensor([ids], device=model.device), use_cache=cache is not None,
+                      **({cache_arg: cache} if cache is not None else {}))
     finally:
         for h in handles:
             h.remove()
-    last = out.last_hidden_state[0, n_prompt - 1:len(ids) - 1]
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None) if cache is not None else None
+    return {layer_id: captured[layer_id] for layer_id in layer_ids}, out.last_hidden_state[0], cache
+
+
+@torch.inference_mode()
+def extract_hidden(model, ids, layer_ids, n_prompt):
+    """One teacher-forced pass: features of `layer_ids` and the target's argmax per completion token."""
+    head = model.get_output_embeddings()
+    features, last, _ = target_pass(model, ids, layer_ids)
+    last = last[n_prompt - 1:len(ids) - 1]
     argmax = [t for rows in last.split(LOGIT_ROWS_PER_CHUNK) for t in head(rows).argmax(-1).tolist()]
-    return {layer_id: captured[layer_id] for layer_id in layer_ids}, argmax
+    return features, argmax
+
+
+@torch.inference_mode()
+def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids):
+    """Greedy decoding sped up by a drafter: draft a block, verify it in one cached target pass, keep the
+    accepted drafts and the target's own next token, roll the KV cache back. The target picks every token,
+    so the output is plain greedy's (the tests check it); it needs a cache that can roll back."""
+    from transformers import DynamicCache
+    _, _, embed, head = target_parts(model)
+    layers, B = drafter["layers"], drafter["block_size"]
+    cache = DynamicCache()
+    features, last, cache = target_pass(model, prompt_ids, layers, cache)
+    tokens = [int(head(last[-1:]).argmax(-1))]
+    while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
+        ids = prompt_ids + tokens
+        anchor = len(ids) - 1   # its hidden state is not context: the cache holds positions < anchor
+        drafts, _ = draft_all_anchors(drafter, features, ids, torch.tensor([anchor], device=model.device), embed, head)
+        block = [ids[anchor]] + drafts[0].tolist()
+        new_feats, last, cache = target_pass(model, block, layers, cache)
+        greedy = head(last).argmax(-1).tolist()   # greedy[j]: the target's token after block[:j + 1]
+        accepted = 0
+        while accepted < B - 1 and block[accepted + 1] == greedy[accepted]:
+            accepted += 1
+        cache.crop(-(B - 1 - accepted))           # keep the anchor and the accepted drafts
+        features = {L: torch.cat([features[L], new_feats[L][:accepted + 1]]) for L in layers}
+        for token in block[1:accepted + 1] + [greedy[accepted]]:
+            tokens.append(token)
+            if len(tokens) >= max_new_tokens or token in stop_ids:
+                break
+    return tokens
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1328,7 +1372,8 @@ def evaluate(settings):
             items, stream = open_hidden(settings["load_hidden"], settings, target_cfg, layer_union, set(records))
             embed, head = read_embed_head(settings["target"], target_cfg, settings)
         else:
-            stream, embed, head = extract_from_target(items, settings, target_cfg, layer_union, set(records))
+            stream, embed, head = extract_from_target(items, settings, target_cfg, layer_union, set(records),
+                                                      drafters[0])
             skipped = [{"id": it["id"], "reason": it["skip"]} for it in items if it.get("skip")]
         records = {i: r for i, r in records.items() if i < len(items)}  # resumed with a smaller --limit
         with progress(settings, len(items) - len(records), "draft", 1) as bar:
@@ -1400,7 +1445,7 @@ def evaluate_prompt(it, features, argmax, drafters, embed, head, settings):
 # ----------------------------------------------------------------------------------------------------
 # Nothing lost: the partial file, resume, interruption
 
-RESUME_KEYS = ("target", "ckpt", "prompts", "prompts_hash", "load_hidden", "max_new_tokens", "ignore_eos", "device",
+RESUME_KEYS = ("target", "ckpt", "anchors", "prompts", "prompts_hash", "load_hidden", "max_new_tokens", "ignore_eos", "device",
                "dtype", "layers", "block_size", "block_mask", "sliding_window", "chat_template", "enable_thinking",
                "ddtree_budgets", "check_mask", "drafter_config", "mask_token_id", "head_dim", "num_heads",
                "num_kv_heads")
@@ -1480,7 +1525,7 @@ def open_partial(settings, records):
     return f
 
 
-def extract_from_target(items, settings, target_cfg, layer_union, done=frozenset()):
+def extract_from_target(items, settings, target_cfg, layer_union, done=frozenset(), drafter=None):
     """Load the target, tokenize, generate missing references; then a stream of (item, features, argmax)
     per prompt from one teacher-forced pass each (prompts in `done` or too long are passed over), saved to
     --save-hidden at its end when asked."""
@@ -1507,10 +1552,16 @@ def extract_from_target(items, settings, target_cfg, layer_union, done=frozenset
         with timed("generate_s"):
             fetch_references(generate, settings)
     else:
+        speculative = settings["reference_generation"] == "speculative" and drafter is not None
+        if speculative and "linear_attention" in (getattr(target_cfg, "layer_types", None) or []):
+            speculative = False  # linear-attention state cannot be rolled back after a rejected draft
+            log(settings, "note: hybrid target: references are generated by plain greedy decoding")
+        settings["reference_generation_used"] = "speculative" if speculative else "plain"
         with progress(settings, len(generate), "generate") as bar:
             for it in generate:
                 with timed("generate_s"):
-                    it["completion_ids"] = greedy_generate(model, it["prompt_ids"], it["room"], stops)
+                    it["completion_ids"] = speculative_generate(model, drafter, it["prompt_ids"], it["room"], stops) \
+                        if speculative else greedy_generate(model, it["prompt_ids"], it["room"], stops)
                 it["source"] = "target"
                 bar.update()
 
