@@ -580,6 +580,13 @@ def target_pass(model, ids, layer_ids, cache=None):
     return {layer_id: captured[layer_id] for layer_id in layer_ids}, out.last_hidden_state[0], cache
 
 
+def check_finite(features, prompt_id):
+    for L, f in features.items():
+        if not torch.isfinite(f).all():
+            fail(f"prompt {prompt_id}: the target's layer {L} output holds NaN or Inf (a numerics problem in the "
+                 "extraction: try --dtype float32)")
+
+
 @torch.inference_mode()
 def extract_hidden(model, ids, layer_ids, n_prompt):
     """One teacher-forced pass: features of `layer_ids` and the target's argmax per completion token."""
@@ -591,7 +598,7 @@ def extract_hidden(model, ids, layer_ids, n_prompt):
 
 
 @torch.inference_mode()
-def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids):
+def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, prompt_id=None):
     """Greedy decoding sped up by a drafter: draft a block, verify it in one cached target pass, keep the
     accepted drafts and the target's own next token, roll the KV cache back. The target picks every token,
     so the output is plain greedy's (the tests check it); it needs a cache that can roll back."""
@@ -600,13 +607,16 @@ def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids):
     layers, B = drafter["layers"], drafter["block_size"]
     cache = DynamicCache()
     features, last, cache = target_pass(model, prompt_ids, layers, cache)
+    check_finite(features, prompt_id)
     tokens = [int(head(last[-1:]).argmax(-1))]
     while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
         ids = prompt_ids + tokens
         anchor = len(ids) - 1   # its hidden state is not context: the cache holds positions < anchor
-        drafts, _ = draft_all_anchors(drafter, features, ids, torch.tensor([anchor], device=model.device), embed, head)
+        drafts, _ = draft_all_anchors(drafter, features, ids, torch.tensor([anchor], device=model.device), embed, head,
+                                      prompt_id=prompt_id)
         block = [ids[anchor]] + drafts[0].tolist()
         new_feats, last, cache = target_pass(model, block, layers, cache)
+        check_finite(new_feats, prompt_id)
         greedy = head(last).argmax(-1).tolist()   # greedy[j]: the target's token after block[:j + 1]
         accepted = 0
         while accepted < B - 1 and block[accepted + 1] == greedy[accepted]:
@@ -1418,10 +1428,7 @@ def evaluate(settings):
 def evaluate_prompt(it, features, argmax, drafters, embed, head, settings):
     """Every drafter on one prompt: scores, walks, and the mask check when asked."""
     ids, n_prompt = it["prompt_ids"] + it["completion_ids"], len(it["prompt_ids"])
-    for L, f in features.items():
-        if not torch.isfinite(f).all():
-            fail(f"prompt {it['id']}: the target's layer {L} output holds NaN or Inf (a numerics problem in the "
-                 "extraction: try --dtype float32)")
+    check_finite(features, it["id"])
     it["agree"] = (sum(a == b for a, b in zip(argmax, it["completion_ids"])), len(argmax))
     budgets, results = settings["ddtree_budgets"], []
     for d in drafters:
@@ -1560,8 +1567,9 @@ def extract_from_target(items, settings, target_cfg, layer_union, done=frozenset
         with progress(settings, len(generate), "generate") as bar:
             for it in generate:
                 with timed("generate_s"):
-                    it["completion_ids"] = speculative_generate(model, drafter, it["prompt_ids"], it["room"], stops) \
-                        if speculative else greedy_generate(model, it["prompt_ids"], it["room"], stops)
+                    it["completion_ids"] = speculative_generate(model, drafter, it["prompt_ids"], it["room"], stops,
+                                                                it["id"]) if speculative else \
+                        greedy_generate(model, it["prompt_ids"], it["room"], stops)
                 it["source"] = "target"
                 bar.update()
 

@@ -133,7 +133,8 @@ def load_argv(target, cache, *ckpts):
 
 
 CONFIG_KEYS_ALLOWED_TO_DIFFER = {"prompts", "load_hidden", "save_hidden", "output", "max_new_tokens", "limit",
-                                 "demo", "chat_template_applied", "prompts_hash", "hidden_cache"}
+                                 "demo", "chat_template_applied", "prompts_hash", "hidden_cache",
+                                 "reference_generation_used"}
 
 
 def test_demo_save_does_not_change_results(demo):
@@ -179,7 +180,7 @@ def test_load_feeds_drafters_identical_tensors(tiny, monkeypatch):
         return real(drafter, features, ids, anchors, embed, head, *args, **kwargs)
 
     monkeypatch.setattr(ed, "draft_all_anchors", spy)
-    ok(*tiny["common"], "--ckpt", f"p={tiny['p']}", "--ckpt", f"q={tiny['q']}")
+    ok(*tiny["common"], "--ckpt", f"p={tiny['p']}", "--ckpt", f"q={tiny['q']}", "--reference-generation", "plain")
     direct, calls[:] = list(calls), []
     ok(*load_argv(tiny["target"], tiny["union"], f"p={tiny['p']}", f"q={tiny['q']}"))
     loaded = calls
