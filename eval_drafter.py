@@ -74,8 +74,7 @@ def parse_args(argv):
     p.add_argument("--ckpt", action="append", default=[], metavar="[NAME=]PATH",
                    help="DFlash drafter directory (config.json + model.safetensors); repeat to compare")
     p.add_argument("--prompts", help="JSONL file of prompts (see README for the formats)")
-    p.add_argument("--max-new-tokens", type=int,
-                   help="length of generated references (default 256; 128 with --demo)")
+    p.add_argument("--max-new-tokens", type=int, help="length of generated references (default 256; 128 with --demo)")
     p.add_argument("--ignore-eos", action="store_true", help="generate references past EOS")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -533,17 +532,13 @@ def post_json(url, body, settings, longest, what):
 def server_words(error):
     """The server's own message from an HTTP error body: error.message, message, detail, or the text."""
     text = error.read().decode("utf-8", "replace")
-    try:
+    with contextlib.suppress(json.JSONDecodeError, AttributeError):
         body = json.loads(text)
-    except json.JSONDecodeError:
-        return text.strip()[:300] or error.reason
-    inner = body.get("error") if isinstance(body, dict) else None
-    for candidate in ((inner or {}).get("message") if isinstance(inner, dict) else inner,
-                      body.get("message") if isinstance(body, dict) else None,
-                      body.get("detail") if isinstance(body, dict) else None):
-        if isinstance(candidate, str) and candidate:
-            return candidate
-    return text.strip()[:300]
+        words = body.get("error") or body.get("message") or body.get("detail")
+        words = words.get("message") if isinstance(words, dict) else words
+        if isinstance(words, str) and words:
+            return words
+    return text.strip()[:300] or str(error.reason)
 
 
 def target_parts(model):
@@ -1198,39 +1193,27 @@ def score_prompt(drafts, ids, n_prompt, block_size, top=None, budgets=()):
 
 
 def score_walks_only(d, features, ids, n_prompt, embed, head, budgets, prompt_id):
-    """--anchors walk: draft only the anchors the chain and DDTree walks visit. All walks advance in
-    lockstep, so each step drafts their current anchors in one batch; rounds equal those of --anchors all,
-    per-position statistics cover the visited anchors only."""
-    B, total, top_k = d["block_size"], len(ids), max(budgets, default=0)
+    """--anchors walk: draft only the anchors the chain and DDTree walks visit (one block per visit, shared
+    between walks). Rounds equal those of --anchors all; per-position statistics cover the visited anchors."""
+    B, top_k, ids_t, seen = d["block_size"], max(budgets, default=0), torch.tensor(ids), {}
     context_kv = drafter_context(d, torch.cat([features[L] for L in d["layers"]], dim=-1))
-    ids_t, seen = torch.tensor(ids), {}
-    at = {"chain": n_prompt, **{b: n_prompt for b in budgets}}
-    rounds = {k: [] for k in at}
-    while True:
-        live = {k: a for k, a in at.items() if a + B - 1 <= total - 1}
-        if not live:
-            break
-        new = sorted(set(live.values()) - seen.keys())
-        if new:
+
+    def visit(a):  # (drafts, join positions of the reference path) at anchor a
+        if a not in seen:
             with timed("drafter_s"):
-                drafts, top = draft_all_anchors(d, features, ids, torch.tensor(new, device=context_kv[0][0].device),
+                drafts, top = draft_all_anchors(d, features, ids, torch.tensor([a], device=context_kv[0][0].device),
                                                 embed, head, top_k, prompt_id, context_kv)
-            for i, a in enumerate(new):
-                reference = ids_t[a + 1:a + B]
-                ranks = reference_ranks(top[1][i:i + 1], reference[None])[0] if top else None
-                seen[a] = {"drafts": drafts[i], "joined": join_positions(top[0][i], ranks, top_k) if top else None}
-        for k, a in live.items():
-            if k == "chain":
-                length = 1 + int((seen[a]["drafts"] == ids_t[a + 1:a + B]).long().cumprod(0).sum())
-            else:
-                length = 1 + sum(j < k for j in seen[a]["joined"])
-            rounds[k].append(length)
-            at[k] = a + length
+            ranks = reference_ranks(top[1], ids_t[None, a + 1:a + B])[0] if top else None
+            seen[a] = drafts[0], (join_positions(top[0][0], ranks, top_k) if top else None)
+        return seen[a]
+
+    rounds = walk(lambda a: 1 + int((visit(a)[0] == ids_t[a + 1:a + B]).long().cumprod(0).sum()), n_prompt, len(ids), B)
+    trees = {b: walk(lambda a: 1 + sum(j < b for j in visit(a)[1]), n_prompt, len(ids), B) for b in budgets}
     anchors = torch.tensor(sorted(seen), dtype=torch.long)
-    drafts = torch.stack([seen[a]["drafts"] for a in sorted(seen)]) if seen else torch.zeros(0, B - 1, dtype=torch.long)
+    drafts = torch.stack([seen[a][0] for a in sorted(seen)]) if seen else torch.zeros(0, B - 1, dtype=torch.long)
     equal = drafts == ids_t[anchors[:, None] + torch.arange(1, B)]
     return {"anchors": anchors, "matched": equal.long().cumprod(dim=1).sum(dim=1), "equal": equal,
-            "rounds": rounds["chain"], "ddtree_rounds": {b: rounds[b] for b in budgets}}
+            "rounds": rounds, "ddtree_rounds": trees}
 
 
 def walk(acceptance, first_anchor, total_len, block_size):
