@@ -145,3 +145,23 @@ def online_draft_logits(target, drafter, seq):
                              target.get_input_embeddings())
     return target.get_output_embeddings()(out[0, 1:])
 
+
+@torch.inference_mode()
+def online_rounds(target, drafter, prompt_ids, n_new):
+    """Greedy speculative decoding until the next block would pass n_new completion tokens. Every target pass
+    runs over the whole committed sequence from scratch (no cache: a hybrid's linear-attention state could
+    not be rolled back past rejected drafts anyway)."""
+    B = drafter["block_size"]
+    seq = list(prompt_ids)
+    seq.append(int(target(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))  # the target's prefill
+    rounds = []
+    while (len(seq) - len(prompt_ids)) + B - 1 <= n_new:
+        anchor = len(seq) - 1
+        drafts = online_draft_logits(target, drafter, seq).argmax(-1).tolist()
+        verify = target(torch.tensor([seq + drafts]), use_cache=False).logits[0, anchor:anchor + B].argmax(-1).tolist()
+        accepted = 0
+        while accepted < B - 1 and drafts[accepted] == verify[accepted]:
+            accepted += 1
+        seq += drafts[:accepted] + [verify[accepted]]
+        rounds.append(accepted + 1)
+    return rounds, seq

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import eval_drafter as ed
-from conftest import online_draft_logits
+from conftest import online_rounds
 
 DEMO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "demo")
 N_NEW = 48
@@ -30,25 +30,6 @@ def demo_drafter(target, block_mask):
     settings = {"layers": None, "block_size": None, "block_mask": block_mask, "sliding_window": "train",
                 "dtype": "float32", "device": "cpu", "quiet": True}
     return ed.load_drafter(os.path.join(DEMO, "drafter"), target.config, settings)
-
-
-@torch.inference_mode()
-def online_rounds(target, drafter, prompt_ids, n_new):
-    """Greedy speculative decoding until the next block would pass n_new completion tokens."""
-    B = drafter["block_size"]
-    seq = list(prompt_ids)
-    seq.append(int(target(torch.tensor([seq])).logits[0, -1].argmax()))  # first token: the target's prefill
-    rounds = []
-    while (len(seq) - len(prompt_ids)) + B - 1 <= n_new:
-        anchor = len(seq) - 1
-        drafts = online_draft_logits(target, drafter, seq).argmax(-1).tolist()
-        verify = target(torch.tensor([seq + drafts])).logits[0, anchor:anchor + B].argmax(-1).tolist()
-        accepted = 0
-        while accepted < B - 1 and drafts[accepted] == verify[accepted]:
-            accepted += 1
-        seq += drafts[:accepted] + [verify[accepted]]
-        rounds.append(accepted + 1)
-    return rounds, seq
 
 
 @pytest.mark.parametrize("block_mask", ["bidirectional", "causal", "auto"])

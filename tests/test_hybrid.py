@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import eval_drafter as ed
-from conftest import (IM_END, QWEN_VOCAB, drafter_settings, make_drafter, md, online_draft_logits,
+from conftest import (IM_END, QWEN_VOCAB, drafter_settings, make_drafter, md, online_rounds,
                       qwen_tokenizer_dir, scale_weights, write_jsonl)
 
 transformers = pytest.importorskip("transformers")
@@ -241,27 +241,6 @@ def test_multimodal_layout_gives_text_only_rounds(qwen_runs):
 # 2. Rounds equal an online loop that recomputes the hybrid target from scratch every round
 
 
-@torch.inference_mode()
-def online_rounds_no_cache(target, drafter, prompt_ids, n_new):
-    """Greedy speculative decoding, every target pass over the whole committed sequence (no cache: a
-    linear-attention state cannot be rolled back past rejected drafts)."""
-    B = drafter["block_size"]
-    seq = list(prompt_ids)
-    seq.append(int(target(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
-    rounds = []
-    while (len(seq) - len(prompt_ids)) + B - 1 <= n_new:
-        anchor = len(seq) - 1
-        drafts = online_draft_logits(target, drafter, seq).argmax(-1).tolist()
-        verify = target(torch.tensor([seq + drafts]), use_cache=False).logits[0, anchor:anchor + B]
-        verify = verify.argmax(-1).tolist()
-        accepted = 0
-        while accepted < B - 1 and drafts[accepted] == verify[accepted]:
-            accepted += 1
-        seq += drafts[:accepted] + [verify[accepted]]
-        rounds.append(accepted + 1)
-    return rounds, seq
-
-
 def test_hybrid_rounds_equal_online_loop(hybrid, word_run):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     target = AutoModelForCausalLM.from_pretrained(hybrid["path"], dtype=torch.float32).eval()
@@ -272,7 +251,7 @@ def test_hybrid_rounds_equal_online_loop(hybrid, word_run):
     for row, result in zip(WORD_PROMPTS, tool, strict=True):
         prompt_ids = tok(row["prompt"])["input_ids"]
         assert result["prompt_tokens"] == len(prompt_ids)
-        rounds, seq = online_rounds_no_cache(target, drafter, prompt_ids, N_NEW)
+        rounds, seq = online_rounds(target, drafter, prompt_ids, N_NEW)
         assert len(rounds) >= 3, row["id"]
         assert result["rounds"] == rounds, row["id"]
         all_rounds += rounds
