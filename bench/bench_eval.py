@@ -1,0 +1,988 @@
+#!/usr/bin/env python3
+"""bench_eval.py: how fast eval_drafter.py evaluates a drafter, against this machine's matmul floor.
+
+One command; the tool runs in this process (ed.main), except where a clean process is the point (peak
+memory, whole-process time):
+
+    python bench/bench_eval.py                    # CPU; ~7 minutes on 2 cores; rewrites bench/RESULTS.md
+    python bench/bench_eval.py --device cuda      # the same on a GPU (bfloat16, as the tool's default there)
+    python bench/bench_eval.py --quick            # ~2 minutes: 2 prompts, 1 run each, RESULTS.md untouched
+
+It builds, in a temp dir, a randomly initialised Qwen3 target (88M parameters: hidden 768, 10 layers,
+vocab 16384, word-level tokenizer) and a random DFlash drafter shaped like the public ones relative to it
+(same hidden, 1 layer, 3 feature layers, block 16), and 4 prompts whose 256-token references are the
+target's own greedy output (given as completion_ids, so no generation is timed in b). Then, as medians of
+--repeats runs after a warm-up:
+
+  a. the fp32 (bf16 on CUDA) GEMM rate of this machine and the FLOPs of the work: the target's
+     teacher-forced pass, the drafter's blocks at every anchor and the lm_head over their drafted slots;
+     floor = FLOPs / rate.
+  b. eval_drafter's evaluation (chain + DDTree 8/32/128), stages from its JSON "timing"; load excluded.
+  c. an online greedy speculative loop in the public style (target with a KV cache cropped on rejection,
+     one drafter block per round from the hidden states of committed tokens, one verify pass per round)
+     on the same prompts, stopping where the tool's walk stops; its rounds must equal b's chain rounds.
+  d. drafter-only re-evaluation from a --save-hidden file (--load-hidden).
+  e. peak resident memory of b in a child process, against weights + features.
+  Also: whole-process time of `eval_drafter.py --demo --limit 2 --quiet` split into imports and the rest;
+  b with --anchors walk (one run); plain vs speculative reference generation (--reference-generation) on
+  the benchmark pair and on the bundled demo pair; a cProfile of one b run and of the tool's
+  speculative_generate. The GEMM rate is measured before and after b; the floor uses the higher (the
+  machine is shared, so the lower one is contention).
+
+It prints one verdict line per goal and writes every figure to bench/RESULTS.md (--no-write-results to skip).
+"""
+import argparse
+import contextlib
+import datetime
+import inspect
+import io
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCH)
+for _path in (ROOT, os.path.join(ROOT, "tests")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+import eval_drafter as ed  # noqa: E402
+import make_demo as md  # noqa: E402
+
+TOOL = os.path.join(ROOT, "eval_drafter.py")
+RESULTS = os.path.join(BENCH, "RESULTS.md")
+PROMPT_LENGTHS = (24, 40, 56, 72, 32, 48, 64, 80)  # words (= tokens) per prompt, cycled
+BUDGETS = "8,32,128"
+GEN_TOKENS = 128  # tokens per reference-generation timing on the benchmark pair
+LINES = []  # everything printed, in order: it becomes RESULTS.md's figures
+
+
+def say(text=""):
+    print(text, flush=True)
+    LINES.append(text)
+
+
+def median(values):
+    return statistics.median(values) if values else float("nan")
+
+
+OTHERS = {}  # section: share of the machine's CPU time other processes used meanwhile
+
+
+def cpu_snapshot():
+    """(busy CPU seconds of the whole machine, CPU seconds of this process and its children, wall)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        busy = (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        busy = float("nan")
+    t = os.times()
+    return busy, t.user + t.system + t.children_user + t.children_system, time.perf_counter()
+
+
+@contextlib.contextmanager
+def watch(section):
+    """Record how much of the machine other processes took while `section` ran: the machine is shared,
+    and on 2 cores another busy process can slow 2-thread torch many times over."""
+    start = cpu_snapshot()
+    try:
+        yield
+    finally:
+        busy, mine, wall = cpu_snapshot()
+        OTHERS[section] = max(0.0, (busy - start[0] - (mine - start[1])) / ((wall - start[2]) * os.cpu_count()))
+
+
+def others(section):
+    share = OTHERS.get(section)
+    if share is None or math.isnan(share):
+        return ""
+    return f" [other processes: {share:.0%} of the CPUs{' - CONTENDED' if share > 0.1 else ''}]"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--threads", type=int, help="torch CPU threads for everything (default: torch's own)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement, after a warm-up")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--ref-tokens", type=int, default=256, help="reference completion length")
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--target-layers", type=int, default=10)
+    p.add_argument("--intermediate", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=16384)
+    p.add_argument("--drafter-layers", type=int, default=1)
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--workdir", help="build (or reuse) the benchmark pair here instead of a temp dir")
+    p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                   help="profile one extra b run and print its top functions (default on)")
+    p.add_argument("--quick", action="store_true", help="2 prompts, 1 run each, no RESULTS.md")
+    p.add_argument("--write-results", action=argparse.BooleanOptionalAction,
+                   help="write bench/RESULTS.md (default on, off with --quick)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prompts, args.repeats = min(args.prompts, 2), 1
+    if args.write_results is None:
+        args.write_results = not args.quick
+    return args
+
+
+# ----------------------------------------------------------------------------------------------------
+# Machine
+
+
+def machine_info(args):
+    model = platform.processor() or "unknown"
+    with contextlib.suppress(Exception):
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        model = re.search(r"Model name:\s*(.+)", out).group(1).strip()
+    info = {"cpu": model, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+            "python": platform.python_version(), "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+            "load_before": os.getloadavg()[0], "device": args.device}
+    if args.device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_dtype(device):
+    return torch.bfloat16 if device == "cuda" else torch.float32  # the tool's --dtype auto
+
+
+def gemm_rate(device, repeats):
+    """GFLOP/s of a large square matmul in the run dtype: the rate the floor is computed with."""
+    n = 8192 if device == "cuda" else 2048
+    a, b, c = (torch.randn(n, n, device=device, dtype=run_dtype(device)) for _ in range(3))
+    times = []
+    for i in range(max(5, repeats) + 1):
+        sync(device)
+        start = time.perf_counter()
+        torch.matmul(a, b, out=c)
+        sync(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    return {"n": n, "gflops": 2 * n ** 3 / median(times) / 1e9}
+
+
+# ----------------------------------------------------------------------------------------------------
+# The benchmark pair: a random Qwen3 target, a random drafter shaped like the public ones, prompts with
+# references (the target's greedy output, so every figure is exact and b's rounds equal c's)
+
+
+def pair_config(args):
+    heads = args.hidden // 64
+    tcfg = md.target_config(args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                            num_hidden_layers=args.target_layers, num_attention_heads=heads,
+                            num_key_value_heads=max(1, heads // 3), head_dim=64, max_position_embeddings=4096)
+    layer_ids = ed.default_layer_ids(args.target_layers, 3)
+    dcfg = md.drafter_config(tcfg, layer_ids=layer_ids, block_size=args.block,
+                             intermediate_size=args.intermediate, num_hidden_layers=args.drafter_layers,
+                             num_attention_heads=heads, num_key_value_heads=max(1, heads // 3), head_dim=64,
+                             max_position_embeddings=4096, layer_types=["full_attention"] * args.drafter_layers,
+                             use_sliding_window=False, sliding_window=None)
+    return tcfg, dcfg
+
+
+def build_pair(args, work):
+    """Target, drafter and prompts under `work`; reused when `work` already holds the same build."""
+    tcfg, dcfg = pair_config(args)
+    stamp = {"target": tcfg.to_dict(), "drafter": dcfg, "prompts": args.prompts, "ref_tokens": args.ref_tokens,
+             "device": args.device}
+    stamp = json.loads(json.dumps(stamp, sort_keys=True, default=str))
+    paths = {k: os.path.join(work, k) for k in ("target", "drafter")}
+    paths.update(prompts=os.path.join(work, "prompts.jsonl"), bare=os.path.join(work, "prompts_bare.jsonl"))
+    stamp_path = os.path.join(work, "stamp.json")
+    if os.path.isfile(stamp_path) and json.load(open(stamp_path)) == stamp:
+        return paths, tcfg, dcfg
+    from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
+    start = time.perf_counter()
+    md.save_tokenizer(paths["target"], n_words=args.vocab - len(md.SPECIALS))
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(tcfg).eval()
+    model.generation_config.eos_token_id = 1
+    model.save_pretrained(paths["target"])
+    md.save_drafter(paths["drafter"], dcfg, md.random_drafter_weights(dcfg, 3, seed=0, scale=0.05))
+    # references from the model as the tool will load it (device, dtype, rotary buffers), so that they are
+    # its greedy output under the same numerics
+    model = AutoModelForCausalLM.from_pretrained(paths["target"], dtype=run_dtype(args.device)).to(args.device).eval()
+    write_references(args, model, paths)
+    json.dump(stamp, open(stamp_path, "w"))
+    say(f"built the benchmark pair in {time.perf_counter() - start:.1f} s under {work}")
+    return paths, tcfg, dcfg
+
+
+def write_references(args, model, paths):
+    """Prompts of random words; their references are the target's greedy continuation (EOS ignored)."""
+    import random
+    rng = random.Random(0)
+    n_words = args.vocab - len(md.SPECIALS)
+    rows = [{"id": f"p{i}", "prompt": " ".join(md.word(rng.randrange(n_words))
+                                                for _ in range(PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)]))}
+            for i in range(args.prompts)]
+    write_jsonl(paths["bare"], rows)
+    for row, item in zip(rows, tool_prompts(paths["bare"], paths["target"])):
+        row["completion_ids"] = ed.greedy_generate(model, item["prompt_ids"], args.ref_tokens, set())
+    write_jsonl(paths["prompts"], rows)
+
+
+def write_jsonl(path, rows):
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+
+
+def tool_prompts(path, target_dir):
+    """The prompts as the tool tokenizes them (its own functions, so the ids are the same)."""
+    from transformers import AutoTokenizer
+    items = ed.read_prompts(path)
+    ed.encode_prompts(AutoTokenizer.from_pretrained(target_dir), items,
+                      {"chat_template": True, "enable_thinking": False, "quiet": True})
+    return items
+
+
+# ----------------------------------------------------------------------------------------------------
+# a. FLOPs of the work (what is useful; the dense-mask attention the tool executes is counted apart)
+
+
+def linear_params(cfg):
+    """Weights of one decoder layer's matmuls (q, k, v, o, gate, up, down)."""
+    H, hd = cfg["hidden_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    return H * q + 2 * H * kv + q * H + 3 * H * cfg["intermediate_size"]
+
+
+def work_flops(tcfg, dcfg, lengths):
+    """FLOPs per part for prompts of (prompt tokens, completion tokens), as the tool does them:
+    target over prompt + completion (lm_head on completion rows only), drafter context over all positions,
+    one block of B tokens per fitting anchor, lm_head on its B-1 drafted slots."""
+    t, d = tcfg.to_dict(), dcfg
+    H, V, B, Ld = t["hidden_size"], t["vocab_size"], d["block_size"], d["num_hidden_layers"]
+    t_attn = t["num_attention_heads"] * t["head_dim"]
+    d_attn, d_kv = d["num_attention_heads"] * d["head_dim"], d["num_key_value_heads"] * d["head_dim"]
+    k = len(d["dflash_config"]["target_layer_ids"])
+    parts = dict.fromkeys(("target", "target_attention", "target_lm_head", "drafter_context", "drafter_blocks",
+                           "drafter_attention", "drafter_lm_head", "drafter_attention_executed"), 0)
+    anchors = 0
+    for n_p, n_c in lengths:
+        T = n_p + n_c
+        a = list(range(n_p, T - B + 1))  # the tool's fitting anchors
+        anchors += len(a)
+        parts["target"] += 2 * t["num_hidden_layers"] * linear_params(t) * T
+        parts["target_attention"] += t["num_hidden_layers"] * 2 * t_attn * T * (T + 1)
+        parts["target_lm_head"] += 2 * H * V * n_c
+        parts["drafter_context"] += 2 * (k * H * H + Ld * 2 * H * d_kv) * T
+        parts["drafter_blocks"] += 2 * Ld * linear_params(d) * B * len(a)
+        parts["drafter_attention"] += Ld * 4 * d_attn * B * sum(x + B for x in a)
+        per_chunk = max(1, ed.ANCHOR_TOKENS_PER_CHUNK // B)
+        for i in range(0, len(a), per_chunk):
+            chunk = a[i:i + per_chunk]
+            parts["drafter_attention_executed"] += Ld * 4 * d_attn * len(chunk) * B * (max(chunk) + len(chunk) * B)
+        parts["drafter_lm_head"] += 2 * H * V * (B - 1) * len(a)
+    parts["target_total"] = parts["target"] + parts["target_attention"] + parts["target_lm_head"]
+    parts["drafter_total"] = sum(parts[p] for p in ("drafter_context", "drafter_blocks", "drafter_attention",
+                                                    "drafter_lm_head"))
+    parts["total"] = parts["target_total"] + parts["drafter_total"]
+    parts["anchors"] = anchors
+    return parts
+
+
+def online_flops(tcfg, dcfg, rounds_per_prompt, lengths):
+    """FLOPs of the online loop: prefill, then per round a B-token verify pass over the cache plus the
+    drafter block, its lm_head and the context rows it adds."""
+    t, d = tcfg.to_dict(), dcfg
+    H, V, B, L = t["hidden_size"], t["vocab_size"], d["block_size"], t["num_hidden_layers"]
+    t_attn = t["num_attention_heads"] * t["head_dim"]
+    d_attn = d["num_attention_heads"] * d["head_dim"]
+    per_block = (2 * d["num_hidden_layers"] * linear_params(d) * B + 2 * H * V * (B - 1))
+    total = 0
+    for rounds, (n_p, n_c) in zip(rounds_per_prompt, lengths):
+        total += 2 * L * linear_params(t) * n_p + L * 2 * t_attn * n_p * (n_p + 1) + 2 * H * V
+        a = n_p
+        for r in rounds:
+            total += 2 * (L * linear_params(t) + H * V) * B + L * 4 * t_attn * (B * a + B * (B + 1) // 2)
+            total += per_block + d["num_hidden_layers"] * 4 * d_attn * B * (a + B)
+            a += r
+        total += 2 * len(dcfg["dflash_config"]["target_layer_ids"]) * H * H * (n_p + n_c)
+    return total
+
+
+# ----------------------------------------------------------------------------------------------------
+# b and d: the tool itself, in-process, timed from its JSON
+
+
+def tool_argv(paths, args, out, *extra):
+    argv = ["--target", paths["target"], "--ckpt", "bench=" + paths["drafter"], "--device", args.device,
+            "--ddtree-budgets", BUDGETS, "--output", out, "--quiet", *extra]
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    return argv
+
+
+def run_tool(argv):
+    """ed.main in this process, its report on stdout swallowed; the JSON report back."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        rc = ed.main(argv)
+    out = argv[argv.index("--output") + 1]
+    if rc != 0:
+        raise SystemExit(f"eval_drafter exited {rc}: {stderr.getvalue().strip()}")
+    with open(out) as f:
+        report = json.load(f)
+    report["stderr"] = stderr.getvalue()
+    return report
+
+
+def stage_medians(reports, stages):
+    timing = [r["timing"] for r in reports]
+    med = {s: median([t.get(s, 0.0) for t in timing]) for s in ("load_s", "generate_s", "total_s") + stages}
+    med["work_s"] = median([sum(t.get(s, 0.0) for s in stages) for t in timing])
+    med["eval_s"] = median([t["total_s"] - t.get("load_s", 0.0) for t in timing])
+    return med
+
+
+WORK_STAGES = ("target_s", "drafter_s", "trees_s", "metrics_s")
+
+
+def measure_b(paths, args, work, extra=(), warm_up=True, runs=None):
+    """Warm-up (which also saves the hidden states d reads), then --repeats runs (or `runs`)."""
+    out = os.path.join(work, "b.json")
+    hidden = os.path.join(work, "hidden.safetensors")
+    if warm_up:
+        run_tool(tool_argv(paths, args, out, "--prompts", paths["prompts"], "--save-hidden", hidden, *extra))
+    reports = [run_tool(tool_argv(paths, args, out, "--prompts", paths["prompts"], *extra))
+               for _ in range(runs or args.repeats)]
+    return stage_medians(reports, WORK_STAGES), reports[-1], hidden
+
+
+def measure_d(paths, args, work, hidden):
+    out = os.path.join(work, "d.json")
+    argv = tool_argv(paths, args, out, "--load-hidden", hidden)
+    run_tool(argv)
+    reports = [run_tool(argv) for _ in range(args.repeats)]
+    return stage_medians(reports, ("drafter_s", "trees_s", "metrics_s")), reports[-1]
+
+
+def has_flag(flag):
+    return flag in inspect.getsource(ed.parse_args)
+
+
+def profile_b(paths, args, work, top=16):
+    """One b run under cProfile: the functions and torch ops with the most time of their own."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    rep = run_tool(tool_argv(paths, args, os.path.join(work, "prof.json"), "--prompts", paths["prompts"]))
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(((tt, nc, func) for func, (_, nc, tt, _, _) in stats.items()), reverse=True)[:top]
+    work_s = sum(rep["timing"].get(s, 0.0) for s in WORK_STAGES)
+    lines = [f"one profiled b run: target + drafter + trees + metrics = {work_s:.2f} s (profiler overhead "
+             "included)",
+             f"{'own s':>8} {'share':>6} {'calls':>7}  function"]
+    for tt, nc, (file, line, name) in rows:
+        where = name if file == "~" else f"{os.path.basename(file)}:{line}({name})"
+        lines.append(f"{tt:8.3f} {tt / work_s:6.1%} {nc:7d}  {where}")
+    lines += ["", "grouped:"] + [f"{tt:8.3f} {tt / work_s:6.1%}  {label}" for label, tt in profile_ops(stats).items()]
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------------
+# c. the online greedy speculative loop, public style
+
+
+def new_cache(model):
+    from transformers import DynamicCache
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older transformers
+        return DynamicCache()
+
+
+def crop(cache, keep):
+    """Roll the KV cache back to its first `keep` positions. transformers 5.x's crop takes a negative count
+    of positions to remove (a positive argument is refused); 4.x's takes the length to keep, and a negative
+    value there also means 'remove that many' - so the negative form works on both."""
+    remove = cache.get_seq_length() - keep
+    if remove > 0:
+        cache.crop(-remove)
+
+
+def context_rows(drafter, feats, start):
+    """The drafter's context K/V for target features at absolute positions start.. (what ed.drafter_context
+    computes for a whole prompt from position 0): lets the loop add only the rows each round commits."""
+    w, cfg = drafter["weights"], drafter["cfg"]
+    eps, n_kv, hd = cfg.get("rms_norm_eps", 1e-6), cfg["num_key_value_heads"], ed.head_dim_of(cfg)
+    ctx = ed.rms_norm(F.linear(feats, w["fc.weight"]), w["hidden_norm.weight"], eps)
+    cos, sin = ed.rope_cos_sin(drafter, torch.arange(start, start + ctx.shape[0], device=ctx.device), ctx.dtype)
+    kv = []
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}.self_attn."
+        k = ed.rms_norm(ed.heads(ed.linear(ctx, w, p + "k_proj"), n_kv, hd), w[p + "k_norm.weight"], eps)
+        kv.append((ed.apply_rope(k, cos, sin), ed.heads(ed.linear(ctx, w, p + "v_proj"), n_kv, hd)))
+    return kv
+
+
+def features(hidden_states, layers, rows):
+    return torch.cat([hidden_states[L + 1][0, rows] for L in layers], dim=-1)
+
+
+@torch.inference_mode()
+def speculative_loop(model, drafter, prompt_ids, n_completion):
+    """Greedy speculative decoding: prefill; then per round draft a block at the last committed token from
+    the context of every earlier position, verify it in one cached target pass, keep the accepted drafts
+    and the target's bonus token, crop the cache. Stops where the tool's walk stops (the next block's
+    drafts would pass the end of the reference), so it does the rounds b replays. Returns (tokens, rounds)."""
+    device, B, layers = model.device, drafter["block_size"], drafter["layers"]
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = new_cache(model)
+    n_p = len(prompt_ids)
+    out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True, output_hidden_states=True,
+                logits_to_keep=1, **{cache_arg: cache})
+    ctx = context_rows(drafter, features(out.hidden_states, layers, slice(None)), 0)
+    tokens = list(prompt_ids) + [int(out.logits[0, -1].argmax())]
+    rounds, total = [], n_p + n_completion
+    mask_block = torch.full((1, B), drafter["mask_token_id"], device=device)
+    while len(tokens) - 1 + B - 1 <= total - 1:
+        anchor = len(tokens) - 1
+        block = mask_block.clone()
+        block[0, 0] = tokens[anchor]
+        hidden = ed.drafter_forward(drafter, ctx, torch.tensor([anchor], device=device), block, embed)
+        drafts = head(hidden[0, 1:]).argmax(-1)
+        out = model(input_ids=torch.cat([block[0, :1], drafts])[None], use_cache=True, output_hidden_states=True,
+                    **{cache_arg: cache})
+        greedy = out.logits[0].argmax(-1)
+        matched = int((drafts == greedy[:-1]).long().cumprod(0).sum())
+        tokens += drafts[:matched].tolist() + [int(greedy[matched])]
+        rounds.append(matched + 1)
+        new = context_rows(drafter, features(out.hidden_states, layers, slice(0, matched + 1)), anchor)
+        ctx = [(torch.cat([k, nk], 1), torch.cat([v, nv], 1)) for (k, v), (nk, nv) in zip(ctx, new)]
+        crop(cache, anchor + matched + 1)
+    return tokens[n_p:], rounds
+
+
+def load_for_loop(paths, args):
+    settings = ed.resolve_settings(ed.parse_args(tool_argv(paths, args, os.devnull, "--prompts", paths["prompts"])))
+    model, _ = ed.load_target(settings)
+    drafter = ed.load_drafter("bench=" + paths["drafter"], ed.read_target_config(paths["target"]), settings)
+    return model, drafter
+
+
+def check_context_rows(model, drafter, item):
+    """context_rows in pieces must equal the tool's drafter_context over the whole prompt."""
+    ids = item["prompt_ids"] + item["completion_ids"]
+    feats, _ = ed.extract_hidden(model, ids, drafter["layers"], len(item["prompt_ids"]))
+    whole = ed.drafter_context(drafter, torch.cat([feats[L] for L in drafter["layers"]], -1))
+    cut = len(ids) // 3
+    f = torch.cat([feats[L] for L in drafter["layers"]], -1)
+    parts = [context_rows(drafter, f[:cut], 0), context_rows(drafter, f[cut:], cut)]
+    tol = 1e-3 if whole[0][0].dtype == torch.float32 else 3e-2
+    for (k, v), (k0, v0), (k1, v1) in zip(whole, *parts):
+        torch.testing.assert_close(torch.cat([k0, k1], 1), k, rtol=tol, atol=tol)
+        torch.testing.assert_close(torch.cat([v0, v1], 1), v, rtol=tol, atol=tol)
+
+
+def measure_c(paths, args, b_report):
+    """--repeats runs of the loop over every prompt after a short warm-up; per-prompt times kept too."""
+    model, drafter = load_for_loop(paths, args)
+    items = tool_prompts(paths["prompts"], paths["target"])
+    check_context_rows(model, drafter, items[0])
+    speculative_loop(model, drafter, items[0]["prompt_ids"], 2 * args.block)  # warm-up: a few rounds
+    runs, results = [], None
+    for _ in range(args.repeats):
+        per_prompt, results = [], []
+        for it in items:
+            sync(args.device)
+            start = time.perf_counter()
+            results.append(speculative_loop(model, drafter, it["prompt_ids"], len(it["completion_ids"])))
+            sync(args.device)
+            per_prompt.append(time.perf_counter() - start)
+        runs.append(per_prompt)
+    b_prompts = b_report["drafters"][0]["prompts"]
+    rounds = [r for _, r in results]
+    differ = [(it["id"], first_difference(t, it["completion_ids"]), p["first_divergence"])
+              for (t, _), it, p in zip(results, items, b_prompts) if t != it["completion_ids"][:len(t)]]
+    return {"s": median([sum(r) for r in runs]), "per_prompt": [median(p) for p in zip(*runs)], "n": len(items),
+            "rounds": rounds, "same_rounds": sum(r == p["rounds"] for r, p in zip(rounds, b_prompts)),
+            "differ": differ, "tokens": [len(t) for t, _ in results],
+            "tau": sum(map(sum, rounds)) / max(1, sum(map(len, rounds))),
+            "generation": profile_generation(model, drafter, items[0])}
+
+
+def first_difference(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def profile_generation(model, drafter, item, n_tokens=GEN_TOKENS):
+    """cProfile of the tool's own speculative_generate on one prompt: cumulative seconds of its parts."""
+    import cProfile
+    import pstats
+    if not hasattr(ed, "speculative_generate"):
+        return None
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.enable()
+    tokens = ed.speculative_generate(model, drafter, item["prompt_ids"], n_tokens, set())
+    prof.disable()
+    wall = time.perf_counter() - start
+    cum = {name: ct for (file, _, name), (_, _, _, ct, _) in pstats.Stats(prof).stats.items()
+           if file.endswith("eval_drafter.py")}
+    parts = ("target_pass", "draft_all_anchors", "drafter_context", "drafter_forward")
+    return {"tokens": len(tokens), "speculative_generate": wall, **{k: cum.get(k, 0.0) for k in parts}}
+
+
+# ----------------------------------------------------------------------------------------------------
+# e. peak memory of b in a clean child process
+
+# The peak is VmHWM (this process's own high-water mark): ru_maxrss is no good in a child, since Linux
+# carries the parent's RSS at fork into it across exec, and this parent holds a model.
+PEAK_CHILD = """
+import json, re, resource, sys
+def hwm_kib():
+    try:
+        return int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+sys.path.insert(0, {root!r})
+import torch, transformers, eval_drafter as ed
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.models.qwen3 import modeling_qwen3  # imported by every run: part of the baseline
+base = hwm_kib()
+rc = ed.main({argv!r})
+peak = hwm_kib()
+gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+json.dump({{"rc": rc, "base_kib": base, "peak_kib": peak, "gpu_bytes": gpu}}, open({out!r}, "w"))
+"""
+
+
+def measure_e(paths, args, work):
+    out = os.path.join(work, "peak.json")
+    argv = tool_argv(paths, args, os.path.join(work, "e.json"), "--prompts", paths["prompts"])
+    code = PEAK_CHILD.format(root=ROOT, argv=argv, out=out)
+    subprocess.run([sys.executable, "-c", code], check=True, stdout=subprocess.DEVNULL)
+    return json.load(open(out))
+
+
+def memory_needed(paths, tcfg, dcfg, lengths, device):
+    """Bytes of target + drafter weights and of the selected layers' features (all prompts), run dtype."""
+    from safetensors import safe_open
+    size = torch.finfo(run_dtype(device)).bits // 8
+    params = {}
+    for name in ("target", "drafter"):
+        with safe_open(os.path.join(paths[name], "model.safetensors"), "pt") as f:
+            params[name] = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    k = len(dcfg["dflash_config"]["target_layer_ids"])
+    feats = sum(k * (n_p + n_c) * tcfg.hidden_size for n_p, n_c in lengths) * size
+    return {"target_params": params["target"], "drafter_params": params["drafter"],
+            "weights_bytes": (params["target"] + params["drafter"]) * size, "features_bytes": feats,
+            "features_one_prompt": max(k * (n_p + n_c) * tcfg.hidden_size for n_p, n_c in lengths) * size}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Whole process: the demo run as a user runs it, imports apart; reference generation when the tool has it
+
+
+def demo_process(args, work):
+    """Wall time of `eval_drafter.py --demo --limit 2 --quiet` (plus --output for its stage timing), and the
+    import time the same command spends (-X importtime: every top-level import's cumulative time)."""
+    out = os.path.join(work, "demo.json")
+    cmd = [sys.executable, TOOL, "--demo", "--limit", "2", "--quiet", "--output", out]
+    walls, imports, timings = [], [], []
+    for i in range(args.repeats + 1):
+        start = time.perf_counter()
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        if i:  # the first run warms the page cache
+            walls.append(time.perf_counter() - start)
+            timings.append(json.load(open(out))["timing"])
+    for _ in range(args.repeats):
+        err = subprocess.run([sys.executable, "-X", "importtime"] + cmd[1:], check=True, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True).stderr
+        top_level = [(int(m.group(1)) / 1e6, m.group(2))
+                     for m in re.finditer(r"^import time:\s+\d+ \|\s+(\d+) \| (\S+)", err, re.M)]
+        imports.append(sum(t for t, _ in top_level))
+    biggest = sorted(top_level, reverse=True)[:5]
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    bare = time.perf_counter() - start
+    keys = sorted({k for t in timings for k in t})
+    return {"wall_s": median(walls), "import_s": median(imports), "python_s": bare, "biggest_imports": biggest,
+            "timing": {k: median([t.get(k, 0.0) for t in timings]) for k in keys}}
+
+
+def reference_generation(paths, args, work):
+    """generate_s of the tool's plain vs speculative reference generation: on the benchmark pair (random
+    drafter, first prompt, GEN_TOKENS tokens with EOS ignored, one run each: slow) and on the bundled demo
+    pair (trained drafter, --limit 2, median of --repeats runs after a warm-up)."""
+    rows = {}
+    for mode in ("plain", "speculative"):
+        argv = tool_argv(paths, args, os.path.join(work, f"gen_{mode}.json"), "--prompts", paths["bare"],
+                         "--limit", "1", "--ignore-eos", "--max-new-tokens", str(min(GEN_TOKENS, args.ref_tokens)),
+                         "--ddtree-budgets", "none", "--reference-generation", mode)
+        rep = run_tool(argv)
+        rows[("bench", mode)] = (rep["timing"].get("generate_s", float("nan")), rep["drafters"][0]["tau"],
+                                 rep["drafters"][0]["prompts"][0]["completion_tokens"])
+        demo = ["--demo", "--limit", "2", "--quiet", "--output", os.path.join(work, f"demo_{mode}.json"),
+                "--reference-generation", mode] + (["--threads", str(args.threads)] if args.threads else [])
+        reps = [run_tool(demo) for _ in range(args.repeats + 1)][1:]
+        rows[("demo", mode)] = (median([r["timing"].get("generate_s", float("nan")) for r in reps]),
+                                reps[-1]["drafters"][0]["tau"], None)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# Report
+
+
+def secs(x):
+    return f"{x:.2f} s" if x >= 0.1 else f"{x * 1e3:.2f} ms"
+
+
+def gf(x):
+    return f"{x / 1e9:,.1f} GFLOP"
+
+
+def mib(x):
+    return f"{x / 2 ** 20:,.0f} MiB"
+
+
+def verdict(ok, text):
+    say(f"{'PASS' if ok else 'FAIL'}  {text}")
+    return {"ok": ok, "text": text}
+
+
+def report_flops(rates, rate, fl):
+    n = rate["n"]
+    measured = " and ".join(f"{r['gflops']:.1f}" for r in rates)
+    say(f"a. GEMM {n}x{n} @ {n}x{n}: {measured} GFLOP/s (medians, before "
+        f"and after b; the floor uses the higher)")
+    say(f"   target pass: {gf(fl['target_total'])} (linear {gf(fl['target'])}, attention "
+        f"{gf(fl['target_attention'])}, lm_head on completion rows {gf(fl['target_lm_head'])})")
+    say(f"   drafter: {gf(fl['drafter_total'])} over {fl['anchors']} anchors (context {gf(fl['drafter_context'])}, "
+        f"blocks {gf(fl['drafter_blocks'])}, attention {gf(fl['drafter_attention'])} useful / "
+        f"{gf(fl['drafter_attention_executed'])} executed under the dense mask, lm_head {gf(fl['drafter_lm_head'])})")
+    floor = {k: secs(fl[k] / rate["gflops"] / 1e9) for k in ("total", "target_total", "drafter_total")}
+    say(f"   total {gf(fl['total'])}; floor {floor['total']} (target {floor['target_total']}, drafter "
+        f"{floor['drafter_total']})")
+
+
+def report_b(b, floor, fl, rate, b_report, b_walk):
+    d = b_report["drafters"][0]
+    say(f"b. eval_drafter, references given: target {b['target_s']:.2f} s, drafter {b['drafter_s']:.2f} s, "
+        f"trees {b['trees_s']:.3f} s, metrics {b['metrics_s']:.3f} s; sum {b['work_s']:.2f} s; JSON total "
+        f"{b['total_s']:.2f} s, load {b['load_s']:.2f} s (excluded) -> eval {b['eval_s']:.2f} s{others('b')}")
+    say(f"   sum / floor = {b['work_s'] / floor:.2f}; achieved: target {fl['target_total'] / b['target_s'] / 1e9:.1f}"
+        f" GFLOP/s, drafter {fl['drafter_total'] / b['drafter_s'] / 1e9:.1f} GFLOP/s (GEMM {rate['gflops']:.1f})")
+    ddt = ", ".join(f"DDTree {k}: {v['tau']:.3f}" for k, v in d["ddtree"].items())
+    say(f"   tau {d['tau']:.3f} ({d['rounds']} rounds), {ddt}; target agreement {b_report['target']['agreement']:.4f}")
+    if b_walk:
+        say(f"   with --anchors walk (one run): drafter {b_walk['drafter_s']:.2f} s, trees {b_walk['trees_s']:.3f} "
+            f"s, sum {b_walk['work_s']:.2f} s, eval {b_walk['eval_s']:.2f} s (walk / all = "
+            f"{b_walk['work_s'] / b['work_s']:.2f}){others('b_walk')}")
+
+
+def write_results(info, figures, verdicts, analysis, argv):
+    cmd = "python bench/bench_eval.py" + ("" if not argv else " " + " ".join(argv))
+    machine = (f"{info['cpu']}, {info['cores']} cores, torch threads {info['threads']}"
+               + (f", GPU {info['gpu']}" if info.get("gpu") else ""))
+    text = [
+        "# eval_drafter.py benchmark",
+        "",
+        "Written by `bench/bench_eval.py` (rerun it to refresh this file). What is measured and how: see the",
+        "script's docstring. Times are medians of the timed runs after a warm-up.",
+        "",
+        f"- machine: {machine}; load average before the run {info['load_before']:.2f}, after "
+        f"{info['load_after']:.2f}",
+        f"- python {info['python']}, torch {info['torch']}, transformers {info['transformers']}, device "
+        f"{info['device']}",
+        f"- date: {info['date']}; benchmark wall time {info['wall_s']:.0f} s",
+        f"- command: `{cmd}`",
+        "",
+        "## Verdicts",
+        "",
+        *[f"- **{'PASS' if v['ok'] else 'FAIL'}** {v['text']}" for v in verdicts],
+        "",
+        "## Figures",
+        "",
+        "```",
+        *figures,
+        "```",
+        "",
+        "## What dominates, and what would move each figure",
+        "",
+        *analysis,
+        "",
+    ]
+    with open(RESULTS, "w", encoding="utf-8") as f:
+        f.write("\n".join(text))
+
+
+PROFILE_OPS = {  # label: substrings of a cProfile function name (torch ops appear as built-ins)
+    "linear (matmuls: target layers, drafter, both lm_heads)": ("_nn.linear",),
+    "scaled_dot_product_attention": ("scaled_dot_product_attention",),
+    "topk": ("'topk'",), "log_softmax": ("'log_softmax'",), "isfinite": ("isfinite",),
+    "argmax": ("'argmax'",), "build_tree (DDTree, Python)": ("(build_tree)", "heappush", "heappop"),
+}
+
+
+def profile_ops(stats):
+    """Own time per PROFILE_OPS label from a pstats dict."""
+    ops = dict.fromkeys(PROFILE_OPS, 0.0)
+    for (file, line, name), (_, _, tt, _, _) in stats.items():
+        label = f"{os.path.basename(file)}({name})" if file != "~" else name
+        for key, needles in PROFILE_OPS.items():
+            if any(n in label for n in needles):
+                ops[key] += tt
+    return ops
+
+
+def analysis_text(f):
+    """What dominates each figure and what would move it, with this run's numbers."""
+    fl, rate, b, c, d, e, mem, proc = (f[k] for k in ("fl", "rate", "b", "c", "d", "e", "mem", "proc"))
+    need = mem["weights_bytes"] + mem["features_bytes"]
+    per_anchor_all = b["drafter_s"] / fl["anchors"]
+    out = [
+        f"- **b** ({b['work_s']:.2f} s, x{b['work_s'] / f['floor']:.2f} its floor) is dominated by the drafter: "
+        f"{b['drafter_s']:.2f} s ({b['drafter_s'] / b['work_s']:.0%}); the target pass is "
+        f"{b['target_s']:.2f} s against a {fl['target_total'] / rate['gflops'] / 1e9:.2f} s floor "
+        f"(x{b['target_s'] / (fl['target_total'] / rate['gflops'] / 1e9):.2f}). With `--anchors all` the tool drafts a block at each of the "
+        f"{fl['anchors']} fitting anchors, so the drafter does {fl['drafter_total'] / fl['target_total']:.1f}x the "
+        f"target's FLOPs, {fl['drafter_lm_head'] / fl['drafter_total']:.0%} of them in the lm_head (B-1 full-vocab "
+        "rows per anchor, against one row per completion token for the target). The drafter runs at "
+        f"{fl['drafter_total'] / b['drafter_s'] / 1e9:.0f} GFLOP/s against a {rate['gflops']:.0f} GFLOP/s GEMM "
+        f"(floor {secs(f['floor_d'])}). Besides the matmuls it spends its time on full-vocab passes over the "
+        "logits that no FLOP count sees - `torch.isfinite(logits).all()`, `argmax`, a float32 `log_softmax` and "
+        "a `topk(128)` per drafted slot (see the grouped profile) - and on attention under a dense mask that "
+        f"computes each chunk's 32 blocks against each other ({gf(fl['drafter_attention_executed'])} executed "
+        f"for {gf(fl['drafter_attention'])} useful). To move it: check NaN/Inf on the drafter's hidden rows (H "
+        "wide) instead of the logits (V wide), take topk of the raw logits and subtract one logsumexp instead "
+        "of materialising log_softmax, and skip the top-k entirely with `--ddtree-budgets none`; the lm_head "
+        "itself is irreducible at every anchor.",
+    ]
+    if f.get("b_walk"):
+        walk = f["b_walk"]
+        per_anchor_walk = walk["drafter_s"] / fl["anchors"]  # tau ~ 1: the walks visit every anchor
+        out.append(
+            f"- **`--anchors walk`** is slower here, not faster: drafter {walk['drafter_s']:.2f} s vs "
+            f"{b['drafter_s']:.2f} s. With tau ~ 1 the walks visit every anchor, and walk mode drafts one anchor "
+            "per `draft_all_anchors` call: a 16-row drafter pass and a 15-row lm_head that re-reads the whole "
+            f"V x H head for every anchor ({per_anchor_walk * 1e3:.1f} ms per anchor vs {per_anchor_all * 1e3:.1f} "
+            f"ms batched). It pays off only when tau > ~{per_anchor_walk / per_anchor_all:.1f}; batching the visits "
+            "(e.g. draft the next few candidate anchors of every walk and every prompt together) would make it "
+            "win at any tau.")
+    g = c.get("generation")
+    out += [
+        f"- **c / b** = {c['s'] / b['eval_s']:.1f}. The online loop verifies B tokens per round and commits "
+        f"~{c['tau']:.2f}, so its target work is ~B/tau = {fl['B'] / c['tau']:.0f}x b's, in "
+        f"{sum(map(len, c['rounds']))} 16-token passes that are memory-bound on this CPU (the weights are re-read "
+        "every pass), and its drafter cannot batch anchors. A trained drafter (tau 4-8) cuts c by about tau, and "
+        "the ratio with it; a faster machine for small matmuls (GPU) cuts it too.",
+        f"- **d** ({d['total_s']:.2f} s, d / b {d['total_s'] / b['eval_s']:.2f}) is b without the target pass: the "
+        f"drafter ({d['drafter_s']:.2f} s) plus reading the file and the embedding/head. Since the drafter is "
+        f"{b['drafter_s'] / b['work_s']:.0%} of b, d / b cannot reach 0.5 until the drafter's cost falls "
+        "(the levers under b).",
+        f"- **trees** take {f['trees_share']:.1%} of b: a random drafter almost never ranks the reference token in "
+        "its top-128, so almost no tree is built. A trained drafter builds one per visited anchor in Python "
+        "(heapq); the demo pair's `trees` figure above is the closer guide.",
+        f"- **memory**: peak RSS {mib(e['peak_kib'] * 1024)} against {mib(need)} of weights + features. "
+        f"{mib(e['base_kib'] * 1024)} is the interpreter with torch, transformers and transformers' Qwen3 code "
+        f"imported, before any model exists; the remaining {mib((e['peak_kib'] - e['base_kib']) * 1024)} is "
+        f"x{(e['peak_kib'] - e['base_kib']) * 1024 / need:.2f} the weights + features (the target's weights are "
+        "mmapped from safetensors, not copied; the excess is activations, the logits chunks and allocator "
+        "slack while drafting). With a model this small the import baseline decides the verdict; with a real "
+        "target (GBs of weights) only the second ratio matters.",
+        f"- **whole process**: the demo run is {proc['wall_s']:.1f} s, of which {proc['import_s']:.1f} s are imports "
+        f"(biggest: {proc['biggest_imports'][0][1]} {proc['biggest_imports'][0][0]:.1f} s, pulled in by "
+        "`build_rope`'s Qwen3RotaryEmbedding and the model load) and the tool's own JSON total is "
+        f"{proc['timing'].get('total_s', 0):.2f} s. Small runs are start-up bound; only fewer imports would move it.",
+    ]
+    if g:
+        out.append(
+            f"- **speculative reference generation** (`speculative_generate`) calls `draft_all_anchors` without "
+            f"its `context_kv`, so each round re-projects the whole context (fc + k/v of every position): "
+            f"{g['drafter_context'] / g['tokens'] * 1e3:.1f} ms of {g['speculative_generate'] / g['tokens'] * 1e3:.1f} "
+            "ms per token here, growing linearly with the context (quadratic over a generation); loop c adds only "
+            "the new rows. At a few thousand tokens of context it rivals the verify pass itself.")
+    return out
+
+
+def report_c(c, b, online_floor):
+    say(f"c. online speculative loop: {c['s']:.2f} s ({sum(map(len, c['rounds']))} rounds, tau {c['tau']:.3f}); "
+        f"c / b = {c['s'] / b['eval_s']:.1f} (b = its eval time, load excluded); floor of the loop's own work "
+        f"{secs(online_floor)} (x{c['s'] / online_floor:.1f}){others('c')}")
+    say(f"   rounds equal to b's chain rounds: {c['same_rounds']}/{c['n']} prompts; committed tokens equal to the "
+        f"references: {c['n'] - len(c['differ'])}/{c['n']}"
+        + "".join(f"; {pid}: first differs at completion token {at}, where the tool's teacher-forced argmax already "
+                  f"{'differs' if at == tf else 'agrees'} (its first_divergence {tf})" for pid, at, tf in c["differ"]))
+    if c["differ"]:
+        say("   (the reference came from 1-token decode steps; a 16-token verify or teacher-forced pass rounds "
+            "differently, and a near-tie of a random target's logits can flip: what the tool's 'target agreement' "
+            "measures)")
+
+
+def report_d(d, b, floor_d):
+    say(f"d. --load-hidden re-evaluation: total {d['total_s']:.2f} s (drafter {d['drafter_s']:.2f} s, trees "
+        f"{d['trees_s']:.3f} s, metrics {d['metrics_s']:.3f} s, other {d['total_s'] - d['work_s']:.2f} s); "
+        f"d / b = {d['total_s'] / b['eval_s']:.2f}; d / drafter floor = {d['total_s'] / floor_d:.2f} "
+        f"(drafter floor {secs(floor_d)}){others('d')}")
+
+
+def report_e(e, mem):
+    need = mem["weights_bytes"] + mem["features_bytes"]
+    say(f"e. peak RSS of b (child process, VmHWM): {mib(e['peak_kib'] * 1024)}; after importing torch, "
+        f"transformers (with its Qwen3 code) and eval_drafter: {mib(e['base_kib'] * 1024)}; weights "
+        f"{mib(mem['weights_bytes'])} + features {mib(mem['features_bytes'])} (largest prompt "
+        f"{mib(mem['features_one_prompt'])}) = {mib(need)}"
+        f"{others('e')}")
+    say(f"   peak / (weights + features) = {e['peak_kib'] * 1024 / need:.2f}; (peak - import baseline) / "
+        f"(weights + features) = {(e['peak_kib'] - e['base_kib']) * 1024 / need:.2f}"
+        + (f"; GPU peak allocated {mib(e['gpu_bytes'])}" if e.get("gpu_bytes") else ""))
+
+
+def report_process(proc):
+    t = proc["timing"]
+    stages = ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in t.items())
+    say(f"process: `eval_drafter.py --demo --limit 2 --quiet`: {proc['wall_s']:.2f} s wall = imports "
+        f"{proc['import_s']:.2f} s (-X importtime, top-level cumulative) + the rest "
+        f"{proc['wall_s'] - proc['import_s']:.2f} s "
+        f"(bare interpreter start {proc['python_s']:.2f} s){others('process')}")
+    say(f"   its JSON timing (s): {stages}")
+    say("   biggest top-level imports (s): " + ", ".join(f"{name} {t:.2f}" for t, name in proc["biggest_imports"]))
+
+
+def report_generation(gen, c, items):
+    for pair in ("bench", "demo"):
+        (plain, _, n), (spec, tau, _) = gen[(pair, "plain")], gen[(pair, "speculative")]
+        note = ("random drafter, tau ~ 1: speculative cannot win" if pair == "bench"
+                else "bundled pair, trained drafter, --limit 2")
+        say(f"reference generation, {pair} pair ({note}): plain {plain:.2f} s, speculative {spec:.2f} s "
+            f"(plain / speculative = {plain / spec:.2f}); drafter tau on these references {tau:.2f}"
+            f"{others('generation')}")
+    spec, _, n = gen[("bench", "speculative")]
+    loop = c["per_prompt"][0] / c["tokens"][0]
+    say(f"   per token (tau ~ 1: per round) on the bench pair's first prompt: the tool's speculative generation "
+        f"{spec / n * 1e3:.0f} ms, loop c {loop * 1e3:.0f} ms")
+    g = c.get("generation")
+    if g:
+        per = {k: g[k] / g["tokens"] * 1e3 for k in g if k != "tokens"}
+        say(f"   cProfile of the tool's speculative_generate ({g['tokens']} tokens), ms per token: target_pass "
+            f"{per['target_pass']:.1f}, draft_all_anchors {per['draft_all_anchors']:.1f} (drafter_context "
+            f"{per['drafter_context']:.1f} - the whole context re-projected every round - drafter_forward "
+            f"{per['drafter_forward']:.1f}, the rest lm_head and checks), total {per['speculative_generate']:.1f}")
+
+
+def describe_pair(mem, tcfg, dcfg, lengths):
+    say(f"pair: target {mem['target_params'] / 1e6:.1f} M parameters ({tcfg.num_hidden_layers} layers, hidden "
+        f"{tcfg.hidden_size}, intermediate {tcfg.intermediate_size}, vocab {tcfg.vocab_size}); drafter "
+        f"{mem['drafter_params'] / 1e6:.1f} M ({dcfg['num_hidden_layers']} layer, feature layers "
+        f"{dcfg['dflash_config']['target_layer_ids']}, block {dcfg['block_size']}); {len(lengths)} prompts of "
+        f"{[n for n, _ in lengths]} tokens, {lengths[0][1]}-token references (the target's greedy output)")
+
+
+def verdicts_of(f):
+    b, c, d, e, need = f["b"], f["c"], f["d"], f["e"], f["mem"]["weights_bytes"] + f["mem"]["features_bytes"]
+    peak, where = (e["gpu_bytes"], "GPU peak allocated") if e.get("gpu_bytes") else (e["peak_kib"] * 1024, "peak RSS")
+    return [
+        verdict(b["work_s"] <= 1.3 * f["floor"], f"b <= 1.3 x floor: {b['work_s']:.2f} s vs floor {secs(f['floor'])} "
+                                                 f"(x{b['work_s'] / f['floor']:.2f})"),
+        verdict(c["s"] / b["eval_s"] >= 5, f"c / b >= 5: {c['s'] / b['eval_s']:.1f}"),
+        verdict(d["total_s"] <= 0.5 * b["eval_s"] and d["total_s"] <= 1.3 * f["floor_d"],
+                f"d <= 0.5 x b and d <= 1.3 x drafter floor: d / b = {d['total_s'] / b['eval_s']:.2f}, "
+                f"d / drafter floor = {d['total_s'] / f['floor_d']:.2f}"),
+        verdict(f["trees_share"] <= 0.15, f"trees <= 15% of b at budget 128: {f['trees_share']:.1%}"),
+        verdict(peak <= 1.25 * need, f"peak memory of b <= 1.25 x (weights + features): {where} {mib(peak)} vs "
+                                     f"{mib(need)} (x{peak / need:.2f})"),
+    ]
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    t_start = time.perf_counter()
+    info = machine_info(args)
+    say(f"machine: {info['cpu']}, {info['cores']} cores, torch threads {info['threads']}, load average "
+        f"{info['load_before']:.2f}; torch {info['torch']}, transformers {info['transformers']}; device {args.device}")
+    f = {}
+    with contextlib.ExitStack() as stack:
+        work = args.workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_eval_"))
+        os.makedirs(work, exist_ok=True)
+        paths, tcfg, dcfg = build_pair(args, work)
+        items = tool_prompts(paths["prompts"], paths["target"])
+        lengths = [(len(it["prompt_ids"]), len(it["completion_ids"])) for it in items]
+        f["mem"] = mem = memory_needed(paths, tcfg, dcfg, lengths, args.device)
+        describe_pair(mem, tcfg, dcfg, lengths)
+
+        anchors = ("--anchors", "all") if has_flag("--anchors") else ()
+        with watch("b"):
+            rates = [gemm_rate(args.device, args.repeats)]
+            b, b_report, hidden = measure_b(paths, args, work, anchors)
+            rates.append(gemm_rate(args.device, args.repeats))
+        with watch("b_walk"):
+            b_walk = measure_b(paths, args, work, ("--anchors", "walk"), warm_up=False, runs=1)[0] if anchors else None
+        rate = max(rates, key=lambda r: r["gflops"])  # the machine's capability: a lower one is contention
+        fl = work_flops(tcfg, dcfg, lengths)
+        fl["B"] = dcfg["block_size"]
+        floor, floor_d = (fl[k] / rate["gflops"] / 1e9 for k in ("total", "drafter_total"))
+        f.update(fl=fl, rate=rate, b=b, b_walk=b_walk, floor=floor, floor_d=floor_d,
+                 trees_share=b["trees_s"] / b["work_s"])
+        report_flops(rates, rate, fl)
+        report_b(b, floor, fl, rate, b_report, b_walk)
+
+        with watch("c"):
+            f["c"] = c = measure_c(paths, args, b_report)
+        report_c(c, b, online_flops(tcfg, dcfg, c["rounds"], lengths) / rate["gflops"] / 1e9)
+        with watch("d"):
+            f["d"] = measure_d(paths, args, work, hidden)[0]
+        report_d(f["d"], b, floor_d)
+        with watch("e"):
+            f["e"] = measure_e(paths, args, work)
+        report_e(f["e"], mem)
+        with watch("process"):
+            f["proc"] = demo_process(args, work)
+        report_process(f["proc"])
+        if has_flag("--reference-generation"):
+            with watch("generation"):
+                generation = reference_generation(paths, args, work)
+            report_generation(generation, c, items)
+        else:
+            say("reference generation: this eval_drafter.py has no --reference-generation; not measured")
+        if args.profile:
+            with watch("profile"):
+                lines = profile_b(paths, args, work)
+            lines[0] += others("profile")
+            for line in lines:
+                say("   " + line)
+
+    say("")
+    verdicts = verdicts_of(f)
+    info.update(load_after=os.getloadavg()[0], wall_s=time.perf_counter() - t_start)
+    say(f"benchmark wall time {info['wall_s']:.0f} s; load average {info['load_before']:.2f} -> "
+        f"{info['load_after']:.2f}")
+    say("CPU time other processes took while each part ran: "
+        + ", ".join(f"{k} {v:.0%}" for k, v in OTHERS.items() if not math.isnan(v)))
+    if args.write_results:
+        write_results(info, LINES, verdicts, analysis_text(f), argv)
+        print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
