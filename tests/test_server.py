@@ -266,6 +266,14 @@ def assert_same_rounds(report, local_report):
     assert without_source(got) == without_source(want)
 
 
+def fault_line(tmp_path, server, capsys, mode, args):
+    """Run the tool against the server in a fault mode: it must fail with exit 2; return its error line."""
+    server.reset(mode=mode)
+    code, _ = run_tool(tmp_path, BASE + args)
+    assert code == 2
+    return error_line(capsys)
+
+
 def error_line(capsys):
     """The single stderr line of a failed run (and nothing that looks like a traceback)."""
     err = capsys.readouterr().err
@@ -437,20 +445,14 @@ def test_wrong_url_path_is_a_404(tmp_path, server, capsys):
 
 
 def test_malformed_json(tmp_path, server, capsys):
-    server.reset(mode="malformed")
-    code, _ = run_tool(tmp_path, BASE + server_args(server))
-    assert code == 2
-    line = error_line(capsys)
+    line = fault_line(tmp_path, server, capsys, "malformed", server_args(server))
     assert "malformed JSON" in line and "train-0" in line
     assert len(server.requests) == 1
 
 
 @pytest.mark.parametrize("api", ["sglang", "openai"])
 def test_missing_id_fields(tmp_path, server, capsys, api):
-    server.reset(mode="missing_ids")
-    code, _ = run_tool(tmp_path, BASE + server_args(server, api))
-    assert code == 2
-    line = error_line(capsys)
+    line = fault_line(tmp_path, server, capsys, "missing_ids", server_args(server, api))
     assert "no token ids" in line and "train-0" in line
     assert ("output_ids" in line) if api == "sglang" else ("token_id:N" in line)
 
@@ -458,27 +460,18 @@ def test_missing_id_fields(tmp_path, server, capsys, api):
 @pytest.mark.parametrize("api", ["sglang", "openai"])
 def test_reply_entries_that_are_not_objects(tmp_path, server, capsys, api):
     """Valid JSON, right count, wrong shape (strings where objects belong): still one clear line, exit 2."""
-    server.reset(mode="non_dict_entries")
-    code, _ = run_tool(tmp_path, BASE + server_args(server, api))
-    assert code == 2
-    assert "train-0" in error_line(capsys)
+    assert "train-0" in fault_line(tmp_path, server, capsys, "non_dict_entries", server_args(server, api))
 
 
 @pytest.mark.parametrize("api", ["sglang", "openai"])
 def test_wrong_number_of_replies(tmp_path, server, capsys, api):
-    server.reset(mode="wrong_count")
-    code, _ = run_tool(tmp_path, BASE + server_args(server, api))
-    assert code == 2
-    line = error_line(capsys)
+    line = fault_line(tmp_path, server, capsys, "wrong_count", server_args(server, api))
     assert f"answered for {LIMIT - 1} prompts, {LIMIT} were sent" in line and "train-0" in line
 
 
 @pytest.mark.parametrize("api", ["sglang", "openai"])
 def test_context_length_400_names_the_prompt_and_its_tokens(tmp_path, server, capsys, demo_rows, tokenize, api):
-    server.reset(mode="error_400_context")
-    code, _ = run_tool(tmp_path, BASE + ["--limit", "1"] + server_args(server, api))
-    assert code == 2
-    line = error_line(capsys)
+    line = fault_line(tmp_path, server, capsys, "error_400_context", ["--limit", "1"] + server_args(server, api))
     n = len(tokenize(demo_rows[0]["prompt"]))
     assert "train-0" in line and f"{n} prompt tokens" in line and "context length" in line
     assert len(server.requests) == 1
@@ -498,10 +491,7 @@ def test_context_length_400_in_a_batch_names_the_long_prompt(tmp_path, server, c
 
 @pytest.mark.parametrize("api", ["sglang", "openai"])
 def test_other_400_shows_the_server_message(tmp_path, server, capsys, api):
-    server.reset(mode="error_400_other")
-    code, _ = run_tool(tmp_path, BASE + server_args(server, api))
-    assert code == 2
-    line = error_line(capsys)
+    line = fault_line(tmp_path, server, capsys, "error_400_other", server_args(server, api))
     words = "The model `demo-target` does not exist." if api == "openai" else "unknown field 'min_p_x'"
     assert "HTTP 400" in line and words in line and "train-0" in line
     assert "prompt tokens" not in line
