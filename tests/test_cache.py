@@ -775,7 +775,8 @@ def test_check_mask_flags_wrong_window(tmp_path):
     d, stdout, stderr = mask_check_run(tmp_path, "w2", *DEMO_ARGS, "--ckpt", f"w2={ckpt}")
     modes = d["mask_check"]["modes"]
     assert modes["configured"]["block_mask"] == ["causal, window 2", "bidirectional"]
-    assert modes["no sliding window"]["accuracy"] >= modes["configured"]["accuracy"] + ed.MASK_CHECK_MARGIN
+    assert modes["no sliding window"]["accuracy"] >= modes["configured"]["accuracy"] + ed.MASK_CHECK_MIN_GAIN
+    assert modes["no sliding window"]["z"] >= ed.MASK_CHECK_Z
     assert_warns(d, stdout, stderr, "no sliding window")
 
 
@@ -795,26 +796,34 @@ def test_check_mask_flags_demo_with_sliding_window_ignored(tmp_path):
 
 @pytest.fixture(scope="module")
 def causal_drafter(tmp_path_factory):
-    """A drafter trained with causal in-block attention on every layer (is_causal, no sliding layers)."""
+    """A drafter trained with causal in-block attention on every layer (is_causal, no sliding layers), block 16:
+    the longer block gives the bidirectional mask more unseen keys to disturb it with."""
     from transformers import AutoModelForCausalLM
     out = str(tmp_path_factory.mktemp("causal") / "drafter")
     target = AutoModelForCausalLM.from_pretrained(DEMO_TARGET, dtype=torch.float32).eval()
     with contextlib.redirect_stdout(io.StringIO()):
         md.train_drafter(out, target, md.language(), steps=200, anchors_per_step=48, n_sequences=12, completion=64,
-                         is_causal=True, layer_types=["full_attention", "full_attention"])
+                         is_causal=True, layer_types=["full_attention", "full_attention"], block_size=16)
     return out
 
 
+PAIRED = ("wins", "losses", "z")   # counted against the configured mode, so they change with it
+
+
+def unpaired(t):
+    return {k: v for k, v in t.items() if k not in PAIRED}
+
+
 def test_check_mask_causal_drafter(causal_drafter, tmp_path):
-    """Auto honours is_causal and gives no warning. Run bidirectional, the 'causal' mode reproduces the auto run's
-    numbers exactly. (Measured while writing this: the causal drafter loses only ~0.01 accuracy under
-    bidirectional attention, under MASK_CHECK_MARGIN, so no warning is asserted either way for that run.)"""
+    """Auto honours is_causal and gives no warning. Run bidirectional (the wrong mask), the check flags it and
+    names 'causal'; its causal mode reproduces the auto run's numbers, and the paired counts mirror each other."""
     common = ["--target", DEMO_TARGET, "--ckpt", f"c={causal_drafter}", "--prompts", DEMO_PROMPTS, "--limit", "4",
-              "--max-new-tokens", "40", "--quiet"]
+              "--max-new-tokens", "64", "--quiet"]
     auto, stdout, stderr = mask_check_run(tmp_path, "auto", *common)
     modes = auto["mask_check"]["modes"]
     assert auto["block_mask"] == modes["configured"]["block_mask"] == ["causal", "causal"]
     assert modes["configured"] == modes["causal"] == modes["no sliding window"]
+    assert modes["configured"]["wins"] == modes["configured"]["losses"] == 0
     assert modes["bidirectional"]["block_mask"] == ["bidirectional", "bidirectional"]
     assert modes["configured"]["accuracy"] > 0.5    # it did learn
     assert_no_warning(auto, stdout, stderr)
@@ -822,29 +831,46 @@ def test_check_mask_causal_drafter(causal_drafter, tmp_path):
     bidi, stdout, stderr = mask_check_run(tmp_path, "bidi", *common, "--block-mask", "bidirectional")
     bmodes = bidi["mask_check"]["modes"]
     assert bidi["block_mask"] == ["bidirectional", "bidirectional"]
-    assert bmodes["configured"] == bmodes["bidirectional"] == modes["bidirectional"]
-    assert bmodes["causal"] == modes["causal"]
+    assert bmodes["configured"] == bmodes["bidirectional"]
+    assert unpaired(bmodes["bidirectional"]) == unpaired(modes["bidirectional"])
+    assert unpaired(bmodes["causal"]) == unpaired(modes["causal"])
+    assert (bmodes["causal"]["wins"], bmodes["causal"]["losses"]) == \
+        (modes["bidirectional"]["losses"], modes["bidirectional"]["wins"])
+    drafts = bmodes["causal"]["anchors"] * 15
+    assert bmodes["causal"]["accuracy"] - bmodes["configured"]["accuracy"] == \
+        pytest.approx((bmodes["causal"]["wins"] - bmodes["causal"]["losses"]) / drafts)
     print(f"\ncausal-trained drafter: accuracy causal {bmodes['causal']['accuracy']:.3f} "
-          f"bidirectional {bmodes['bidirectional']['accuracy']:.3f}; tau_all_anchors causal "
-          f"{bmodes['causal']['tau_all_anchors']:.3f} bidirectional {bmodes['bidirectional']['tau_all_anchors']:.3f}; "
-          f"warning: {bidi['mask_check']['warning']}")
-    gap = bmodes["causal"]["accuracy"] - bmodes["configured"]["accuracy"]
-    assert (bidi["mask_check"]["warning"] is not None) == (gap >= ed.MASK_CHECK_MARGIN)
+          f"bidirectional {bmodes['bidirectional']['accuracy']:.3f}; wins/losses {bmodes['causal']['wins']}/"
+          f"{bmodes['causal']['losses']} z {bmodes['causal']['z']}")
+    assert_warns(bidi, stdout, stderr, "causal")
 
 
-def fake_summary(accuracies, drafts=1000):
-    """mask_check_summary over made-up counts: one prompt, `drafts` drafts per mode."""
-    variants = {name: [("bidirectional", None)] for name in accuracies}
-    counts = {name: [round(acc * drafts), drafts, 0, 10] for name, acc in accuracies.items()}
+def fake_summary(wins, losses, drafts):
+    """mask_check_summary over made-up counts: one prompt; 'causal' wins `wins` drafts from the configured mode
+    and loses `losses`."""
+    variants = {name: [("bidirectional", None)] for name in ("configured", "causal")}
+    hits = drafts // 2
+    counts = {"configured": [hits, drafts, 0, 10, 0, 0],
+              "causal": [hits + wins - losses, drafts, 0, 10, wins, losses]}
     return ed.mask_check_summary(variants, [counts])
 
 
-@pytest.mark.parametrize("gain, warns", [(0.0, False), (0.04, False), (0.05, True), (0.2, True)])
-def test_mask_check_summary_margin(gain, warns):
-    acc = {"configured": 0.5, "bidirectional": 0.5, "causal": 0.5 + gain, "no sliding window": 0.5 + gain / 2}
-    summary = fake_summary(acc)
-    assert summary["modes"]["causal"]["accuracy"] == pytest.approx(0.5 + gain)
+@pytest.mark.parametrize("wins, losses, drafts, warns", [
+    (0, 0, 1000, False),
+    (30, 0, 1000, True),        # gain 0.03, z 5.3
+    (30, 10, 1000, True),       # gain 0.02, z 3.0: just significant
+    (30, 12, 1000, False),      # gain 0.018 but z 2.6: could be noise
+    (5, 0, 100, False),         # gain 0.05 but z 1.8: five drafts prove nothing
+    (200, 190, 1000, False),    # z 0.46: many flips both ways, no clear winner
+    (60, 10, 10000, False),     # z 5.9 but gain 0.005: real, too small to matter
+])
+def test_mask_check_summary_rule(wins, losses, drafts, warns):
+    z = (wins - losses - 1) / (wins + losses) ** 0.5 if wins + losses else 0
+    summary = fake_summary(wins, losses, drafts)
+    causal = summary["modes"]["causal"]
+    assert causal["accuracy"] == pytest.approx(0.5 + (wins - losses) / drafts)
+    assert (causal["wins"], causal["losses"]) == (wins, losses) and causal["z"] == pytest.approx(z, abs=0.01)
     if warns:
-        assert "'causal'" in summary["warning"]    # the best of the better modes is named
+        assert "'causal'" in summary["warning"] and f"{wins} times" in summary["warning"]
     else:
         assert summary["warning"] is None
