@@ -32,7 +32,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEMO_DIR = os.path.join(HERE, "tests", "fixtures", "demo")
 ANCHOR_TOKENS_PER_CHUNK = 512   # query tokens (anchors x block) per SDPA call: bounds the mask and scores
-LOGIT_ROWS_PER_CHUNK = 256      # rows per lm_head call: a 248k vocab makes logits the big tensor
+LOGIT_ROWS_PER_CHUNK = 256      # rows per target lm_head call: a 248k vocab makes logits the big tensor
 AGREEMENT_WARN = 0.99
 
 
@@ -103,6 +103,8 @@ def parse_args(argv):
     p.add_argument("--enable-thinking", action="store_true", help="chat template with thinking on")
     p.add_argument("--limit", type=int, help="evaluate only the first N prompts")
     p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--max-memory-gb", type=float, default=0.5,
+                   help="memory for the drafter's logits at a time (sets the rows per lm_head call; default 0.5)")
     p.add_argument("--output", help="write the full results as JSON to this file")
     p.add_argument("--quiet", action="store_true", help="no progress bars or notes on stderr")
     p.add_argument("--save-hidden", metavar="FILE.safetensors",
@@ -181,6 +183,8 @@ def resolve_settings(args):
         fail("--server-api openai needs --server-model (the name the server serves the target under)")
     if args.server_concurrency < 1 or args.server_retries < 0 or args.server_timeout <= 0:
         fail("--server-concurrency must be >= 1, --server-retries >= 0 and --server-timeout > 0")
+    if args.max_memory_gb <= 0:
+        fail(f"--max-memory-gb must be above 0, got {args.max_memory_gb}")
     if args.resume and not args.output:
         fail("--resume needs --output: the partial results live in <output>.partial.jsonl")
     if args.resume and args.save_hidden:
@@ -603,12 +607,15 @@ def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, p
     cache = DynamicCache()
     features, last, cache = target_pass(model, prompt_ids, layers, cache)
     check_finite(features, prompt_id)
+    # The drafter's context K/V grow with the accepted tokens only: re-projecting the whole context every
+    # round would make a generation quadratic in its length.
+    context_kv = prompt_context(drafter, features)
     tokens = [int(head(last[-1:]).argmax(-1))]
     while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
         ids = prompt_ids + tokens
         anchor = len(ids) - 1   # its hidden state is not context: the cache holds positions < anchor
-        drafts, _ = draft_all_anchors(drafter, features, ids, torch.tensor([anchor], device=model.device), embed, head,
-                                      prompt_id=prompt_id)
+        drafts, _ = draft_all_anchors(drafter, context_kv, torch.tensor([anchor], device=model.device),
+                                      torch.tensor([ids[anchor]], device=model.device), embed, head, 0, prompt_id)
         block = [ids[anchor]] + drafts[0].tolist()
         new_feats, last, cache = target_pass(model, block, layers, cache)
         check_finite(new_feats, prompt_id)
@@ -617,7 +624,9 @@ def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, p
         while accepted < B - 1 and block[accepted + 1] == greedy[accepted]:
             accepted += 1
         cache.crop(-(B - 1 - accepted))           # keep the anchor and the accepted drafts
-        features = {L: torch.cat([features[L], new_feats[L][:accepted + 1]]) for L in layers}
+        new_kv = drafter_context(drafter, torch.cat([new_feats[L][:accepted + 1] for L in layers], dim=-1), anchor)
+        context_kv = [(torch.cat([k, k_new], 1), torch.cat([v, v_new], 1))
+                      for (k, v), (k_new, v_new) in zip(context_kv, new_kv)]
         for token in block[1:accepted + 1] + [greedy[accepted]]:
             tokens.append(token)
             if len(tokens) >= max_new_tokens or token in stop_ids:
@@ -806,7 +815,10 @@ def load_drafter(spec, target_cfg, settings):
     check_drafter_keys(state, cfg, name)
     dtype = getattr(torch, settings["dtype"])
     weights = {k: v.to(device=settings["device"], dtype=dtype) for k, v in state.items()}
-    return {"name": name, "checkpoint": os.path.abspath(path), "cfg": cfg, "weights": weights,
+    # Logits plus their log-softmax, float32: below ~256 rows the lm_head matmul loses speed, above it gains
+    # little; a 248k vocab at the default budget gets 256.
+    logit_rows = min(2048, max(16, int(settings["max_memory_gb"] * 2**30 / (8 * target_cfg.vocab_size))))
+    return {"name": name, "checkpoint": os.path.abspath(path), "cfg": cfg, "weights": weights, "logit_rows": logit_rows,
             "layers": layer_ids, "block_size": block_size, "mask_token_id": int(mask_id),
             "rules": layer_rules(cfg, settings), "rope": build_rope(cfg, settings["device"])}
 
@@ -948,12 +960,13 @@ def heads(x, n_heads, head_dim):
     return x.view(x.shape[0], n_heads, head_dim).transpose(0, 1)
 
 
-def block_mask(anchors, n_ctx, block_size, rule):
+def block_mask(anchors, n_ctx, block_size, rule, starts=None):
     """Boolean (n*B, n_ctx + n*B) mask for the blocks anchored at `anchors`: True = may attend.
 
     Query (block i, slot j) sits at absolute position a_i + j. It sees context positions p < a_i, and the
     slots of its own block: all of them (bidirectional) or those <= j (causal). A window W keeps only keys
-    at positions >= a_i + j - (W - 1).
+    at positions >= a_i + j - (W - 1). With `starts`, block i's context is rows starts_i.. of a context
+    that holds several prompts one after another (--anchors walk batches prompts this way).
     """
     mode, window = rule
     n, dev = anchors.shape[0], anchors.device
@@ -961,25 +974,26 @@ def block_mask(anchors, n_ctx, block_size, rule):
     q_block = torch.arange(n, device=dev).repeat_interleave(block_size)
     q_slot = slot.repeat(n)
     q_pos = anchors[q_block] + q_slot
-    ctx_pos = torch.arange(n_ctx, device=dev)
-    ctx_ok = ctx_pos[None, :] < anchors[q_block][:, None]
+    start = (torch.zeros_like(anchors) if starts is None else starts)[q_block][:, None]
+    ctx_pos = torch.arange(n_ctx, device=dev)[None, :] - start   # position within the block's own prompt
+    ctx_ok = (ctx_pos >= 0) & (ctx_pos < anchors[q_block][:, None])
     blk_ok = q_block[:, None] == q_block[None, :]
     if mode == "causal":
         blk_ok &= q_slot[None, :] <= q_slot[:, None]
     if window is not None:
         lowest = q_pos[:, None] - (window - 1)
-        ctx_ok &= ctx_pos[None, :] >= lowest
+        ctx_ok &= ctx_pos >= lowest
         blk_ok &= q_pos[None, :] >= lowest
     return torch.cat([ctx_ok, blk_ok], dim=1)
 
 
-def drafter_context(drafter, features):
-    """Project the target features once per prompt: context (T, H) and per-layer context K/V."""
+def drafter_context(drafter, features, start=0):
+    """Project the target features (T, n_layers * H) of positions start.. once: per-layer context K/V."""
     w, cfg = drafter["weights"], drafter["cfg"]
     eps = cfg.get("rms_norm_eps", 1e-6)
     ctx = rms_norm(F.linear(features, w["fc.weight"]), w["hidden_norm.weight"], eps)
     n_kv, hd = cfg["num_key_value_heads"], head_dim_of(cfg)
-    cos, sin = rope_cos_sin(drafter, torch.arange(ctx.shape[0], device=ctx.device), ctx.dtype)
+    cos, sin = rope_cos_sin(drafter, torch.arange(start, start + ctx.shape[0], device=ctx.device), ctx.dtype)
     kv = []
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}.self_attn."
@@ -992,17 +1006,18 @@ def head_dim_of(cfg):
     return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
 
 
-def drafter_forward(drafter, context_kv, anchors, block_ids, embed):
-    """Hidden states (n, B, H) after the final norm for blocks [token at anchor, MASK, ...] at `anchors`."""
+def drafter_forward(drafter, context_kv, anchors, block_ids, embed, starts=None):
+    """Hidden states (n, B, H) after the final norm for blocks [token at anchor, MASK, ...] at `anchors`
+    (and context rows `starts` on, when the context holds several prompts)."""
     w, cfg = drafter["weights"], drafter["cfg"]
     eps = cfg.get("rms_norm_eps", 1e-6)
     n, B = block_ids.shape
     n_heads, n_kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim_of(cfg)
-    n_ctx = int(anchors.max())
+    n_ctx = int((anchors if starts is None else anchors + starts).max())
     x = embed(block_ids.reshape(-1))
     positions = (anchors[:, None] + torch.arange(B, device=anchors.device)).reshape(-1)
     cos, sin = rope_cos_sin(drafter, positions, x.dtype)
-    masks = {rule: block_mask(anchors, n_ctx, B, rule) for rule in set(drafter["rules"])}
+    masks = {rule: block_mask(anchors, n_ctx, B, rule, starts) for rule in set(drafter["rules"])}
     for i, rule in enumerate(drafter["rules"]):
         p = f"layers.{i}."
         h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
@@ -1022,35 +1037,45 @@ def drafter_forward(drafter, context_kv, anchors, block_ids, embed):
     return rms_norm(x, w["norm.weight"], eps).view(n, B, -1)
 
 
+def prompt_context(drafter, features):
+    return drafter_context(drafter, torch.cat([features[L] for L in drafter["layers"]], dim=-1))
+
+
 @torch.inference_mode()
-def draft_all_anchors(drafter, features, ids, anchors, embed, head, top_k=0, prompt_id=None, context_kv=None):
-    """Greedy drafts (n_anchors, B-1) for every anchor, many blocks per SDPA call, and with top_k > 0 the
-    top_k float32 log-probs and token ids per slot (n_anchors, B-1, top_k) that DDTree builds from."""
+def draft_all_anchors(drafter, context_kv, anchors, first, embed, head, top_k=0, prompt_id=None, starts=None):
+    """Greedy drafts (n_anchors, B-1) for blocks [first token, MASK, ...] at `anchors`, many blocks per SDPA
+    call, and with top_k > 0 the top_k float32 log-probs and token ids per slot (n_anchors, B-1, top_k) that
+    DDTree builds from."""
     B = drafter["block_size"]
     if anchors.numel() == 0:
         empty = torch.zeros(0, B - 1, max(top_k, 1))
         return torch.zeros(0, B - 1, dtype=torch.long), (empty, empty.long())
-    feats = torch.cat([features[L] for L in drafter["layers"]], dim=-1)
-    context_kv = context_kv or drafter_context(drafter, feats)
-    ids_t = torch.tensor(ids, device=feats.device)
-    drafts, top_logp, top_ids = [], [], []
-    for chunk in anchors.split(max(1, ANCHOR_TOKENS_PER_CHUNK // B)):
-        block = torch.full((chunk.shape[0], B), drafter["mask_token_id"], device=feats.device)
-        block[:, 0] = ids_t[chunk]
-        hidden = drafter_forward(drafter, context_kv, chunk, block, embed)[:, 1:]
-        for rows in hidden.reshape(-1, hidden.shape[-1]).split(LOGIT_ROWS_PER_CHUNK):
-            logits = head(rows)
-            if not torch.isfinite(logits).all():
+    dev = anchors.device
+    # Outputs are allocated once, up front: small tensors created between the big per-chunk logits would
+    # pin freed heap and grow the resident memory chunk after chunk.
+    drafts, top, done = torch.empty(anchors.shape[0] * (B - 1), dtype=torch.long, device=dev), None, 0
+    per_call = max(1, ANCHOR_TOKENS_PER_CHUNK // B)
+    for lo in range(0, anchors.shape[0], per_call):
+        part = slice(lo, lo + per_call)
+        block = torch.full((anchors[part].shape[0], B), drafter["mask_token_id"], device=dev)
+        block[:, 0] = first[part]
+        hidden = drafter_forward(drafter, context_kv, anchors[part], block, embed,
+                                 None if starts is None else starts[part])[:, 1:]
+        for rows in hidden.reshape(-1, hidden.shape[-1]).split(drafter.get("logit_rows", LOGIT_ROWS_PER_CHUNK)):
+            logits, at = head(rows), slice(done, done + rows.shape[0])
+            best = logits.max(-1)   # a NaN or Inf anywhere in a row shows in its max: one pass, not two
+            if not torch.isfinite(best.values).all():
                 fail(f"drafter {drafter['name']}: its logits on prompt {prompt_id} hold NaN or Inf (features are "
                      "finite, so the drafter's weights or its numerics in this dtype are at fault)")
-            drafts.append(logits.argmax(-1))
+            drafts[at] = best.indices
             if top_k:
-                top = logits.float().log_softmax(-1).topk(min(top_k, logits.shape[-1]), dim=-1)
-                top_logp.append(top.values)
-                top_ids.append(top.indices)
+                k = min(top_k, logits.shape[-1])
+                top = top or (logits.new_empty(drafts.shape[0], k, dtype=torch.float), drafts.new_empty(drafts.shape[0], k))
+                torch.topk(logits.float().log_softmax(-1), k, dim=-1, out=(top[0][at], top[1][at]))
+            done += rows.shape[0]
     shape = (anchors.shape[0], B - 1, -1)
-    top = (torch.cat(top_logp).view(shape).cpu(), torch.cat(top_ids).view(shape).cpu()) if top_k else None
-    return torch.cat(drafts).view(anchors.shape[0], B - 1).cpu(), top
+    top = (top[0].view(shape).cpu(), top[1].view(shape).cpu()) if top_k else None
+    return drafts.view(anchors.shape[0], B - 1).cpu(), top
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1149,9 +1174,10 @@ def check_mask_prompt(drafter, variants, features, ids, anchors, embed, head):
         return {name: [0] * 6 for name in variants}
     sample = anchors[torch.linspace(0, anchors.numel() - 1, min(MASK_CHECK_ANCHORS, anchors.numel())).long()]
     reference = torch.tensor(ids)[sample.cpu()[:, None] + torch.arange(1, drafter["block_size"])]
+    context_kv, first = prompt_context(drafter, features), torch.tensor(ids, device=sample.device)[sample]
     counts, base = {}, None
     for name, rules in variants.items():   # "configured" comes first
-        drafts, _ = draft_all_anchors({**drafter, "rules": rules}, features, ids, sample, embed, head)
+        drafts, _ = draft_all_anchors({**drafter, "rules": rules}, context_kv, sample, first, embed, head)
         equal = drafts == reference
         base = equal if base is None else base
         counts[name] = [int(equal.sum()), equal.numel(), int(equal.long().cumprod(1).sum()), equal.shape[0],
@@ -1204,41 +1230,88 @@ def score_prompt(drafts, ids, n_prompt, block_size, top=None, budgets=()):
     return {"anchors": anchors, "matched": matched, "equal": equal, "rounds": rounds, "ddtree_rounds": trees}
 
 
-def score_walks_only(d, features, ids, n_prompt, embed, head, budgets, prompt_id):
-    """--anchors walk: draft only the anchors the chain and DDTree walks visit (one block per visit, shared
-    between walks). Rounds equal those of --anchors all; per-position statistics cover the visited anchors."""
-    B, top_k, ids_t, seen = d["block_size"], max(budgets, default=0), torch.tensor(ids), {}
-    context_kv = drafter_context(d, torch.cat([features[L] for L in d["layers"]], dim=-1))
+def score_walks_only(d, prompts, embed, head, budgets):
+    """--anchors walk over a group of prompts [(features, ids, n_prompt, prompt id)]: draft only the anchors
+    the chain and DDTree walks visit. Each step drafts, in one batched call, the next unvisited anchor of
+    every walk of every prompt (their contexts laid one after another, each block masked to its own); a
+    visited block is shared between walks. Rounds equal those of --anchors all; per-position statistics
+    cover the visited anchors."""
+    B, top_k = d["block_size"], max(budgets, default=0)
+    contexts = [prompt_context(d, features) for features, *_ in prompts]
+    dev = contexts[0][0][0].device
+    context_kv = [tuple(torch.cat([c[i][j] for c in contexts], 1) for j in (0, 1)) for i in range(len(contexts[0]))]
+    starts = [0]
+    for c in contexts[:-1]:
+        starts.append(starts[-1] + c[0][0].shape[1])
+    ids_t = [torch.tensor(ids) for _, ids, _, _ in prompts]
+    seen = [{} for _ in prompts]   # per prompt: anchor -> (drafts, join positions of the reference path)
+    kinds = [None, *budgets]       # None: the chain walk
 
-    def visit(a):  # (drafts, join positions of the reference path) at anchor a
-        if a not in seen:
+    def acceptance(p, kind, a):
+        drafts, joins = seen[p][a]
+        if kind is None:
+            return 1 + int((drafts == ids_t[p][a + 1:a + B]).long().cumprod(0).sum())
+        return 1 + sum(j < kind for j in joins)
+
+    walks = {(p, kind): walk_steps(n_prompt, len(ids), B) for p, (_, ids, n_prompt, _) in enumerate(prompts)
+             for kind in kinds}
+    wanted = {key: next(steps, None) for key, steps in walks.items()}   # the anchor each walk waits for
+    rounds = {key: [] for key in walks}
+    while wanted:
+        need = sorted({(p, a) for (p, _), a in wanted.items() if a not in seen[p]})
+        if need:
+            anchors = torch.tensor([a for _, a in need], device=dev)
             with timed("drafter_s"):
-                drafts, top = draft_all_anchors(d, features, ids, torch.tensor([a], device=context_kv[0][0].device),
-                                                embed, head, top_k, prompt_id, context_kv)
-            ranks = reference_ranks(top[1], ids_t[None, a + 1:a + B])[0] if top else None
-            seen[a] = drafts[0], (join_positions(top[0][0], ranks, top_k) if top else None)
-        return seen[a]
+                drafts, top = draft_all_anchors(d, context_kv, anchors, torch.tensor(
+                    [prompts[p][1][a] for p, a in need], device=dev), embed, head, top_k, prompts[need[0][0]][3],
+                    torch.tensor([starts[p] for p, _ in need], device=dev))
+            for i, (p, a) in enumerate(need):
+                ranks = reference_ranks(top[1][i:i + 1], ids_t[p][None, a + 1:a + B])[0] if top else None
+                seen[p][a] = drafts[i], (join_positions(top[0][i], ranks, top_k) if top else None)
+        for (p, kind), a in list(wanted.items()):
+            while a is not None and a in seen[p]:
+                a = send(walks[p, kind], acceptance(p, kind, a), rounds, (p, kind))
+            wanted[p, kind] = a
+            if a is None:
+                del wanted[p, kind]
+    results = []
+    for p, (_, ids, n_prompt, _) in enumerate(prompts):
+        anchors = torch.tensor(sorted(seen[p]), dtype=torch.long)
+        drafts = torch.stack([seen[p][a][0] for a in sorted(seen[p])]) if seen[p] else torch.zeros(0, B - 1).long()
+        equal = drafts == ids_t[p][anchors[:, None] + torch.arange(1, B)]
+        results.append({"anchors": anchors, "matched": equal.long().cumprod(dim=1).sum(dim=1), "equal": equal,
+                        "rounds": rounds[p, None], "ddtree_rounds": {b: rounds[p, b] for b in budgets}})
+    return results
 
-    rounds = walk(lambda a: 1 + int((visit(a)[0] == ids_t[a + 1:a + B]).long().cumprod(0).sum()), n_prompt, len(ids), B)
-    trees = {b: walk(lambda a: 1 + sum(j < b for j in visit(a)[1]), n_prompt, len(ids), B) for b in budgets}
-    anchors = torch.tensor(sorted(seen), dtype=torch.long)
-    drafts = torch.stack([seen[a][0] for a in sorted(seen)]) if seen else torch.zeros(0, B - 1, dtype=torch.long)
-    equal = drafts == ids_t[anchors[:, None] + torch.arange(1, B)]
-    return {"anchors": anchors, "matched": equal.long().cumprod(dim=1).sum(dim=1), "equal": equal,
-            "rounds": rounds, "ddtree_rounds": trees}
+
+def walk_steps(first_anchor, total_len, block_size):
+    """The greedy speculative walk as a generator: yields each round's anchor, is sent that round's
+    acceptance length, returns the list of acceptance lengths. A round is taken only while its block's
+    B-1 drafted positions lie inside the reference."""
+    rounds, anchor = [], first_anchor
+    while anchor + block_size - 1 <= total_len - 1:
+        rounds.append((yield anchor))
+        anchor += rounds[-1]
+    return rounds
+
+
+def send(steps, value, results, key):
+    """Send `value` to a walk_steps generator: its next anchor, or None with its rounds in results[key]."""
+    try:
+        return steps.send(value)
+    except StopIteration as done:
+        results[key] = done.value
+        return None
 
 
 def walk(acceptance, first_anchor, total_len, block_size):
-    """The greedy speculative walk: acceptance lengths of the rounds a real decoding loop would take.
-
-    `acceptance(anchor)` gives a round's length. A round is taken only while its block's B-1 drafted
-    positions lie inside the reference.
-    """
-    rounds, anchor = [], first_anchor
-    while anchor + block_size - 1 <= total_len - 1:
-        rounds.append(acceptance(anchor))
-        anchor += rounds[-1]
-    return rounds
+    """The greedy speculative walk: acceptance lengths of the rounds a real decoding loop would take, with
+    `acceptance(anchor)` giving a round's length."""
+    results, steps = {}, walk_steps(first_anchor, total_len, block_size)
+    anchor = next(steps, None)
+    while anchor is not None:
+        anchor = send(steps, acceptance(anchor), results, 0)
+    return results.get(0, [])
 
 
 def round_stats(round_lists, block_size):
@@ -1383,13 +1456,15 @@ def evaluate(settings):
                                                       drafters[0])
             skipped = [{"id": it["id"], "reason": it["skip"]} for it in items if it.get("skip")]
         records = {i: r for i, r in records.items() if i < len(items)}  # resumed with a smaller --limit
+        group_size = WALK_GROUP if settings["anchors"] == "walk" else 1
         with progress(settings, len(items) - len(records), "draft", 1) as bar:
-            for it, features, argmax in stream:
-                records[it["index"]] = evaluate_prompt(it, features, argmax, drafters, embed, head, settings)
-                if partial:
-                    partial.write(json.dumps(record_json(records[it["index"]])) + "\n")
-                    partial.flush()
-                bar.update()
+            for group in groups(stream, group_size):
+                for record in evaluate_prompts(group, drafters, embed, head, settings):
+                    records[record["item"]["index"]] = record
+                    if partial:
+                        partial.write(json.dumps(record_json(record)) + "\n")
+                        partial.flush()
+                    bar.update()
     except KeyboardInterrupt:
         interrupted = True
         print(f"interrupted: reporting the {len(records)} prompts finished so far", file=sys.stderr)
@@ -1422,28 +1497,52 @@ def evaluate(settings):
     return report
 
 
-def evaluate_prompt(it, features, argmax, drafters, embed, head, settings):
-    """Every drafter on one prompt: scores, walks, and the mask check when asked."""
-    ids, n_prompt = it["prompt_ids"] + it["completion_ids"], len(it["prompt_ids"])
-    check_finite(features, it["id"])
-    it["agree"] = (sum(a == b for a, b in zip(argmax, it["completion_ids"])), len(argmax))
-    budgets, results = settings["ddtree_budgets"], []
+WALK_GROUP = 16   # prompts whose walks --anchors walk drafts together
+
+
+def groups(stream, size):
+    group = []
+    for entry in stream:
+        group.append(entry)
+        if len(group) == size:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+def evaluate_prompts(group, drafters, embed, head, settings):
+    """Every drafter on a group of prompts [(item, features, target argmax)]: scores, walks, and the mask
+    check when asked. One record per prompt."""
+    budgets, prompts = settings["ddtree_budgets"], []
+    for it, features, argmax in group:
+        check_finite(features, it["id"])
+        it["agree"] = (sum(a == b for a, b in zip(argmax, it["completion_ids"])), len(argmax))
+        prompts.append((features, it["prompt_ids"] + it["completion_ids"], len(it["prompt_ids"]), it["id"]))
+    results = [[] for _ in group]
     for d in drafters:
-        anchors = fitting_anchors(n_prompt, len(ids), d["block_size"]).to(settings["device"])
         if settings["anchors"] == "walk":
-            res = score_walks_only(d, features, ids, n_prompt, embed, head, budgets, it["id"])
-        else:
-            with timed("drafter_s"):
-                drafts, top = draft_all_anchors(d, features, ids, anchors, embed, head, max(budgets, default=0),
-                                                it["id"])
-            res = score_prompt(drafts, ids, n_prompt, d["block_size"], top, budgets)
-        if d["mask_variants"]:
-            with timed("mask_check_s"):
-                res["mask_check"] = check_mask_prompt(d, d["mask_variants"], features, ids, anchors, embed, head)
-        results.append(res)
+            per_prompt = score_walks_only(d, prompts, embed, head, budgets)
+        for i, (features, ids, n_prompt, prompt_id) in enumerate(prompts):
+            anchors = fitting_anchors(n_prompt, len(ids), d["block_size"]).to(settings["device"])
+            if settings["anchors"] == "walk":
+                res = per_prompt[i]
+            else:
+                with timed("drafter_s"):
+                    drafts, top = draft_all_anchors(d, prompt_context(d, features), anchors, torch.tensor(
+                        ids, device=anchors.device)[anchors], embed, head, max(budgets, default=0), prompt_id)
+                res = score_prompt(drafts, ids, n_prompt, d["block_size"], top, budgets)
+            if d["mask_variants"]:
+                with timed("mask_check_s"):
+                    res["mask_check"] = check_mask_prompt(d, d["mask_variants"], features, ids, anchors, embed,
+                                                          head)
+            results[i].append(res)
+    records = []
     keep = ("index", "id", "split", "prompt_ids", "completion_ids", "agree", "source")
-    diverge = next((k for k, (a, b) in enumerate(zip(argmax, it["completion_ids"])) if a != b), None)
-    return {"item": {**{k: it[k] for k in keep}, "first_divergence": diverge}, "results": results}
+    for (it, _, argmax), res in zip(group, results):
+        diverge = next((k for k, (a, b) in enumerate(zip(argmax, it["completion_ids"])) if a != b), None)
+        records.append({"item": {**{k: it[k] for k in keep}, "first_divergence": diverge}, "results": res})
+    return records
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ IM_END = 151645
 def drafter_settings(**overrides):
     """The settings keys load_drafter / layer_rules read, with the CLI defaults on CPU."""
     s = {"layers": None, "block_size": None, "block_mask": "auto", "sliding_window": "train",
-         "dtype": "float32", "device": "cpu", "quiet": True}
+         "dtype": "float32", "device": "cpu", "quiet": True, "max_memory_gb": 0.5}
     s.update(overrides)
     return s
 

@@ -172,13 +172,17 @@ def test_one_cache_serves_drafters_with_different_layers(tiny, which):
 def test_load_feeds_drafters_identical_tensors(tiny, monkeypatch):
     """Stronger than equal reports (drafts are argmaxes, small drifts would not show): every drafter call gets
     bit-identical features from the cache, and the embedding / head read by name give the model's own outputs."""
-    real, calls = ed.draft_all_anchors, []
+    real_context, real_draft, calls = ed.prompt_context, ed.draft_all_anchors, []
 
-    def spy(drafter, features, ids, anchors, embed, head, *args, **kwargs):
-        calls.append((drafter["name"], list(ids), anchors.tolist(),
-                      {L: features[L].clone() for L in drafter["layers"]}, embed, head))
-        return real(drafter, features, ids, anchors, embed, head, *args, **kwargs)
+    def context_spy(drafter, features):
+        calls.append([drafter["name"], {L: features[L].clone() for L in drafter["layers"]}])
+        return real_context(drafter, features)
 
+    def spy(drafter, context_kv, anchors, first, embed, head, *args, **kwargs):
+        calls[-1] += [anchors.tolist(), first.tolist(), embed, head]
+        return real_draft(drafter, context_kv, anchors, first, embed, head, *args, **kwargs)
+
+    monkeypatch.setattr(ed, "prompt_context", context_spy)
     monkeypatch.setattr(ed, "draft_all_anchors", spy)
     ok(*tiny["common"], "--ckpt", f"p={tiny['p']}", "--ckpt", f"q={tiny['q']}", "--reference-generation", "plain")
     direct, calls[:] = list(calls), []
@@ -188,10 +192,10 @@ def test_load_feeds_drafters_identical_tensors(tiny, monkeypatch):
     probe_ids = torch.arange(tiny["cfg"].vocab_size)
     probe_x = torch.randn(5, tiny["cfg"].hidden_size, generator=torch.Generator().manual_seed(0))
     for d, l in zip(direct, loaded):
-        assert d[:3] == l[:3]
-        assert d[3].keys() == l[3].keys()
-        for L in d[3]:
-            assert torch.equal(d[3][L], l[3][L]), (d[0], L)
+        assert d[0] == l[0] and d[2:4] == l[2:4]   # drafter, anchors, tokens at the anchors
+        assert d[1].keys() == l[1].keys()
+        for L in d[1]:
+            assert torch.equal(d[1][L], l[1][L]), (d[0], L)
         with torch.no_grad():
             assert torch.equal(d[4](probe_ids), l[4](probe_ids))
             assert torch.equal(d[5](probe_x), l[5](probe_x))

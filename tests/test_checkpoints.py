@@ -622,13 +622,13 @@ def count_records(partial):
 def resume_and_check(many, out, finished, monkeypatch, capsys):
     """--resume evaluates only the unfinished prompts and ends with the uninterrupted run's drafters."""
     called = []
-    evaluate_prompt = ed.evaluate_prompt
+    evaluate_prompts = ed.evaluate_prompts
 
-    def counting(it, *args, **kwargs):
-        called.append(it["id"])
-        return evaluate_prompt(it, *args, **kwargs)
+    def counting(group, *args, **kwargs):
+        called.extend(it["id"] for it, _, _ in group)
+        return evaluate_prompts(group, *args, **kwargs)
 
-    monkeypatch.setattr(ed, "evaluate_prompt", counting)
+    monkeypatch.setattr(ed, "evaluate_prompts", counting)
     argv = [a for a in many["argv"] if a != "--quiet"]  # quiet is no setting of the results: resume accepts it
     rc, _, err = run_main(argv + ["--output", out, "--resume"], capsys)
     assert rc == 0, err
@@ -693,14 +693,14 @@ def test_sigterm_keeps_finished_prompts_and_resume_completes(many, tmp_path, mon
     one (which would end pytest) in case the tool did not install its own."""
     out = str(tmp_path / "out.json")
     started = []
-    evaluate_prompt = ed.evaluate_prompt
+    evaluate_prompts = ed.evaluate_prompts
 
-    def signalling(it, *args, **kwargs):
-        started.append(it["id"])
+    def signalling(group, *args, **kwargs):
+        started.extend(it["id"] for it, _, _ in group)
         if len(started) == 4:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)  # the tool's handler raises here
-        return evaluate_prompt(it, *args, **kwargs)
+        return evaluate_prompts(group, *args, **kwargs)
 
     class NoHandler(Exception):
         pass
@@ -710,7 +710,7 @@ def test_sigterm_keeps_finished_prompts_and_resume_completes(many, tmp_path, mon
 
     previous = signal.signal(signal.SIGTERM, guard)
     try:
-        monkeypatch.setattr(ed, "evaluate_prompt", signalling)
+        monkeypatch.setattr(ed, "evaluate_prompts", signalling)
         rc, _, err = run_main(many["argv"] + ["--output", out], capsys)
         assert signal.getsignal(signal.SIGTERM) is guard, "the tool did not restore the previous SIGTERM handler"
     finally:

@@ -85,6 +85,7 @@ BAD_INPUTS = {
                            "mask_token_id 64 is outside the target vocab (64)"),
     "block_size_1": (lambda e: base_argv(e, **{"--block-size": "1"}), "--block-size 1 is too small"),
     "device_cuda": (lambda e: base_argv(e, **{"--device": "cuda"}), "--device cuda was asked for"),
+    "max_memory_zero": (lambda e: base_argv(e, **{"--max-memory-gb": "0"}), "--max-memory-gb must be above 0"),
     "layers_not_ints": (lambda e: base_argv(e, **{"--layers": "1,x,3"}), "--layers must be comma-separated"),
     # A malformed chat turn is bad input like any other: it must name the line, not raise a KeyError.
     "message_without_content": (lambda e: base_argv(e, **{"--prompts": write_jsonl(
@@ -243,6 +244,22 @@ def test_limit_matches_full_run(limited_run, e2e):
     # Per-prompt results do not depend on which other prompts were evaluated.
     for d_lim, d_full in zip(limited_run["report"]["drafters"], e2e["report"]["drafters"]):
         assert [p["rounds"] for p in d_lim["prompts"]] == [p["rounds"] for p in d_full["prompts"][:2]]
+
+
+def test_max_memory_gb_sets_chunks_not_results(tmp_path, tiny_target, drafter_a, drafter_b, limited_run, monkeypatch):
+    """A tiny --max-memory-gb makes the lm_head run 16 rows at a time (the floor); every number stays the same."""
+    loaded, load = [], ed.load_drafter
+    monkeypatch.setattr(ed, "load_drafter", lambda *a: loaded.append(load(*a)) or loaded[-1])
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        rc = ed.main(e2e_argv(tmp_path, tiny_target, drafter_a, drafter_b, "--limit", "2", "--max-memory-gb", "1e-9"))
+    assert rc == 0 and [d["logit_rows"] for d in loaded] == [16, 16]
+    with open(tmp_path / "out.json", encoding="utf-8") as f:
+        report = json.load(f)
+    assert report["config"]["max_memory_gb"] == 1e-9
+    assert limited_run["report"]["config"]["max_memory_gb"] == 0.5
+    for small, default in zip(report["drafters"], limited_run["report"]["drafters"]):
+        assert {k: v for k, v in small.items() if k != "checkpoint"} == \
+            {k: v for k, v in default.items() if k != "checkpoint"}
 
 
 def test_report_goes_to_current_stdout(limited_run):

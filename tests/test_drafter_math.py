@@ -233,6 +233,51 @@ def test_block_mask_matches_rule(rule, anchors):
     assert torch.equal(got, dense_mask(anchors, n_ctx, B, rule))
 
 
+@pytest.mark.parametrize("rule", [("bidirectional", None), ("causal", None), ("causal", 3), ("bidirectional", 5)])
+def test_block_mask_with_prompt_starts(rule):
+    """--anchors walk lays several prompts' contexts one after another (prompt lengths 10, 7, 12 here): a block
+    sees only its own prompt's rows, at its own positions."""
+    B, starts, anchors = 4, [0, 10, 17], [[4, 9], [3], [6, 11]]
+    flat = [(a, st) for st, ans in zip(starts, anchors) for a in ans]
+    n_ctx = max(a + st for a, st in flat)
+    got = ed.block_mask(torch.tensor([a for a, _ in flat]), n_ctx, B, rule, torch.tensor([st for _, st in flat]))
+    rows = []
+    for i, (a, st) in enumerate(flat):
+        for j in range(B):
+            ctx = [st <= g < st + a and visible(rule, a, j, g - st) for g in range(n_ctx)]
+            blk = [i2 == i and visible(rule, a, j, a + s) for i2 in range(len(flat)) for s in range(B)]
+            rows.append(ctx + blk)
+    assert torch.equal(got, torch.tensor(rows))
+
+
+@pytest.mark.parametrize("layer_types, window", [(FULL2, None), (SLIDE, 5)])
+def test_forward_over_several_prompts_equals_one_at_a_time(tmp_path, tiny_target, layer_types, window):
+    """The batched --anchors walk call (contexts of three prompts concatenated) gives each block what a call
+    on its own prompt gives."""
+    over = {"layer_types": layer_types, **({"sliding_window": window} if window else {})}
+    drafter = ed.load_drafter(make_drafter(tmp_path / "d", tiny_target["cfg"], seed=4, **over), tiny_target["cfg"],
+                              drafter_settings())
+    g = torch.Generator().manual_seed(6)
+    embed = torch.nn.Embedding(64, 64)
+    lengths, anchors = [20, 9, 34], [[3, 12, 13], [8], [1, 20, 33]]
+    feats = [torch.randn(n, 3 * 64, generator=g) for n in lengths]
+    ids = [torch.randint(4, 64, (n + 8,), generator=g) for n in lengths]
+    contexts = [ed.drafter_context(drafter, f) for f in feats]
+    joined = [tuple(torch.cat([c[i][j] for c in contexts], 1) for j in (0, 1)) for i in range(len(contexts[0]))]
+    starts = [0, 20, 29]
+    with torch.no_grad():
+        flat_a = torch.tensor([a for ans in anchors for a in ans])
+        block = torch.full((len(flat_a), 8), MASK)
+        block[:, 0] = torch.cat([ids[p][torch.tensor(ans)] for p, ans in enumerate(anchors)])
+        got = ed.drafter_forward(drafter, joined, flat_a, block, embed,
+                                 torch.tensor([st for st, ans in zip(starts, anchors) for _ in ans]))
+        i = 0
+        for p, ans in enumerate(anchors):
+            want = ed.drafter_forward(drafter, contexts[p], torch.tensor(ans), block[i:i + len(ans)], embed)
+            torch.testing.assert_close(got[i:i + len(ans)], want, rtol=1e-5, atol=1e-5)
+            i += len(ans)
+
+
 def test_block_mask_causal_window_by_hand():
     # Anchor 6, B 3, window 3: slot 0 (pos 6) sees ctx 4,5 and itself; slot 2 (pos 8) sees slots 0..2 only.
     got = ed.block_mask(torch.tensor([6]), 6, 3, ("causal", 3)).int().tolist()

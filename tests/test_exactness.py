@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import eval_drafter as ed
-from conftest import online_rounds
+from conftest import drafter_settings, online_rounds
 
 DEMO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "demo")
 N_NEW = 48
@@ -27,9 +27,7 @@ def demo_target():
 
 
 def demo_drafter(target, block_mask):
-    settings = {"layers": None, "block_size": None, "block_mask": block_mask, "sliding_window": "train",
-                "dtype": "float32", "device": "cpu", "quiet": True}
-    return ed.load_drafter(os.path.join(DEMO, "drafter"), target.config, settings)
+    return ed.load_drafter(os.path.join(DEMO, "drafter"), target.config, drafter_settings(block_mask=block_mask))
 
 
 @pytest.mark.parametrize("block_mask", ["bidirectional", "causal", "auto"])
