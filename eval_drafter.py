@@ -1232,20 +1232,17 @@ def score_prompt(drafts, ids, n_prompt, block_size, top=None, budgets=()):
 
 def score_walks_only(d, prompts, embed, head, budgets):
     """--anchors walk over a group of prompts [(features, ids, n_prompt, prompt id)]: draft only the anchors
-    the chain and DDTree walks visit. Each step drafts, in one batched call, the next unvisited anchor of
-    every walk of every prompt (their contexts laid one after another, each block masked to its own); a
-    visited block is shared between walks. Rounds equal those of --anchors all; per-position statistics
-    cover the visited anchors."""
-    B, top_k = d["block_size"], max(budgets, default=0)
+    the chain and DDTree walks visit. Each step drafts, in one batched call, the anchor every unfinished
+    walk of every prompt waits for (contexts laid one after another, each block masked to its own prompt's);
+    walks share visited blocks. Rounds equal those of --anchors all; per-position statistics cover the
+    visited anchors."""
+    B, top_k, kinds = d["block_size"], max(budgets, default=0), [None, *budgets]   # None: the chain walk
     contexts = [prompt_context(d, features) for features, *_ in prompts]
-    dev = contexts[0][0][0].device
     context_kv = [tuple(torch.cat([c[i][j] for c in contexts], 1) for j in (0, 1)) for i in range(len(contexts[0]))]
-    starts = [0]
-    for c in contexts[:-1]:
-        starts.append(starts[-1] + c[0][0].shape[1])
-    ids_t = [torch.tensor(ids) for _, ids, _, _ in prompts]
+    starts = [sum(c[0][0].shape[1] for c in contexts[:p]) for p in range(len(prompts))]
+    ids_t, dev = [torch.tensor(ids) for _, ids, _, _ in prompts], context_kv[0][0].device
     seen = [{} for _ in prompts]   # per prompt: anchor -> (drafts, join positions of the reference path)
-    kinds = [None, *budgets]       # None: the chain walk
+    walks = {(p, kind): [n_prompt, []] for p, (_, _, n_prompt, _) in enumerate(prompts) for kind in kinds}
 
     def acceptance(p, kind, a):
         drafts, joins = seen[p][a]
@@ -1253,65 +1250,47 @@ def score_walks_only(d, prompts, embed, head, budgets):
             return 1 + int((drafts == ids_t[p][a + 1:a + B]).long().cumprod(0).sum())
         return 1 + sum(j < kind for j in joins)
 
-    walks = {(p, kind): walk_steps(n_prompt, len(ids), B) for p, (_, ids, n_prompt, _) in enumerate(prompts)
-             for kind in kinds}
-    wanted = {key: next(steps, None) for key, steps in walks.items()}   # the anchor each walk waits for
-    rounds = {key: [] for key in walks}
-    while wanted:
-        need = sorted({(p, a) for (p, _), a in wanted.items() if a not in seen[p]})
-        if need:
-            anchors = torch.tensor([a for _, a in need], device=dev)
-            with timed("drafter_s"):
-                drafts, top = draft_all_anchors(d, context_kv, anchors, torch.tensor(
-                    [prompts[p][1][a] for p, a in need], device=dev), embed, head, top_k, prompts[need[0][0]][3],
-                    torch.tensor([starts[p] for p, _ in need], device=dev))
+    while True:
+        for (p, kind), (a, rounds) in walks.items():   # advance each walk as far as the drafted blocks go
+            while fits(a, len(ids_t[p]), B) and a in seen[p]:
+                rounds.append(acceptance(p, kind, a))
+                a += rounds[-1]
+            walks[p, kind][0] = a
+        need = sorted({(p, a) for (p, _), (a, _) in walks.items() if fits(a, len(ids_t[p]), B)})
+        if not need:
+            break
+        with timed("drafter_s"):
+            drafts, top = draft_all_anchors(
+                d, context_kv, torch.tensor([a for _, a in need], device=dev),
+                torch.tensor([prompts[p][1][a] for p, a in need], device=dev), embed, head, top_k,
+                prompts[need[0][0]][3], torch.tensor([starts[p] for p, _ in need], device=dev))
+        with timed("trees_s"):
             for i, (p, a) in enumerate(need):
                 ranks = reference_ranks(top[1][i:i + 1], ids_t[p][None, a + 1:a + B])[0] if top else None
                 seen[p][a] = drafts[i], (join_positions(top[0][i], ranks, top_k) if top else None)
-        for (p, kind), a in list(wanted.items()):
-            while a is not None and a in seen[p]:
-                a = send(walks[p, kind], acceptance(p, kind, a), rounds, (p, kind))
-            wanted[p, kind] = a
-            if a is None:
-                del wanted[p, kind]
     results = []
-    for p, (_, ids, n_prompt, _) in enumerate(prompts):
+    for p in range(len(prompts)):
         anchors = torch.tensor(sorted(seen[p]), dtype=torch.long)
         drafts = torch.stack([seen[p][a][0] for a in sorted(seen[p])]) if seen[p] else torch.zeros(0, B - 1).long()
         equal = drafts == ids_t[p][anchors[:, None] + torch.arange(1, B)]
         results.append({"anchors": anchors, "matched": equal.long().cumprod(dim=1).sum(dim=1), "equal": equal,
-                        "rounds": rounds[p, None], "ddtree_rounds": {b: rounds[p, b] for b in budgets}})
+                        "rounds": walks[p, None][1], "ddtree_rounds": {b: walks[p, b][1] for b in budgets}})
     return results
 
 
-def walk_steps(first_anchor, total_len, block_size):
-    """The greedy speculative walk as a generator: yields each round's anchor, is sent that round's
-    acceptance length, returns the list of acceptance lengths. A round is taken only while its block's
-    B-1 drafted positions lie inside the reference."""
-    rounds, anchor = [], first_anchor
-    while anchor + block_size - 1 <= total_len - 1:
-        rounds.append((yield anchor))
-        anchor += rounds[-1]
-    return rounds
-
-
-def send(steps, value, results, key):
-    """Send `value` to a walk_steps generator: its next anchor, or None with its rounds in results[key]."""
-    try:
-        return steps.send(value)
-    except StopIteration as done:
-        results[key] = done.value
-        return None
+def fits(anchor, total_len, block_size):
+    """A round is taken only while its block's B-1 drafted positions lie inside the reference."""
+    return anchor + block_size - 1 <= total_len - 1
 
 
 def walk(acceptance, first_anchor, total_len, block_size):
     """The greedy speculative walk: acceptance lengths of the rounds a real decoding loop would take, with
     `acceptance(anchor)` giving a round's length."""
-    results, steps = {}, walk_steps(first_anchor, total_len, block_size)
-    anchor = next(steps, None)
-    while anchor is not None:
-        anchor = send(steps, acceptance(anchor), results, 0)
-    return results.get(0, [])
+    rounds, anchor = [], first_anchor
+    while fits(anchor, total_len, block_size):
+        rounds.append(acceptance(anchor))
+        anchor += rounds[-1]
+    return rounds
 
 
 def round_stats(round_lists, block_size):
