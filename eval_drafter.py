@@ -1106,21 +1106,14 @@ def build_tree(logp, budget, until=None):
     return order
 
 
-def ddtree_walks(top, reference, n_prompt, total_len, block_size, budgets):
-    """Rounds of the greedy DDTree walk for each budget. Acceptance at an anchor = 1 + the depth reached by
-    following the reference's tokens down the tree. Trees are built only at anchors a walk visits, once at
-    the largest budget (a smaller budget's tree is its first nodes)."""
-    if not budgets:
-        return {}
-    ranks, largest, joined = reference_ranks(top[1], reference), max(budgets), {}
-
-    def join_order(i):
-        if i not in joined:
-            joined[i] = join_positions(top[0][i], ranks[i], largest)
-        return joined[i]
-
-    return {b: walk(lambda a: 1 + sum(j < b for j in join_order(a - n_prompt)), n_prompt, total_len, block_size)
-            for b in budgets}
+def tree_acceptance(entry, reference, budget, largest):
+    """DDTree acceptance at one anchor: 1 + the depth reached by following the reference's tokens down the
+    tree of `budget` nodes. entry = [top-k (log-probs, ids) per slot, join positions or None]: the tree is
+    built once, at the largest budget, when a walk first visits the anchor (a smaller tree is its first nodes)."""
+    if entry[1] is None:
+        with timed("trees_s"):
+            entry[1] = join_positions(entry[0][0], reference_ranks(entry[0][1][None], reference[None])[0], largest)
+    return 1 + sum(j < budget for j in entry[1])
 
 
 def reference_ranks(top_ids, reference):
@@ -1224,10 +1217,12 @@ def score_prompt(drafts, ids, n_prompt, block_size, top=None, budgets=()):
         reference = torch.tensor(ids)[anchors[:, None] + torch.arange(1, block_size)]
         equal = drafts == reference
         matched = equal.long().cumprod(dim=1).sum(dim=1)
-        rounds = walk(lambda a: 1 + int(matched[a - n_prompt]), n_prompt, len(ids), block_size)
-    with timed("trees_s"):
-        trees = ddtree_walks(top, reference, n_prompt, len(ids), block_size, budgets)
-    return {"anchors": anchors, "matched": matched, "equal": equal, "rounds": rounds, "ddtree_rounds": trees}
+        rounds = walk(lambda a: 1 + int(matched[a - n_prompt]), n_prompt, len(ids), block_size)[0]
+    largest = max(budgets, default=0)
+    trees = [[(top[0][i], top[1][i]), None] for i in range(len(anchors))] if budgets else []
+    walks = {b: walk(lambda a: tree_acceptance(trees[a - n_prompt], reference[a - n_prompt], b, largest), n_prompt,
+                     len(ids), block_size)[0] for b in budgets}
+    return {"anchors": anchors, "matched": matched, "equal": equal, "rounds": rounds, "ddtree_rounds": walks}
 
 
 def score_walks_only(d, prompts, embed, head, budgets):
@@ -1241,22 +1236,22 @@ def score_walks_only(d, prompts, embed, head, budgets):
     context_kv = [tuple(torch.cat([c[i][j] for c in contexts], 1) for j in (0, 1)) for i in range(len(contexts[0]))]
     starts = [sum(c[0][0].shape[1] for c in contexts[:p]) for p in range(len(prompts))]
     ids_t, dev = [torch.tensor(ids) for _, ids, _, _ in prompts], context_kv[0][0].device
-    seen = [{} for _ in prompts]   # per prompt: anchor -> (drafts, join positions of the reference path)
-    walks = {(p, kind): [n_prompt, []] for p, (_, _, n_prompt, _) in enumerate(prompts) for kind in kinds}
+    seen = [{} for _ in prompts]   # per prompt: anchor -> (drafts, [top-k, join positions] for DDTree)
+    walks = {(p, kind): ([], n_prompt) for p, (_, _, n_prompt, _) in enumerate(prompts) for kind in kinds}
 
-    def acceptance(p, kind, a):
-        drafts, joins = seen[p][a]
+    def acceptance(p, kind, a):   # None: not drafted yet
+        if a not in seen[p]:
+            return None
+        drafts, tree = seen[p][a]
         if kind is None:
             return 1 + int((drafts == ids_t[p][a + 1:a + B]).long().cumprod(0).sum())
-        return 1 + sum(j < kind for j in joins)
+        return tree_acceptance(tree, ids_t[p][a + 1:a + B], kind, top_k)
 
     while True:
-        for (p, kind), (a, rounds) in walks.items():   # advance each walk as far as the drafted blocks go
-            while fits(a, len(ids_t[p]), B) and a in seen[p]:
-                rounds.append(acceptance(p, kind, a))
-                a += rounds[-1]
-            walks[p, kind][0] = a
-        need = sorted({(p, a) for (p, _), (a, _) in walks.items() if fits(a, len(ids_t[p]), B)})
+        for (p, kind), (rounds, a) in walks.items():   # each walk as far as the drafted blocks go
+            if a is not None:
+                walks[p, kind] = walk(lambda x: acceptance(p, kind, x), a, len(ids_t[p]), B, rounds)
+        need = sorted({(p, a) for (p, _), (_, a) in walks.items() if a is not None})
         if not need:
             break
         with timed("drafter_s"):
@@ -1264,33 +1259,31 @@ def score_walks_only(d, prompts, embed, head, budgets):
                 d, context_kv, torch.tensor([a for _, a in need], device=dev),
                 torch.tensor([prompts[p][1][a] for p, a in need], device=dev), embed, head, top_k,
                 prompts[need[0][0]][3], torch.tensor([starts[p] for p, _ in need], device=dev))
-        with timed("trees_s"):
-            for i, (p, a) in enumerate(need):
-                ranks = reference_ranks(top[1][i:i + 1], ids_t[p][None, a + 1:a + B])[0] if top else None
-                seen[p][a] = drafts[i], (join_positions(top[0][i], ranks, top_k) if top else None)
+        for i, (p, a) in enumerate(need):
+            seen[p][a] = drafts[i], ([(top[0][i], top[1][i]), None] if top else None)
     results = []
     for p in range(len(prompts)):
         anchors = torch.tensor(sorted(seen[p]), dtype=torch.long)
         drafts = torch.stack([seen[p][a][0] for a in sorted(seen[p])]) if seen[p] else torch.zeros(0, B - 1).long()
         equal = drafts == ids_t[p][anchors[:, None] + torch.arange(1, B)]
         results.append({"anchors": anchors, "matched": equal.long().cumprod(dim=1).sum(dim=1), "equal": equal,
-                        "rounds": walks[p, None][1], "ddtree_rounds": {b: walks[p, b][1] for b in budgets}})
+                        "rounds": walks[p, None][0], "ddtree_rounds": {b: walks[p, b][0] for b in budgets}})
     return results
 
 
-def fits(anchor, total_len, block_size):
-    """A round is taken only while its block's B-1 drafted positions lie inside the reference."""
-    return anchor + block_size - 1 <= total_len - 1
-
-
-def walk(acceptance, first_anchor, total_len, block_size):
-    """The greedy speculative walk: acceptance lengths of the rounds a real decoding loop would take, with
-    `acceptance(anchor)` giving a round's length."""
-    rounds, anchor = [], first_anchor
-    while fits(anchor, total_len, block_size):
-        rounds.append(acceptance(anchor))
-        anchor += rounds[-1]
-    return rounds
+def walk(acceptance, anchor, total_len, block_size, rounds=None):
+    """The greedy speculative walk from `anchor`: the acceptance lengths of the rounds a real decoding loop
+    would take, `acceptance(anchor)` giving a round's length. A round is taken only while its block's B-1
+    drafted positions lie inside the reference. Returns (rounds, None); or, when `acceptance` answers None
+    (that anchor is not drafted yet), (rounds so far, the anchor to resume at)."""
+    rounds = [] if rounds is None else rounds
+    while anchor + block_size - 1 <= total_len - 1:
+        length = acceptance(anchor)
+        if length is None:
+            return rounds, anchor
+        rounds.append(length)
+        anchor += length
+    return rounds, None
 
 
 def round_stats(round_lists, block_size):

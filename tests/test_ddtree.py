@@ -159,16 +159,25 @@ def test_ddtree_walk_by_hand():
         5: [2, 4],
         6: [3, 1, 4],      # anchors 2 (acc 3), 5 (acc 1), 6 (acc 4 from budget 5)
     }
-    # the same through ddtree_walks, and no budgets -> no DDTree
-    walks = ed.ddtree_walks(top, reference, n_prompt, len(ids), B, [4, 6])
-    assert walks == {4: [2, 4], 6: [3, 1, 4]}
-    assert ed.ddtree_walks(None, reference, n_prompt, len(ids), B, []) == {}
+    # a subset of the budgets gives the same walks, and no budgets -> no DDTree
+    assert ed.score_prompt(drafts, ids, n_prompt, B, top, [4, 6])["ddtree_rounds"] == {4: [2, 4], 6: [3, 1, 4]}
+    assert ed.score_prompt(drafts, ids, n_prompt, B, None, [])["ddtree_rounds"] == {}
 
 
 def test_walk_rule():
-    assert ed.walk(lambda a: 1, 0, 10, 4) == [1] * 7          # anchors 0..6: 6 + 3 <= 9
-    assert ed.walk(lambda a: 3, 5, 12, 4) == [3, 3]           # anchors 5, 8; 11 + 3 > 11
-    assert ed.walk(lambda a: 2, 5, 8, 4) == []                # 5 + 3 > 7
+    assert ed.walk(lambda a: 1, 0, 10, 4) == ([1] * 7, None)  # anchors 0..6: 6 + 3 <= 9
+    assert ed.walk(lambda a: 3, 5, 12, 4) == ([3, 3], None)   # anchors 5, 8; 11 + 3 > 11
+    assert ed.walk(lambda a: 2, 5, 8, 4) == ([], None)        # 5 + 3 > 7
+
+
+def test_walk_pauses_at_an_undrafted_anchor_and_resumes():
+    """--anchors walk advances each walk only as far as drafted blocks go; resuming gives the one-go rounds."""
+    drafted = {0: 2, 2: 1, 3: 3}
+    paused = ed.walk(lambda a: drafted.get(a), 0, 20, 4)
+    assert paused == ([2, 1, 3], 6)
+    drafted.update({6: 4, 10: 1, 11: 2, 13: 4})
+    assert ed.walk(lambda a: drafted.get(a), 6, 20, 4, paused[0]) == ([2, 1, 3, 4, 1, 2, 4], None)
+    assert ed.walk(lambda a: drafted.get(a), 0, 20, 4) == ([2, 1, 3, 4, 1, 2, 4], None)
 
 
 def test_parse_budgets():

@@ -388,13 +388,13 @@ def test_walk_stop_rule():
     def fixed(matched):  # acceptance(anchor) from a per-anchor list of matched drafts, first anchor 3
         return lambda a: 1 + matched[a - 3]
     # All drafts wrong: one round per anchor 3..8; anchor 9 would draft position 12, past the end (11).
-    assert ed.walk(fixed([0] * 6), 3, 12, 4) == [1, 1, 1, 1, 1, 1]
+    assert ed.walk(fixed([0] * 6), 3, 12, 4)[0] == [1, 1, 1, 1, 1, 1]
     # All right: 3 -> 7 -> 11; the block at 11 would draft 12..14, so it is not taken.
-    assert ed.walk(fixed([3] * 6), 3, 12, 4) == [4, 4]
+    assert ed.walk(fixed([3] * 6), 3, 12, 4)[0] == [4, 4]
     # A block exactly reaching the last token is taken: total 7, first anchor 3, B 4 -> 3 + 3 = 6.
-    assert ed.walk(fixed([1]), 3, 7, 4) == [2]
+    assert ed.walk(fixed([1]), 3, 7, 4)[0] == [2]
     # Too short for a single block: no rounds, and acceptance is never asked for.
-    assert ed.walk(fixed([]), 3, 6, 4) == []
+    assert ed.walk(fixed([]), 3, 6, 4)[0] == []
 
 
 @pytest.mark.parametrize("total_len", [6, 5, 4, 3])
