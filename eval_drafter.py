@@ -1042,10 +1042,13 @@ def prompt_context(drafter, features):
 
 
 @torch.inference_mode()
-def draft_all_anchors(drafter, context_kv, anchors, first, embed, head, top_k=0, prompt_id=None, starts=None):
+def draft_all_anchors(drafter, context_kv, anchors, first, embed, head, top_k=0, prompt_id=None, starts=None,
+                      after=None):
     """Greedy drafts (n_anchors, B-1) for blocks [first token, MASK, ...] at `anchors`, many blocks per SDPA
     call, and with top_k > 0 the top_k float32 log-probs and token ids per slot (n_anchors, B-1, top_k) that
-    DDTree builds from."""
+    DDTree builds from. Given `after` (the reference token after each anchor), an anchor whose first slot
+    ranks top_k or more tokens strictly above that token gets no top-k (ids -1): no tree of at most top_k
+    nodes can hold the reference's path there, so its DDTree acceptance is 1 without it."""
     B = drafter["block_size"]
     if anchors.numel() == 0:
         empty = torch.zeros(0, B - 1, max(top_k, 1))
@@ -1070,8 +1073,20 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed, head, top_k=0,
             drafts[at] = best.indices
             if top_k:
                 k = min(top_k, logits.shape[-1])
-                top = top or (logits.new_empty(drafts.shape[0], k, dtype=torch.float), drafts.new_empty(drafts.shape[0], k))
-                torch.topk(logits.float().log_softmax(-1), k, dim=-1, out=(top[0][at], top[1][at]))
+                if top is None:
+                    top = (torch.full((drafts.shape[0], k), -math.inf, device=dev),
+                           torch.full((drafts.shape[0], k), -1, device=dev))
+                    needs = torch.ones(anchors.shape[0], dtype=torch.bool, device=dev)
+                anchor_of = torch.arange(done, done + rows.shape[0], device=dev) // (B - 1)
+                if after is not None:   # first slots decide for their anchor's whole block
+                    firsts = (torch.arange(done, done + rows.shape[0], device=dev) % (B - 1) == 0).nonzero()[:, 0]
+                    ref = logits[firsts].gather(1, after[anchor_of[firsts]][:, None])
+                    needs[anchor_of[firsts]] = (logits[firsts] > ref).sum(-1) < k
+                keep = needs[anchor_of].nonzero()[:, 0]
+                if keep.numel():
+                    logp = (logits if keep.numel() == rows.shape[0] else logits[keep]).float().log_softmax(-1)
+                    values, ids = logp.topk(k, dim=-1)
+                    top[0][done + keep], top[1][done + keep] = values, ids
             done += rows.shape[0]
     shape = (anchors.shape[0], B - 1, -1)
     top = (top[0].view(shape).cpu(), top[1].view(shape).cpu()) if top_k else None
@@ -1258,7 +1273,8 @@ def score_walks_only(d, prompts, embed, head, budgets):
             drafts, top = draft_all_anchors(
                 d, context_kv, torch.tensor([a for _, a in need], device=dev),
                 torch.tensor([prompts[p][1][a] for p, a in need], device=dev), embed, head, top_k,
-                prompts[need[0][0]][3], torch.tensor([starts[p] for p, _ in need], device=dev))
+                prompts[need[0][0]][3], torch.tensor([starts[p] for p, _ in need], device=dev),
+                torch.tensor([prompts[p][1][a + 1] for p, a in need], device=dev))
         for i, (p, a) in enumerate(need):
             seen[p][a] = drafts[i], ([(top[0][i], top[1][i]), None] if top else None)
     results = []
@@ -1501,8 +1517,9 @@ def evaluate_prompts(group, drafters, embed, head, settings):
                 res = per_prompt[i]
             else:
                 with timed("drafter_s"):
-                    drafts, top = draft_all_anchors(d, prompt_context(d, features), anchors, torch.tensor(
-                        ids, device=anchors.device)[anchors], embed, head, max(budgets, default=0), prompt_id)
+                    ids_t = torch.tensor(ids, device=anchors.device)
+                    drafts, top = draft_all_anchors(d, prompt_context(d, features), anchors, ids_t[anchors], embed,
+                                                    head, max(budgets, default=0), prompt_id, after=ids_t[anchors + 1])
                 res = score_prompt(drafts, ids, n_prompt, d["block_size"], top, budgets)
             if d["mask_variants"]:
                 with timed("mask_check_s"):

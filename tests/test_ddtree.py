@@ -353,3 +353,33 @@ def test_bad_budgets_are_one_error_line(text, capsys):
     assert "Traceback" not in err
     assert len(lines) == 1, err
     assert lines[0].startswith("error:") and "--ddtree-budgets" in lines[0]
+
+
+def test_top_k_skipped_only_where_no_tree_can_hold_the_reference(tiny_target, drafter_a):
+    """Given the reference's next token, draft_all_anchors leaves out the top-k (ids -1) of anchors whose first
+    slot ranks top_k tokens or more above it, and only those; the drafts, the other anchors' top-k and the
+    DDTree rounds stay as without the shortcut."""
+    target = tiny_target["model"]
+    drafter = ed.load_drafter(drafter_a, target.config, drafter_settings())
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(4, 64, (60,), generator=g).tolist()
+    n_prompt, k, B = 8, 4, drafter["block_size"]
+    features, _ = ed.extract_hidden(target, ids, drafter["layers"], n_prompt)
+    anchors = ed.fitting_anchors(n_prompt, len(ids), B)
+    ids_t = torch.tensor(ids)
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    context = ed.prompt_context(drafter, features)
+    full = ed.draft_all_anchors(drafter, context, anchors, ids_t[anchors], embed, head, k)
+    short = ed.draft_all_anchors(drafter, context, anchors, ids_t[anchors], embed, head, k, after=ids_t[anchors + 1])
+    assert torch.equal(full[0], short[0])
+    in_top = (full[1][1][:, 0] == ids_t[anchors + 1][:, None]).any(-1)      # reference in slot 1's top-k
+    skipped = (short[1][1] == -1).all(-1).all(-1)
+    assert 0 < int(skipped.sum()) < len(anchors)                           # both kinds occur here
+    assert not (skipped & in_top).any()                                    # never where a tree could hold it
+    kept = ~skipped
+    assert torch.equal(short[1][1][kept], full[1][1][kept]) and torch.equal(short[1][0][kept], full[1][0][kept])
+    assert (short[1][0][skipped] == -float("inf")).all()
+    budgets = [1, 2, k]
+    one = ed.score_prompt(full[0], ids, n_prompt, B, full[1], budgets)
+    two = ed.score_prompt(short[0], ids, n_prompt, B, short[1], budgets)
+    assert one["ddtree_rounds"] == two["ddtree_rounds"] and one["rounds"] == two["rounds"]
