@@ -11,7 +11,7 @@ memory, whole-process time):
 It builds, in a temp dir, a randomly initialised Qwen3 target (88M parameters: hidden 768, 10 layers,
 vocab 16384, word-level tokenizer) and a random DFlash drafter shaped like the public ones relative to it
 (same hidden, 1 layer, 3 feature layers, block 16), and 4 prompts whose 256-token references are the
-target's own greedy output (given as completion_ids, so no generation is timed in b). Then, as medians of
+target's own greedy output (given as completion_ids, so no generation is timed in b). Then, as the best of
 --repeats runs after a warm-up:
 
   a. the fp32 (bf16 on CUDA) GEMM rate of this machine and the FLOPs of the work: the target's
@@ -41,7 +41,6 @@ import math
 import os
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -73,8 +72,10 @@ def say(text=""):
     LINES.append(text)
 
 
-def median(values):
-    return statistics.median(values) if values else float("nan")
+def best(values):
+    """The fastest of the timed runs: on a shared machine interference only ever adds time (two runs of the
+    same code here differ by up to 10-15%), so the minimum is the steadiest estimate of the work's own cost."""
+    return min(values) if values else float("nan")
 
 
 OTHERS = {}  # section: share of the machine's CPU time other processes used meanwhile
@@ -178,7 +179,7 @@ def gemm_rate(device, repeats):
         sync(device)
         if i:
             times.append(time.perf_counter() - start)
-    return {"n": n, "gflops": 2 * n ** 3 / median(times) / 1e9}
+    return {"n": n, "gflops": 2 * n ** 3 / best(times) / 1e9}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -348,11 +349,12 @@ def run_tool(argv):
     return report
 
 
-def stage_medians(reports, stages):
+def stage_best(reports, stages):
     timing = [r["timing"] for r in reports]
-    med = {s: median([t.get(s, 0.0) for t in timing]) for s in ("load_s", "generate_s", "total_s") + stages}
-    med["work_s"] = median([sum(t.get(s, 0.0) for s in stages) for t in timing])
-    med["eval_s"] = median([t["total_s"] - t.get("load_s", 0.0) for t in timing])
+    med = {s: best([t.get(s, 0.0) for t in timing]) for s in ("load_s", "generate_s", "total_s") + stages}
+    med["work_s"] = best([sum(t.get(s, 0.0) for s in stages) for t in timing])
+    med["eval_s"] = best([t["total_s"] - t.get("load_s", 0.0) for t in timing])
+    med["work_runs"] = [sum(t.get(s, 0.0) for s in stages) for t in timing]   # every run, to show the spread
     return med
 
 
@@ -367,7 +369,7 @@ def measure_b(paths, args, work, extra=(), warm_up=True, runs=None):
         run_tool(tool_argv(paths, args, out, "--prompts", paths["prompts"], "--save-hidden", hidden, *extra))
     reports = [run_tool(tool_argv(paths, args, out, "--prompts", paths["prompts"], *extra))
                for _ in range(runs or args.repeats)]
-    return stage_medians(reports, WORK_STAGES), reports[-1], hidden
+    return stage_best(reports, WORK_STAGES), reports[-1], hidden
 
 
 def measure_d(paths, args, work, hidden):
@@ -375,7 +377,7 @@ def measure_d(paths, args, work, hidden):
     argv = tool_argv(paths, args, out, "--load-hidden", hidden)
     run_tool(argv)
     reports = [run_tool(argv) for _ in range(args.repeats)]
-    return stage_medians(reports, ("drafter_s", "trees_s", "metrics_s")), reports[-1]
+    return stage_best(reports, ("drafter_s", "trees_s", "metrics_s")), reports[-1]
 
 
 def has_flag(flag):
@@ -519,7 +521,7 @@ def measure_c(paths, args, b_report):
     rounds = [r for _, r in results]
     differ = [(it["id"], first_difference(t, it["completion_ids"]), p["first_divergence"])
               for (t, _), it, p in zip(results, items, b_prompts) if t != it["completion_ids"][:len(t)]]
-    return {"s": median([sum(r) for r in runs]), "per_prompt": [median(p) for p in zip(*runs)], "n": len(items),
+    return {"s": best([sum(r) for r in runs]), "per_prompt": [best(p) for p in zip(*runs)], "n": len(items),
             "rounds": rounds, "same_rounds": sum(r == p["rounds"] for r, p in zip(rounds, b_prompts)),
             "differ": differ, "tokens": [len(t) for t, _ in results],
             "tau": sum(map(sum, rounds)) / max(1, sum(map(len, rounds))),
@@ -622,14 +624,14 @@ def demo_process(args, work):
     subprocess.run([sys.executable, "-c", "pass"], check=True)
     bare = time.perf_counter() - start
     keys = sorted({k for t in timings for k in t})
-    return {"wall_s": median(walls), "import_s": median(imports), "python_s": bare, "biggest_imports": biggest,
-            "timing": {k: median([t.get(k, 0.0) for t in timings]) for k in keys}}
+    return {"wall_s": best(walls), "import_s": best(imports), "python_s": bare, "biggest_imports": biggest,
+            "timing": {k: best([t.get(k, 0.0) for t in timings]) for k in keys}}
 
 
 def reference_generation(paths, args, work):
     """generate_s of the tool's plain vs speculative reference generation: on the benchmark pair (random
     drafter, first prompt, GEN_TOKENS tokens with EOS ignored, one run each: slow) and on the bundled demo
-    pair (trained drafter, --limit 2, median of --repeats runs after a warm-up)."""
+    pair (trained drafter, --limit 2, best of --repeats runs after a warm-up)."""
     rows = {}
     for mode in ("plain", "speculative"):
         argv = tool_argv(paths, args, os.path.join(work, f"gen_{mode}.json"), "--prompts", paths["bare"],
@@ -641,7 +643,7 @@ def reference_generation(paths, args, work):
         demo = ["--demo", "--limit", "2", "--quiet", "--output", os.path.join(work, f"demo_{mode}.json"),
                 "--reference-generation", mode] + (["--threads", str(args.threads)] if args.threads else [])
         reps = [run_tool(demo) for _ in range(args.repeats + 1)][1:]
-        rows[("demo", mode)] = (median([r["timing"].get("generate_s", float("nan")) for r in reps]),
+        rows[("demo", mode)] = (best([r["timing"].get("generate_s", float("nan")) for r in reps]),
                                 reps[-1]["drafters"][0]["tau"], None)
     return rows
 
@@ -670,7 +672,7 @@ def verdict(ok, text):
 def report_flops(rates, rate, fl):
     n = rate["n"]
     measured = " and ".join(f"{r['gflops']:.1f}" for r in rates)
-    say(f"a. GEMM {n}x{n} @ {n}x{n}: {measured} GFLOP/s (medians, before "
+    say(f"a. GEMM {n}x{n} @ {n}x{n}: {measured} GFLOP/s (best runs, before "
         f"and after b; the floor uses the higher)")
     say(f"   target pass: {gf(fl['target_total'])} (linear {gf(fl['target'])}, attention "
         f"{gf(fl['target_attention'])}, lm_head on completion rows {gf(fl['target_lm_head'])})")
@@ -687,6 +689,7 @@ def report_b(b, floor, fl, rate, b_report, b_walk):
     say(f"b. eval_drafter, references given: target {b['target_s']:.2f} s, drafter {b['drafter_s']:.2f} s, "
         f"trees {b['trees_s']:.3f} s, metrics {b['metrics_s']:.3f} s; sum {b['work_s']:.2f} s; JSON total "
         f"{b['total_s']:.2f} s, load {b['load_s']:.2f} s (excluded) -> eval {b['eval_s']:.2f} s{others('b')}")
+    say(f"   sum per timed run: " + ", ".join(f"{x:.2f}" for x in b["work_runs"]) + " s (the best is used)")
     say(f"   sum / floor = {b['work_s'] / floor:.2f}; achieved: target {fl['target_total'] / b['target_s'] / 1e9:.1f}"
         f" GFLOP/s, drafter {fl['drafter_total'] / b['drafter_s'] / 1e9:.1f} GFLOP/s (GEMM {rate['gflops']:.1f})")
     ddt = ", ".join(f"DDTree {k}: {v['tau']:.3f}" for k, v in d["ddtree"].items())
@@ -705,7 +708,8 @@ def write_results(info, figures, verdicts, analysis, argv):
         "# eval_drafter.py benchmark",
         "",
         "Written by `bench/bench_eval.py` (rerun it to refresh this file). What is measured and how: see the",
-        "script's docstring. Times are medians of the timed runs after a warm-up.",
+        "script's docstring. Times are the best (fastest) of the timed runs after a warm-up: this machine is shared, "
+        "and interference only ever adds time.",
         "",
         f"- machine: {machine}; load average before the run {info['load_before']:.2f}, after "
         f"{info['load_after']:.2f}",
