@@ -780,11 +780,12 @@ def analysis_text(f):
         "(measured 133-146 GFLOP/s for 256-2048 rows), so the matmuls alone put the drafter near 1.2x its floor. "
         "Besides them it spends its time on full-vocab passes over the logits that no FLOP count sees - one "
         "`max` (argmax and the NaN/Inf check in one pass), and for DDTree a float32 `log_softmax` and a "
-        "`topk(128)` per drafted slot (see the grouped profile) - and on attention under a dense mask that "
-        f"computes each chunk's 32 blocks against each other ({gf(fl['drafter_attention_executed'])} executed "
-        f"for {gf(fl['drafter_attention'])} useful; splitting it into groups of 8 blocks measured within noise, "
-        "so it was left). `--ddtree-budgets none` drops the top-k; the lm_head itself is irreducible at every "
-        "anchor.",
+        "`topk(128)` per drafted slot of the anchors whose first slot ranks the reference's token within its "
+        "top-128 (only those can hold it in a tree: few with a random drafter, nearly all with a trained one; "
+        "see the grouped profile) - and on attention under a dense mask that computes each chunk's 32 blocks "
+        f"against each other ({gf(fl['drafter_attention_executed'])} executed for {gf(fl['drafter_attention'])} "
+        "useful; splitting it into groups of 8 blocks measured within noise, so it was left). The lm_head "
+        "itself is irreducible at every anchor.",
     ]
     if f.get("b_walk"):
         walk = f["b_walk"]
