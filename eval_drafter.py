@@ -1077,9 +1077,10 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed, head, top_k=0,
                     top = (torch.full((drafts.shape[0], k), -math.inf, device=dev),
                            torch.full((drafts.shape[0], k), -1, device=dev))
                     needs = torch.ones(anchors.shape[0], dtype=torch.bool, device=dev)
-                anchor_of = torch.arange(done, done + rows.shape[0], device=dev) // (B - 1)
+                row = torch.arange(done, done + rows.shape[0], device=dev)
+                anchor_of = row // (B - 1)
                 if after is not None:   # first slots decide for their anchor's whole block
-                    firsts = (torch.arange(done, done + rows.shape[0], device=dev) % (B - 1) == 0).nonzero()[:, 0]
+                    firsts = (row % (B - 1) == 0).nonzero()[:, 0]
                     ref = logits[firsts].gather(1, after[anchor_of[firsts]][:, None])
                     needs[anchor_of[firsts]] = (logits[firsts] > ref).sum(-1) < k
                 keep = needs[anchor_of].nonzero()[:, 0]
@@ -1273,7 +1274,8 @@ def score_walks_only(d, prompts, embed, head, budgets):
             drafts, top = draft_all_anchors(
                 d, context_kv, torch.tensor([a for _, a in need], device=dev),
                 torch.tensor([prompts[p][1][a] for p, a in need], device=dev), embed, head, top_k,
-                prompts[need[0][0]][3], torch.tensor([starts[p] for p, _ in need], device=dev),
+                " or ".join(sorted({str(prompts[p][3]) for p, _ in need})),
+                torch.tensor([starts[p] for p, _ in need], device=dev),
                 torch.tensor([prompts[p][1][a + 1] for p, a in need], device=dev))
         for i, (p, a) in enumerate(need):
             seen[p][a] = drafts[i], ([(top[0][i], top[1][i]), None] if top else None)
