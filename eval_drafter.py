@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import heapq
 import inspect
+import itertools
 import json
 import math
 import os
@@ -1491,13 +1492,8 @@ WALK_GROUP = 16   # prompts whose walks --anchors walk drafts together
 
 
 def groups(stream, size):
-    group = []
-    for entry in stream:
-        group.append(entry)
-        if len(group) == size:
-            yield group
-            group = []
-    if group:
+    stream = iter(stream)
+    while group := list(itertools.islice(stream, size)):
         yield group
 
 
