@@ -253,7 +253,7 @@ def tool_prompts(path, target_dir):
     from transformers import AutoTokenizer
     items = ed.read_prompts(path)
     ed.encode_prompts(AutoTokenizer.from_pretrained(target_dir), items,
-                      {"chat_template": True, "enable_thinking": False, "quiet": True})
+                      {"no_chat_template": False, "enable_thinking": False, "quiet": True})
     return items
 
 
@@ -490,7 +490,7 @@ def load_for_loop(paths, args):
 def check_context_rows(model, drafter, item):
     """context_rows in pieces must equal the tool's drafter_context over the whole prompt."""
     ids = item["prompt_ids"] + item["completion_ids"]
-    feats, _ = ed.extract_hidden(model, ids, drafter["layers"], len(item["prompt_ids"]))
+    feats, _, _ = ed.extract_hidden(model, ids, drafter["layers"], len(item["prompt_ids"]))
     whole = ed.drafter_context(drafter, torch.cat([feats[L] for L in drafter["layers"]], -1))
     cut = len(ids) // 3
     f = torch.cat([feats[L] for L in drafter["layers"]], -1)

@@ -133,7 +133,7 @@ def load_argv(target, cache, *ckpts):
 
 
 CONFIG_KEYS_ALLOWED_TO_DIFFER = {"prompts", "load_hidden", "save_hidden", "output", "max_new_tokens", "limit",
-                                 "demo", "chat_template_applied", "prompts_hash", "hidden_cache",
+                                 "demo", "chat_template", "prompts_hash", "hidden_cache",
                                  "reference_generation_used"}
 
 
@@ -230,7 +230,7 @@ def test_cache_contents(tiny):
     assert [origin(e) for e in meta["prompts"]] == [p.get("reference_source") or
                                                     ("target" if p["reference_generated"] else "file")
                                                     for p in report["prompts"]]
-    expected_keys = {f"{i}.{k}" for i in range(3) for k in ["ids", "argmax"] + [f"layer{L}" for L in range(5)]}
+    expected_keys = {f"{i}.{k}" for i in range(3) for k in ["ids", "argmax", "gaps"] + [f"layer{L}" for L in range(5)]}
     assert set(tensors) == expected_keys
     model = tiny["model"]
     for i, p in enumerate(meta["prompts"]):
@@ -241,6 +241,12 @@ def test_cache_contents(tiny):
         with torch.no_grad():
             out = model(ids[None], output_hidden_states=True)
         assert tensors[f"{i}.argmax"].tolist() == out.logits[0, n - 1:-1].argmax(-1).tolist()
+        # the logit gap of each reference token below the top one: 0 where the argmax is the reference
+        logits = out.logits[0, n - 1:-1]
+        gap = logits.max(-1).values - logits.gather(1, ids[n:, None])[:, 0]
+        torch.testing.assert_close(tensors[f"{i}.gaps"], gap, rtol=0, atol=1e-5)
+        if p["id"] == "given":
+            assert (gap > 0).any()   # a reference from the file: the target would say otherwise somewhere
         for L in range(5):
             assert tensors[f"{i}.layer{L}"].dtype == torch.float32
             torch.testing.assert_close(tensors[f"{i}.layer{L}"], out.hidden_states[L + 1][0], rtol=1e-5, atol=1e-5)

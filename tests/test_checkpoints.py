@@ -298,7 +298,10 @@ BAD_INPUTS = {
         "line 2: not valid UTF-8"),
     "invalid_json_line_after_blanks": _case(   # blank lines are skipped but still counted
         lambda t: ["--prompts", write_lines(t.tmp / "p.jsonl", [{"prompt": "w1"}, "", "   ", '{"prompt": "w2"'])],
-        "line 4: not valid JSON"),
+        "line 4, column 16: not valid JSON (Expecting ',' delimiter)"),
+    "control_character_in_json_line": _case(   # json's own message ends in a dangling "at"
+        lambda t: ["--prompts", write_lines(t.tmp / "p.jsonl", [{"prompt": "w1"}, '{"prompt": "w1\tw2"}'])],
+        "line 2, column 15: not valid JSON (Invalid control character); each line"),
     "json_line_not_an_object": _case(
         lambda t: ["--prompts", write_lines(t.tmp / "p.jsonl", [{"prompt": "w1"}, "[1, 2]"])],
         "line 2: expected a JSON object, got list"),
@@ -659,9 +662,12 @@ def check_interrupted_report(out):
 def test_sigint_keeps_finished_prompts_and_resume_completes(many, tmp_path, monkeypatch, capsys):
     out = tmp_path / "out.json"
     partial = partial_of(out)
+    # A suite started in the background by a script inherits SIGINT ignored, and so would the child: give it
+    # the default disposition, which Python turns into KeyboardInterrupt.
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "eval_drafter.py")] + many["argv"] +
                             ["--output", str(out)], cwd=str(tmp_path), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.time() + 120
         while not (os.path.exists(partial) and count_records(partial) >= 2):

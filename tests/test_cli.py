@@ -67,7 +67,7 @@ BAD_INPUTS = {
     "missing_prompts": (lambda e: base_argv(e, **{"--prompts": str(e["tmp"] / "nope.jsonl")}),
                         "prompts file not found"),
     "bad_json_line": (lambda e: base_argv(e, **{"--prompts": write_jsonl(
-        e["tmp"] / "p.jsonl", [{"prompt": "w1"}, "{not json", {"prompt": "w2"}])}), "line 2: not valid JSON"),
+        e["tmp"] / "p.jsonl", [{"prompt": "w1"}, "{not json", {"prompt": "w2"}])}), "line 2, column 2: not valid JSON"),
     "no_prompt_field": (lambda e: base_argv(e, **{"--prompts": write_jsonl(
         e["tmp"] / "p.jsonl", [{"prompt": "w1"}, {"question": "w2"}])}), "line 2: no prompt field"),
     "not_dflash_config": (lambda e: base_argv(e, **{"--ckpt": broken_drafter(e, _drop_dflash_keys)}),
@@ -108,7 +108,7 @@ def test_bad_input_real_process(env):
     proc = subprocess.run([sys.executable, "eval_drafter.py"] + base_argv(env, **{"--prompts": bad}),
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
-    assert_one_error_line(proc.stderr, "line 3: not valid JSON")
+    assert_one_error_line(proc.stderr, "line 3, column 6: not valid JSON")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -318,7 +318,7 @@ EMPTY_THINK = "<think>\n\n</think>\n\n"
 
 
 def encode(qwen_target, messages, **settings):
-    s = {"chat_template": True, "enable_thinking": False, "quiet": True, **settings}
+    s = {"no_chat_template": False, "enable_thinking": False, "quiet": True, **settings}
     items = [{"id": "x", "messages": messages, "completion": None, "completion_ids": None}]
     ed.encode_prompts(qwen_target["tokenizer"], items, s)
     return items[0]["prompt_ids"], s
@@ -328,7 +328,7 @@ def test_qwen_template_without_thinking(qwen_target):
     ids, s = encode(qwen_target, QWEN_MESSAGES, enable_thinking=False)
     text = qwen_target["tokenizer"].decode(ids)
     assert text == "<|im_start|>user\nWrite a haiku about tests.<|im_end|>\n" + GEN_PROMPT + EMPTY_THINK
-    assert s["chat_template_applied"] is True
+    assert s["chat_template"] == "applied"
     assert ids[0] == IM_START and ids.count(IM_START) == 2   # one special id per turn, never split into pieces
     assert qwen_target["tokenizer"].convert_ids_to_tokens(IM_START) == "<|im_start|>"
 
@@ -341,9 +341,9 @@ def test_qwen_template_with_thinking(qwen_target):
 
 
 def test_qwen_no_chat_template(qwen_target):
-    ids, s = encode(qwen_target, QWEN_MESSAGES, chat_template=False)
+    ids, s = encode(qwen_target, QWEN_MESSAGES, no_chat_template=True)
     tok = qwen_target["tokenizer"]
-    assert s["chat_template_applied"] is False
+    assert s["chat_template"] == "off"
     assert IM_START not in ids
     assert tok.decode(ids) == "Write a haiku about tests."
     assert ids == tok.encode("Write a haiku about tests.", add_special_tokens=False)
@@ -366,7 +366,7 @@ def test_qwen_cli_end_to_end(tmp_path, qwen_target, capsys):
     text = tok.apply_chat_template(QWEN_MESSAGES, tokenize=False, add_generation_prompt=True, enable_thinking=False)
     expected = tok(text, add_special_tokens=False)["input_ids"]
     (d,) = report["drafters"]
-    assert report["config"]["chat_template_applied"] is True
+    assert report["config"]["chat_template"] == "applied"
     assert d["prompts"][0]["prompt_tokens"] == len(expected)
     assert 1 <= d["prompts"][0]["completion_tokens"] <= 8
     assert d["layers"] == [0] and d["mask_token_id"] == 151669
