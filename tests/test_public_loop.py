@@ -1,10 +1,11 @@
 """The tool's rounds equal the public reference loop's, round by round: z-lab's `dflash` 0.1.0
 `dflash_generate` (greedy, CPU, float32), an implementation written independently of this tool.
 
-The public package needs transformers 5.x; under 4.x this module skips, and the 4.x run of the suite checks
-the same rounds against the online loop in conftest (test_exactness.py). Install it with
-`pip install --no-deps dflash==0.1.0`. CI sets EVAL_DRAFTER_REQUIRE_DFLASH=1 so that a missing package fails
-there instead of skipping.
+Install it with `pip install --no-deps dflash==0.1.0`. CI sets EVAL_DRAFTER_REQUIRE_DFLASH=1 so that a
+missing package fails there instead of skipping. The package is written for transformers 5.x: under 4.x two
+of its cache helpers are swapped for ones with 4.x's semantics (a plain DynamicCache, since 4.x has no
+past recording, and a rollback that never calls crop(0), which empties a 4.x cache); its loop and its
+drafter are used as they are.
 """
 import json
 import os
@@ -18,8 +19,6 @@ import eval_drafter as ed
 from conftest import drafter_settings, write_jsonl
 
 transformers = pytest.importorskip("transformers")
-if ed.version_tuple(transformers.__version__) < (5, 0, 0):
-    pytest.skip(f"dflash 0.1.0 needs transformers 5.x (installed: {transformers.__version__})", allow_module_level=True)
 try:
     import dflash.model as public
 except ImportError:
@@ -41,11 +40,20 @@ def demo():
     return target, rows, [tok(row["prompt"])["input_ids"] for row in rows]
 
 
+def crop_to_4x(cache, length):
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
+
+
 def public_rounds(drafter_dir, target, prompt_ids, n_new, monkeypatch):
     """dflash_generate's output tokens and acceptance lengths. Its stats call torch.cuda.synchronize for
     timing; on CPU the clock alone does."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig, DynamicCache
     monkeypatch.setattr(public, "_cuda_time", time.perf_counter)
+    if ed.version_tuple(transformers.__version__) < (5, 0, 0):
+        monkeypatch.setattr(public, "_make_cache", lambda config: DynamicCache())
+        monkeypatch.setattr(public, "_crop_to", crop_to_4x)
     config = AutoConfig.from_pretrained(drafter_dir)
     model = public.DFlashDraftModel.from_pretrained(drafter_dir, config=config, dtype=torch.float32).eval()
     out = public.dflash_generate(model, target, torch.tensor([prompt_ids]), n_new, None, return_stats=True)
