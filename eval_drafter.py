@@ -5,7 +5,9 @@ Greedy speculative decoding commits exactly the target's greedy text, so one tea
 over prompt + reference completion gives every hidden state the drafter would ever see. From it this
 script drafts a block at every anchor of the completion, scores each draft against the reference, and
 replays the greedy speculative walk. The rounds equal those of a real decoding loop when the reference is
-the target's own greedy output (the "target agreement" line says how close yours is).
+the target's own greedy output (the "target agreement" line says how close yours is). Drafters: DFlash and
+DFlash 2 (conv taps, candidate path selector), public or transformers-native layout; targets: any
+decoder-only transformers model (Qwen3, hybrid Qwen3.5/3.6, Llama, gpt-oss, ...).
 
     python eval_drafter.py --target QWEN_DIR --ckpt DRAFTER --prompts prompts.jsonl
     python eval_drafter.py --target QWEN_DIR --ckpt mine=ckpt_a --ckpt ref=ckpt_b --prompts p.jsonl \
@@ -27,6 +29,7 @@ import re
 import signal
 import sys
 import time
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -87,9 +90,11 @@ def parse_args(argv):
     g.add_argument("--demo", action="store_true",
                    help="run on the tiny target + drafter pair bundled in tests/fixtures/demo (no other flag needed)")
     g.add_argument("--target", help="target model directory in the Hugging Face layout (config.json, safetensors, "
-                                    "tokenizer): Qwen3 dense, or Qwen3.5/3.6 hybrid (needs transformers 5.x)")
+                                    "tokenizer): Qwen3, Qwen3.5/3.6 hybrid (transformers 5.x), Llama, gpt-oss, or any "
+                                    "decoder-only model whose layers and final norm transformers exposes")
     g.add_argument("--ckpt", action="append", default=[], metavar="[NAME=]PATH",
-                   help="drafter checkpoint; repeat to compare several drafters on one target pass. NAME= labels it "
+                   help="drafter checkpoint (DFlash or DFlash 2; public or transformers-native assistant layout); "
+                        "repeat to compare several drafters on one target pass. NAME= labels it "
                         "(default: its directory or file name). Forms: a directory with config.json + "
                         "model.safetensors (or a sharded model.safetensors.index.json); a .safetensors file (a "
                         "config.json beside it is used); a training .pt/.pth/.bin state dict, read with "
@@ -709,7 +714,7 @@ def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, p
     so the output is plain greedy's (the tests check it); it needs a cache that can roll back."""
     from transformers import DynamicCache
     _, _, embed, head = target_parts(model)
-    layers, B = drafter["layers"], drafter["block_size"]
+    layers, B = drafter.layers, drafter.block_size
     cache = DynamicCache()
     features, last, cache = target_pass(model, prompt_ids, layers, cache)
     check_finite(features, prompt_id)
@@ -721,7 +726,8 @@ def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, p
         ids = prompt_ids + tokens
         anchor = len(ids) - 1   # its hidden state is not context: the cache holds positions < anchor
         drafts, _ = draft_all_anchors(drafter, context_kv, torch.tensor([anchor], device=model.device),
-                                      torch.tensor([ids[anchor]], device=model.device), embed, head, 0, prompt_id)
+                                      torch.tensor([ids[anchor]], device=model.device), embed.weight, head, 0,
+                                      prompt_id)
         block = [ids[anchor]] + drafts[0].tolist()
         new_feats, last, cache = target_pass(model, block, layers, cache)
         check_finite(new_feats, prompt_id)
@@ -896,6 +902,55 @@ def infer_config(state, target_cfg, settings, name):
     return cfg
 
 
+@dataclass
+class Drafter:
+    """A loaded drafter: its tensors in the public key layout, on the run device and dtype, and every setting
+    its forward pass and the report need, resolved once."""
+    name: str
+    checkpoint: str
+    cfg: dict
+    weights: dict
+    layers: list                # target layer ids feeding fc
+    block_size: int
+    mask_token_id: int
+    rules: list                 # in-block attention per layer: (mode, window)
+    rope: object                # transformers' rotary embedding for the config
+    logit_rows: int             # rows per lm_head call
+    generation: str = "DFlash"  # or "DFlash 2": conv taps around every sublayer, the candidate path selector
+    layout: str = "public"      # or "transformers-native assistant"
+    embed_scale: float = 1.0    # block embeddings = raw rows of the target's embedding matrix x this
+    logit_multiplier: float = 1.0
+    softcap: float = 0.0        # drafter logits = c * tanh(m * z / c) when c > 0
+    conv: tuple = ()            # DFlash 2: (taps K, channels per group)
+    selector_top_k: int = 0     # DFlash 2: candidates per slot
+    mask_variants: dict = None  # --check-mask: the rule sets to try
+
+
+def dflash_value(cfg, name, default=None):
+    """A drafter setting where the public code looks for it: dflash_config first, then the top level."""
+    value = (cfg.get("dflash_config") or {}).get(name, cfg.get(name))
+    return default if value is None else value
+
+
+NATIVE_NAMES = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
+NATIVE_DEFAULTS = {"rms_norm_eps": 1e-5, "sliding_window": 2048, "rope_theta": 500000.0}   # its config class's
+SELECTOR = "candidate_selector."
+
+
+def recognize(cfg, state):
+    """(generation, layout, state under the public DFlash key names). The transformers-native assistant
+    names the context projection encoder.*; DFlash 2 adds conv and selector tensors, and its codebooks are
+    bare tensors (a `.weight` suffix, as torch would save an nn.Embedding, is dropped)."""
+    native = (cfg or {}).get("model_type") == "muse_glimmer_assistant" or "encoder.fc.weight" in state
+    if native:
+        state = {NATIVE_NAMES.get(k, k): v for k, v in state.items()}
+    state = {(k[:-len(".weight")] if k.startswith(SELECTOR) and k.endswith("_codebook.weight") else k): v
+             for k, v in state.items()}
+    dflash2 = "DFlash2DraftModel" in ((cfg or {}).get("architectures") or []) or \
+        any(k.startswith(SELECTOR) or "_conv." in k for k in state)
+    return ("DFlash 2" if dflash2 else "DFlash"), ("transformers-native assistant" if native else "public"), state
+
+
 def load_drafter(spec, target_cfg, settings):
     name, path = split_ckpt_spec(spec)
     if not os.path.exists(path):
@@ -906,14 +961,18 @@ def load_drafter(spec, target_cfg, settings):
             cfg = read_json(settings["drafter_config"])
         else:
             log(settings, f"drafter {name}: --drafter-config ignored, the checkpoint has its own config.json")
-    state = unwrap_state_dict(state, name, settings)
+    generation, layout, state = recognize(cfg, unwrap_state_dict(state, name, settings))
     if cfg is None:
         cfg = infer_config(state, target_cfg, settings, name)
-    dcfg = cfg.get("dflash_config") or {}
-    if "block_size" not in cfg and not dcfg:
+    if layout != "public":
+        cfg = {**NATIVE_DEFAULTS, "layer_types": ["sliding_attention"] * cfg.get("num_hidden_layers", 0), **cfg}
+    if dflash_value(cfg, "block_size") is None and not cfg.get("dflash_config"):
         fail(f"{path} is not a DFlash drafter: its config.json has neither block_size nor dflash_config")
     if "fc.weight" not in state or "hidden_norm.weight" not in state:
-        fail(f"{path} is not a DFlash drafter: its weights have no fc.weight / hidden_norm.weight")
+        fail(f"{path} is not a DFlash drafter: its weights have no fc.weight / hidden_norm.weight "
+             "(nor encoder.fc.weight / encoder.output_norm_enc.weight)")
+    log(settings, f"drafter {name}: {generation}, {layout} layout" + ("" if layout == "public" else
+        " (bidirectional in every layer; its sliding mask keeps |q - p| <= W, shown as window W + 1)"))
 
     hidden = cfg.get("hidden_size")
     if hidden != target_cfg.hidden_size:
@@ -921,28 +980,107 @@ def load_drafter(spec, target_cfg, settings):
              "it was trained for another target")
     layer_ids = drafter_layer_ids(cfg, state, target_cfg, settings, name)
     mask_id = settings.get("mask_token_id")
-    mask_id = dcfg.get("mask_token_id", cfg.get("mask_token_id")) if mask_id is None else mask_id
+    mask_id = dflash_value(cfg, "mask_token_id") if mask_id is None else mask_id
     if mask_id is None or not 0 <= int(mask_id) < target_cfg.vocab_size:
         fail(f"drafter {name}: mask_token_id {mask_id} is outside the target vocab ({target_cfg.vocab_size})")
-    block_size = settings["block_size"] or int(cfg.get("block_size", dcfg.get("block_size", 16)))
+    block_size = settings["block_size"] or int(dflash_value(cfg, "block_size", 16))
     if block_size < 2:
         fail(f"drafter {name}: block size {block_size} is too small (needs at least 2)")
-    check_drafter_keys(state, cfg, name)
+    conv, top_k = dflash2_settings(cfg, state, name, settings) if generation == "DFlash 2" else ((), 0)
+    check_drafter_tensors(state, expected_tensors(cfg, conv, generation, state, target_cfg.vocab_size), name,
+                          generation)
     dtype = getattr(torch, settings["dtype"])
     weights = {k: v.to(device=settings["device"], dtype=dtype) for k, v in state.items()}
     # Logits plus their log-softmax, float32: below ~256 rows the lm_head matmul loses speed, above it gains
     # little; a 248k vocab at the default budget gets 256.
     logit_rows = min(2048, max(16, int(settings["max_memory_gb"] * 2**30 / (8 * target_cfg.vocab_size))))
-    return {"name": name, "checkpoint": os.path.abspath(path), "cfg": cfg, "weights": weights, "logit_rows": logit_rows,
-            "layers": layer_ids, "block_size": block_size, "mask_token_id": int(mask_id),
-            "rules": layer_rules(cfg, settings), "rope": build_rope(cfg, settings["device"])}
+    return Drafter(name=name, checkpoint=os.path.abspath(path), cfg=cfg, weights=weights, layers=layer_ids,
+                   block_size=block_size, mask_token_id=int(mask_id), rules=layer_rules(cfg, settings, layout),
+                   rope=build_rope(cfg, settings["device"]), logit_rows=logit_rows, generation=generation,
+                   layout=layout, embed_scale=float(dflash_value(cfg, "input_embedding_scale", 1.0)),
+                   logit_multiplier=float(dflash_value(cfg, "output_multiplier", 1.0)),
+                   softcap=float(dflash_value(cfg, "final_logit_softcapping", 0.0)), conv=conv, selector_top_k=top_k)
+
+
+def dflash2_settings(cfg, state, name, settings):
+    """((conv taps K, channels per group), selector candidates per slot) of a DFlash 2 drafter: from its
+    config, else (said in a line) from the tensor shapes and the public default of 16 candidates."""
+    H, found = cfg["hidden_size"], {}
+    kernel, projection = state.get("layers.0.attention_conv.base_kernel"), \
+        state.get("layers.0.attention_conv.kernel_projection.weight")
+    K = dflash_value(cfg, "conv_kernel_size")
+    if K is None and kernel is not None and kernel.dim() == 3:
+        K = found["conv_kernel_size"] = kernel.shape[1]
+    group = dflash_value(cfg, "conv_group_size")
+    if group is None and K and projection is not None and projection.shape[0] % (2 * K) == 0:
+        group = found["conv_group_size"] = H // max(1, projection.shape[0] // (2 * K))
+    top_k = dflash_value(cfg, "selector_top_k")
+    if top_k is None:
+        top_k = found["selector_top_k"] = 16
+    if K is None or group is None:
+        fail(f"drafter {name}: a DFlash 2 drafter needs conv_kernel_size and conv_group_size in its dflash_config "
+             "(and its layers.N.attention_conv tensors); neither is there")
+    if int(group) < 1 or H % int(group):
+        fail(f"drafter {name}: conv_group_size {group} does not divide the hidden size {H}")
+    if found:
+        log(settings, f"drafter {name}: inferred " + ", ".join(f"{k} {v}" for k, v in found.items())
+            + " (not in its config)")
+    return (int(K), int(group)), int(top_k)
+
+
+def expected_tensors(cfg, conv, generation, state, vocab):
+    """{name: shape} of every tensor a drafter of this config holds (None: a dimension checked elsewhere)."""
+    H, I, hd = cfg["hidden_size"], cfg.get("intermediate_size"), head_dim_of(cfg)
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    per_layer = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+                 "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I),
+                 "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
+                 "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, q),
+                 "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
+    if cfg.get("attention_bias"):
+        per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                          "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.bias": (H,)})
+    shapes = {"fc.weight": (H, None), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+    if generation == "DFlash 2":
+        K, groups = conv[0], H // conv[1]
+        for sub in ("attention_conv", "mlp_conv"):
+            per_layer.update({f"{sub}.base_kernel": (2, K, H), f"{sub}.kernel_projection.weight": (2 * K * groups, H)})
+        rank = dflash_value(cfg, "selector_rank")
+        if rank is None:   # from the tensor itself; the codebooks must agree with it
+            rank = getattr(state.get(SELECTOR + "hidden_projection.weight"), "shape", (None,))[0]
+        shapes.update({SELECTOR + "hidden_projection.weight": (rank, H), SELECTOR + "predecessor_codebook": (vocab, rank),
+                       SELECTOR + "successor_codebook": (vocab, rank)})
+    for i in range(cfg.get("num_hidden_layers", 0)):
+        shapes.update({f"layers.{i}.{k}": shape for k, shape in per_layer.items()})
+    return shapes
+
+
+def check_drafter_tensors(weights, shapes, name, generation):
+    """Every expected tensor present with its shape and finite; nothing unexpected."""
+    def listed(keys):
+        return f"{', '.join(keys[:3]) or 'none'}{', ...' if len(keys) > 3 else ''}"
+
+    missing = [k for k in shapes if k not in weights]
+    unexpected = [k for k in weights if k not in shapes and not k.endswith("rotary_emb.inv_freq")]
+    if missing or unexpected or not any(k.startswith("layers.") for k in shapes):
+        fail(f"drafter {name} does not match a {generation} drafter of its config: {len(missing)} missing "
+             f"({listed(missing)}), {len(unexpected)} unexpected ({listed(unexpected)})")
+    for key, want in shapes.items():
+        got = tuple(weights[key].shape)
+        if len(got) != len(want) or any(w is not None and g != w for g, w in zip(got, want)):
+            want = tuple("?" if w is None else w for w in want)
+            fail(f"drafter {name}: tensor {key} has shape {got}, its config implies {want}: "
+                 "the config does not describe these weights")
+    bad = next((k for k in shapes if not torch.isfinite(weights[k]).all()), None)
+    if bad:
+        fail(f"drafter {name}: tensor {bad} holds NaN or Inf values; the checkpoint is broken")
 
 
 def drafter_layer_ids(cfg, state, target_cfg, settings, name):
     """Which target layers feed the drafter: --layers, else the config's ids, else the public rule; fc's
     input width says how many it was trained with, and must agree."""
     hidden, n_target = cfg["hidden_size"], target_cfg.num_hidden_layers
-    config_ids = (cfg.get("dflash_config") or {}).get("target_layer_ids")
+    config_ids = dflash_value(cfg, "target_layer_ids")
     fc_layers, rem = divmod(state["fc.weight"].shape[1], hidden)
     if settings["layers"] is not None:
         layer_ids, source = settings["layers"], "--layers"
@@ -965,51 +1103,20 @@ def drafter_layer_ids(cfg, state, target_cfg, settings, name):
     return layer_ids
 
 
-def check_drafter_keys(weights, cfg, name):
-    needed = ["fc.weight", "hidden_norm.weight", "norm.weight"]
-    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
-                 "mlp.up_proj.weight", "mlp.down_proj.weight"] + \
-                [f"self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
-    if cfg.get("attention_bias"):
-        per_layer += [f"self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    for i in range(cfg.get("num_hidden_layers", 0)):
-        needed += [f"layers.{i}.{k}" for k in per_layer]
-    missing = [k for k in needed if k not in weights]
-    unexpected = [k for k in weights if k not in set(needed) and not k.endswith("rotary_emb.inv_freq")]
-    if missing or unexpected or not cfg.get("num_hidden_layers"):
-        fail(f"drafter {name} does not match a DFlash drafter of its config: {len(missing)} missing "
-             f"({', '.join(missing[:3]) or 'none'}{', ...' if len(missing) > 3 else ''}), {len(unexpected)} unexpected "
-             f"({', '.join(unexpected[:3]) or 'none'}{', ...' if len(unexpected) > 3 else ''})")
-    H, I, hd = cfg["hidden_size"], cfg.get("intermediate_size"), head_dim_of(cfg)
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    shapes = {"hidden_norm.weight": (H,), "norm.weight": (H,), "input_layernorm.weight": (H,),
-              "post_attention_layernorm.weight": (H,), "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H),
-              "mlp.down_proj.weight": (H, I), "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
-              "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, q), "self_attn.q_norm.weight": (hd,),
-              "self_attn.k_norm.weight": (hd,), "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-              "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.bias": (H,)}
-    for key in needed:
-        want = shapes.get(key.split(".", 2)[-1] if key.startswith("layers.") else key)
-        if want and tuple(weights[key].shape) != want:
-            fail(f"drafter {name}: tensor {key} has shape {tuple(weights[key].shape)}, its config implies {want}: "
-                 "the config does not describe these weights")
-    bad = next((k for k in needed if not torch.isfinite(weights[k]).all()), None)
-    if bad:
-        fail(f"drafter {name}: tensor {bad} holds NaN or Inf values; the checkpoint is broken")
-
-
-def layer_rules(cfg, settings):
-    """In-block attention per drafter layer: (mode, window). See DFLASH_NOTES: the training rule makes
-    sliding layers causal with a causal window; full layers bidirectional; config overrides win."""
+def layer_rules(cfg, settings, layout="public"):
+    """In-block attention per drafter layer: (mode, window), window W = the key at position p is seen from
+    query position q iff q - p < W (and, both ways, p - q < W). See DFLASH_NOTES: the training rule makes
+    sliding layers causal with a causal window; full layers bidirectional; config overrides win. The
+    transformers-native assistant is bidirectional everywhere and its sliding mask keeps |q - p| <= W,
+    one position more than W: its window here is W + 1."""
     n = cfg["num_hidden_layers"]
-    dcfg = cfg.get("dflash_config") or {}
-    window = dcfg.get("swa_window_size") or cfg.get("sliding_window")
+    window = dflash_value(cfg, "swa_window_size") or cfg.get("sliding_window")
     types = cfg.get("layer_types")
     if not types:
         sliding = cfg.get("use_sliding_window") and window
         first = cfg.get("max_window_layers", n)
         types = ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(n)]
-    forced = cfg.get("is_causal", dcfg.get("causal"))
+    forced = False if layout != "public" else cfg.get("is_causal", (cfg.get("dflash_config") or {}).get("causal"))
     rules = []
     for kind in types[:n]:
         sliding = kind == "sliding_attention" and window and settings["sliding_window"] == "train"
@@ -1019,7 +1126,7 @@ def layer_rules(cfg, settings):
             mode = "causal" if forced else "bidirectional"
         else:
             mode = "causal" if sliding else "bidirectional"
-        rules.append((mode, int(window) if sliding else None))
+        rules.append((mode, int(window) + (layout != "public") if sliding else None))
     return rules
 
 
@@ -1060,7 +1167,7 @@ def linear(x, w, name):
 
 
 def rope_cos_sin(drafter, positions, dtype):
-    cos, sin = drafter["rope"](torch.empty(0, dtype=dtype, device=positions.device), positions[None])
+    cos, sin = drafter.rope(torch.empty(0, dtype=dtype, device=positions.device), positions[None])
     return cos[0], sin[0]
 
 
@@ -1080,7 +1187,7 @@ def block_mask(anchors, n_ctx, block_size, rule, starts=None):
 
     Query (block i, slot j) sits at absolute position a_i + j. It sees context positions p < a_i, and the
     slots of its own block: all of them (bidirectional) or those <= j (causal). A window W keeps only keys
-    at positions >= a_i + j - (W - 1). With `starts`, block i's context is rows starts_i.. of a context
+    at positions >= a_i + j - (W - 1) (and, bidirectional, <= a_i + j + W - 1). With `starts`, block i's context is rows starts_i.. of a context
     that holds several prompts one after another (--anchors walk batches prompts this way).
     """
     mode, window = rule
@@ -1099,12 +1206,14 @@ def block_mask(anchors, n_ctx, block_size, rule, starts=None):
         lowest = q_pos[:, None] - (window - 1)
         ctx_ok &= ctx_pos >= lowest
         blk_ok &= q_pos[None, :] >= lowest
+        if mode != "causal":   # both ways: matters only for a block longer than its window
+            blk_ok &= q_pos[None, :] <= q_pos[:, None] + (window - 1)
     return torch.cat([ctx_ok, blk_ok], dim=1)
 
 
 def drafter_context(drafter, features, start=0):
     """Project the target features (T, n_layers * H) of positions start.. once: per-layer context K/V."""
-    w, cfg = drafter["weights"], drafter["cfg"]
+    w, cfg = drafter.weights, drafter.cfg
     eps = cfg.get("rms_norm_eps", 1e-6)
     ctx = rms_norm(F.linear(features, w["fc.weight"]), w["hidden_norm.weight"], eps)
     n_kv, hd = cfg["num_key_value_heads"], head_dim_of(cfg)
@@ -1121,21 +1230,25 @@ def head_dim_of(cfg):
     return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
 
 
-def drafter_forward(drafter, context_kv, anchors, block_ids, embed, starts=None):
+def drafter_forward(drafter, context_kv, anchors, block_ids, embed_w, starts=None):
     """Hidden states (n, B, H) after the final norm for blocks [token at anchor, MASK, ...] at `anchors`
-    (and context rows `starts` on, when the context holds several prompts)."""
-    w, cfg = drafter["weights"], drafter["cfg"]
+    (and context rows `starts` on, when the context holds several prompts). The block's embeddings are
+    raw rows of the target's embedding matrix `embed_w` times the config's scale: the target's embedding
+    module may normalize, and the public code bypasses it."""
+    w, cfg = drafter.weights, drafter.cfg
     eps = cfg.get("rms_norm_eps", 1e-6)
     n, B = block_ids.shape
     n_heads, n_kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim_of(cfg)
     n_ctx = int((anchors if starts is None else anchors + starts).max())
-    x = embed(block_ids.reshape(-1))
+    x = F.embedding(block_ids.reshape(-1), embed_w)
+    if drafter.embed_scale != 1.0:
+        x = x * drafter.embed_scale
     positions = (anchors[:, None] + torch.arange(B, device=anchors.device)).reshape(-1)
     cos, sin = rope_cos_sin(drafter, positions, x.dtype)
-    masks = {rule: block_mask(anchors, n_ctx, B, rule, starts) for rule in set(drafter["rules"])}
-    for i, rule in enumerate(drafter["rules"]):
+    masks = {rule: block_mask(anchors, n_ctx, B, rule, starts) for rule in set(drafter.rules)}
+    for i, rule in enumerate(drafter.rules):
         p = f"layers.{i}."
-        h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
+        h, taps = conv_in(drafter, p + "attention_conv.", rms_norm(x, w[p + "input_layernorm.weight"], eps), n)
         q = rms_norm(heads(linear(h, w, p + "self_attn.q_proj"), n_heads, hd), w[p + "self_attn.q_norm.weight"], eps)
         k = rms_norm(heads(linear(h, w, p + "self_attn.k_proj"), n_kv, hd), w[p + "self_attn.k_norm.weight"], eps)
         v = heads(linear(h, w, p + "self_attn.v_proj"), n_kv, hd)
@@ -1145,68 +1258,146 @@ def drafter_forward(drafter, context_kv, anchors, block_ids, embed, starts=None)
         groups = n_heads // n_kv
         attn = F.scaled_dot_product_attention(apply_rope(q, cos, sin)[None], k.repeat_interleave(groups, 0)[None],
                                               v.repeat_interleave(groups, 0)[None], attn_mask=masks[rule])
-        x = x + linear(attn[0].transpose(0, 1).reshape(n * B, n_heads * hd), w, p + "self_attn.o_proj")
-        h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
-        mlp = F.silu(linear(h, w, p + "mlp.gate_proj")) * linear(h, w, p + "mlp.up_proj")
-        x = x + linear(mlp, w, p + "mlp.down_proj")
+        attn = linear(attn[0].transpose(0, 1).reshape(n * B, n_heads * hd), w, p + "self_attn.o_proj")
+        x = x + conv_out(drafter, p + "attention_conv.", attn, taps)
+        h, taps = conv_in(drafter, p + "mlp_conv.", rms_norm(x, w[p + "post_attention_layernorm.weight"], eps), n)
+        mlp = linear(F.silu(linear(h, w, p + "mlp.gate_proj")) * linear(h, w, p + "mlp.up_proj"), w, p + "mlp.down_proj")
+        x = x + conv_out(drafter, p + "mlp_conv.", mlp, taps)
     return rms_norm(x, w["norm.weight"], eps).view(n, B, -1)
 
 
+def conv_in(drafter, prefix, h, n):
+    """DFlash 2 around a sublayer, first half: the normalized input h (n*B, H) convolved with the first
+    kernel, and the dynamic taps of the second, both projected from h. DFlash: h as it is, no taps."""
+    if not drafter.conv:
+        return h, None
+    taps = F.linear(h, drafter.weights[prefix + "kernel_projection.weight"]).view(n, -1, 2, drafter.conv[0],
+                                                                                   h.shape[-1] // drafter.conv[1])
+    return block_conv(h, taps[:, :, 0], drafter.weights[prefix + "base_kernel"][0], drafter.conv[1]), taps[:, :, 1]
+
+
+def conv_out(drafter, prefix, y, taps):
+    """DFlash 2, second half: the sublayer's output convolved with the second kernel before the residual add."""
+    return y if taps is None else block_conv(y, taps, drafter.weights[prefix + "base_kernel"][1], drafter.conv[1])
+
+
+def block_conv(x, taps, base, group):
+    """A grouped dynamic causal convolution over each block's own slots, the anchor at slot 0 and zeros
+    before it: out[t] = sum_o (base[o] + taps[t, o, g]) * x[t - o], channel by channel, taps shared by the
+    `group` channels of a group. x (n*B, H), taps (n, B, K, H / group), base (K, H). The terms are added
+    in the public code's order, so float32 results agree to the last bit."""
+    n, B, K, G = taps.shape
+    xs, out = x.view(n, B, G, group), x.new_zeros(n, B, G, group)
+    for o in range(K):
+        shifted = xs if o == 0 else torch.cat([xs.new_zeros(n, min(o, B), G, group), xs[:, :B - o]], dim=1)
+        out = out + base[o].view(1, 1, G, group) * shifted
+        out = torch.addcmul(out, taps[:, :, o, :, None], shifted)
+    return out.view(n * B, -1)
+
+
 def prompt_context(drafter, features):
-    return drafter_context(drafter, torch.cat([features[L] for L in drafter["layers"]], dim=-1))
+    return drafter_context(drafter, torch.cat([features[L] for L in drafter.layers], dim=-1))
+
+
+def drafter_logits(drafter, head, rows, prompt_id):
+    """Logits of drafter hidden rows through the target's head, then the config's multiplier and softcap
+    (c * tanh(m * z / c)); NaN or Inf anywhere stops the run, naming the prompt."""
+    logits = head(rows)
+    if drafter.logit_multiplier != 1.0:
+        logits = logits * drafter.logit_multiplier
+    if drafter.softcap > 0:
+        logits = torch.tanh(logits / drafter.softcap) * drafter.softcap
+    best = logits.max(-1)   # a NaN or Inf anywhere in a row shows in its max: one pass, not two
+    if not torch.isfinite(best.values).all():
+        fail(f"drafter {drafter.name}: its logits on prompt {prompt_id} hold NaN or Inf (features are "
+             "finite, so the drafter's weights or its numerics in this dtype are at fault)")
+    return logits, best.indices
 
 
 @torch.inference_mode()
-def draft_all_anchors(drafter, context_kv, anchors, first, embed, head, top_k=0, prompt_id=None, starts=None,
+def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=0, prompt_id=None, starts=None,
                       after=None):
-    """Greedy drafts (n_anchors, B-1) for blocks [first token, MASK, ...] at `anchors`, many blocks per SDPA
-    call, and with top_k > 0 the top_k float32 log-probs and token ids per slot (n_anchors, B-1, top_k) that
-    DDTree builds from. Given `after` (the reference token after each anchor), an anchor whose first slot
-    ranks top_k or more tokens strictly above that token gets no top-k (ids -1): no tree of at most top_k
-    nodes can hold the reference's path there, so its DDTree acceptance is 1 without it."""
-    B = drafter["block_size"]
-    if anchors.numel() == 0:
+    """Drafts (n_anchors, B-1) for blocks [first token, MASK, ...] at `anchors`, many blocks per SDPA call:
+    per block, the backbone's hidden states, their logits, then the proposal (each slot's argmax; for DFlash 2
+    the selector's path). With top_k > 0, also what DDTree builds from (see tree_top_k)."""
+    B, n = drafter.block_size, anchors.shape[0]
+    if n == 0:
         empty = torch.zeros(0, B - 1, max(top_k, 1))
         return torch.zeros(0, B - 1, dtype=torch.long), (empty, empty.long())
     dev = anchors.device
     # Outputs are allocated once, up front: small tensors created between the big per-chunk logits would
     # pin freed heap and grow the resident memory chunk after chunk.
-    drafts, top, done = torch.empty(anchors.shape[0] * (B - 1), dtype=torch.long, device=dev), None, 0
+    drafts, top, done = torch.empty(n * (B - 1), dtype=torch.long, device=dev), None, 0
+    picks = selector_buffers(drafter, n * (B - 1), dev) if drafter.selector_top_k else None
     per_call = max(1, ANCHOR_TOKENS_PER_CHUNK // B)
-    for lo in range(0, anchors.shape[0], per_call):
+    for lo in range(0, n, per_call):
         part = slice(lo, lo + per_call)
-        block = torch.full((anchors[part].shape[0], B), drafter["mask_token_id"], device=dev)
+        block = torch.full((anchors[part].shape[0], B), drafter.mask_token_id, device=dev)
         block[:, 0] = first[part]
-        hidden = drafter_forward(drafter, context_kv, anchors[part], block, embed,
+        hidden = drafter_forward(drafter, context_kv, anchors[part], block, embed_w,
                                  None if starts is None else starts[part])[:, 1:]
-        for rows in hidden.reshape(-1, hidden.shape[-1]).split(drafter.get("logit_rows", LOGIT_ROWS_PER_CHUNK)):
-            logits, at = head(rows), slice(done, done + rows.shape[0])
-            best = logits.max(-1)   # a NaN or Inf anywhere in a row shows in its max: one pass, not two
-            if not torch.isfinite(best.values).all():
-                fail(f"drafter {drafter['name']}: its logits on prompt {prompt_id} hold NaN or Inf (features are "
-                     "finite, so the drafter's weights or its numerics in this dtype are at fault)")
-            drafts[at] = best.indices
+        for rows in hidden.reshape(-1, hidden.shape[-1]).split(drafter.logit_rows):
+            at = slice(done, done + rows.shape[0])
+            logits, drafts[at] = drafter_logits(drafter, head, rows, prompt_id)
+            if picks is not None:
+                picks[0][at], picks[1][at] = logits.topk(drafter.selector_top_k, dim=-1, sorted=False)
+                picks[2][at] = F.linear(rows, drafter.weights[SELECTOR + "hidden_projection.weight"])
             if top_k:
-                k = min(top_k, logits.shape[-1])
-                if top is None:
-                    top = (torch.full((drafts.shape[0], k), -math.inf, device=dev),
-                           torch.full((drafts.shape[0], k), -1, device=dev))
-                    needs = torch.ones(anchors.shape[0], dtype=torch.bool, device=dev)
-                row = torch.arange(done, done + rows.shape[0], device=dev)
-                anchor_of = row // (B - 1)
-                if after is not None:   # first slots decide for their anchor's whole block
-                    firsts = (row % (B - 1) == 0).nonzero()[:, 0]
-                    ref = logits[firsts].gather(1, after[anchor_of[firsts]][:, None])
-                    needs[anchor_of[firsts]] = (logits[firsts] > ref).sum(-1) < k
-                keep = needs[anchor_of].nonzero()[:, 0]
-                if keep.numel():
-                    logp = (logits if keep.numel() == rows.shape[0] else logits[keep]).float().log_softmax(-1)
-                    values, ids = logp.topk(k, dim=-1)
-                    top[0][done + keep], top[1][done + keep] = values, ids
+                top = tree_top_k(top, logits, done, B, top_k, after, n)
             done += rows.shape[0]
-    shape = (anchors.shape[0], B - 1, -1)
+    if picks is not None:
+        drafts = select_path(drafter, *picks, first)
+    shape = (n, B - 1, -1)
     top = (top[0].view(shape).cpu(), top[1].view(shape).cpu()) if top_k else None
-    return drafts.view(anchors.shape[0], B - 1).cpu(), top
+    return drafts.view(n, B - 1).cpu(), top
+
+
+def tree_top_k(top, logits, done, B, top_k, after, n):
+    """The top_k float32 log-probs and token ids of these logit rows (rows done.. of the whole draft) that
+    DDTree builds from, kept in top = [log-probs, ids, which anchors need them] (allocated on the first
+    call). Given `after` (the reference token after each anchor), an anchor whose first slot ranks top_k or
+    more tokens strictly above that token gets none (ids -1): no tree of at most top_k nodes can hold the
+    reference's path there, so its DDTree acceptance is 1 without it."""
+    dev, k = logits.device, min(top_k, logits.shape[-1])
+    if top is None:
+        top = [torch.full((n * (B - 1), k), -math.inf, device=dev), torch.full((n * (B - 1), k), -1, device=dev),
+               torch.ones(n, dtype=torch.bool, device=dev)]
+    row = torch.arange(done, done + logits.shape[0], device=dev)
+    anchor_of = row // (B - 1)
+    if after is not None:   # first slots decide for their anchor's whole block
+        firsts = (row % (B - 1) == 0).nonzero()[:, 0]
+        ref = logits[firsts].gather(1, after[anchor_of[firsts]][:, None])
+        top[2][anchor_of[firsts]] = (logits[firsts] > ref).sum(-1) < k
+    keep = top[2][anchor_of].nonzero()[:, 0]
+    if keep.numel():
+        logp = (logits if keep.numel() == logits.shape[0] else logits[keep]).float().log_softmax(-1)
+        top[0][done + keep], top[1][done + keep] = logp.topk(k, dim=-1)
+    return top
+
+
+def selector_buffers(drafter, rows, dev):
+    """Per draft row, what DFlash 2's selector reads: the top-k logits and their ids, and the projected
+    hidden state."""
+    k, rank = drafter.selector_top_k, drafter.weights[SELECTOR + "hidden_projection.weight"].shape[0]
+    dtype = drafter.weights["fc.weight"].dtype
+    return (torch.empty(rows, k, dtype=dtype, device=dev), torch.empty(rows, k, dtype=torch.long, device=dev),
+            torch.empty(rows, rank, dtype=dtype, device=dev))
+
+
+def select_path(drafter, unary, candidates, projected, first):
+    """DFlash 2's candidate path selector, greedy and batched over anchors: slot j takes the candidate with
+    the best unary logit + <A[previous pick] * P(h_j), S[candidate]> (A, S the predecessor and successor
+    codebooks, P the hidden projection); the previous pick of slot 1 is the anchor's token. The block's
+    drafts are that path, not each slot's argmax. (n * (B-1),) ids, B-1 small steps."""
+    steps, w = drafter.block_size - 1, drafter.weights
+    before, after = w[SELECTOR + "predecessor_codebook"], w[SELECTOR + "successor_codebook"]
+    unary, candidates, projected = (t.view(first.shape[0], steps, -1) for t in (unary, candidates, projected))
+    previous, path = first, []
+    for j in range(steps):
+        scores = unary[:, j] + torch.einsum("nr,nkr->nk", before[previous] * projected[:, j], after[candidates[:, j]])
+        previous = candidates[:, j].gather(1, scores.argmax(-1, keepdim=True))[:, 0]
+        path.append(previous)
+    return torch.stack(path, dim=1).reshape(-1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1285,23 +1476,23 @@ def mask_variants(drafter, settings):
                ("no sliding window", settings["block_mask"], "ignore")]
     if settings["sliding_window"] == "ignore":
         options.append(("sliding windows as trained", settings["block_mask"], "train"))
-    variants = {"configured": drafter["rules"]}
+    variants = {"configured": drafter.rules}
     for name, block_mask, window in options:
-        variants[name] = layer_rules(drafter["cfg"], {"block_mask": block_mask, "sliding_window": window})
+        variants[name] = layer_rules(drafter.cfg, {"block_mask": block_mask, "sliding_window": window}, drafter.layout)
     return variants
 
 
-def check_mask_prompt(drafter, variants, features, ids, anchors, embed, head):
+def check_mask_prompt(drafter, variants, features, ids, anchors, embed_w, head):
     """Per mode: [draft hits, drafts, matched drafts, anchors, wins, losses] on a sample of this prompt's
     anchors; wins/losses count drafts this mode gets right and the configured mode wrong, and the reverse."""
     if anchors.numel() == 0:
         return {name: [0] * 6 for name in variants}
     sample = anchors[torch.linspace(0, anchors.numel() - 1, min(MASK_CHECK_ANCHORS, anchors.numel())).long()]
-    reference = torch.tensor(ids)[sample.cpu()[:, None] + torch.arange(1, drafter["block_size"])]
+    reference = torch.tensor(ids)[sample.cpu()[:, None] + torch.arange(1, drafter.block_size)]
     context_kv, first = prompt_context(drafter, features), torch.tensor(ids, device=sample.device)[sample]
     counts, base = {}, None
     for name, rules in variants.items():   # "configured" comes first
-        drafts, _ = draft_all_anchors({**drafter, "rules": rules}, context_kv, sample, first, embed, head)
+        drafts, _ = draft_all_anchors(replace(drafter, rules=rules), context_kv, sample, first, embed_w, head)
         equal = drafts == reference
         base = equal if base is None else base
         counts[name] = [int(equal.sum()), equal.numel(), int(equal.long().cumprod(1).sum()), equal.shape[0],
@@ -1356,13 +1547,13 @@ def score_prompt(drafts, ids, n_prompt, block_size, top=None, budgets=()):
     return {"anchors": anchors, "matched": matched, "equal": equal, "rounds": rounds, "ddtree_rounds": walks}
 
 
-def score_walks_only(d, prompts, embed, head, budgets):
+def score_walks_only(d, prompts, embed_w, head, budgets):
     """--anchors walk over a group of prompts [(features, ids, n_prompt, prompt id)]: draft only the anchors
     the chain and DDTree walks visit. Each step drafts, in one batched call, the anchor every unfinished
     walk of every prompt waits for (contexts laid one after another, each block masked to its own prompt's);
     walks share visited blocks. Rounds equal those of --anchors all; per-position statistics cover the
     visited anchors."""
-    B, top_k, kinds = d["block_size"], max(budgets, default=0), [None, *budgets]   # None: the chain walk
+    B, top_k, kinds = d.block_size, max(budgets, default=0), [None, *budgets]   # None: the chain walk
     contexts = [prompt_context(d, features) for features, *_ in prompts]
     context_kv = [tuple(torch.cat([c[i][j] for c in contexts], 1) for j in (0, 1)) for i in range(len(contexts[0]))]
     starts = [sum(c[0][0].shape[1] for c in contexts[:p]) for p in range(len(prompts))]
@@ -1388,7 +1579,7 @@ def score_walks_only(d, prompts, embed, head, budgets):
         with timed("drafter_s"):
             drafts, top = draft_all_anchors(
                 d, context_kv, torch.tensor([a for _, a in need], device=dev),
-                torch.tensor([prompts[p][1][a] for p, a in need], device=dev), embed, head, top_k,
+                torch.tensor([prompts[p][1][a] for p, a in need], device=dev), embed_w, head, top_k,
                 " or ".join(sorted({str(prompts[p][3]) for p, _ in need})),
                 torch.tensor([starts[p] for p, _ in need], device=dev),
                 torch.tensor([prompts[p][1][a + 1] for p, a in need], device=dev))
@@ -1470,7 +1661,8 @@ def print_report(report, out=None):
         print(f"features: from {report['config']['load_hidden']} (torch {cache['torch_version']}, "
               f"transformers {cache['transformers_version']})", file=out)
     for d in report["drafters"]:
-        print(f"\n== drafter {d['name']}: block {d['block_size']}, layers {d['layers']}", file=out)
+        print(f"\n== drafter {d['name']}: {d.get('generation', 'DFlash')} ({d.get('layout', 'public')} layout), "
+              f"block {d['block_size']}, layers {d['layers']}", file=out)
         print("   in-block mask per layer: " + "; ".join(f"{i}: {r}" for i, r in enumerate(d["block_mask"])), file=out)
         sections = [("all", d)] + (sorted(d["splits"].items()) if len(d["splits"]) > 1 else [])
         for name, s in sections:
@@ -1479,11 +1671,14 @@ def print_report(report, out=None):
                   f"target agreement {fmt(s['target_agreement'], 4)}", file=out)
             print("   rounds by acceptance length: " + "  ".join(
                 f"{n}:{c}" for n, c in enumerate(s["histogram"], 1) if c), file=out)
-            for budget, t in s["ddtree"].items():
+            if s.get("ddtree_note") and name == "all":
+                print(f"   no DDTree rows: {s['ddtree_note']}", file=out)
+            for budget, t in (s["ddtree"] or {}).items():
                 print(f"   DDTree budget {budget:>4}: tau {fmt(t['tau'])} (chain {fmt(s['tau'])})  tau_prompt_mean "
                       f"{fmt(t['tau_prompt_mean'])}  rounds by length: "
                       + " ".join(f"{n}:{c}" for n, c in enumerate(t["histogram"], 1) if c), file=out)
-            below = [b for b, t in s["ddtree"].items() if None not in (t["tau"], s["tau"]) and t["tau"] < s["tau"]]
+            below = [b for b, t in (s["ddtree"] or {}).items()   # as printed: 7.149 against 7.149 is no fall
+                     if None not in (t["tau"], s["tau"]) and round(t["tau"], 3) < round(s["tau"], 3)]
             if below:
                 print(f"   (budget {', '.join(below)} below the chain: a tree spends its nodes on the likeliest paths, "
                       f"so it need not hold the chain's whole depth-{d['block_size'] - 1} path; a bigger budget's "
@@ -1548,14 +1743,14 @@ def evaluate(settings):
     drafters = [load_drafter(spec, target_cfg, settings) for spec in settings["ckpt"]]
     seen = {}
     for d in drafters:  # run1/ckpt and run2/ckpt would both be "ckpt": keep names apart
-        seen[d["name"]] = seen.get(d["name"], 0) + 1
-        if seen[d["name"]] > 1:
-            d["name"] += f"#{seen[d['name']]}"
+        seen[d.name] = seen.get(d.name, 0) + 1
+        if seen[d.name] > 1:
+            d.name += f"#{seen[d.name]}"
     for d in drafters:
-        log(settings, f"drafter {d['name']}: block {d['block_size']}, layers {d['layers']}, in-block mask per "
-                      f"layer: {', '.join(rule_label(r) for r in d['rules'])}")
-        d["mask_variants"] = mask_variants(d, settings) if settings["check_mask"] else None
-    layer_union = sorted({L for d in drafters for L in d["layers"]})
+        log(settings, f"drafter {d.name}: block {d.block_size}, layers {d.layers}, in-block mask per "
+                      f"layer: {', '.join(rule_label(r) for r in d.rules)}")
+        d.mask_variants = mask_variants(d, settings) if settings["check_mask"] else None
+    layer_union = sorted({L for d in drafters for L in d.layers})
     records = resume_records(settings, drafters) if settings["resume"] else {}
     TIMING.clear()
     partial = open_partial(settings, records)
@@ -1564,16 +1759,16 @@ def evaluate(settings):
     try:
         if settings["load_hidden"]:
             items, stream = open_hidden(settings["load_hidden"], settings, target_cfg, layer_union, set(records))
-            embed, head = read_embed_head(settings["target"], target_cfg, settings)
+            embed_w, head = read_embed_head(settings["target"], target_cfg, settings)
         else:
-            stream, embed, head = extract_from_target(items, settings, target_cfg, layer_union, set(records),
+            stream, embed_w, head = extract_from_target(items, settings, target_cfg, layer_union, set(records),
                                                       drafters[0])
             skipped = [{"id": it["id"], "reason": it["skip"]} for it in items if it.get("skip")]
         records = {i: r for i, r in records.items() if i < len(items)}  # resumed with a smaller --limit
         group_size = WALK_GROUP if settings["anchors"] == "walk" else 1
         with progress(settings, len(items) - len(records), "draft", 1) as bar:
             for group in groups(stream, group_size):
-                for record in evaluate_prompts(group, drafters, embed, head, settings):
+                for record in evaluate_prompts(group, drafters, embed_w, head, settings):
                     records[record["item"]["index"]] = record
                     if partial:
                         partial.write(json.dumps(record_json(record)) + "\n")
@@ -1624,31 +1819,32 @@ def groups(stream, size):
         yield group
 
 
-def evaluate_prompts(group, drafters, embed, head, settings):
+def evaluate_prompts(group, drafters, embed_w, head, settings):
     """Every drafter on a group of prompts [(item, features, target argmax)]: scores, walks, and the mask
     check when asked. One record per prompt."""
-    budgets, prompts = settings["ddtree_budgets"], []
+    prompts = []
     for it, features, argmax in group:
         check_finite(features, it["id"])
         it["agree"] = (sum(a == b for a, b in zip(argmax, it["completion_ids"])), len(argmax))
         prompts.append((features, it["prompt_ids"] + it["completion_ids"], len(it["prompt_ids"]), it["id"]))
     results = [[] for _ in group]
     for d in drafters:
+        budgets = [] if d.selector_top_k else settings["ddtree_budgets"]   # no tree verifier for DFlash 2's paths
         if settings["anchors"] == "walk":
-            per_prompt = score_walks_only(d, prompts, embed, head, budgets)
+            per_prompt = score_walks_only(d, prompts, embed_w, head, budgets)
         for i, (features, ids, n_prompt, prompt_id) in enumerate(prompts):
-            anchors = fitting_anchors(n_prompt, len(ids), d["block_size"]).to(settings["device"])
+            anchors = fitting_anchors(n_prompt, len(ids), d.block_size).to(settings["device"])
             if settings["anchors"] == "walk":
                 res = per_prompt[i]
             else:
                 with timed("drafter_s"):
                     ids_t = torch.tensor(ids, device=anchors.device)
-                    drafts, top = draft_all_anchors(d, prompt_context(d, features), anchors, ids_t[anchors], embed,
+                    drafts, top = draft_all_anchors(d, prompt_context(d, features), anchors, ids_t[anchors], embed_w,
                                                     head, max(budgets, default=0), prompt_id, after=ids_t[anchors + 1])
-                res = score_prompt(drafts, ids, n_prompt, d["block_size"], top, budgets)
-            if d["mask_variants"]:
+                res = score_prompt(drafts, ids, n_prompt, d.block_size, top, budgets)
+            if d.mask_variants:
                 with timed("mask_check_s"):
-                    res["mask_check"] = check_mask_prompt(d, d["mask_variants"], features, ids, anchors, embed,
+                    res["mask_check"] = check_mask_prompt(d, d.mask_variants, features, ids, anchors, embed_w,
                                                           head)
             results[i].append(res)
     records = []
@@ -1695,7 +1891,7 @@ def record_from_json(row, drafters):
         bits = torch.tensor(r["equal"], dtype=torch.long).view(-1, 1)
         results.append({"rounds": r["rounds"], "ddtree_rounds": {int(b): v for b, v in r["ddtree_rounds"].items()},
                         "matched": torch.tensor(r["matched"], dtype=torch.long),
-                        "equal": (bits >> torch.arange(d["block_size"] - 1)) & 1 == 1,
+                        "equal": (bits >> torch.arange(d.block_size - 1)) & 1 == 1,
                         **({"mask_check": r["mask_check"]} if r.get("mask_check") else {})})
     return {"item": {**row["item"], "agree": tuple(row["item"]["agree"])}, "results": results}
 
@@ -1802,7 +1998,7 @@ def extract_from_target(items, settings, target_cfg, layer_union, done=frozenset
             save_hidden(settings, target_cfg, layer_union, todo, saved)
 
     _, _, embed, head = target_parts(model)
-    return stream(), embed, head
+    return stream(), embed.weight, head
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2012,7 +2208,7 @@ EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.w
 
 
 def read_embed_head(path, target_cfg, settings):
-    """The target's embedding and lm_head read by name from its safetensors: the model is never built."""
+    """The target's embedding matrix and lm_head read by name from its safetensors: the model is never built."""
     from safetensors import safe_open
     files = target_tensor_files(path)
     dtype = getattr(torch, settings["dtype"])
@@ -2029,7 +2225,7 @@ def read_embed_head(path, target_cfg, settings):
         fail(f"no embed_tokens weight found in the safetensors of {path}")
     head_w = tensor("lm_head.weight")
     head_w = embed_w if head_w is None else head_w
-    return (lambda ids: F.embedding(ids, embed_w)), (lambda x: F.linear(x, head_w))
+    return embed_w, (lambda x: F.linear(x, head_w))
 
 
 def target_agreement(items):
@@ -2076,13 +2272,19 @@ def self_check(items, settings):
     return check
 
 
+DDTREE_NOTE_DFLASH2 = ("DFlash 2 drafts a chain: its selector couples each slot's choice to the previous one, and no "
+                       "public tree verifier exists for those paths, so no DDTree rows (a tree from the unary logits "
+                       "alone is not what any engine runs)")
+
+
 def drafter_report(d, results, items):
-    B = d["block_size"]
+    B = d.block_size
+    no_trees = {"ddtree": None, "ddtree_note": DDTREE_NOTE_DFLASH2} if d.selector_top_k else {}
     splits = {}
     for split in sorted({it["split"] for it in items}):
         chosen = [(res, it) for res, it in zip(results, items) if it["split"] == split]
         splits[split] = {**summarize([res for res, _ in chosen], B),
-                         "target_agreement": target_agreement([it for _, it in chosen])}
+                         "target_agreement": target_agreement([it for _, it in chosen]), **no_trees}
     prompts = [{"id": it["id"], "split": it["split"], "prompt_tokens": len(it["prompt_ids"]),
                 "completion_tokens": len(it["completion_ids"]), "reference_generated": it["source"] != "file",
                 "reference_source": it["source"], "first_divergence": it["first_divergence"],
@@ -2094,11 +2296,12 @@ def drafter_report(d, results, items):
                                                      f"than one block ({B} tokens: the anchor and {B - 1} drafts): "
                                                      "nothing to score"})}
                for it, res in zip(items, results)]
-    return {"name": d["name"], "checkpoint": d["checkpoint"], "block_size": B, "layers": d["layers"],
-            "mask_token_id": d["mask_token_id"], "block_mask": [rule_label(r) for r in d["rules"]],
-            **summarize(results, B), "target_agreement": target_agreement(items), "splits": splits,
-            **({"mask_check": mask_check_summary(d["mask_variants"], [r["mask_check"] for r in results if "mask_check" in r])}
-               if d.get("mask_variants") else {}), "prompts": prompts}
+    return {"name": d.name, "checkpoint": d.checkpoint, "generation": d.generation, "layout": d.layout,
+            "block_size": B, "layers": d.layers,
+            "mask_token_id": d.mask_token_id, "block_mask": [rule_label(r) for r in d.rules],
+            **summarize(results, B), **no_trees, "target_agreement": target_agreement(items), "splits": splits,
+            **({"mask_check": mask_check_summary(d.mask_variants, [r["mask_check"] for r in results if "mask_check" in r])}
+               if d.mask_variants else {}), "prompts": prompts}
 
 
 def main(argv=None):

@@ -23,6 +23,9 @@ target's own greedy output (given as completion_ids, so no generation is timed i
      on the same prompts, stopping where the tool's walk stops; its rounds must equal b's chain rounds.
   d. drafter-only re-evaluation from a --save-hidden file (--load-hidden).
   e. peak resident memory of b in a child process, against weights + features.
+  g. a DFlash 2 drafter of the same shape (conv taps K=2 over groups of 64 channels, selector rank 64 with
+     16 candidates): drafter time per anchor against DFlash's on the same features, and the shares of the
+     selector (top-k, projection and the B-1 path steps) and of the conv taps.
   Also: whole-process time of `eval_drafter.py --demo --limit 2 --quiet` split into imports and the rest;
   b with --anchors walk (one run); plain vs speculative reference generation (--reference-generation) on
   the benchmark pair and on the bundled demo pair; a cProfile of one b run and of the tool's
@@ -55,6 +58,7 @@ for _path in (ROOT, os.path.join(ROOT, "tests")):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+import drafters as dr  # noqa: E402
 import eval_drafter as ed  # noqa: E402
 import make_demo as md  # noqa: E402
 
@@ -406,6 +410,58 @@ def profile_b(paths, args, work, top=16):
 
 
 # ----------------------------------------------------------------------------------------------------
+# g. DFlash 2 against DFlash, drafter only
+
+DFLASH2_BENCH = {"conv_kernel_size": 2, "conv_group_size": 64, "selector_rank": 64, "selector_top_k": 16}
+
+
+def measure_dflash2(paths, args, work, dcfg):
+    """Per anchor: DFlash, DFlash 2, DFlash 2 without its selector, DFlash 2 without conv taps, all on the
+    longest prompt's features (best of --repeats after a warm-up)."""
+    from dataclasses import replace
+    path = os.path.join(work, "drafter2")
+    cfg = {**dcfg, "architectures": ["DFlash2DraftModel"], "dflash_config": {**dcfg["dflash_config"], **DFLASH2_BENCH}}
+    weights = dr.dflash2_weights(cfg, md.random_drafter_weights(dcfg, 3, seed=0, scale=0.05), DFLASH2_BENCH)
+    md.save_drafter(path, cfg, weights)
+    model, one = load_for_loop(paths, args)
+    settings = {**ed.resolve_settings(ed.parse_args(tool_argv(paths, args, os.devnull, "--prompts", paths["prompts"]))),
+                "quiet": True}
+    two = ed.load_drafter("dflash2=" + path, ed.read_target_config(paths["target"]), settings)
+    no_taps = replace(two, conv=(), weights={k: v for k, v in two.weights.items() if "_conv." not in k})
+    item = max(tool_prompts(paths["prompts"], paths["target"]), key=lambda it: len(it["prompt_ids"]))
+    ids = item["prompt_ids"] + item["completion_ids"]
+    features, _, _ = ed.extract_hidden(model, ids, one.layers, len(item["prompt_ids"]))
+    anchors = ed.fitting_anchors(len(item["prompt_ids"]), len(ids), one.block_size).to(args.device)
+    ids_t = torch.tensor(ids, device=args.device)
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    per_anchor = {}
+    for name, d in (("DFlash", one), ("DFlash 2", two), ("DFlash 2 without selector", replace(two, selector_top_k=0)),
+                    ("DFlash 2 without conv taps", no_taps)):
+        context = ed.prompt_context(d, features)
+        times = []
+        for i in range(args.repeats + 1):
+            sync(args.device)
+            start = time.perf_counter()
+            ed.draft_all_anchors(d, context, anchors, ids_t[anchors], embed, head)
+            sync(args.device)
+            if i:
+                times.append(time.perf_counter() - start)
+        per_anchor[name] = best(times) / len(anchors)
+    return {"per_anchor": per_anchor, "anchors": len(anchors)}
+
+
+def report_dflash2(g):
+    t = g["per_anchor"]
+    one, two = t["DFlash"], t["DFlash 2"]
+    say(f"g. DFlash 2 (conv taps {DFLASH2_BENCH['conv_kernel_size']}, groups of {DFLASH2_BENCH['conv_group_size']} "
+        f"channels, selector rank {DFLASH2_BENCH['selector_rank']} x {DFLASH2_BENCH['selector_top_k']} candidates) "
+        f"against DFlash of the same shape, drafter only, {g['anchors']} anchors: "
+        f"{two * 1e3:.3f} ms per anchor vs {one * 1e3:.3f} ms (x{two / one:.2f}); the selector's share of DFlash 2 "
+        f"{(two - t['DFlash 2 without selector']) / two:.1%}, the conv taps' "
+        f"{(two - t['DFlash 2 without conv taps']) / two:.1%}")
+
+
+# ----------------------------------------------------------------------------------------------------
 # c. the online greedy speculative loop, public style
 
 
@@ -429,7 +485,7 @@ def crop(cache, keep):
 def context_rows(drafter, feats, start):
     """The drafter's context K/V for target features at absolute positions start.. (what ed.drafter_context
     computes for a whole prompt from position 0): lets the loop add only the rows each round commits."""
-    w, cfg = drafter["weights"], drafter["cfg"]
+    w, cfg = drafter.weights, drafter.cfg
     eps, n_kv, hd = cfg.get("rms_norm_eps", 1e-6), cfg["num_key_value_heads"], ed.head_dim_of(cfg)
     ctx = ed.rms_norm(F.linear(feats, w["fc.weight"]), w["hidden_norm.weight"], eps)
     cos, sin = ed.rope_cos_sin(drafter, torch.arange(start, start + ctx.shape[0], device=ctx.device), ctx.dtype)
@@ -451,8 +507,8 @@ def speculative_loop(model, drafter, prompt_ids, n_completion):
     the context of every earlier position, verify it in one cached target pass, keep the accepted drafts
     and the target's bonus token, crop the cache. Stops where the tool's walk stops (the next block's
     drafts would pass the end of the reference), so it does the rounds b replays. Returns (tokens, rounds)."""
-    device, B, layers = model.device, drafter["block_size"], drafter["layers"]
-    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    device, B, layers = model.device, drafter.block_size, drafter.layers
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings()
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     cache = new_cache(model)
     n_p = len(prompt_ids)
@@ -461,7 +517,7 @@ def speculative_loop(model, drafter, prompt_ids, n_completion):
     ctx = context_rows(drafter, features(out.hidden_states, layers, slice(None)), 0)
     tokens = list(prompt_ids) + [int(out.logits[0, -1].argmax())]
     rounds, total = [], n_p + n_completion
-    mask_block = torch.full((1, B), drafter["mask_token_id"], device=device)
+    mask_block = torch.full((1, B), drafter.mask_token_id, device=device)
     while len(tokens) - 1 + B - 1 <= total - 1:
         anchor = len(tokens) - 1
         block = mask_block.clone()
@@ -490,10 +546,10 @@ def load_for_loop(paths, args):
 def check_context_rows(model, drafter, item):
     """context_rows in pieces must equal the tool's drafter_context over the whole prompt."""
     ids = item["prompt_ids"] + item["completion_ids"]
-    feats, _, _ = ed.extract_hidden(model, ids, drafter["layers"], len(item["prompt_ids"]))
-    whole = ed.drafter_context(drafter, torch.cat([feats[L] for L in drafter["layers"]], -1))
+    feats, _, _ = ed.extract_hidden(model, ids, drafter.layers, len(item["prompt_ids"]))
+    whole = ed.drafter_context(drafter, torch.cat([feats[L] for L in drafter.layers], -1))
     cut = len(ids) // 3
-    f = torch.cat([feats[L] for L in drafter["layers"]], -1)
+    f = torch.cat([feats[L] for L in drafter.layers], -1)
     parts = [context_rows(drafter, f[:cut], 0), context_rows(drafter, f[cut:], cut)]
     tol = 1e-3 if whole[0][0].dtype == torch.float32 else 3e-2
     for (k, v), (k0, v0), (k1, v1) in zip(whole, *parts):
@@ -968,6 +1024,9 @@ def main(argv=None):
         with watch("e"):
             f["e"] = measure_e(paths, args, work)
         report_e(f["e"], mem)
+        with watch("g"):
+            f["g"] = measure_dflash2(paths, args, work, dcfg)
+        report_dflash2(f["g"])
         with watch("process"):
             f["proc"] = demo_process(args, work)
         report_process(f["proc"])

@@ -94,12 +94,17 @@ def tiny_target(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("target"))
     vocab = md.save_tokenizer(path)
     cfg = md.target_config(vocab)
+    return {"path": path, "cfg": cfg, "vocab": vocab, "model": save_random_target(path, Qwen3ForCausalLM, cfg, 0.2)}
+
+
+def save_random_target(path, cls, cfg, std):
+    """A random target of class `cls` (seed 0, matrices drawn with `std`, EOS id 1) saved under `path`."""
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(cfg).eval()
-    scale_weights(model, 0.2)
+    model = cls(cfg).eval()
+    scale_weights(model, std)
     model.generation_config.eos_token_id = 1
     model.save_pretrained(path)
-    return {"path": path, "cfg": cfg, "vocab": vocab, "model": model}
+    return model
 
 
 @pytest.fixture(scope="session")
@@ -136,28 +141,30 @@ def qwen_target(tmp_path_factory):
 def online_draft_logits(target, drafter, seq):
     """The drafter's logits (B-1, vocab) for the block anchored at the last token of `seq`, computed the
     online way: a fresh target pass over the committed tokens only, features strictly before the anchor."""
-    B, anchor = drafter["block_size"], len(seq) - 1
+    B, anchor = drafter.block_size, len(seq) - 1
     hidden = target(torch.tensor([seq]), output_hidden_states=True).hidden_states
-    feats = torch.cat([hidden[L + 1][0, :anchor] for L in drafter["layers"]], dim=-1)
-    block = torch.full((1, B), drafter["mask_token_id"])
+    feats = torch.cat([hidden[L + 1][0, :anchor] for L in drafter.layers], dim=-1)
+    block = torch.full((1, B), drafter.mask_token_id)
     block[0, 0] = seq[anchor]
     out = ed.drafter_forward(drafter, ed.drafter_context(drafter, feats), torch.tensor([anchor]), block,
-                             target.get_input_embeddings())
+                             target.get_input_embeddings().weight)
     return target.get_output_embeddings()(out[0, 1:])
 
 
 @torch.inference_mode()
-def online_rounds(target, drafter, prompt_ids, n_new):
+def online_rounds(target, drafter, prompt_ids, n_new, drafts_seen=None):
     """Greedy speculative decoding until the next block would pass n_new completion tokens. Every target pass
     runs over the whole committed sequence from scratch (no cache: a hybrid's linear-attention state could
-    not be rolled back past rejected drafts anyway)."""
-    B = drafter["block_size"]
+    not be rolled back past rejected drafts anyway). `drafts_seen`, a dict, gets {anchor: drafts} per round."""
+    B = drafter.block_size
     seq = list(prompt_ids)
     seq.append(int(target(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))  # the target's prefill
     rounds = []
     while (len(seq) - len(prompt_ids)) + B - 1 <= n_new:
         anchor = len(seq) - 1
         drafts = online_draft_logits(target, drafter, seq).argmax(-1).tolist()
+        if drafts_seen is not None:
+            drafts_seen[anchor] = drafts
         verify = target(torch.tensor([seq + drafts]), use_cache=False).logits[0, anchor:anchor + B].argmax(-1).tolist()
         accepted = 0
         while accepted < B - 1 and drafts[accepted] == verify[accepted]:
@@ -165,3 +172,28 @@ def online_rounds(target, drafter, prompt_ids, n_new):
         seq += drafts[:accepted] + [verify[accepted]]
         rounds.append(accepted + 1)
     return rounds, seq
+
+
+def save_other_target(path, kind):
+    """A tiny random Llama or gpt-oss target (MoE, attention sinks, alternating sliding / full layers) over the
+    64-token word vocab, saved with its tokenizer: targets beyond Qwen, built from configs."""
+    from transformers import GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM
+    vocab = md.save_tokenizer(path)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+                  eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    if kind == "llama":
+        cfg, cls = LlamaConfig(**common), LlamaForCausalLM
+    else:
+        cfg, cls = GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                layer_types=["sliding_attention", "full_attention"] * 2, rope_scaling=None), GptOssForCausalLM
+    return {"path": path, "cfg": cfg, "model": save_random_target(path, cls, cfg, 0.3), "kind": kind}
+
+
+@pytest.fixture(scope="session", params=["llama", "gpt_oss"])
+def other_target(request, tmp_path_factory):
+    """A non-Qwen target and a random drafter for it (block 4, feature layers 0, 2, 3)."""
+    target = save_other_target(str(tmp_path_factory.mktemp(request.param)), request.param)
+    drafter = make_drafter(tmp_path_factory.mktemp(request.param + "_drafter") / "ckpt", target["cfg"],
+                           layer_ids=(0, 2, 3), block_size=4, seed=1, num_target_layers=4)
+    return {**target, "drafter": drafter}

@@ -166,8 +166,9 @@ def train_drafter(out_dir, target, lang, steps=1500, anchors_per_step=48, n_sequ
     layer_ids = cfg["dflash_config"]["target_layer_ids"]
     weights = {k: v.requires_grad_() for k, v in random_drafter_weights(cfg, len(layer_ids)).items()}
     settings = {"sliding_window": "train", "block_mask": "auto"}
-    drafter = {"cfg": cfg, "weights": weights, "rules": ed.layer_rules(cfg, settings),
-               "rope": ed.build_rope(cfg, "cpu"), "block_size": cfg["block_size"], "mask_token_id": MASK_ID}
+    drafter = ed.Drafter(name="training", checkpoint=out_dir, cfg=cfg, weights=weights, layers=layer_ids,
+                         block_size=cfg["block_size"], mask_token_id=MASK_ID, rules=ed.layer_rules(cfg, settings),
+                         rope=ed.build_rope(cfg, "cpu"), logit_rows=ed.LOGIT_ROWS_PER_CHUNK)
     B = cfg["block_size"]
     rng = random.Random(1)
     # Training data: the target's own greedy continuations of short noisy prompts (as DFlash is trained).
@@ -191,7 +192,7 @@ def train_drafter(out_dir, target, lang, steps=1500, anchors_per_step=48, n_sequ
         ids_t = torch.tensor(ids)
         block = torch.full((len(anchors), B), MASK_ID)
         block[:, 0] = ids_t[anchors]
-        hidden = ed.drafter_forward(drafter, ed.drafter_context(drafter, feats), anchors, block, embed)
+        hidden = ed.drafter_forward(drafter, ed.drafter_context(drafter, feats), anchors, block, embed.weight)
         logits = head(hidden[:, 1:])
         labels = ids_t[anchors[:, None] + torch.arange(1, B)]
         loss = (torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none").mean(0)

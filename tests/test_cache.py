@@ -175,7 +175,7 @@ def test_load_feeds_drafters_identical_tensors(tiny, monkeypatch):
     real_context, real_draft, calls = ed.prompt_context, ed.draft_all_anchors, []
 
     def context_spy(drafter, features):
-        calls.append([drafter["name"], {L: features[L].clone() for L in drafter["layers"]}])
+        calls.append([drafter.name, {L: features[L].clone() for L in drafter.layers}])
         return real_context(drafter, features)
 
     def spy(drafter, context_kv, anchors, first, embed, head, *args, **kwargs):
@@ -197,7 +197,7 @@ def test_load_feeds_drafters_identical_tensors(tiny, monkeypatch):
         for L in d[1]:
             assert torch.equal(d[1][L], l[1][L]), (d[0], L)
         with torch.no_grad():
-            assert torch.equal(d[4](probe_ids), l[4](probe_ids))
+            assert torch.equal(d[4][probe_ids], l[4][probe_ids])   # the embedding matrix
             assert torch.equal(d[5](probe_x), l[5](probe_x))
 
 

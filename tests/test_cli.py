@@ -252,7 +252,7 @@ def test_max_memory_gb_sets_chunks_not_results(tmp_path, tiny_target, drafter_a,
     monkeypatch.setattr(ed, "load_drafter", lambda *a: loaded.append(load(*a)) or loaded[-1])
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         rc = ed.main(e2e_argv(tmp_path, tiny_target, drafter_a, drafter_b, "--limit", "2", "--max-memory-gb", "1e-9"))
-    assert rc == 0 and [d["logit_rows"] for d in loaded] == [16, 16]
+    assert rc == 0 and [d.logit_rows for d in loaded] == [16, 16]
     with open(tmp_path / "out.json", encoding="utf-8") as f:
         report = json.load(f)
     assert report["config"]["max_memory_gb"] == 1e-9

@@ -216,7 +216,7 @@ def demo_run(tmp_path_factory):
 
 @torch.inference_mode()
 def online_ddtree_rounds(target, drafter, prompt_ids, n_new, budget):
-    B = drafter["block_size"]
+    B = drafter.block_size
     seq = list(prompt_ids)
     seq.append(int(target(torch.tensor([seq])).logits[0, -1].argmax()))  # first token: the target's prefill
     rounds = []
@@ -363,11 +363,11 @@ def test_top_k_skipped_only_where_no_tree_can_hold_the_reference(tiny_target, dr
     drafter = ed.load_drafter(drafter_a, target.config, drafter_settings())
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(4, 64, (60,), generator=g).tolist()
-    n_prompt, k, B = 8, 4, drafter["block_size"]
-    features, _, _ = ed.extract_hidden(target, ids, drafter["layers"], n_prompt)
+    n_prompt, k, B = 8, 4, drafter.block_size
+    features, _, _ = ed.extract_hidden(target, ids, drafter.layers, n_prompt)
     anchors = ed.fitting_anchors(n_prompt, len(ids), B)
     ids_t = torch.tensor(ids)
-    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    embed, head = target.get_input_embeddings().weight, target.get_output_embeddings()
     context = ed.prompt_context(drafter, features)
     full = ed.draft_all_anchors(drafter, context, anchors, ids_t[anchors], embed, head, k)
     short = ed.draft_all_anchors(drafter, context, anchors, ids_t[anchors], embed, head, k, after=ids_t[anchors + 1])

@@ -68,6 +68,8 @@ def visible(rule, anchor, slot, key_pos):
         ok = mode == "bidirectional" or key_pos - anchor <= slot
     if window is not None and key_pos < q_pos - (window - 1):
         ok = False
+    if window is not None and mode == "bidirectional" and key_pos > q_pos + (window - 1):
+        ok = False                                  # a bidirectional window reaches both ways (public is_causal: false)
     return ok
 
 
@@ -141,13 +143,13 @@ def test_batched_forward_matches_naive_per_block(tmp_path, tiny_target, case_id,
     cfg_over = {"rope_theta": 50000.0, **cfg_over}   # not the 10000 default: a dropped theta would show
     path = make_drafter(tmp_path / "d", tiny_target["cfg"], seed=3, **cfg_over)
     drafter = ed.load_drafter(path, tiny_target["cfg"], drafter_settings(**set_over))
-    cfg, B = drafter["cfg"], drafter["block_size"]
-    assert drafter["rules"] == rules
+    cfg, B = drafter.cfg, drafter.block_size
+    assert drafter.rules == rules
 
     g = torch.Generator().manual_seed(5)
     feats = torch.randn(T_FEATS, 3 * 64, generator=g)
-    embed = torch.nn.Embedding(64, 64)
-    torch.nn.init.normal_(embed.weight, std=1.0, generator=g)
+    embed = torch.nn.Embedding(64, 64).weight.detach()
+    torch.nn.init.normal_(embed, std=1.0, generator=g)
     ids = torch.randint(4, 64, (T_FEATS,), generator=g)
     anchors = torch.tensor([1, 2, 7, 12, 13, 20, 26])       # non-contiguous; last block ends at 33
     block = torch.full((len(anchors), B), MASK)
@@ -163,7 +165,7 @@ def test_batched_forward_matches_naive_per_block(tmp_path, tiny_target, case_id,
         def cos_sin(pos):
             return ref_default_rope(pos, cfg["head_dim"], cfg_over["rope_theta"])
     for n, a in enumerate(anchors.tolist()):
-        ref = naive_block_forward(cfg, drafter["weights"], rules, feats, a, block[n].tolist(), embed.weight.detach(),
+        ref = naive_block_forward(cfg, drafter.weights, rules, feats, a, block[n].tolist(), embed,
                                   cos_sin)
         rel = ((got[n].double() - ref).abs().max() / ref.abs().max()).item()
         assert rel <= 1e-5, f"anchor {a}: relative error {rel:.2e}"
@@ -173,7 +175,7 @@ def test_mask_rules_change_the_output(tmp_path, tiny_target):
     """Guard for the test above: the cases must differ, or a wrong mask could pass unnoticed."""
     path = make_drafter(tmp_path / "d", tiny_target["cfg"], seed=3, layer_types=SLIDE, sliding_window=5)
     feats = torch.randn(T_FEATS, 3 * 64, generator=torch.Generator().manual_seed(5))
-    embed = torch.nn.Embedding(64, 64)
+    embed = torch.nn.Embedding(64, 64).weight.detach()
     anchors = torch.tensor([12, 20, 26])
     block = torch.full((3, 8), MASK)
     outs = []
@@ -258,7 +260,7 @@ def test_forward_over_several_prompts_equals_one_at_a_time(tmp_path, tiny_target
     drafter = ed.load_drafter(make_drafter(tmp_path / "d", tiny_target["cfg"], seed=4, **over), tiny_target["cfg"],
                               drafter_settings())
     g = torch.Generator().manual_seed(6)
-    embed = torch.nn.Embedding(64, 64)
+    embed = torch.nn.Embedding(64, 64).weight.detach()
     lengths, anchors = [20, 9, 34], [[3, 12, 13], [8], [1, 20, 33]]
     feats = [torch.randn(n, 3 * 64, generator=g) for n in lengths]
     ids = [torch.randint(4, 64, (n + 8,), generator=g) for n in lengths]
