@@ -155,6 +155,19 @@ def parse_args(argv):
                    help="append every fetched reference (prompt line + completion_ids) to this file; "
                         "it works as --prompts later, with no server")
 
+    g = p.add_argument_group("sampled decoding (default: greedy)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="the target's sampling temperature (default 0: greedy, exact rounds); > 0: exact expected "
+                        "acceptance given references sampled at these settings")
+    g.add_argument("--top-p", type=float, default=1.0, help="top-p of the sampling (default 1: off)")
+    g.add_argument("--top-k", type=int, default=0, help="top-k of the sampling (default 0: off)")
+    g.add_argument("--draft-policy", default="argmax", choices=["argmax", "sample"],
+                   help="how the drafts are proposed at temperature > 0: argmax (vLLM, SGLang, TensorRT-LLM) or "
+                        "sample (the public transformers loop: drafts sampled from the drafter)")
+    g.add_argument("--samples-per-prompt", type=int, default=1,
+                   help="sampled references per prompt (temperature > 0; default 1)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the sampled references (default 0)")
+
     g = p.add_argument_group("hidden-state cache (extract once, evaluate anywhere)")
     g.add_argument("--save-hidden", metavar="FILE.safetensors",
                    help="also save the extracted hidden states, token ids and target argmax to this file")
@@ -228,6 +241,7 @@ def resolve_settings(args):
         fail("--server-concurrency must be >= 1, --server-retries >= 0 and --server-timeout > 0")
     if args.max_memory_gb <= 0:
         fail(f"--max-memory-gb must be above 0, got {args.max_memory_gb}")
+    check_sampling(args)
     if args.resume and not args.output:
         fail("--resume needs --output: the partial results live in <output>.partial.jsonl")
     if args.resume and args.save_hidden:
@@ -261,6 +275,19 @@ def resolve_settings(args):
             "walk_rule": "first anchor = first completion token; next anchor = anchor + acceptance; "
                          "stop when the next block's drafts would pass the end of the reference",
             "torch_version": torch.__version__, "transformers_version": transformers_version}
+
+
+def check_sampling(args):
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or args.samples_per_prompt < 1:
+        fail("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0 and --samples-per-prompt >= 1")
+    if args.temperature == 0 and (args.samples_per_prompt > 1 or args.draft_policy != "argmax"):
+        fail("--samples-per-prompt and --draft-policy sample need --temperature > 0: greedy decoding has one text "
+             "per prompt and argmax drafts")
+    if args.temperature == 0 and (args.top_p < 1 or args.top_k):
+        fail("--top-p and --top-k shape sampling; at --temperature 0 (greedy) they do nothing: give a temperature")
+    if args.draft_policy == "sample" and args.anchors == "walk":
+        fail("--anchors walk follows one walk; with --draft-policy sample every anchor can start a round: "
+             "use --anchors all")
 
 
 def version_tuple(text):
@@ -303,10 +330,11 @@ def read_prompts(path, limit=None):
             if not isinstance(row, dict):
                 fail(f"{path} line {lineno}: expected a JSON object, got {type(row).__name__}")
             item = parse_prompt_row(row, path, lineno)
-            if item["id"] in lines_of:
-                fail(f"{path} line {lineno}: id {item['id']!r} was already used on line {lines_of[item['id']]}; "
+            key = (item["id"], row.get("sample"))   # saved sampled references: one line per (id, sample)
+            if key in lines_of:
+                fail(f"{path} line {lineno}: id {item['id']!r} was already used on line {lines_of[key]}; "
                      "ids must be unique")
-            lines_of[item["id"]] = lineno
+            lines_of[key] = lineno
             items.append({**item, "index": len(items)})
             if limit and len(items) >= limit:
                 break
@@ -343,6 +371,24 @@ def parse_prompt_row(row, path, lineno):
     if ids is not None and not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
         fail(f"{where}: \"completion_ids\" must be a list of integer token ids")
     return item
+
+
+def with_samples(items, settings):
+    """At temperature > 0 a prompt without a reference stands for --samples-per-prompt sampled ones: one item
+    per (prompt, sample k), numbered in that order; a given reference is one sample."""
+    if not sampling_of(settings):
+        return items
+    out, recorded = [], sampling_record(settings)
+    for it in items:
+        given = it["completion"] is not None or it["completion_ids"] is not None
+        if given and it["row"].get("sampling") not in (None, recorded):
+            log(settings, f"note: prompt {it['id']}'s reference records other sampling settings ({it['row']['sampling']})"
+                          f" than this run's ({recorded})")
+        for k in range(1 if given else settings["samples_per_prompt"]):
+            out.append({**it, "sample": it["row"].get("sample", k) if given else k, "index": len(out)})
+    if settings["samples_per_prompt"] > 1 and len(out) == len(items):
+        log(settings, "note: every prompt carries its reference: one sample each")
+    return out
 
 
 def chat_turn(turn, where):
@@ -500,28 +546,37 @@ def roll_back(cache, n):
 SERVER_BATCH = 8  # prompts per request
 
 
-SAVED_REFERENCE_KEYS = ("completion_ids", "reference_source", "server", "server_api", "finish_reason")
+SAVED_REFERENCE_KEYS = ("completion_ids", "reference_source", "server", "server_api", "finish_reason", "sample",
+                        "sampling")
+
+
+def sampling_record(settings):
+    """What a saved sampled reference records of its settings (None when greedy)."""
+    sampling = sampling_of(settings)
+    return None if not sampling else dict(zip(("temperature", "top_p", "top_k"), sampling), seed=settings["seed"])
 
 
 def fetch_references(items, settings):
-    """Greedy references for `items` from --server, saved line by line to --save-references as they come.
-    Prompts already in that file (same line, same id) are taken from it, not fetched again."""
+    """References for `items` from --server (greedy, or sampled at the run's settings), saved line by line
+    to --save-references as they come. Prompts already in that file (same line, id, sample and sampling
+    settings) are taken from it, not fetched again."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
     path = settings["save_references"]
     saved = {}
     if path and os.path.isfile(path):
-        saved = {row.get("id"): row for row in map(json.loads, open(path, encoding="utf-8").read().splitlines()) if row}
+        saved = {(row.get("id"), row.get("sample")): row
+                 for row in map(json.loads, open(path, encoding="utf-8").read().splitlines()) if row}
     todo = []
     for it in items:
-        row = saved.get(it["id"])
+        row = saved.get((it["id"], it.get("sample")))
         if row and {k: v for k, v in row.items() if k not in SAVED_REFERENCE_KEYS} == \
-                {**it["row"], "id": it["id"], "split": it["split"]}:
+                {**it["row"], "id": it["id"], "split": it["split"]} and row.get("sampling") == sampling_record(settings):
             it.update(completion_ids=row["completion_ids"], source="server", finish_reason=row.get("finish_reason"))
         else:
             todo.append(it)
     by_room = {}
-    for it in todo:  # one max_new_tokens per request: batch prompts that have the same room
-        by_room.setdefault(it["room"], []).append(it)
+    for it in todo:  # one max_new_tokens (and one sample index: one seed) per request
+        by_room.setdefault((it["room"], it.get("sample")), []).append(it)
     batches = [group[i:i + SERVER_BATCH] for group in by_room.values() for i in range(0, len(group), SERVER_BATCH)]
     error = None
     with ThreadPoolExecutor(settings["server_concurrency"]) as pool, progress(settings, len(todo), "server") as bar, \
@@ -535,9 +590,11 @@ def fetch_references(items, settings):
                 continue
             for it, (ids, finish) in zip(futures[future], replies):
                 it.update(completion_ids=ids, source="server", finish_reason=finish)
+                sampled = {"sample": it["sample"], "sampling": sampling_record(settings)} \
+                    if it.get("sample") is not None else {}
                 save.write(json.dumps({**it["row"], "id": it["id"], "split": it["split"], "completion_ids": ids,
                                        "reference_source": "server", "server": settings["server"],
-                                       "server_api": settings["server_api"], "finish_reason": finish}) + "\n")
+                                       "server_api": settings["server_api"], "finish_reason": finish, **sampled}) + "\n")
                 save.flush()
             bar.update(len(futures[future]))
     if error:
@@ -548,17 +605,24 @@ def server_batch(batch, settings):
     """One request for a batch of prompts: [(completion ids, finish reason)] in the batch's order."""
     api, url = settings["server_api"], settings["server"].rstrip("/")
     room = min(it["room"] for it in batch)
+    # Every knob explicit: engines fill in the model's generation_config defaults otherwise.
     neutral = {"temperature": 0, "repetition_penalty": 1.0, "frequency_penalty": 0, "presence_penalty": 0}
+    sampling = sampling_of(settings)
+    if sampling:
+        neutral.update(temperature=sampling[0], top_p=sampling[1], top_k=sampling[2] or -1, min_p=0.0)
     what = "prompt " + ", ".join(it["id"] for it in batch[:3]) + (" ..." if len(batch) > 3 else "")
     longest = max(batch, key=lambda it: len(it["prompt_ids"]))
     if api == "sglang":
+        params = {**neutral, "max_new_tokens": room, "ignore_eos": settings["ignore_eos"]}
         body = {"input_ids": [it["prompt_ids"] for it in batch],
-                "sampling_params": {**neutral, "max_new_tokens": room, "ignore_eos": settings["ignore_eos"]}}
+                "sampling_params": [{**params, "sampling_seed": sample_seed(settings, it["id"], it["sample"]) % 2**31}
+                                    for it in batch] if sampling else params}
         reply = post_json(url + "/generate", body, settings, longest, what)
         entries = reply if isinstance(reply, list) else [reply]
     else:
         body = {"model": settings["server_model"], "prompt": [it["prompt_ids"] for it in batch], "max_tokens": room,
-                "ignore_eos": settings["ignore_eos"], "skip_special_tokens": False, **neutral}
+                "ignore_eos": settings["ignore_eos"], "skip_special_tokens": False, **neutral,
+                **({"seed": sample_seed(settings, "request", batch[0]["sample"]) % 2**31} if sampling else {})}
         if settings.get("server_ids") == "logprobs":
             body.update(logprobs=0, return_tokens_as_token_ids=True)
         else:
@@ -689,31 +753,182 @@ def check_finite(features, prompt_id):
 
 
 @torch.inference_mode()
-def extract_hidden(model, ids, layer_ids, n_prompt):
-    """One teacher-forced pass: features of `layer_ids`, the target's argmax per completion token, and where
-    the argmax is not the reference's token, how far the reference's logit lies below the top one
-    ({completion position: logit gap}; a gap near 0 is a near-tie that numerics can flip)."""
-    head = model.get_output_embeddings()
+def extract_hidden(model, ids, layer_ids, n_prompt, sampling=None):
+    """One teacher-forced pass: features of `layer_ids`, the target's argmax per completion token, where the
+    argmax is not the reference's token how far the reference's logit lies below the top one ({completion
+    position: logit gap}; a gap near 0 is a near-tie that numerics can flip), and with `sampling` the
+    probability of each reference token under the target's sampling distribution (float64)."""
+    head = model_logits(model) if sampling else model.get_output_embeddings()
     features, last, _ = target_pass(model, ids, layer_ids)
     last = last[n_prompt - 1:len(ids) - 1]
     reference = torch.tensor(ids[n_prompt:], device=last.device)
-    argmax, gaps = [], {}
+    argmax, gaps, p = [], {}, []
     for lo in range(0, last.shape[0], LOGIT_ROWS_PER_CHUNK):
         logits = head(last[lo:lo + LOGIT_ROWS_PER_CHUNK]).float()
         best, ref = logits.max(-1), reference[lo:lo + logits.shape[0]]
         for k in (best.indices != ref).nonzero()[:, 0].tolist():
             gaps[lo + k] = float(best.values[k] - logits[k, ref[k]])
         argmax += best.indices.tolist()
-    return features, argmax, gaps
+        if sampling:
+            p.append(sampled_prob(logits, ref, sampling).cpu())
+    return Extraction(features, argmax, gaps, torch.cat(p) if p else None)
+
+
+@dataclass
+class Extraction:
+    """What one teacher-forced target pass gives the drafters' evaluation."""
+    features: dict          # {layer id: (T, H)}
+    argmax: list            # the target's argmax after each completion prefix
+    gaps: dict              # {completion position: logit gap} where the argmax is not the reference's token
+    p: torch.Tensor = None  # sampled decoding: each reference token's probability under the target's sampling
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sampled decoding, target side: the processed distribution, sampled references
+
+
+def describe_sampling(sampling):
+    return "greedy decoding" if not sampling else "temperature {}, top-p {}, top-k {}".format(*sampling)
+
+
+def sampling_of(settings):
+    """The sampling settings (temperature, top_p, top_k), or None for greedy decoding."""
+    return (settings["temperature"], settings["top_p"], settings["top_k"]) if settings["temperature"] > 0 else None
+
+
+def sampling_probs(logits, sampling):
+    """The distribution the public loop and the engines sample from: logits / temperature, then top-k, then
+    top-p (the most likely tokens until their mass reaches top_p), renormalized. (rows, V) float32."""
+    temperature, top_p, top_k = sampling
+    z = logits.float() / temperature
+    if 0 < top_k < z.shape[-1]:
+        kth = z.topk(top_k, dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, -math.inf)
+    probs = z.softmax(-1)
+    if top_p < 1.0:
+        ordered, order = probs.sort(dim=-1, descending=True)
+        ordered = ordered * (ordered.cumsum(-1) - ordered < top_p)
+        probs = torch.zeros_like(probs).scatter(-1, order, ordered)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+TOP_P_PREFIX = 64   # top-p reads the sorted mass of this many top tokens; a full sort only when it falls short
+
+
+def sampled_prob(logits, tokens, sampling):
+    """Per row, the probability of `tokens` (rows,) under sampling_probs, without building the whole
+    distribution: top-p needs only each row's leading sorted mass. float64 (rows,); 0 outside the support."""
+    temperature, top_p, top_k = sampling
+    z = logits.float() / temperature
+    if 0 < top_k < z.shape[-1]:
+        values, ids = z.topk(top_k, dim=-1)       # sorted high to low, the order the top-p cut reads
+        return nucleus(values.softmax(-1), ids, tokens, top_p).double()
+    probs = z.softmax(-1)
+    if top_p >= 1.0:
+        return probs.gather(1, tokens[:, None])[:, 0].double()
+    lead, ids = probs.topk(min(TOP_P_PREFIX, probs.shape[-1]), dim=-1)
+    p = nucleus(lead, ids, tokens, top_p)
+    short = (lead.sum(-1) < top_p).nonzero()[:, 0]   # their cut lies past the prefix: sort the whole row
+    if short.numel():
+        ordered, order = probs[short].sort(dim=-1, descending=True)
+        p[short] = nucleus(ordered, order, tokens[short], top_p)
+    return p.double()
+
+
+def nucleus(ordered, ids, tokens, top_p):
+    """Rows of probabilities sorted high to low (`ids` their tokens; a prefix does when its mass reaches
+    top_p): each token's probability after the top-p cut, over the mass kept; 0 when cut or absent."""
+    keep = ordered.cumsum(-1) - ordered < top_p
+    hit = (ids == tokens[:, None]) & keep
+    return torch.where(hit.any(-1), (ordered * hit).sum(-1) / (ordered * keep).sum(-1), 0.0)
+
+
+def model_logits(model):
+    """The target's logits as its own forward returns them, from final hidden states: the head, then any
+    logit scale or final softcap its config applies (sampling reads the values, not only the argmax).
+    Checked once against the model's forward on a few tokens; a transform this tool does not know is refused."""
+    if getattr(model, "_eval_drafter_logits", None):
+        return model._eval_drafter_logits
+    cfg, head = model.config.get_text_config(), model.get_output_embeddings()
+    scale, divide = getattr(cfg, "logit_scale", None), getattr(cfg, "logits_scaling", None)
+    softcap = getattr(cfg, "final_logit_softcapping", None)
+
+    def logits(rows):
+        z = head(rows)
+        if scale:
+            z = z * scale
+        if divide:
+            z = z / divide
+        if softcap:
+            z = torch.tanh(z / softcap) * softcap
+        return z
+
+    probe = torch.arange(4, 12, device=model.device)[None] % cfg.vocab_size
+    with torch.inference_mode():
+        want = model(input_ids=probe).logits[0].float()
+        got = logits(model.get_decoder()(input_ids=probe).last_hidden_state[0]).float()
+    if not torch.allclose(got, want, rtol=1e-3, atol=1e-3 * float(want.abs().max())):
+        fail("the target's forward transforms its logits in a way this tool does not reproduce (not the head alone, "
+             "nor with logit_scale, logits_scaling or final_logit_softcapping): sampled decoding needs its exact "
+             "distribution; evaluate it at --temperature 0")
+    model._eval_drafter_logits = logits
+    return logits
+
+
+def sample_seed(settings, prompt_id, sample):
+    """A seed per (run seed, prompt, sample): each sampled reference is reproducible on its own, whatever
+    the order or the subset of prompts that is run."""
+    import hashlib
+    return int.from_bytes(hashlib.sha256(f"{settings['seed']}:{prompt_id}:{sample}".encode()).digest()[:7], "big")
 
 
 @torch.inference_mode()
-def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, prompt_id=None):
-    """Greedy decoding sped up by a drafter: draft a block, verify it in one cached target pass, keep the
-    accepted drafts and the target's own next token, roll the KV cache back. The target picks every token,
-    so the output is plain greedy's (the tests check it); it needs a cache that can roll back."""
+def sample_generate(model, prompt_ids, max_new_tokens, stop_ids, sampling, generator):
+    """Plain sampled decoding with the KV cache: one sample of the target at the run's settings."""
+    device = model.device
+    out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True, logits_to_keep=1)
+    tokens = []
+    while True:
+        token = int(torch.multinomial(sampling_probs(out.logits[0, -1:], sampling), 1, generator=generator))
+        tokens.append(token)
+        if len(tokens) >= max_new_tokens or token in stop_ids:
+            return tokens
+        out = model(input_ids=torch.tensor([[token]], device=device), use_cache=True,
+                    **cache_kwarg(model, returned_cache(out)))
+
+
+def verify(block, logits, sampling, generator):
+    """The target's verdict on a drafted block [anchor, d1, ...]: how many drafts it accepts and its own next
+    token. Greedy: drafts equal to its argmax, then the argmax. Sampled, argmax proposals (q one-hot, so
+    draft j is accepted with probability p(d_j)): at the first rejection a token from p without d_j,
+    renormalized; after all, a token from p. Lossless either way (the tests check the greedy case token for
+    token, the sampled case in distribution)."""
+    if sampling is None:
+        greedy = logits.argmax(-1).tolist()   # greedy[j]: the target's token after block[:j + 1]
+        accepted = 0
+        while accepted < len(block) - 1 and block[accepted + 1] == greedy[accepted]:
+            accepted += 1
+        return accepted, greedy[accepted]
+    probs = sampling_probs(logits, sampling)
+    for j in range(len(block) - 1):
+        if float(torch.rand(1, generator=generator, device=probs.device)) >= float(probs[j, block[j + 1]]):
+            residual = probs[j].clone()
+            residual[block[j + 1]] = 0.0
+            return j, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    return len(block) - 1, int(torch.multinomial(probs[-1], 1, generator=generator))
+
+
+@torch.inference_mode()
+def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, prompt_id=None, sampling=None,
+                         generator=None):
+    """Decoding sped up by a drafter: draft a block, verify it in one cached target pass, keep the accepted
+    drafts and the target's own next token, roll the KV cache back. The target decides every token, so the
+    output is plain decoding's: greedy token for token, sampled in distribution; it needs a cache that can
+    roll back."""
     from transformers import DynamicCache
     _, _, embed, head = target_parts(model)
+    logits_of = model_logits(model) if sampling else head   # the drafter reads the head alone
     layers, B = drafter.layers, drafter.block_size
     cache = DynamicCache()
     features, last, cache = target_pass(model, prompt_ids, layers, cache)
@@ -721,7 +936,9 @@ def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, p
     # The drafter's context K/V grow with the accepted tokens only: re-projecting the whole context every
     # round would make a generation quadratic in its length.
     context_kv = prompt_context(drafter, features)
-    tokens = [int(head(last[-1:]).argmax(-1))]
+    first = logits_of(last[-1:])
+    tokens = [int(first.argmax(-1)) if sampling is None else
+              int(torch.multinomial(sampling_probs(first, sampling), 1, generator=generator))]
     while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
         ids = prompt_ids + tokens
         anchor = len(ids) - 1   # its hidden state is not context: the cache holds positions < anchor
@@ -731,15 +948,12 @@ def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, p
         block = [ids[anchor]] + drafts[0].tolist()
         new_feats, last, cache = target_pass(model, block, layers, cache)
         check_finite(new_feats, prompt_id)
-        greedy = head(last).argmax(-1).tolist()   # greedy[j]: the target's token after block[:j + 1]
-        accepted = 0
-        while accepted < B - 1 and block[accepted + 1] == greedy[accepted]:
-            accepted += 1
+        accepted, bonus = verify(block, logits_of(last), sampling, generator)
         roll_back(cache, B - 1 - accepted)        # keep the anchor and the accepted drafts
         new_kv = drafter_context(drafter, torch.cat([new_feats[L][:accepted + 1] for L in layers], dim=-1), anchor)
         context_kv = [(torch.cat([k, k_new], 1), torch.cat([v, v_new], 1))
                       for (k, v), (k_new, v_new) in zip(context_kv, new_kv)]
-        for token in block[1:accepted + 1] + [greedy[accepted]]:
+        for token in block[1:accepted + 1] + [bonus]:
             tokens.append(token)
             if len(tokens) >= max_new_tokens or token in stop_ids:
                 break
@@ -1019,7 +1233,7 @@ def dflash2_settings(cfg, state, name, settings):
         top_k = found["selector_top_k"] = 16
     if K is None or group is None:
         fail(f"drafter {name}: a DFlash 2 drafter needs conv_kernel_size and conv_group_size in its dflash_config "
-             "(and its layers.N.attention_conv tensors); neither is there")
+             "(or layers.N.attention_conv tensors to read them from); they are missing")
     if int(group) < 1 or H % int(group):
         fail(f"drafter {name}: conv_group_size {group} does not divide the hidden size {H}")
     if found:
@@ -1316,10 +1530,12 @@ def drafter_logits(drafter, head, rows, prompt_id):
 
 @torch.inference_mode()
 def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=0, prompt_id=None, starts=None,
-                      after=None):
+                      after=None, reference=None, sampling=None, proposal=None):
     """Drafts (n_anchors, B-1) for blocks [first token, MASK, ...] at `anchors`, many blocks per SDPA call:
     per block, the backbone's hidden states, their logits, then the proposal (each slot's argmax; for DFlash 2
-    the selector's path). With top_k > 0, also what DDTree builds from (see tree_top_k)."""
+    the selector's path). With top_k > 0, also what DDTree builds from (see tree_top_k). Given `reference`
+    tokens (n_anchors, B-1), `sampling` and a `proposal` tensor of that shape, fills it with the probability
+    that a drafter sampling at those settings proposes each reference token (--draft-policy sample)."""
     B, n = drafter.block_size, anchors.shape[0]
     if n == 0:
         empty = torch.zeros(0, B - 1, max(top_k, 1))
@@ -1339,6 +1555,8 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
         for rows in hidden.reshape(-1, hidden.shape[-1]).split(drafter.logit_rows):
             at = slice(done, done + rows.shape[0])
             logits, drafts[at] = drafter_logits(drafter, head, rows, prompt_id)
+            if proposal is not None and picks is None:
+                proposal.view(-1)[at] = sampled_prob(logits, reference.reshape(-1)[at], sampling).to(proposal.device)
             if picks is not None:
                 picks[0][at], picks[1][at] = logits.topk(drafter.selector_top_k, dim=-1, sorted=False)
                 picks[2][at] = F.linear(rows, drafter.weights[SELECTOR + "hidden_projection.weight"])
@@ -1347,6 +1565,8 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
             done += rows.shape[0]
     if picks is not None:
         drafts = select_path(drafter, *picks, first)
+        if proposal is not None:
+            proposal.copy_(selector_prob(drafter, *picks, first, reference, sampling[0]).view(proposal.shape))
     shape = (n, B - 1, -1)
     top = (top[0].view(shape).cpu(), top[1].view(shape).cpu()) if top_k else None
     return drafts.view(n, B - 1).cpu(), top
@@ -1398,6 +1618,18 @@ def select_path(drafter, unary, candidates, projected, first):
         previous = candidates[:, j].gather(1, scores.argmax(-1, keepdim=True))[:, 0]
         path.append(previous)
     return torch.stack(path, dim=1).reshape(-1)
+
+
+def selector_prob(drafter, unary, candidates, projected, first, reference, temperature):
+    """DFlash 2 sampling (the public loop): slot j draws from softmax(scores / temperature) over its candidates,
+    scored against the token before it; given the text, that token is the reference's. The probability of
+    each reference token (0 when it is no candidate). float64 (n * (B-1),)."""
+    w = drafter.weights
+    previous = torch.cat([first[:, None], reference[:, :-1]], dim=1).reshape(-1)
+    scores = unary + torch.einsum("nr,nkr->nk", w[SELECTOR + "predecessor_codebook"][previous] * projected,
+                                  w[SELECTOR + "successor_codebook"][candidates])
+    q = (scores.float() / temperature).softmax(-1)
+    return (q * (candidates == reference.reshape(-1)[:, None])).sum(-1).double()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1610,6 +1842,86 @@ def walk(acceptance, anchor, total_len, block_size, rounds=None):
     return rounds, None
 
 
+def expected_walk(accept, n_prompt, total_len, block_size):
+    """Sampled decoding, given the committed text (DFLASH_NOTES, "Sampled decoding"): slot j of the round at
+    anchor a is accepted with probability accept[a, j] = min(1, q_j(r) / p_j(r)), independently, until the
+    first failure. A forward pass carries the probability that a round starts at each anchor (rows of
+    `accept`: the fitting anchors n_prompt..): E[rounds], E[committed tokens] and the expected histogram of
+    round lengths, over the rounds whose block lies inside the text. With 0/1 entries it is the greedy walk."""
+    n = accept.shape[0]
+    reach = torch.cat([torch.ones(n, 1, dtype=torch.float64), accept.double().cumprod(1)], dim=1)
+    lengths = torch.cat([reach[:, :-1] - reach[:, 1:], reach[:, -1:]], dim=1).tolist()   # P(length = k + 1)
+    start = [0.0] * (n + block_size + 1)
+    start[0], histogram = 1.0, [0.0] * block_size
+    for i in range(n):
+        if start[i]:
+            for k, pk in enumerate(lengths[i]):
+                if pk:
+                    histogram[k] += start[i] * pk
+                    start[i + k + 1] += start[i] * pk
+    return {"rounds": sum(histogram), "committed": sum((k + 1) * h for k, h in enumerate(histogram)),
+            "histogram": histogram}
+
+
+def add_expectations(res, block_size, n_prompt, total_len, p, q=None):
+    """Temperature > 0: the acceptance probability of each drafted slot (argmax proposals: 1 where the draft
+    is the text's token, else 0; sampled proposals: min(1, q / p), 0 where p is), then the expected walk and
+    the sums the per-position statistics pool. Argmax walks are the walk already taken."""
+    if q is None:
+        accept = res["equal"].double()
+        rounds = res["rounds"]
+        expected = {"rounds": float(len(rounds)), "committed": float(sum(rounds)),
+                    "histogram": [float(rounds.count(n)) for n in range(1, block_size + 1)]}
+    else:
+        at = res["anchors"][:, None] + torch.arange(1, block_size) - n_prompt
+        p_at = p[at]
+        accept = torch.where(p_at > 0, (q / p_at.clamp_min(1e-300)).clamp(max=1.0), torch.zeros_like(q))
+        expected = expected_walk(accept, n_prompt, total_len, block_size)
+        res["rounds"] = None   # sampled proposals: no one walk, its expectation
+    reach = torch.cat([torch.ones(accept.shape[0], 1, dtype=torch.float64), accept.cumprod(1)], dim=1)
+    res["expected"] = {**expected, "reach": reach.sum(0).tolist(), "hits": accept.sum(0).tolist(),
+                       "anchors": accept.shape[0]}
+
+
+def support_of(p):
+    """The references under the target's sampling: (tokens inside its support, tokens, their summed log-prob,
+    the first completion position outside it or None)."""
+    inside = p > 0
+    outside = (~inside).nonzero()[:, 0]
+    return (int(inside.sum()), p.numel(), float(p[inside].log().sum()), int(outside[0]) if outside.numel() else None)
+
+
+def ratio_ci95(committed, rounds):
+    """95% interval of sum(committed) / sum(rounds) over units (prompt x sample), by the delta method."""
+    units = [(c, r) for c, r in zip(committed, rounds) if r]
+    if len(units) < 2:
+        return None
+    tau = sum(c for c, _ in units) / sum(r for _, r in units)
+    mean_r = sum(r for _, r in units) / len(units)
+    se = math.sqrt(sum((c - tau * r) ** 2 for c, r in units) / (len(units) * (len(units) - 1))) / mean_r
+    return [tau - 1.96 * se, tau + 1.96 * se]
+
+
+def summarize_expected(results, block_size):
+    """Temperature > 0: tau = pooled E[committed] / E[rounds] with its 95% interval over references, the expected
+    histogram, and per-position acceptance / accuracy from the acceptance probabilities of every drafted anchor."""
+    e = [res["expected"] for res in results]
+    committed, rounds = [x["committed"] for x in e], [x["rounds"] for x in e]
+    reach = [sum(x["reach"][j] for x in e) for j in range(block_size)]
+    hits = [sum(x["hits"][j] for x in e) for j in range(block_size - 1)]
+    anchors = sum(x["anchors"] for x in e)
+    per_ref = [c / r for c, r in zip(committed, rounds) if r]
+    ddtree = {str(b): round_stats([res["ddtree_rounds"][b] for res in results], block_size)
+              for b in (results[0].get("ddtree_rounds", {}) if results else {})}
+    return {"tau": sum(committed) / sum(rounds) if sum(rounds) else None, "tau_ci95": ratio_ci95(committed, rounds),
+            "tau_prompt_mean": sum(per_ref) / len(per_ref) if per_ref else None, "rounds": sum(rounds),
+            "histogram": [sum(x["histogram"][k] for x in e) for k in range(block_size)],
+            "tau_all_anchors": 1 + sum(reach[1:]) / anchors if anchors else None, "anchors": anchors,
+            "per_position": {"acceptance": [reach[j + 1] / reach[j] if reach[j] else None for j in range(block_size - 1)],
+                             "accuracy": [h / anchors if anchors else None for h in hits]},
+            "ddtree": ddtree}
+
+
 def round_stats(round_lists, block_size):
     """tau pooled over all rounds, tau_prompt_mean over prompts, and the histogram of round lengths."""
     rounds = [r for rs in round_lists for r in rs]
@@ -1653,8 +1965,13 @@ def print_report(report, out=None):
     target = report["target"]
     cache = report["config"].get("hidden_cache")
     extracted = f"; features extracted in {cache['dtype']} on {cache['device']}" if cache else ""
-    print(f"target: {target['path']} ({target['device']}, {target['dtype']}{extracted}); "
-          f"target agreement {fmt(target['agreement'], 4)}", file=out)
+    print(f"target: {target['path']} ({target['device']}, {target['dtype']}{extracted}); {reference_line(target)}",
+          file=out)
+    sampling = sampling_of(report["config"])
+    if sampling:
+        print(f"sampled decoding at {describe_sampling(sampling)}, {report['config']['draft_policy']} proposals: tau is "
+              "the expected acceptance given each sampled reference, pooled, with a 95% interval over references",
+              file=out)
     if target.get("self_check") and not target["self_check"]["passed"]:
         print(f"WARNING: self-check failed: {target['self_check']['message']}", file=out)
     if cache:
@@ -1666,11 +1983,13 @@ def print_report(report, out=None):
         print("   in-block mask per layer: " + "; ".join(f"{i}: {r}" for i, r in enumerate(d["block_mask"])), file=out)
         sections = [("all", d)] + (sorted(d["splits"].items()) if len(d["splits"]) > 1 else [])
         for name, s in sections:
-            print(f"-- {name}: tau {fmt(s['tau'])} (pooled, {s['rounds']} rounds)  tau_prompt_mean "
-                  f"{fmt(s['tau_prompt_mean'])}  tau_all_anchors {fmt(s['tau_all_anchors'])}  "
-                  f"target agreement {fmt(s['target_agreement'], 4)}", file=out)
-            print("   rounds by acceptance length: " + "  ".join(
-                f"{n}:{c}" for n, c in enumerate(s["histogram"], 1) if c), file=out)
+            ci = "" if not s.get("tau_ci95") else f" [{fmt(s['tau_ci95'][0])}, {fmt(s['tau_ci95'][1])}]"
+            rounds = f"{s['rounds']:.1f} expected" if sampling else f"{s['rounds']}"
+            print(f"-- {name}: tau {fmt(s['tau'])}{ci} (pooled, {rounds} rounds)  tau_prompt_mean "
+                  f"{fmt(s['tau_prompt_mean'])}  tau_all_anchors {fmt(s['tau_all_anchors'])}  {reference_line(s)}",
+                  file=out)
+            print(f"   {'expected ' if sampling else ''}rounds by acceptance length: " + "  ".join(
+                f"{n}:{c:.4g}" if sampling else f"{n}:{c}" for n, c in enumerate(s["histogram"], 1) if c), file=out)
             if s.get("ddtree_note") and name == "all":
                 print(f"   no DDTree rows: {s['ddtree_note']}", file=out)
             for budget, t in (s["ddtree"] or {}).items():
@@ -1700,6 +2019,14 @@ def print_report(report, out=None):
             bar = "#" * round(40 * accepts[0]) if accepts[0] is not None else ""
             print(f"   {k + 1:>3}  " + "  ".join(f"{fmt(a):>14}" for a in accepts)
                   + f"  {fmt(d['per_position']['accuracy'][k]):>13}  |{bar}", file=out)
+
+
+def reference_line(stats):
+    """Greedy: the target agreement; sampled: the references' share inside the target's support."""
+    if "reference_support" in stats:
+        return (f"reference support {fmt(stats['reference_support'], 4)}, mean log-prob "
+                f"{fmt(stats['reference_mean_logprob'])}")
+    return f"target agreement {fmt(stats.get('target_agreement', stats.get('agreement')), 4)}"
 
 
 def write_json(path, report):
@@ -1738,7 +2065,8 @@ def run(settings):
 def evaluate(settings):
     """Drafters and prompts in, report dict out: the whole pipeline below the CLI. Each finished prompt is
     appended to <output>.partial.jsonl; Ctrl-C or SIGTERM ends the loop with the finished prompts kept."""
-    items = read_prompts(settings["prompts"], settings["limit"]) if not settings["load_hidden"] else None
+    items = with_samples(read_prompts(settings["prompts"], settings["limit"]), settings) \
+        if not settings["load_hidden"] else None
     target_cfg = read_target_config(settings["target"])
     drafters = [load_drafter(spec, target_cfg, settings) for spec in settings["ckpt"]]
     seen = {}
@@ -1785,12 +2113,23 @@ def evaluate(settings):
 
     done = [records[i] for i in sorted(records)]
     finished = [r["item"] for r in done]
-    agreement, check = target_agreement(finished), self_check(finished, settings)
-    given = target_agreement([it for it in finished if it["source"] != "target"])
-    if given is not None and given < AGREEMENT_WARN:
-        print(f"warning: target agreement {given:.4f} < {AGREEMENT_WARN} on the references from the prompts file or "
-              "server: they are not the target's greedy output here, so tau is approximate (see README)",
-              file=sys.stderr)
+    check, given = self_check(finished, settings), [it for it in finished if it["source"] != "target"]
+    if sampling_of(settings):
+        reference_check = reference_support(finished)
+        outside = [it for it in given if it["support"][3] is not None]
+        if outside:
+            print(f"warning: {sum(it['support'][1] - it['support'][0] for it in outside)} reference tokens of "
+                  f"{len(outside)} prompts lie outside the target's sampling support at "
+                  f"{describe_sampling(sampling_of(settings))} (first: prompt {outside[0]['id']}, completion position "
+                  f"{outside[0]['support'][3]}): those references were not sampled at these settings; their rounds "
+                  "there count as rejected", file=sys.stderr)
+    else:
+        reference_check = {"agreement": target_agreement(finished)}
+        given = target_agreement(given)
+        if given is not None and given < AGREEMENT_WARN:
+            print(f"warning: target agreement {given:.4f} < {AGREEMENT_WARN} on the references from the prompts file "
+                  "or server: they are not the target's greedy output here, so tau is approximate (see README)",
+                  file=sys.stderr)
     if check and not check["passed"]:
         print(f"warning: self-check failed: {check['message']}", file=sys.stderr)
     if skipped:
@@ -1799,7 +2138,7 @@ def evaluate(settings):
     report = {
         "config": dict(settings),
         "target": {"path": settings["target"], "device": settings["device"], "dtype": settings["dtype"],
-                   "agreement": agreement, "self_check": check},
+                   **reference_check, "self_check": check},
         "drafters": [drafter_report(d, [r["results"][j] for r in done], finished) for j, d in enumerate(drafters)],
         "skipped": skipped,
         "timing": {**{k: round(v, 4) for k, v in sorted(TIMING.items())}, "total_s": round(time.time() - t0, 4)},
@@ -1822,10 +2161,13 @@ def groups(stream, size):
 def evaluate_prompts(group, drafters, embed_w, head, settings):
     """Every drafter on a group of prompts [(item, features, target argmax)]: scores, walks, and the mask
     check when asked. One record per prompt."""
-    prompts = []
+    prompts, sampling = [], sampling_of(settings)
+    sample_policy = sampling is not None and settings["draft_policy"] == "sample"
     for it, features, argmax in group:
         check_finite(features, it["id"])
         it["agree"] = (sum(a == b for a, b in zip(argmax, it["completion_ids"])), len(argmax))
+        if sampling:
+            it["support"] = support_of(it["p"])
         prompts.append((features, it["prompt_ids"] + it["completion_ids"], len(it["prompt_ids"]), it["id"]))
     results = [[] for _ in group]
     for d in drafters:
@@ -1839,21 +2181,28 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
             else:
                 with timed("drafter_s"):
                     ids_t = torch.tensor(ids, device=anchors.device)
+                    reference = ids_t[anchors[:, None] + torch.arange(1, d.block_size, device=anchors.device)]
+                    q = torch.zeros(reference.shape, dtype=torch.float64) if sample_policy else None
                     drafts, top = draft_all_anchors(d, prompt_context(d, features), anchors, ids_t[anchors], embed_w,
-                                                    head, max(budgets, default=0), prompt_id, after=ids_t[anchors + 1])
+                                                    head, max(budgets, default=0), prompt_id, after=ids_t[anchors + 1],
+                                                    reference=reference, sampling=sampling, proposal=q)
                 res = score_prompt(drafts, ids, n_prompt, d.block_size, top, budgets)
+            if sampling:
+                with timed("metrics_s"):
+                    add_expectations(res, d.block_size, n_prompt, len(ids), group[i][0]["p"],
+                                     q if sample_policy else None)
             if d.mask_variants:
                 with timed("mask_check_s"):
                     res["mask_check"] = check_mask_prompt(d, d.mask_variants, features, ids, anchors, embed_w,
                                                           head)
             results[i].append(res)
     records = []
-    keep = ("index", "id", "split", "prompt_ids", "completion_ids", "agree", "source")
+    keep = ("index", "id", "split", "prompt_ids", "completion_ids", "agree", "source", "sample", "support")
     for (it, _, argmax), res in zip(group, results):
         diverge = next((k for k, (a, b) in enumerate(zip(argmax, it["completion_ids"])) if a != b), None)
         detail = None if diverge is None else {"reference": it["completion_ids"][diverge], "argmax": argmax[diverge],
                                                "logit_gap": it.get("gaps", {}).get(diverge)}
-        records.append({"item": {**{k: it[k] for k in keep}, "first_divergence": diverge,
+        records.append({"item": {**{k: it.get(k) for k in keep}, "first_divergence": diverge,
                                  "divergence": detail}, "results": res})
     return records
 
@@ -1864,7 +2213,7 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
 RESUME_KEYS = ("target", "ckpt", "anchors", "prompts", "prompts_hash", "load_hidden", "max_new_tokens", "ignore_eos", "device",
                "dtype", "layers", "block_size", "block_mask", "sliding_window", "no_chat_template", "enable_thinking",
                "ddtree_budgets", "check_mask", "drafter_config", "mask_token_id", "head_dim", "num_heads",
-               "num_kv_heads")
+               "num_kv_heads", "temperature", "top_p", "top_k", "draft_policy", "samples_per_prompt", "seed")
 
 
 def raise_interrupt(signum, frame):
@@ -1881,7 +2230,8 @@ def record_json(record):
     results = [{"rounds": r["rounds"], "ddtree_rounds": {str(b): v for b, v in r["ddtree_rounds"].items()},
                 "matched": r["matched"].tolist(),
                 "equal": [int(sum(1 << k for k, e in enumerate(row) if e)) for row in r["equal"].tolist()],
-                "mask_check": r.get("mask_check")} for r in record["results"]]
+                "mask_check": r.get("mask_check"), **({"expected": r["expected"]} if "expected" in r else {})}
+               for r in record["results"]]
     return {"item": record["item"], "results": results}
 
 
@@ -1892,7 +2242,8 @@ def record_from_json(row, drafters):
         results.append({"rounds": r["rounds"], "ddtree_rounds": {int(b): v for b, v in r["ddtree_rounds"].items()},
                         "matched": torch.tensor(r["matched"], dtype=torch.long),
                         "equal": (bits >> torch.arange(d.block_size - 1)) & 1 == 1,
-                        **({"mask_check": r["mask_check"]} if r.get("mask_check") else {})})
+                        **({"mask_check": r["mask_check"]} if r.get("mask_check") else {}),
+                        **({"expected": r["expected"]} if "expected" in r else {})})
     return {"item": {**row["item"], "agree": tuple(row["item"]["agree"])}, "results": results}
 
 
@@ -1941,6 +2292,34 @@ def open_partial(settings, records):
     return f
 
 
+def generate_locally(model, items, settings, target_cfg, drafter, stops):
+    """Missing references from the target itself: greedy, or sampled at the run's settings (seeded per prompt
+    and sample); by speculative decoding with the first drafter where the cache can roll back (lossless:
+    the same text as plain greedy decoding, the same distribution as plain sampling)."""
+    sampling = sampling_of(settings)
+    speculative = settings["reference_generation"] == "speculative" and drafter is not None
+    if speculative and "linear_attention" in (getattr(target_cfg, "layer_types", None) or []):
+        speculative = False  # linear-attention state cannot be rolled back after a rejected draft
+        log(settings, "note: hybrid target: references are generated by plain decoding")
+    settings["reference_generation_used"] = "speculative" if speculative else "plain"
+    with progress(settings, len(items), "generate") as bar:
+        for it in items:
+            generator = None
+            if sampling:
+                generator = torch.Generator(device=model.device)
+                generator.manual_seed(sample_seed(settings, it["id"], it["sample"]))
+            with timed("generate_s"):
+                if speculative:
+                    ids = speculative_generate(model, drafter, it["prompt_ids"], it["room"], stops, it["id"], sampling,
+                                               generator)
+                elif sampling:
+                    ids = sample_generate(model, it["prompt_ids"], it["room"], stops, sampling, generator)
+                else:
+                    ids = greedy_generate(model, it["prompt_ids"], it["room"], stops)
+            it.update(completion_ids=ids, source="target")
+            bar.update()
+
+
 def extract_from_target(items, settings, target_cfg, layer_union, done=frozenset(), drafter=None):
     """Load the target, tokenize, generate missing references; then a stream of (item, features, argmax)
     per prompt from one teacher-forced pass each (prompts in `done` or too long are passed over), saved to
@@ -1968,19 +2347,7 @@ def extract_from_target(items, settings, target_cfg, layer_union, done=frozenset
         with timed("generate_s"):
             fetch_references(generate, settings)
     else:
-        speculative = settings["reference_generation"] == "speculative" and drafter is not None
-        if speculative and "linear_attention" in (getattr(target_cfg, "layer_types", None) or []):
-            speculative = False  # linear-attention state cannot be rolled back after a rejected draft
-            log(settings, "note: hybrid target: references are generated by plain greedy decoding")
-        settings["reference_generation_used"] = "speculative" if speculative else "plain"
-        with progress(settings, len(generate), "generate") as bar:
-            for it in generate:
-                with timed("generate_s"):
-                    it["completion_ids"] = speculative_generate(model, drafter, it["prompt_ids"], it["room"], stops,
-                                                                it["id"]) if speculative else \
-                        greedy_generate(model, it["prompt_ids"], it["room"], stops)
-                it["source"] = "target"
-                bar.update()
+        generate_locally(model, generate, settings, target_cfg, drafter, stops)
 
     def stream():
         saved = {"tensors": {}, "bytes": 0, "shards": [], "run": f"{os.getpid()}-{time.time_ns()}"} \
@@ -1989,11 +2356,12 @@ def extract_from_target(items, settings, target_cfg, layer_union, done=frozenset
             for j, it in enumerate(todo):
                 ids = it["prompt_ids"] + it["completion_ids"]
                 with timed("target_s"):
-                    features, argmax, it["gaps"] = extract_hidden(model, ids, layer_union, len(it["prompt_ids"]))
+                    x = extract_hidden(model, ids, layer_union, len(it["prompt_ids"]), sampling_of(settings))
+                it.update(gaps=x.gaps, p=x.p)
                 if saved is not None:
-                    keep_hidden(saved, settings["save_hidden"], j, ids, argmax, it["gaps"], features, layer_union)
+                    keep_hidden(saved, settings["save_hidden"], j, ids, x, layer_union)
                 bar.update()
-                yield it, features, argmax
+                yield it, x.features, x.argmax
         if saved is not None:
             save_hidden(settings, target_cfg, layer_union, todo, saved)
 
@@ -2036,12 +2404,14 @@ def write_safetensors(path, tensors, metadata=None):
     os.replace(tmp, path)
 
 
-def keep_hidden(saved, path, i, ids, argmax, gaps, features, layer_union):
-    """Hold one prompt's tensors for --save-hidden; past SAVE_SHARD_BYTES write them out as a shard file."""
-    gap = torch.zeros(len(argmax))
-    gap[list(gaps)] = torch.tensor(list(gaps.values()))
-    tensors = {f"{i}.ids": torch.tensor(ids), f"{i}.argmax": torch.tensor(argmax), f"{i}.gaps": gap,
-               **{f"{i}.layer{L}": features[L].contiguous() for L in layer_union}}
+def keep_hidden(saved, path, i, ids, x, layer_union):
+    """Hold one prompt's tensors (x: its Extraction) for --save-hidden; past SAVE_SHARD_BYTES write them out
+    as a shard file."""
+    gap = torch.zeros(len(x.argmax))
+    gap[list(x.gaps)] = torch.tensor(list(x.gaps.values()))
+    tensors = {f"{i}.ids": torch.tensor(ids), f"{i}.argmax": torch.tensor(x.argmax), f"{i}.gaps": gap,
+               **({f"{i}.p": x.p} if x.p is not None else {}),
+               **{f"{i}.layer{L}": x.features[L].contiguous() for L in layer_union}}
     saved["tensors"].update(tensors)
     saved["bytes"] += sum(t.numel() * t.element_size() for t in tensors.values())
     if saved["bytes"] >= SAVE_SHARD_BYTES:
@@ -2057,8 +2427,10 @@ def save_hidden(settings, target_cfg, layer_union, items, saved):
             "torch_version": torch.__version__, "transformers_version": settings["transformers_version"],
             "prompts_file": settings["prompts"], "prompts_hash": file_hash(settings["prompts"]),
             "chat_template": settings["chat_template"] == "applied", "enable_thinking": settings["enable_thinking"],
+            "sampling": sampling_of(settings),
             "prompts": [{"id": it["id"], "split": it["split"], "prompt_tokens": len(it["prompt_ids"]),
-                         "completion_tokens": len(it["completion_ids"]), "source": it["source"]}
+                         "completion_tokens": len(it["completion_ids"]), "source": it["source"],
+                         **({"sample": it["sample"]} if it.get("sample") is not None else {})}
                         for it in items], "shards": saved["shards"]}
     path = settings["save_hidden"]
     old_shards = []
@@ -2112,6 +2484,11 @@ def open_hidden(path, settings, target_cfg, layer_union, done=frozenset()):
     if missing:
         fail(f"{path} holds layers {meta['layers']} but the drafters need {layer_union} (missing {missing}); "
              "extract again with drafters that need them all")
+    sampling = sampling_of(settings)
+    if sampling and list(sampling) != list(meta.get("sampling") or []):
+        fail(f"{path} was extracted at {describe_sampling(meta.get('sampling'))}, this run asks for "
+             f"{describe_sampling(sampling)}: the target's probabilities of the references are kept for the "
+             "settings of the extraction; evaluate at those, or extract again")
     rows = meta["prompts"][:settings["limit"]] if settings["limit"] else meta["prompts"]
     items = []
 
@@ -2124,13 +2501,15 @@ def open_hidden(path, settings, target_cfg, layer_union, done=frozenset()):
                     with contextlib.suppress(KeyError):   # files written before the gaps were kept have none
                         gap = get(f"{i}.gaps").tolist()
                         it["gaps"] = {k: gap[k] for k, (a, b) in enumerate(zip(argmax, it["completion_ids"])) if a != b}
+                    if sampling:
+                        it["p"] = get(f"{i}.p").double().cpu()
                     yield it, {L: get(f"{i}.layer{L}").to(dtype) for L in layer_union}, argmax
 
     with hidden_tensors(path, meta) as get:
         for i, row in enumerate(rows):
             ids = get(f"{i}.ids").tolist()
             items.append({"index": i, "id": row["id"], "split": row["split"], "prompt_ids": ids[:row["prompt_tokens"]],
-                          "completion_ids": ids[row["prompt_tokens"]:],
+                          "completion_ids": ids[row["prompt_tokens"]:], "sample": row.get("sample"),
                           "source": row.get("source", "target" if row.get("generated") else "file")})
     settings["chat_template"] = "applied" if meta.get("chat_template") else "not applied"   # at extraction
     settings["hidden_cache"] = {k: meta.get(k) for k in ("format", "dtype", "device", "torch_version",
@@ -2238,38 +2617,81 @@ SELF_CHECK_TOLERANCE = 0.01   # share of its own reference tokens that may flip 
 
 
 def self_check(items, settings):
-    """The references this tool generated itself (greedy or speculative) must equal its own teacher-forced
-    argmax: exactly on CPU in float32; on GPU or in a 16-bit dtype, where the batch shape changes the
-    rounding and can flip near-ties, up to SELF_CHECK_TOLERANCE of the tokens. A failure is the tool's own
-    generation and evaluation disagreeing (a bug or numerics), never the references' fault. None when no
-    reference was generated here."""
+    """The references this tool generated itself must be what its own teacher-forced pass says the target
+    produces: greedy (or speculative) ones equal to its argmax, sampled ones inside its sampling support.
+    Exactly on CPU in float32; on GPU or in a 16-bit dtype, where the batch shape changes the rounding and can
+    flip near-ties, up to SELF_CHECK_TOLERANCE of the tokens. A failure is the tool's own generation and
+    evaluation disagreeing (a bug or numerics), never the references' fault. None when no reference was
+    generated here."""
     own = [it for it in items if it["source"] == "target"]
-    agreement = target_agreement(own)
-    if agreement is None:
+    sampled = bool(own) and own[0].get("support") is not None
+    counts = [(it["support"][0], it["support"][1], it["support"][3]) if sampled else
+              (it["agree"][0], it["agree"][1], it["first_divergence"]) for it in own]
+    tokens = sum(total for _, total, _ in counts)
+    if not tokens:
         return None
+    agreement = sum(hits for hits, _, _ in counts) / tokens
     where = settings.get("hidden_cache") or settings   # where the references were generated and extracted
     strict = where["device"] == "cpu" and where["dtype"] == "float32"
     tolerance = 0.0 if strict else SELF_CHECK_TOLERANCE
-    first = next((it for it in own if it["first_divergence"] is not None), None)
-    check = {"tokens": sum(it["agree"][1] for it in own), "agreement": agreement, "tolerance": tolerance,
-             "passed": agreement >= 1 - tolerance, "first_divergence": None}
+    check = {"tokens": tokens, "agreement": agreement, "tolerance": tolerance, "passed": agreement >= 1 - tolerance,
+             "first_divergence": None}
+    first, position = next(((it, c[2]) for it, c in zip(own, counts) if c[2] is not None), (None, None))
     if first is None:
         return check
-    detail = check["first_divergence"] = {"prompt": first["id"], "position": first["first_divergence"],
-                                          **(first.get("divergence") or {})}
-    gap = "" if detail.get("logit_gap") is None else f", logit gap {detail['logit_gap']:.3g}"
-    facts = (f"prompt {first['id']}, completion position {first['first_divergence']}: generated token "
-             f"{detail.get('reference')}, teacher-forced argmax {detail.get('argmax')}{gap}; agreement {agreement:.4f} "
-             f"over {check['tokens']} generated tokens")
+    token = first["completion_ids"][position] if sampled else None
+    detail = check["first_divergence"] = {"prompt": first["id"], "position": position,
+                                          **({"reference": token} if sampled else first.get("divergence") or {})}
+    if sampled:
+        facts = (f"prompt {first['id']}, completion position {position}: generated token {token} has probability 0 "
+                 f"under its own teacher-forced sampling distribution; {agreement:.4f} of {tokens} generated tokens "
+                 "inside the support")
+    else:
+        gap = "" if detail.get("logit_gap") is None else f", logit gap {detail['logit_gap']:.3g}"
+        facts = (f"prompt {first['id']}, completion position {position}: generated token {detail.get('reference')}, "
+                 f"teacher-forced argmax {detail.get('argmax')}{gap}; agreement {agreement:.4f} over {tokens} "
+                 "generated tokens")
     rule = "none on CPU in float32" if strict else \
         f"{tolerance:.0%} of tokens on {where['device']} in {where['dtype']}, where batch shapes can flip near-ties"
     if check["passed"]:
         log(settings, f"note: self-check within tolerance ({rule}): {facts}")
     else:
         check["message"] = (f"the tool's own generation and evaluation disagree ({facts}; tolerance: {rule}). It "
-                            "generated these references itself as the target's greedy output, so a bug in the tool "
-                            "or numerics is at fault, not the references: tau is not exact")
+                            f"generated these references itself as the target's {'samples' if sampled else 'greedy output'}, "
+                            "so a bug in the tool or numerics is at fault, not the references: tau is not exact")
     return check
+
+
+def prompt_report(it, res, B):
+    """One reference's entry: where it came from, how it sits with the target, its rounds (or at temperature
+    > 0 their expectation, with the rounds too under argmax proposals)."""
+    entry = {"id": it["id"], **({"sample": it["sample"]} if it.get("sample") is not None else {}),
+             "split": it["split"], "prompt_tokens": len(it["prompt_ids"]), "completion_tokens": len(it["completion_ids"]),
+             "reference_generated": it["source"] != "file", "reference_source": it["source"],
+             "first_divergence": it["first_divergence"], "divergence": it.get("divergence")}
+    if "expected" in res:
+        inside, total, logp, outside = it["support"]
+        e = res["expected"]
+        entry.update(reference_support=inside / total if total else None,
+                     reference_mean_logprob=logp / inside if inside else None, first_outside_support=outside,
+                     tau=e["committed"] / e["rounds"] if e["rounds"] else None, expected_rounds=e["rounds"],
+                     expected_committed=e["committed"], **({"rounds": res["rounds"]} if res["rounds"] is not None else {}))
+    else:
+        entry.update(target_agreement=it["agree"][0] / it["agree"][1] if it["agree"][1] else None,
+                     tau=sum(res["rounds"]) / len(res["rounds"]) if res["rounds"] else None, rounds=res["rounds"])
+    entry["ddtree_rounds"] = {str(b): r for b, r in res["ddtree_rounds"].items()}
+    if not (res["rounds"] or res.get("expected", {}).get("rounds")):
+        entry["note"] = (f"completion of {len(it['completion_ids'])} tokens is shorter than one block ({B} tokens: "
+                         f"the anchor and {B - 1} drafts): nothing to score")
+    return entry
+
+
+def reference_support(items):
+    """The references under the target's sampling distribution, pooled: the share of their tokens inside its
+    support and the mean log-probability of those (in place of argmax agreement at temperature > 0)."""
+    inside, total, logp = (sum(it["support"][i] for it in items) for i in range(3))
+    return {"reference_support": inside / total if total else None,
+            "reference_mean_logprob": logp / inside if inside else None}
 
 
 DDTREE_NOTE_DFLASH2 = ("DFlash 2 drafts a chain: its selector couples each slot's choice to the previous one, and no "
@@ -2280,26 +2702,22 @@ DDTREE_NOTE_DFLASH2 = ("DFlash 2 drafts a chain: its selector couples each slot'
 def drafter_report(d, results, items):
     B = d.block_size
     no_trees = {"ddtree": None, "ddtree_note": DDTREE_NOTE_DFLASH2} if d.selector_top_k else {}
+    sampled = bool(results) and "expected" in results[0]
+    stats = summarize_expected if sampled else summarize
+
+    def check(chosen):   # greedy: target agreement; sampled: how the references sit in the target's support
+        return reference_support([it for it in chosen]) if sampled else \
+            {"target_agreement": target_agreement([it for it in chosen])}
+
     splits = {}
     for split in sorted({it["split"] for it in items}):
         chosen = [(res, it) for res, it in zip(results, items) if it["split"] == split]
-        splits[split] = {**summarize([res for res, _ in chosen], B),
-                         "target_agreement": target_agreement([it for _, it in chosen]), **no_trees}
-    prompts = [{"id": it["id"], "split": it["split"], "prompt_tokens": len(it["prompt_ids"]),
-                "completion_tokens": len(it["completion_ids"]), "reference_generated": it["source"] != "file",
-                "reference_source": it["source"], "first_divergence": it["first_divergence"],
-                "divergence": it.get("divergence"),
-                "target_agreement": it["agree"][0] / it["agree"][1] if it["agree"][1] else None,
-                "tau": sum(res["rounds"]) / len(res["rounds"]) if res["rounds"] else None,
-                "rounds": res["rounds"], "ddtree_rounds": {str(b): r for b, r in res["ddtree_rounds"].items()},
-                **({} if res["rounds"] else {"note": f"completion of {len(it['completion_ids'])} tokens is shorter "
-                                                     f"than one block ({B} tokens: the anchor and {B - 1} drafts): "
-                                                     "nothing to score"})}
-               for it, res in zip(items, results)]
+        splits[split] = {**stats([res for res, _ in chosen], B), **check([it for _, it in chosen]), **no_trees}
+    prompts = [prompt_report(it, res, B) for it, res in zip(items, results)]
     return {"name": d.name, "checkpoint": d.checkpoint, "generation": d.generation, "layout": d.layout,
             "block_size": B, "layers": d.layers,
             "mask_token_id": d.mask_token_id, "block_mask": [rule_label(r) for r in d.rules],
-            **summarize(results, B), **no_trees, "target_agreement": target_agreement(items), "splits": splits,
+            **stats(results, B), **no_trees, **check(items), "splits": splits,
             **({"mask_check": mask_check_summary(d.mask_variants, [r["mask_check"] for r in results if "mask_check" in r])}
                if d.mask_variants else {}), "prompts": prompts}
 

@@ -26,6 +26,8 @@ target's own greedy output (given as completion_ids, so no generation is timed i
   g. a DFlash 2 drafter of the same shape (conv taps K=2 over groups of 64 channels, selector rank 64 with
      16 candidates): drafter time per anchor against DFlash's on the same features, and the shares of the
      selector (top-k, projection and the B-1 path steps) and of the conv taps.
+  h. sampled evaluation with the references given (--temperature 1 --top-p 0.95), argmax proposals and
+     sampled proposals, against b's greedy evaluation of the same references (goals: ~1.1x and <= 1.5x).
   Also: whole-process time of `eval_drafter.py --demo --limit 2 --quiet` split into imports and the rest;
   b with --anchors walk (one run); plain vs speculative reference generation (--reference-generation) on
   the benchmark pair and on the bundled demo pair; a cProfile of one b run and of the tool's
@@ -410,6 +412,30 @@ def profile_b(paths, args, work, top=16):
 
 
 # ----------------------------------------------------------------------------------------------------
+# h. sampled evaluation against greedy
+
+SAMPLED = ("--temperature", "1.0", "--top-p", "0.95")
+
+
+def measure_sampled(paths, args, work):
+    """b's runs at temperature 1, top-p 0.95, with argmax and with sampled proposals (references given)."""
+    out = {}
+    for policy in ("argmax", "sample"):
+        extra = ("--prompts", paths["prompts"], *SAMPLED, "--draft-policy", policy)
+        run_tool(tool_argv(paths, args, os.path.join(work, "h.json"), *extra))   # warm-up
+        out[policy] = stage_best([run_tool(tool_argv(paths, args, os.path.join(work, "h.json"), *extra))
+                                  for _ in range(args.repeats)], WORK_STAGES)
+    return out
+
+
+def report_sampled(h, b):
+    for policy, t in h.items():
+        say(f"h. sampled evaluation ({' '.join(SAMPLED)}, {policy} proposals, references given): target "
+            f"{t['target_s']:.2f} s, drafter {t['drafter_s']:.2f} s, trees {t['trees_s']:.3f} s, metrics "
+            f"{t['metrics_s']:.3f} s; sum {t['work_s']:.2f} s = x{t['work_s'] / b['work_s']:.2f} b's greedy evaluation")
+
+
+# ----------------------------------------------------------------------------------------------------
 # g. DFlash 2 against DFlash, drafter only
 
 DFLASH2_BENCH = {"conv_kernel_size": 2, "conv_group_size": 64, "selector_rank": 64, "selector_top_k": 16}
@@ -430,7 +456,7 @@ def measure_dflash2(paths, args, work, dcfg):
     no_taps = replace(two, conv=(), weights={k: v for k, v in two.weights.items() if "_conv." not in k})
     item = max(tool_prompts(paths["prompts"], paths["target"]), key=lambda it: len(it["prompt_ids"]))
     ids = item["prompt_ids"] + item["completion_ids"]
-    features, _, _ = ed.extract_hidden(model, ids, one.layers, len(item["prompt_ids"]))
+    features = ed.extract_hidden(model, ids, one.layers, len(item["prompt_ids"])).features
     anchors = ed.fitting_anchors(len(item["prompt_ids"]), len(ids), one.block_size).to(args.device)
     ids_t = torch.tensor(ids, device=args.device)
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings()
@@ -546,7 +572,7 @@ def load_for_loop(paths, args):
 def check_context_rows(model, drafter, item):
     """context_rows in pieces must equal the tool's drafter_context over the whole prompt."""
     ids = item["prompt_ids"] + item["completion_ids"]
-    feats, _, _ = ed.extract_hidden(model, ids, drafter.layers, len(item["prompt_ids"]))
+    feats = ed.extract_hidden(model, ids, drafter.layers, len(item["prompt_ids"])).features
     whole = ed.drafter_context(drafter, torch.cat([feats[L] for L in drafter.layers], -1))
     cut = len(ids) // 3
     f = torch.cat([feats[L] for L in drafter.layers], -1)
@@ -973,6 +999,9 @@ def verdicts_of(f):
                 f"d <= 0.5 x b and d <= 1.3 x drafter floor: d / b = {d['total_s'] / b['eval_s']:.2f}, "
                 f"d / drafter floor = {d['total_s'] / f['floor_d']:.2f}"),
         verdict(f["trees_share"] <= 0.15, f"trees <= 15% of b at budget 128: {f['trees_share']:.1%}"),
+        verdict(f["h"]["argmax"]["work_s"] <= 1.1 * b["work_s"] and f["h"]["sample"]["work_s"] <= 1.5 * b["work_s"],
+                f"sampled evaluation <= 1.1 x b (argmax) and <= 1.5 x b (sample): "
+                f"x{f['h']['argmax']['work_s'] / b['work_s']:.2f} and x{f['h']['sample']['work_s'] / b['work_s']:.2f}"),
         verdict(peak <= 1.25 * need, f"peak memory of b <= 1.25 x (weights + features): {where} {mib(peak)} vs "
                                      f"{mib(need)} (x{peak / need:.2f})"),
     ]
@@ -1027,6 +1056,9 @@ def main(argv=None):
         with watch("g"):
             f["g"] = measure_dflash2(paths, args, work, dcfg)
         report_dflash2(f["g"])
+        with watch("h"):
+            f["h"] = measure_sampled(paths, args, work)
+        report_sampled(f["h"], b)
         with watch("process"):
             f["proc"] = demo_process(args, work)
         report_process(f["proc"])

@@ -364,7 +364,7 @@ def test_top_k_skipped_only_where_no_tree_can_hold_the_reference(tiny_target, dr
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(4, 64, (60,), generator=g).tolist()
     n_prompt, k, B = 8, 4, drafter.block_size
-    features, _, _ = ed.extract_hidden(target, ids, drafter.layers, n_prompt)
+    features = ed.extract_hidden(target, ids, drafter.layers, n_prompt).features
     anchors = ed.fitting_anchors(n_prompt, len(ids), B)
     ids_t = torch.tensor(ids)
     embed, head = target.get_input_embeddings().weight, target.get_output_embeddings()

@@ -96,7 +96,7 @@ def test_logit_transform():
 
 
 def drafts_of(drafter, target, ids, anchors):
-    features, _, _ = ed.extract_hidden(target, ids, drafter.layers, 4)
+    features = ed.extract_hidden(target, ids, drafter.layers, 4).features
     ids_t = torch.tensor(ids)
     drafts, _ = ed.draft_all_anchors(drafter, ed.prompt_context(drafter, features), anchors, ids_t[anchors],
                                      target.get_input_embeddings().weight, target.get_output_embeddings())

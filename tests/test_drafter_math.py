@@ -328,7 +328,8 @@ def test_extract_hidden_matches_hidden_states(tiny_target):
     ids = torch.randint(4, 64, (20,), generator=torch.Generator().manual_seed(9)).tolist()
     n_prompt = 7
     n_layers = model.config.num_hidden_layers
-    feats, argmax, _ = ed.extract_hidden(model, ids, list(range(n_layers)), n_prompt)
+    x = ed.extract_hidden(model, ids, list(range(n_layers)), n_prompt)
+    feats, argmax = x.features, x.argmax
     with torch.no_grad():
         out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
     assert len(out.hidden_states) == n_layers + 1
@@ -343,7 +344,7 @@ def test_extract_hidden_matches_hidden_states(tiny_target):
 def test_extract_hidden_subset_keeps_order(tiny_target):
     model = tiny_target["model"]
     ids = list(range(4, 20))
-    feats, _, _ = ed.extract_hidden(model, ids, [4, 1], 5)
+    feats = ed.extract_hidden(model, ids, [4, 1], 5).features
     with torch.no_grad():
         hs = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
     assert list(feats) == [4, 1]

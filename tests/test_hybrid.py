@@ -265,7 +265,8 @@ def test_hybrid_rounds_equal_online_loop(hybrid, word_run):
 
 def check_layer_convention(model, ids, n_prompt):
     n_layers = model.config.num_hidden_layers
-    features, argmax, _ = ed.extract_hidden(model, ids, list(range(n_layers)), n_prompt)
+    x = ed.extract_hidden(model, ids, list(range(n_layers)), n_prompt)
+    features, argmax = x.features, x.argmax
     with torch.inference_mode():
         out = model(torch.tensor([ids]), output_hidden_states=True, use_cache=False)
     assert len(out.hidden_states) == n_layers + 1

@@ -150,7 +150,7 @@ def test_llama_target_rounds_and_drafts_equal_the_public_loop(tmp_path, monkeypa
     for prompt_ids, ref, p, seen in zip(prompts, references, report["drafters"][0]["prompts"], public_drafts):
         ids = prompt_ids + ref
         anchors = [len(prompt_ids) + sum(p["rounds"][:r]) for r in range(len(p["rounds"]))]
-        features, _, _ = ed.extract_hidden(model, ids, drafter.layers, len(prompt_ids))
+        features = ed.extract_hidden(model, ids, drafter.layers, len(prompt_ids)).features
         ids_t = torch.tensor(ids)
         drafts, _ = ed.draft_all_anchors(drafter, ed.prompt_context(drafter, features), torch.tensor(anchors),
                                          ids_t[anchors], model.get_input_embeddings().weight,

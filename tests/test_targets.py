@@ -19,7 +19,7 @@ ROWS = [{"id": f"t{i}", "prompt": " ".join(f"w{(7 * i + 3 * k) % 50}" for k in r
 
 def tool_drafts(model, drafter, ids, n_prompt, anchors):
     """The tool's drafts at `anchors`, from its own teacher-forced extraction."""
-    features, _, _ = ed.extract_hidden(model, ids, drafter.layers, n_prompt)
+    features = ed.extract_hidden(model, ids, drafter.layers, n_prompt).features
     ids_t = torch.tensor(ids)
     drafts, _ = ed.draft_all_anchors(drafter, ed.prompt_context(drafter, features), torch.tensor(anchors),
                                      ids_t[anchors], model.get_input_embeddings().weight, model.get_output_embeddings())
@@ -66,7 +66,8 @@ def test_features_are_the_layer_outputs(other_target):
     model = other_target["model"]
     ids = list(range(4, 30))
     n_layers = model.config.num_hidden_layers
-    feats, argmax, _ = ed.extract_hidden(model, ids, list(range(n_layers)), 6)
+    x = ed.extract_hidden(model, ids, list(range(n_layers)), 6)
+    feats, argmax = x.features, x.argmax
     with torch.no_grad():
         out = model(torch.tensor([ids]), output_hidden_states=True)
     for L in range(n_layers):

@@ -112,7 +112,8 @@ def test_extract_hidden_logit_gaps(tiny_target):
     model = tiny_target["model"]
     ids = list(range(4, 30))
     n_prompt = 6
-    _, argmax, gaps = ed.extract_hidden(model, ids, [1], n_prompt)
+    x = ed.extract_hidden(model, ids, [1], n_prompt)
+    argmax, gaps = x.argmax, x.gaps
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0, n_prompt - 1:len(ids) - 1]
     wrong = [k for k, t in enumerate(ids[n_prompt:]) if t != argmax[k]]
@@ -121,7 +122,8 @@ def test_extract_hidden_logit_gaps(tiny_target):
         assert gaps[k] == pytest.approx(float(logits[k].max() - logits[k, ids[n_prompt + k]]), abs=1e-5)
         assert gaps[k] > 0
     greedy = ed.greedy_generate(model, ids[:n_prompt], 20, set())
-    _, argmax, none = ed.extract_hidden(model, ids[:n_prompt] + greedy, [1], n_prompt)
+    x = ed.extract_hidden(model, ids[:n_prompt] + greedy, [1], n_prompt)
+    argmax, none = x.argmax, x.gaps
     assert argmax == greedy and none == {}   # its own greedy text: no gap anywhere
 
 
