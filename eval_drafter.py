@@ -330,7 +330,8 @@ def read_prompts(path, limit=None):
             if not isinstance(row, dict):
                 fail(f"{path} line {lineno}: expected a JSON object, got {type(row).__name__}")
             item = parse_prompt_row(row, path, lineno)
-            key = (item["id"], row.get("sample"))   # saved sampled references: one line per (id, sample)
+            # saved sampled references: one line per (id, sample, seed)
+            key = (item["id"], row.get("sample"), (row.get("sampling") or {}).get("seed"))
             if key in lines_of:
                 fail(f"{path} line {lineno}: id {item['id']!r} was already used on line {lines_of[key]}; "
                      "ids must be unique")

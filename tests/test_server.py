@@ -68,6 +68,14 @@ class FakeEngine(ThreadingHTTPServer):
     def handle_error(self, request, client_address):
         pass  # clients that gave up (timeouts) leave broken pipes behind: expected here
 
+    def sampled(self, prompt, max_new, ignore_eos, params, seed):
+        """Sampled decoding at the request's settings, its seed making it reproducible (as engines do)."""
+        generator = torch.Generator().manual_seed(seed)
+        sampling = (params["temperature"], params["top_p"], max(0, params["top_k"]))
+        with self.model_lock:
+            return ed.sample_generate(self.model, list(prompt), max_new, set() if ignore_eos else self.stops, sampling,
+                                      generator)
+
     def greedy(self, prompt, max_new, ignore_eos):
         key = (tuple(prompt), max_new, ignore_eos)
         with self.model_lock:
@@ -105,9 +113,13 @@ class EngineHandler(BaseHTTPRequestHandler):
             n, b, release = len(srv.requests), dict(srv.behaviour), srv.release
         if self.path == "/generate":
             api, prompts = "sglang", body["input_ids"]
-            max_new, ignore = body["sampling_params"]["max_new_tokens"], body["sampling_params"].get("ignore_eos", False)
+            params = body["sampling_params"]   # one dict for the batch, or one per prompt (sampled, seeded)
+            params = params if isinstance(params, list) else [params] * (len(prompts) if isinstance(prompts[0], list) else 1)
+            max_new, ignore = params[0]["max_new_tokens"], params[0].get("ignore_eos", False)
+            seeds = [p.get("sampling_seed") for p in params]
         elif self.path == "/v1/completions":
             api, prompts, max_new, ignore = "openai", body["prompt"], body["max_tokens"], body.get("ignore_eos", False)
+            params, seeds = [body] * len(prompts), [body.get("seed")] * len(prompts)
         else:
             return self.send_json(404, {"detail": "Not Found"})
         if prompts and isinstance(prompts[0], int):
@@ -146,7 +158,8 @@ class EngineHandler(BaseHTTPRequestHandler):
                          f"messages and {max_new} tokens for the completion.")
                 return self.send_error_words(400, words)
 
-        outs = [srv.greedy(p, max_new, ignore) for p in prompts]
+        outs = [srv.greedy(p, max_new, ignore) if not params[i].get("temperature") else
+                srv.sampled(p, max_new, ignore, params[i], seeds[i]) for i, p in enumerate(prompts)]
         if mode == "perturb":
             k = b["perturb_at"]
             for c in outs:
@@ -585,3 +598,52 @@ def test_first_divergence_of_perturbed_references(tmp_path, server, capsys, k):
     assert report["target"]["agreement"] < ed.AGREEMENT_WARN
     err = capsys.readouterr().err
     assert "warning: target agreement" in err and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sampled references
+
+
+SAMPLED = ["--temperature", "1.5", "--top-p", "0.9", "--top-k", "30", "--samples-per-prompt", "2"]
+
+
+@pytest.mark.parametrize("api", ["sglang", "openai"])
+def test_sampled_references_from_the_server(tmp_path, server, api):
+    """Every request carries the run's temperature, top-p, top-k and a seed, every other knob neutral; the
+    references are samples (inside the target's support at those settings); saved references record their
+    settings and sample, are reused by a rerun with the same settings, and refetched under another seed."""
+    saved = tmp_path / "refs.jsonl"
+    argv = BASE + SAMPLED + server_args(server, api) + ["--save-references", str(saved)]
+    code, report = run_tool(tmp_path, argv)
+    assert code == 0
+    bodies = [r["body"] for r in server.requests]
+    params = [p for b in bodies for p in (b["sampling_params"] if api == "sglang" else [b])]
+    for p in params:
+        assert {k: p[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+                                  "presence_penalty")} == {"temperature": 1.5, "top_p": 0.9, "top_k": 30, "min_p": 0.0,
+                                                           "repetition_penalty": 1.0, "frequency_penalty": 0,
+                                                           "presence_penalty": 0}
+    seeds = [p["sampling_seed"] for p in params] if api == "sglang" else [b["seed"] for b in bodies]
+    assert len(set(seeds)) == (2 * LIMIT if api == "sglang" else 2)   # per prompt and sample / per sample
+    prompts = prompts_of(report)
+    assert len(prompts) == 2 * LIMIT and {p["sample"] for p in prompts} == {0, 1}
+    assert all(p["reference_source"] == "server" for p in prompts)
+    assert report["target"]["reference_support"] == 1.0 and report["target"]["self_check"] is None
+    by_id = {}
+    for p in prompts:
+        by_id.setdefault(p["id"], []).append(p)
+    rows = [json.loads(line) for line in saved.read_text().splitlines()]
+    assert len(rows) == 2 * LIMIT
+    assert all(r["sampling"] == {"temperature": 1.5, "top_p": 0.9, "top_k": 30, "seed": 0} for r in rows)
+    assert sorted((r["id"], r["sample"]) for r in rows) == sorted((p["id"], p["sample"]) for p in prompts)
+    assert any(a["reference_mean_logprob"] != b["reference_mean_logprob"] for a, b in by_id.values())   # two texts
+
+    server.reset()
+    code, again = run_tool(tmp_path, argv, "again.json")
+    assert code == 0 and server.requests == [] and again["drafters"] == report["drafters"]
+    # The saved file works as --prompts: one reference per (id, sample), as fetched.
+    code, from_file = run_tool(tmp_path, COMMON + SAMPLED[:6] + ["--prompts", str(saved)], "file.json")
+    assert code == 0 and from_file["drafters"][0]["tau"] == report["drafters"][0]["tau"]
+    assert [(p["id"], p["sample"]) for p in prompts_of(from_file)] == [(r["id"], r["sample"]) for r in rows]
+    code, other = run_tool(tmp_path, argv + ["--seed", "5"], "other.json")
+    assert code == 0 and len(server.requests) > 0 and other["drafters"] != report["drafters"]
