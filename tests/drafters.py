@@ -24,6 +24,16 @@ DEMO = os.path.join(HERE, "fixtures", "demo")
 DEMO_DRAFTER = os.path.join(DEMO, "drafter")
 
 
+def demo_pair():
+    """The demo target (float32), its prompt lines and their token ids (plain text, as the tool encodes them)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    target = AutoModelForCausalLM.from_pretrained(os.path.join(DEMO, "target"), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(os.path.join(DEMO, "target"))
+    with open(os.path.join(DEMO, "prompts.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return target, rows, [tok(row["prompt"])["input_ids"] for row in rows]
+
+
 def demo_drafter_files():
     with open(os.path.join(DEMO_DRAFTER, "config.json")) as f:
         return json.load(f), load_file(os.path.join(DEMO_DRAFTER, "model.safetensors"))

@@ -18,7 +18,7 @@ import torch
 
 import eval_drafter as ed
 from conftest import drafter_settings, write_jsonl
-from drafters import DEMO, dflash2_from_demo, native_from_demo, public_module, public_rounds, with_config
+from drafters import DEMO, demo_pair, dflash2_from_demo, native_from_demo, public_module, public_rounds, with_config
 
 transformers = pytest.importorskip("transformers")
 try:
@@ -34,11 +34,8 @@ N_PROMPTS = 4
 
 @pytest.fixture(scope="module")
 def demo():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    target = AutoModelForCausalLM.from_pretrained(os.path.join(DEMO, "target"), dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(os.path.join(DEMO, "target"))
-    rows = [json.loads(line) for line in open(os.path.join(DEMO, "prompts.jsonl"))][:N_PROMPTS]
-    return target, rows, [tok(row["prompt"])["input_ids"] for row in rows]
+    target, rows, prompts = demo_pair()
+    return target, rows[:N_PROMPTS], prompts[:N_PROMPTS]
 
 
 def tool_rounds(tmp_path, target_dir, drafter_dir, rows, references, name="run"):

@@ -20,7 +20,7 @@ import torch
 
 import eval_drafter as ed
 from conftest import drafter_settings, online_draft_logits, write_jsonl
-from drafters import DEMO, dflash2_from_demo, public_module
+from drafters import DEMO, demo_pair, dflash2_from_demo, public_module
 
 transformers = pytest.importorskip("transformers")
 N_NEW = 32
@@ -29,11 +29,7 @@ RUNS = 150
 
 @pytest.fixture(scope="module")
 def demo():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    target = AutoModelForCausalLM.from_pretrained(os.path.join(DEMO, "target"), dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(os.path.join(DEMO, "target"))
-    rows = [json.loads(line) for line in open(os.path.join(DEMO, "prompts.jsonl"))]
-    return target, rows, [tok(row["prompt"])["input_ids"] for row in rows]
+    return demo_pair()
 
 
 def run_tool(tmp_path, name, *argv):

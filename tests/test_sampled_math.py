@@ -44,22 +44,22 @@ def proposal(kind, prefix, j, previous):
 
 
 def enumerate_loop(kind):
-    """{text: {rounds: probability}} over every path of the sampled speculative loop. A round counts while
-    its block lies inside the text (anchor + B - 1 <= L - 1), as the tool counts them."""
+    """{text: {round lengths: probability}} over every path of the sampled speculative loop. A round counts
+    while its block lies inside the text (anchor + B - 1 <= L - 1), as the tool counts them."""
     out = defaultdict(lambda: defaultdict(float))
 
-    def finish(prefix, rounds, prob):
+    def finish(prefix, lengths, prob):
         if len(prefix) >= L:
-            out[tuple(prefix[:L])][rounds] += prob
+            out[tuple(prefix[:L])][lengths] += prob
             return
         for t, pt in enumerate(target_p(prefix).tolist()):
             if pt > 0:
-                finish(prefix + [t], rounds, prob * pt)
+                finish(prefix + [t], lengths, prob * pt)
 
-    def round_at(prefix, rounds, prob):
+    def round_at(prefix, lengths, prob):
         anchor = len(prefix) - 1
         if anchor + B - 1 > L - 1:
-            return finish(prefix, rounds, prob)
+            return finish(prefix, lengths, prob)
         for drafts in itertools.product(range(V), repeat=B - 1):
             # the drafts: independent per slot (DFlash), or each given the one before (DFlash 2)
             qs = [proposal(kind, prefix, j, drafts[j - 1] if j else prefix[-1]) for j in range(B - 1)]
@@ -77,19 +77,19 @@ def enumerate_loop(kind):
                     residual = residual / residual.sum()
                     for t, rt in enumerate(residual.tolist()):
                         if rt > 0:
-                            round_at(cur + [t], rounds + 1, pr * (1 - accept) * rt)
+                            round_at(cur + [t], lengths + (j + 1,), pr * (1 - accept) * rt)
                 if accept == 0:
                     break
                 cur, pr = cur + [x], pr * accept
             else:   # every draft accepted: the bonus token from p
                 for t, pt in enumerate(target_p(cur).tolist()):
                     if pt > 0:
-                        round_at(cur + [t], rounds + 1, pr * pt)
+                        round_at(cur + [t], lengths + (B,), pr * pt)
 
     prompt = [0]
     for t, pt in enumerate(target_p(prompt).tolist()):   # the first completion token: the target's prefill
         if pt > 0:
-            round_at(prompt + [t], 0, pt)
+            round_at(prompt + [t], (), pt)
     return out
 
 
@@ -107,77 +107,25 @@ def tool_accept(kind, text):
 
 
 @pytest.mark.parametrize("kind", ["sample", "argmax", "selector"])
-def test_expected_rounds_equal_enumeration(kind):
+def test_expected_walk_equals_enumeration(kind):
+    """For every text: E[rounds | text], E[committed | text] and the expected histogram of round lengths."""
     texts = enumerate_loop(kind)
     total = 0.0
-    for text, by_rounds in texts.items():
-        p_text = sum(by_rounds.values())
+    for text, by_lengths in texts.items():
+        p_text = sum(by_lengths.values())
         want = 1.0
         for t in range(N_PROMPT, L):
             want *= float(target_p(list(text[:t]))[text[t]])
         assert p_text == pytest.approx(want, rel=1e-9, abs=1e-15)   # lossless: the text is the target's sample
         total += p_text
-        expected_rounds = sum(r * p for r, p in by_rounds.items()) / p_text
+        histogram = [sum(p * lengths.count(n) for lengths, p in by_lengths.items()) / p_text for n in range(1, B + 1)]
         got = ed.expected_walk(tool_accept(kind, text), N_PROMPT, L, B)
-        assert got["rounds"] == pytest.approx(expected_rounds, rel=1e-9), (kind, text)
-        # committed tokens = the text up to where the last counted round ends
-        assert got["committed"] > 0 and sum(got["histogram"]) == pytest.approx(got["rounds"], rel=1e-12)
-        assert sum((k + 1) * h for k, h in enumerate(got["histogram"])) == pytest.approx(got["committed"], rel=1e-12)
+        assert got["rounds"] == pytest.approx(sum(histogram), rel=1e-9), (kind, text)
+        assert got["committed"] == pytest.approx(sum(n * h for n, h in enumerate(histogram, 1)), rel=1e-9)
+        for n in range(B):
+            assert got["histogram"][n] == pytest.approx(histogram[n], rel=1e-9, abs=1e-12), (kind, text, n + 1)
     assert total == pytest.approx(1.0, rel=1e-9)
     assert len(texts) > 50
-
-
-def test_committed_and_histogram_equal_enumeration():
-    """E[committed | text] and the expected histogram, from a walk that records lengths too."""
-    kind = "sample"
-    lengths = defaultdict(lambda: defaultdict(float))   # text -> length -> expected count
-    # Re-run the enumeration with per-round lengths: every counted round commits its acceptance length.
-    out = defaultdict(lambda: defaultdict(float))
-
-    def finish(prefix, hist, prob):
-        if len(prefix) >= L:
-            out[tuple(prefix[:L])][hist] += prob
-            return
-        for t, pt in enumerate(target_p(prefix).tolist()):
-            if pt > 0:
-                finish(prefix + [t], hist, prob * pt)
-
-    def round_at(prefix, hist, prob):
-        anchor = len(prefix) - 1
-        if anchor + B - 1 > L - 1:
-            return finish(prefix, hist, prob)
-        for drafts in itertools.product(range(V), repeat=B - 1):
-            qs = [proposal(kind, prefix, j, 0) for j in range(B - 1)]
-            cur, pr = list(prefix), prob * float(qs[0][drafts[0]]) * float(qs[1][drafts[1]])
-            for j, (q, x) in enumerate(zip(qs, drafts)):
-                p = target_p(cur)
-                accept = min(1.0, float(p[x]) / float(q[x]))
-                if accept < 1:
-                    residual = (p - q).clamp_min(0)
-                    residual = residual / residual.sum()
-                    for t, rt in enumerate(residual.tolist()):
-                        if rt > 0:
-                            round_at(cur + [t], hist + (j + 1,), pr * (1 - accept) * rt)
-                if accept == 0:
-                    break
-                cur, pr = cur + [x], pr * accept
-            else:
-                for t, pt in enumerate(target_p(cur).tolist()):
-                    if pt > 0:
-                        round_at(cur + [t], hist + (B,), pr * pt)
-
-    for t, pt in enumerate(target_p([0]).tolist()):
-        if pt > 0:
-            round_at([0, t], (), pt)
-    for text, by_hist in out.items():
-        p_text = sum(by_hist.values())
-        for hist, p in by_hist.items():
-            for n in hist:
-                lengths[text][n] += p / p_text
-        got = ed.expected_walk(tool_accept(kind, text), N_PROMPT, L, B)
-        for n in range(1, B + 1):
-            assert got["histogram"][n - 1] == pytest.approx(lengths[text][n], rel=1e-9, abs=1e-12), (text, n)
-        assert got["committed"] == pytest.approx(sum(n * v for n, v in lengths[text].items()), rel=1e-9)
 
 
 def test_argmax_walk_is_the_greedy_walk():
