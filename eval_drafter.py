@@ -814,12 +814,13 @@ def sampling_probs(logits, sampling):
     return probs
 
 
-TOP_P_PREFIX = 64   # top-p reads the sorted mass of this many top tokens; a full sort only when it falls short
+TOP_P_PREFIXES = (64, 1024)   # top-p reads a row's leading sorted mass from its top tokens; a sort past them
 
 
 def sampled_prob(logits, tokens, sampling):
-    """Per row, the probability of `tokens` (rows,) under sampling_probs, without building the whole
-    distribution: top-p needs only each row's leading sorted mass. float64 (rows,); 0 outside the support."""
+    """Per row, the probability of `tokens` (rows,) under sampling_probs, without building and sorting whole
+    rows: top-p needs only where the sorted mass crosses top_p, which a peaked row's top tokens hold; rows
+    they do not (flat ones) are sorted. float64 (rows,); 0 outside the support."""
     temperature, top_p, top_k = sampling
     z = logits.float() / temperature
     if 0 < top_k < z.shape[-1]:
@@ -828,12 +829,15 @@ def sampled_prob(logits, tokens, sampling):
     probs = z.softmax(-1)
     if top_p >= 1.0:
         return probs.gather(1, tokens[:, None])[:, 0].double()
-    lead, ids = probs.topk(min(TOP_P_PREFIX, probs.shape[-1]), dim=-1)
-    p = nucleus(lead, ids, tokens, top_p)
-    short = (lead.sum(-1) < top_p).nonzero()[:, 0]   # their cut lies past the prefix: sort the whole row
-    if short.numel():
-        ordered, order = probs[short].sort(dim=-1, descending=True)
-        p[short] = nucleus(ordered, order, tokens[short], top_p)
+    p, rows = torch.zeros(probs.shape[0], device=probs.device), torch.arange(probs.shape[0], device=probs.device)
+    for size in TOP_P_PREFIXES:
+        lead, ids = probs[rows].topk(min(size, probs.shape[-1]), dim=-1)
+        p[rows] = nucleus(lead, ids, tokens[rows], top_p)
+        rows = rows[lead.sum(-1) < top_p]   # the cut lies past these top tokens
+        if not rows.numel():
+            return p.double()
+    ordered, order = probs[rows].sort(dim=-1, descending=True)
+    p[rows] = nucleus(ordered, order, tokens[rows], top_p)
     return p.double()
 
 
