@@ -142,6 +142,10 @@ def parse_args(argv):
     g.add_argument("--reference-generation", default="speculative", choices=["speculative", "plain"],
                    help="how missing references are generated locally: speculative decoding with the first "
                         "--ckpt (same tokens as plain greedy, faster; plain for hybrid targets) or plain greedy")
+    g.add_argument("--turns", default="all", choices=["all", "first"],
+                   help="a \"turns\" line with several user turns: all (default) = every turn scored, each with the "
+                        "target's own earlier replies in its context, as the public benchmark runs MT-bench; first = "
+                        "the first turn only")
     g.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as plain text")
     g.add_argument("--enable-thinking", action="store_true", help="chat template with thinking on")
     g.add_argument("--server", metavar="URL", help="take missing references from a serving engine at URL")
@@ -171,15 +175,20 @@ def parse_args(argv):
     g = p.add_argument_group("hidden-state cache (extract once, evaluate anywhere)")
     g.add_argument("--save-hidden", metavar="FILE.safetensors",
                    help="also save the extracted hidden states, token ids and target argmax to this file")
-    g.add_argument("--load-hidden", metavar="FILE.safetensors",
-                   help="evaluate from a --save-hidden file: the target model is not built (only its embedding "
-                        "and lm_head are read); --prompts is not needed")
+    g.add_argument("--load-hidden", metavar="FILE.safetensors", nargs="+",
+                   help="evaluate from --save-hidden files (several: the caches of shards or ranks, one run): the "
+                        "target model is not built (only its embedding and lm_head are read); --prompts is not needed")
     g.add_argument("--compare-hidden", nargs=2, metavar=("A.safetensors", "B.safetensors"),
                    help="compare two --save-hidden files layer by layer (and drafters' tau from each with --ckpt)")
 
-    g = p.add_argument_group("long runs")
+    g = p.add_argument_group("long runs (torchrun --nproc_per_node=N eval_drafter.py ... spreads the prompts over ranks)")
     g.add_argument("--resume", action="store_true",
                    help="continue an interrupted run from <output>.partial.jsonl (same settings required)")
+    g.add_argument("--shard", metavar="K/N",
+                   help="evaluate the K-th of N deterministic slices of the prompts (K = 1..N) into its own --output; "
+                        "--merge rebuilds one report from the N outputs")
+    g.add_argument("--merge", nargs="+", metavar="SHARD.json",
+                   help="rebuild one report from --shard outputs (their per-prompt records); with --output")
 
     g = p.add_argument_group("output")
     g.add_argument("--output", help="write the full results as JSON to this file (atomically; finished prompts "
@@ -210,6 +219,8 @@ def resolve_settings(args):
             args.max_new_tokens = 128  # the demo target was trained on short texts
     if args.max_new_tokens is None:
         args.max_new_tokens = 256
+    if args.merge:
+        return resolve_merge(args)
     comparing, from_file = bool(args.compare_hidden), bool(args.load_hidden or args.compare_hidden)
     if not args.target and (args.ckpt or not comparing):
         fail("--target is required (or run --demo for the bundled example)")
@@ -248,6 +259,9 @@ def resolve_settings(args):
         fail("--resume cannot add to a --save-hidden file; extract in one uninterrupted run, or drop --save-hidden")
     if args.drafter_config and not os.path.isfile(args.drafter_config):
         fail(f"--drafter-config file not found: {args.drafter_config}")
+    shard = parse_shard(args.shard) if args.shard else None
+    if shard and not args.output:
+        fail("--shard needs --output: a shard's records are for --merge, which reads them from that file")
 
     device = args.device
     if device == "auto":
@@ -272,9 +286,33 @@ def resolve_settings(args):
             # what happened, once the tokenizer is read: applied / off (--no-chat-template) / none in the tokenizer
             "chat_template": "off" if args.no_chat_template else None,
             "ddtree_budgets": parse_budgets(args.ddtree_budgets),
+            "shard": shard, "ranks": 1, "rank": 0,
             "walk_rule": "first anchor = first completion token; next anchor = anchor + acceptance; "
                          "stop when the next block's drafts would pass the end of the reference",
             "torch_version": torch.__version__, "transformers_version": transformers_version}
+
+
+def parse_shard(text):
+    """(K, N) from "K/N", 1 <= K <= N."""
+    k, sep, n = text.partition("/")
+    if not (sep and k.strip().isdigit() and n.strip().isdigit() and 1 <= int(k) <= int(n)):
+        fail(f"--shard takes K/N with 1 <= K <= N (the K-th of N slices), got {text!r}")
+    return [int(k), int(n)]
+
+
+def resolve_merge(args):
+    """--merge settings: the shard files, the output; every other flag belongs to the shards."""
+    given = [f"--{k.replace('_', '-')}" for k in ("target", "ckpt", "prompts", "load_hidden", "shard", "resume")
+             if getattr(args, k)]
+    if given:
+        fail(f"--merge rebuilds a report from shard outputs alone; drop {', '.join(given)}")
+    missing = [path for path in args.merge if not os.path.isfile(path)]
+    if missing:
+        fail(f"--merge: {missing[0]} not found")
+    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        fail(f"--output {args.output}: its directory does not exist; create it first")
+    return {"merge": [os.path.abspath(path) for path in args.merge], "output": args.output, "quiet": args.quiet,
+            "threads": args.threads, "compare_hidden": None}
 
 
 def check_sampling(args):
@@ -336,7 +374,7 @@ def read_prompts(path, limit=None):
                 fail(f"{path} line {lineno}: id {item['id']!r} was already used on line {lines_of[key]}; "
                      "ids must be unique")
             lines_of[key] = lineno
-            items.append({**item, "index": len(items)})
+            items.append({**item, "index": len(items), "line": len(items)})
             if limit and len(items) >= limit:
                 break
     if not items:
@@ -353,8 +391,17 @@ def parse_prompt_row(row, path, lineno):
         item["messages"] = [{"role": "user", "content": row["prompt"]}]
     elif isinstance(row.get("messages"), list) and row["messages"]:
         item["messages"] = [chat_turn(m, where) for m in row["messages"]]
-    elif isinstance(row.get("turns"), list) and row["turns"] and isinstance(row["turns"][0], str):
+    elif isinstance(row.get("turns"), list) and row["turns"] and all(isinstance(t, str) for t in row["turns"]):
         item["messages"] = [{"role": "user", "content": row["turns"][0]}]
+        item["turns"] = row["turns"]
+        given = row.get("completions", row.get("completion_ids") if len(row["turns"]) > 1 else None)
+        if len(row["turns"]) > 1 and given is not None:   # a reference for every turn
+            if not (isinstance(given, list) and len(given) == len(row["turns"]) and
+                    all(isinstance(g, str) or (isinstance(g, list) and all(isinstance(t, int) for t in g)) for g in given)):
+                fail(f"{where}: a line of {len(row['turns'])} turns takes a reference for every turn: \"completions\" "
+                     "(texts) or \"completion_ids\" (lists of token ids), one per turn")
+            item["turn_references"] = given
+            item["completion"], item["completion_ids"] = (given[0], None) if isinstance(given[0], str) else (None, given[0])
     elif isinstance(row.get("conversations"), list) and row["conversations"]:
         turns = [chat_turn(t, where) for t in row["conversations"]]
         last = max((i for i, t in enumerate(turns) if t["role"] == "assistant"), default=None)
@@ -374,22 +421,49 @@ def parse_prompt_row(row, path, lineno):
     return item
 
 
-def with_samples(items, settings):
-    """At temperature > 0 a prompt without a reference stands for --samples-per-prompt sampled ones: one item
-    per (prompt, sample k), numbered in that order; a given reference is one sample."""
-    if not sampling_of(settings):
-        return items
-    out, recorded = [], sampling_record(settings)
+def expand(items, settings):
+    """One scored item per (prompt line, sample, turn), numbered in that order. At temperature > 0 a line
+    without a reference stands for --samples-per-prompt sampled ones (a given reference is one sample); a
+    "turns" line with several user turns (--turns all) for one item per turn, each after the one before it."""
+    sampling, recorded, out = sampling_of(settings), sampling_record(settings), []
     for it in items:
+        turns = (it.get("turns") or [None])[:1 if settings["turns"] == "first" else None]
         given = it["completion"] is not None or it["completion_ids"] is not None
-        if given and it["row"].get("sampling") not in (None, recorded):
+        if sampling and given and it["row"].get("sampling") not in (None, recorded):
             log(settings, f"note: prompt {it['id']}'s reference records other sampling settings ({it['row']['sampling']})"
                           f" than this run's ({recorded})")
-        for k in range(1 if given else settings["samples_per_prompt"]):
-            out.append({**it, "sample": it["row"].get("sample", k) if given else k, "index": len(out)})
-    if settings["samples_per_prompt"] > 1 and len(out) == len(items):
+        for k in range(settings["samples_per_prompt"] if sampling and not given else 1):
+            previous = None
+            for turn in range(1, len(turns) + 1):
+                item = {**it, "index": len(out)}
+                if sampling:
+                    item["sample"] = it["row"].get("sample", k) if given else k
+                if len(turns) > 1:
+                    ref = (it.get("turn_references") or [None] * len(turns))[turn - 1]
+                    item.update(turn=turn, previous=previous, completion=ref if isinstance(ref, str) else None,
+                                completion_ids=ref if isinstance(ref, list) else None)
+                    previous = item["index"]
+                out.append(item)
+    if sampling and settings["samples_per_prompt"] > 1 and all(it["completion"] is not None or
+                                                              it["completion_ids"] is not None for it in items):
         log(settings, "note: every prompt carries its reference: one sample each")
     return out
+
+
+def conversation(it, by_index, tokenizer):
+    """A later turn's messages: every user turn so far, the target's reply to each earlier one between them as
+    an assistant turn (a given text as it is, else the ids decoded without special tokens, as the public
+    benchmark does)."""
+    before, cur = [], it
+    while cur.get("previous") is not None:
+        cur = by_index[cur["previous"]]
+        before.append(cur)
+    messages = []
+    for prev in reversed(before):
+        reply = prev["completion"] if isinstance(prev["completion"], str) else \
+            tokenizer.decode(prev["completion_ids"], skip_special_tokens=True)
+        messages += [{"role": "user", "content": prev["turns"][prev["turn"] - 1]}, {"role": "assistant", "content": reply}]
+    return messages + [{"role": "user", "content": it["turns"][it["turn"] - 1]}]
 
 
 def chat_turn(turn, where):
@@ -581,7 +655,7 @@ def fetch_references(items, settings):
     batches = [group[i:i + SERVER_BATCH] for group in by_room.values() for i in range(0, len(group), SERVER_BATCH)]
     error = None
     with ThreadPoolExecutor(settings["server_concurrency"]) as pool, progress(settings, len(todo), "server") as bar, \
-            open(path or os.devnull, "a", encoding="utf-8") as save:
+            open(path or os.devnull, "ab", buffering=0) as save:   # one write per line: ranks may share the file
         futures = {pool.submit(server_batch, batch, settings): batch for batch in batches}
         for future in as_completed(futures):
             try:
@@ -593,10 +667,10 @@ def fetch_references(items, settings):
                 it.update(completion_ids=ids, source="server", finish_reason=finish)
                 sampled = {"sample": it["sample"], "sampling": sampling_record(settings)} \
                     if it.get("sample") is not None else {}
-                save.write(json.dumps({**it["row"], "id": it["id"], "split": it["split"], "completion_ids": ids,
-                                       "reference_source": "server", "server": settings["server"],
-                                       "server_api": settings["server_api"], "finish_reason": finish, **sampled}) + "\n")
-                save.flush()
+                save.write((json.dumps({**it["row"], "id": it["id"], "split": it["split"], "completion_ids": ids,
+                                        "reference_source": "server", "server": settings["server"],
+                                        "server_api": settings["server_api"], "finish_reason": finish,
+                                        **sampled}) + "\n").encode())
             bar.update(len(futures[future]))
     if error:
         raise error
@@ -1737,13 +1811,14 @@ def check_mask_prompt(drafter, variants, features, ids, anchors, embed_w, head):
     return counts
 
 
-def mask_check_summary(variants, per_prompt):
-    """Accuracy and mean acceptance per mode, and a warning when another mode clearly beats the configured one."""
+def mask_check_summary(modes, per_prompt):
+    """Accuracy and mean acceptance per mode ({name: in-block mask labels}), and a warning when another mode
+    clearly beats the configured one."""
     table = {}
-    for name, rules in variants.items():
+    for name, labels in modes.items():
         hits, drafts, matched, anchors, wins, losses = (sum(c[name][i] for c in per_prompt) for i in range(6))
         z = (wins - losses - 1) / math.sqrt(wins + losses) if wins + losses else 0.0  # continuity-corrected
-        table[name] = {"block_mask": [rule_label(r) for r in rules], "accuracy": hits / drafts if drafts else None,
+        table[name] = {"block_mask": labels, "accuracy": hits / drafts if drafts else None,
                        "tau_all_anchors": 1 + matched / anchors if anchors else None, "anchors": anchors,
                        "wins": wins, "losses": losses, "z": round(z, 2)}
     base = table["configured"]["accuracy"]
@@ -1986,7 +2061,8 @@ def print_report(report, out=None):
         print(f"\n== drafter {d['name']}: {d.get('generation', 'DFlash')} ({d.get('layout', 'public')} layout), "
               f"block {d['block_size']}, layers {d['layers']}", file=out)
         print("   in-block mask per layer: " + "; ".join(f"{i}: {r}" for i, r in enumerate(d["block_mask"])), file=out)
-        sections = [("all", d)] + (sorted(d["splits"].items()) if len(d["splits"]) > 1 else [])
+        sections = [("all", d)] + (sorted(d["splits"].items()) if len(d["splits"]) > 1 else []) + \
+            [(f"turn {t}", s) for t, s in d.get("turns", {}).items()]
         for name, s in sections:
             ci = "" if not s.get("tau_ci95") else f" [{fmt(s['tau_ci95'][0])}, {fmt(s['tau_ci95'][1])}]"
             rounds = f"{s['rounds']:.1f} expected" if sampling else f"{s['rounds']}"
@@ -2056,11 +2132,15 @@ def run(settings):
         torch.set_num_threads(settings["threads"])
     if settings["compare_hidden"]:
         return compare_hidden(settings)
-    report = evaluate(settings)
+    report = merge_shards(settings) if settings.get("merge") else evaluate(settings)
+    if report is None:   # a torchrun rank other than 0: rank 0 reports for all
+        if not settings["interrupted_here"] and settings["output"]:
+            remove_partial(settings)
+        return {"interrupted": True} if settings["interrupted_here"] else {}
     if settings["output"]:   # before printing: a closed pipe on stdout must not cost the results
         write_json(settings["output"], report)
-        if not report.get("interrupted"):
-            os.remove(partial_path(settings))
+        if not report.get("interrupted") and not settings.get("merge"):
+            remove_partial(settings)
     print_report(report)
     if settings["output"]:
         log(settings, f"wrote {settings['output']}")
@@ -2068,9 +2148,11 @@ def run(settings):
 
 
 def evaluate(settings):
-    """Drafters and prompts in, report dict out: the whole pipeline below the CLI. Each finished prompt is
-    appended to <output>.partial.jsonl; Ctrl-C or SIGTERM ends the loop with the finished prompts kept."""
-    items = with_samples(read_prompts(settings["prompts"], settings["limit"]), settings) \
+    """Drafters and prompts in, report dict out: the whole pipeline below the CLI, over this process's slice
+    of the prompts (--shard, or this rank's under torchrun). Each finished prompt is appended to the partial
+    file; Ctrl-C or SIGTERM ends the loop with the finished prompts kept. Under torchrun rank 0 gathers every
+    rank's records and reports them all; the other ranks return None."""
+    items = expand(read_prompts(settings["prompts"], settings["limit"]), settings) \
         if not settings["load_hidden"] else None
     target_cfg = read_target_config(settings["target"])
     drafters = [load_drafter(spec, target_cfg, settings) for spec in settings["ckpt"]]
@@ -2083,23 +2165,28 @@ def evaluate(settings):
         log(settings, f"drafter {d.name}: block {d.block_size}, layers {d.layers}, in-block mask per "
                       f"layer: {', '.join(rule_label(r) for r in d.rules)}")
         d.mask_variants = mask_variants(d, settings) if settings["check_mask"] else None
+    facts = [drafter_facts(d) for d in drafters]
     layer_union = sorted({L for d in drafters for L in d.layers})
-    records = resume_records(settings, drafters) if settings["resume"] else {}
+    records = resume_records(settings, facts) if settings["resume"] else {}
+    for it in items or []:   # a finished turn's reply is the next turn's context
+        if it["index"] in records:
+            it.update({k: records[it["index"]]["item"][k] for k in ("prompt_ids", "completion_ids")})
     TIMING.clear()
     partial = open_partial(settings, records)
     t0, interrupted, skipped = time.time(), False, []
     previous = signal.signal(signal.SIGTERM, raise_interrupt) if is_main_thread() else None
     try:
         if settings["load_hidden"]:
-            items, stream = open_hidden(settings["load_hidden"], settings, target_cfg, layer_union, set(records))
+            items, stream = open_hidden(settings["load_hidden"], settings, target_cfg, layer_union,
+                                        lambda it: not mine(it, settings) or it["index"] in records)
             embed_w, head = read_embed_head(settings["target"], target_cfg, settings)
         else:
-            stream, embed_w, head = extract_from_target(items, settings, target_cfg, layer_union, set(records),
-                                                      drafters[0])
+            stream, embed_w, head = extract_from_target([it for it in items if mine(it, settings)], settings,
+                                                      target_cfg, layer_union, set(records), drafters[0])
             skipped = [{"id": it["id"], "reason": it["skip"]} for it in items if it.get("skip")]
         records = {i: r for i, r in records.items() if i < len(items)}  # resumed with a smaller --limit
         group_size = WALK_GROUP if settings["anchors"] == "walk" else 1
-        with progress(settings, len(items) - len(records), "draft", 1) as bar:
+        with progress(settings, sum(mine(it, settings) for it in items) - len(records), "draft", 1) as bar:
             for group in groups(stream, group_size):
                 for record in evaluate_prompts(group, drafters, embed_w, head, settings):
                     records[record["item"]["index"]] = record
@@ -2115,8 +2202,105 @@ def evaluate(settings):
             signal.signal(signal.SIGTERM, previous)
         if partial:
             partial.close()
+    settings["interrupted_here"] = interrupted
+    everything = [(it["index"], it["id"], it.get("sample"), it.get("turn")) for it in items]
+    if settings["ranks"] > 1:
+        gathered = gather_ranks(settings, facts, records, skipped, interrupted)
+        if gathered is None:
+            return None
+        records, skipped, interrupted = gathered
+    report = make_report(settings, facts, [records[i] for i in sorted(records)], skipped, time.time() - t0,
+                         interrupted)
+    if settings["shard"]:   # what --merge needs: every prompt's records, and the run's whole item list
+        report["shard"] = {"slice": settings["shard"], "items": everything, "facts": facts,
+                           "records": [record_json(records[i]) for i in sorted(records)]}
+    return report
 
-    done = [records[i] for i in sorted(records)]
+
+def merge_shards(settings):
+    """--merge: one report from --shard outputs, recomputed from their per-prompt records (pooled statistics
+    from the rounds, never an average of averages). Shards of other settings, drafters or prompts, prompts
+    held twice or by none, and interrupted shards are refused, naming them."""
+    shards = []
+    for path in settings["merge"]:
+        report = read_json(path)
+        if "shard" not in report:
+            fail(f"--merge: {path} holds no per-prompt records: only the outputs of --shard runs can be merged")
+        if report.get("interrupted"):
+            fail(f"--merge: {path} is an interrupted shard: finish it with --resume before merging")
+        shards.append((path, report))
+    (first_path, first), facts = shards[0], shards[0][1]["shard"]["facts"]
+    for path, report in shards[1:]:
+        differ = [k for k in RESUME_KEYS if report["config"].get(k) != first["config"].get(k)]
+        if differ:
+            fail(f"--merge: {path} and {first_path} were run with other settings ({', '.join(differ)} differ)")
+        if report["shard"]["facts"] != facts:
+            names = [a["name"] for a, b in zip(report["shard"]["facts"], facts) if a != b] or ["the list"]
+            fail(f"--merge: {path} and {first_path} evaluated other drafters ({', '.join(names)} differ)")
+        if report["shard"]["items"] != first["shard"]["items"]:
+            fail(f"--merge: {path} and {first_path} hold other prompt lists (another prompts file or --limit)")
+    records, owner = {}, {}
+    for path, report in shards:
+        for row in report["shard"]["records"]:
+            index = row["item"]["index"]
+            if index in owner:
+                fail(f"--merge: prompt {row['item']['id']} is in both {owner[index]} and {path}: merge each shard once")
+            records[index], owner[index] = record_from_json(row, facts), path
+    skipped = [s for _, report in shards for s in report["skipped"]]
+    missing = [entry[1] for entry in first["shard"]["items"]
+               if entry[0] not in records and entry[1] not in {s["id"] for s in skipped}]
+    if missing:
+        fail(f"--merge: no shard holds prompt{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing[:5]))}"
+             f"{' ...' if len(missing) > 5 else ''}: merge every shard of the run (1/N to N/N)")
+    TIMING.clear()
+    for _, report in shards:
+        for stage, seconds in report["timing"].items():
+            if stage != "total_s":
+                TIMING[stage] = TIMING.get(stage, 0.0) + seconds
+    config = {**first["config"], "shard": None, "merge": settings["merge"], "output": settings["output"],
+              "quiet": settings["quiet"]}
+    return make_report(config, facts, [records[i] for i in sorted(records)], skipped,
+                       sum(report["timing"]["total_s"] for _, report in shards), False)
+
+
+def mine(it, settings):
+    """Is this prompt line in this process's slice? Lines go round-robin over --shard K/N or the torchrun
+    ranks, with every sample and turn of a line in the same slice (a turn needs the reply before it)."""
+    k, n = settings["shard"] or (settings["rank"] + 1, settings["ranks"])
+    return it.get("line", it["index"]) % n == k - 1
+
+
+def gather_ranks(settings, facts, records, skipped, interrupted):
+    """torchrun: every rank's records to rank 0 ((records, skipped, interrupted) there, None elsewhere);
+    the stages' time is summed over the ranks."""
+    import torch.distributed as dist
+    everyone = [None] * settings["ranks"]
+    # torchrun passes Ctrl-C to every rank, and may pass it again: a rank that has stopped waits for the
+    # others here and must not die of it, or what every rank finished is lost.
+    held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)} \
+        if is_main_thread() else {}
+    try:
+        dist.all_gather_object(everyone, ({i: record_json(r) for i, r in records.items()}, skipped, interrupted,
+                                          dict(TIMING)))
+    finally:
+        for sig, handler in held.items():
+            signal.signal(sig, handler)
+    settings["interrupted_here"] = any(cut for _, _, cut, _ in everyone)   # every rank keeps its partial file
+    if settings["rank"] != 0:
+        return None
+    merged, all_skipped, any_interrupted = {}, [], False
+    for rank, (rows, skip, cut, timing) in enumerate(everyone):
+        merged.update({int(i): record_from_json(row, facts) for i, row in rows.items()})
+        all_skipped += skip
+        any_interrupted |= cut
+        for stage, seconds in timing.items() if rank else ():   # rank 0's own time is in TIMING already
+            TIMING[stage] = TIMING.get(stage, 0.0) + seconds
+    return merged, all_skipped, any_interrupted
+
+
+def make_report(settings, facts, done, skipped, seconds, interrupted):
+    """The report of finished prompts' records (in item order): the target's reference check and self-check,
+    every drafter's statistics, what was skipped, timing."""
     finished = [r["item"] for r in done]
     check, given = self_check(finished, settings), [it for it in finished if it["source"] != "target"]
     if sampling_of(settings):
@@ -2141,13 +2325,13 @@ def evaluate(settings):
         print(f"warning: skipped {len(skipped)} prompts (see \"skipped\" in the JSON): {skipped[0]['reason']}",
               file=sys.stderr)
     report = {
-        "config": dict(settings),
+        "config": {k: v for k, v in settings.items() if k != "interrupted_here"},
         "target": {"path": settings["target"], "device": settings["device"], "dtype": settings["dtype"],
                    **reference_check, "self_check": check},
-        "drafters": [drafter_report(d, [r["results"][j] for r in done], finished) for j, d in enumerate(drafters)],
+        "drafters": [drafter_report(d, [r["results"][j] for r in done], finished) for j, d in enumerate(facts)],
         "skipped": skipped,
-        "timing": {**{k: round(v, 4) for k, v in sorted(TIMING.items())}, "total_s": round(time.time() - t0, 4)},
-        "elapsed_s": time.time() - t0,
+        "timing": {**{k: round(v, 4) for k, v in sorted(TIMING.items())}, "total_s": round(seconds, 4)},
+        "elapsed_s": seconds,
     }
     if interrupted:
         report["interrupted"] = True
@@ -2202,7 +2386,7 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
                                                           head)
             results[i].append(res)
     records = []
-    keep = ("index", "id", "split", "prompt_ids", "completion_ids", "agree", "source", "sample", "support")
+    keep = ("index", "id", "split", "prompt_ids", "completion_ids", "agree", "source", "sample", "support", "turn")
     for (it, _, argmax), res in zip(group, results):
         diverge = next((k for k, (a, b) in enumerate(zip(argmax, it["completion_ids"])) if a != b), None)
         detail = None if diverge is None else {"reference": it["completion_ids"][diverge], "argmax": argmax[diverge],
@@ -2218,7 +2402,9 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
 RESUME_KEYS = ("target", "ckpt", "anchors", "prompts", "prompts_hash", "load_hidden", "max_new_tokens", "ignore_eos", "device",
                "dtype", "layers", "block_size", "block_mask", "sliding_window", "no_chat_template", "enable_thinking",
                "ddtree_budgets", "check_mask", "drafter_config", "mask_token_id", "head_dim", "num_heads",
-               "num_kv_heads", "temperature", "top_p", "top_k", "draft_policy", "samples_per_prompt", "seed")
+               "num_kv_heads", "temperature", "top_p", "top_k", "draft_policy", "samples_per_prompt", "seed",
+               "turns")
+SLICE_KEYS = ("shard", "ranks")   # a resumed run must take the same slice of the prompts
 
 
 def raise_interrupt(signum, frame):
@@ -2240,27 +2426,33 @@ def record_json(record):
     return {"item": record["item"], "results": results}
 
 
-def record_from_json(row, drafters):
+def record_from_json(row, facts):
     results = []
-    for r, d in zip(row["results"], drafters):
+    for r, d in zip(row["results"], facts):
         bits = torch.tensor(r["equal"], dtype=torch.long).view(-1, 1)
         results.append({"rounds": r["rounds"], "ddtree_rounds": {int(b): v for b, v in r["ddtree_rounds"].items()},
                         "matched": torch.tensor(r["matched"], dtype=torch.long),
-                        "equal": (bits >> torch.arange(d.block_size - 1)) & 1 == 1,
+                        "equal": (bits >> torch.arange(d["block_size"] - 1)) & 1 == 1,
                         **({"mask_check": r["mask_check"]} if r.get("mask_check") else {}),
                         **({"expected": r["expected"]} if "expected" in r else {})})
     return {"item": {**row["item"], "agree": tuple(row["item"]["agree"])}, "results": results}
 
 
 def fingerprint(settings):
-    return {k: settings.get(k) for k in RESUME_KEYS}
+    return {k: settings.get(k) for k in RESUME_KEYS + SLICE_KEYS}
 
 
 def partial_path(settings):
-    return settings["output"] + ".partial.jsonl"
+    """<output>.partial.jsonl; under torchrun one per rank: <output>.partial.rank<R>.jsonl."""
+    return settings["output"] + (f".partial.rank{settings['rank']}.jsonl" if settings["ranks"] > 1 else ".partial.jsonl")
 
 
-def resume_records(settings, drafters):
+def remove_partial(settings):
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(partial_path(settings))
+
+
+def resume_records(settings, facts):
     """Finished prompts from <output>.partial.jsonl, if it was written with the same settings."""
     path = partial_path(settings)
     if not os.path.isfile(path):
@@ -2278,12 +2470,12 @@ def resume_records(settings, drafters):
     if not header or "fingerprint" not in header:
         fail(f"{path} is not a partial-results file of this tool; remove it or drop --resume")
     now = fingerprint(settings)
-    differ = [k for k in RESUME_KEYS if header["fingerprint"].get(k) != now[k]]
+    differ = [k for k in RESUME_KEYS + SLICE_KEYS if header["fingerprint"].get(k) != now[k]]
     if differ:
         fail(f"--resume: {path} was written with other settings ({', '.join(differ)} differ); rerun with the "
              "same settings, or without --resume to start over")
     log(settings, f"resuming: {len(rows)} prompts already finished in {path}")
-    return {row["item"]["index"]: record_from_json(row, drafters) for row in rows}
+    return {row["item"]["index"]: record_from_json(row, facts) for row in rows}
 
 
 def open_partial(settings, records):
@@ -2336,23 +2528,32 @@ def extract_from_target(items, settings, target_cfg, layer_union, done=frozenset
               "extract on a GPU", file=sys.stderr)
     with timed("load_s"):
         model, tokenizer = load_target(settings)
-    encode_prompts(tokenizer, items, settings)
     limit = target_cfg.max_position_embeddings
-    todo = [it for it in items if it["index"] not in done]
-    for it in todo:
-        total = len(it["prompt_ids"]) + len(it["completion_ids"] or [])
-        if len(it["prompt_ids"]) >= limit or total > limit:
-            it["skip"] = (f"prompt + completion ({total} tokens) exceed the target's {limit} positions")
-    todo = [it for it in todo if not it.get("skip")]
     stops = set() if settings["ignore_eos"] else eos_ids(model, tokenizer)
-    generate = [it for it in todo if it["completion_ids"] is None]
-    for it in generate:
-        it["room"] = min(settings["max_new_tokens"], limit - len(it["prompt_ids"]))
-    if settings["server"]:
-        with timed("generate_s"):
-            fetch_references(generate, settings)
-    else:
-        generate_locally(model, generate, settings, target_cfg, drafter, stops)
+    by_index = {it["index"]: it for it in items}
+    for turn in sorted({it.get("turn", 1) for it in items}):   # a turn's context holds the replies before it
+        ready = [it for it in items if it.get("turn", 1) == turn and not by_index.get(it.get("previous"), {}).get("skip")]
+        for it in ready:
+            if it.get("previous") is not None:
+                it["messages"] = conversation(it, by_index, tokenizer)
+        encode_prompts(tokenizer, [it for it in ready if it["index"] not in done], settings)
+        todo = [it for it in ready if it["index"] not in done]
+        for it in todo:
+            total = len(it["prompt_ids"]) + len(it["completion_ids"] or [])
+            if len(it["prompt_ids"]) >= limit or total > limit:
+                it["skip"] = (f"prompt + completion ({total} tokens) exceed the target's {limit} positions")
+        generate = [it for it in todo if it["completion_ids"] is None and not it.get("skip")]
+        for it in generate:
+            it["room"] = min(settings["max_new_tokens"], limit - len(it["prompt_ids"]))
+        if settings["server"]:
+            with timed("generate_s"):
+                fetch_references(generate, settings)
+        else:
+            generate_locally(model, generate, settings, target_cfg, drafter, stops)
+    for it in items:   # a turn after a skipped one has no context: skipped too
+        if by_index.get(it.get("previous"), {}).get("skip"):
+            it["skip"] = f"turn {it['turn'] - 1} of this conversation was skipped"
+    todo = [it for it in items if it["index"] not in done and not it.get("skip")]
 
     def stream():
         saved = {"tensors": {}, "bytes": 0, "shards": [], "run": f"{os.getpid()}-{time.time_ns()}"} \
@@ -2364,7 +2565,7 @@ def extract_from_target(items, settings, target_cfg, layer_union, done=frozenset
                     x = extract_hidden(model, ids, layer_union, len(it["prompt_ids"]), sampling_of(settings))
                 it.update(gaps=x.gaps, p=x.p)
                 if saved is not None:
-                    keep_hidden(saved, settings["save_hidden"], j, ids, x, layer_union)
+                    keep_hidden(saved, hidden_path(settings), j, ids, x, layer_union)
                 bar.update()
                 yield it, x.features, x.argmax
         if saved is not None:
@@ -2425,6 +2626,15 @@ def keep_hidden(saved, path, i, ids, x, layer_union):
         saved.update(tensors={}, bytes=0, shards=saved["shards"] + [os.path.basename(shard)])
 
 
+def hidden_path(settings):
+    """The --save-hidden file; under torchrun each rank writes its own, <name>.rank<R>-of-<N>.safetensors."""
+    path = settings["save_hidden"]
+    if settings["ranks"] < 2:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.rank{settings['rank']}-of-{settings['ranks']}{ext or '.safetensors'}"
+
+
 def save_hidden(settings, target_cfg, layer_union, items, saved):
     """The main file: the last tensors and the run metadata (naming any shards written before it)."""
     meta = {"format": "eval_drafter.hidden/2", "target_hash": target_hash(settings["target"]),
@@ -2433,11 +2643,12 @@ def save_hidden(settings, target_cfg, layer_union, items, saved):
             "prompts_file": settings["prompts"], "prompts_hash": file_hash(settings["prompts"]),
             "chat_template": settings["chat_template"] == "applied", "enable_thinking": settings["enable_thinking"],
             "sampling": sampling_of(settings),
-            "prompts": [{"id": it["id"], "split": it["split"], "prompt_tokens": len(it["prompt_ids"]),
-                         "completion_tokens": len(it["completion_ids"]), "source": it["source"],
-                         **({"sample": it["sample"]} if it.get("sample") is not None else {})}
+            "prompts": [{"id": it["id"], "index": it["index"], "line": it.get("line", it["index"]), "split": it["split"],
+                         "prompt_tokens": len(it["prompt_ids"]), "completion_tokens": len(it["completion_ids"]),
+                         "source": it["source"],
+                         **{k: it[k] for k in ("sample", "turn") if it.get(k) is not None}}
                         for it in items], "shards": saved["shards"]}
-    path = settings["save_hidden"]
+    path = hidden_path(settings)
     old_shards = []
     with contextlib.suppress(UsageError):  # what was there may be no cache at all
         old_shards = read_hidden_meta(path).get("shards", []) if os.path.isfile(path) else []
@@ -2479,43 +2690,61 @@ def hidden_tensors(path, meta, device="cpu"):
         yield lambda key: where[key].get_tensor(key)
 
 
-def open_hidden(path, settings, target_cfg, layer_union, done=frozenset()):
-    """Prompts and a lazy stream of (item, features, argmax) from a --save-hidden file, after checks."""
-    meta = read_hidden_meta(path)
-    if meta["target_hash"] != target_hash(settings["target"], meta["format"] != "eval_drafter.hidden/1"):
-        fail(f"{path} was extracted from another target than {settings['target']} (the hash of its config and "
-             "weights differs); pass the target it was made with, or extract again")
-    missing = sorted(set(layer_union) - set(meta["layers"]))
-    if missing:
-        fail(f"{path} holds layers {meta['layers']} but the drafters need {layer_union} (missing {missing}); "
-             "extract again with drafters that need them all")
+def open_hidden(paths, settings, target_cfg, layer_union, skip=lambda it: False):
+    """Prompts and a lazy stream of (item, features, argmax) from --save-hidden files, after checks; several
+    files (the caches of a run's shards or ranks) are joined in the run's prompt order. Items for which
+    skip(item) holds are not streamed."""
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    metas = [read_hidden_meta(path) for path in paths]
     sampling = sampling_of(settings)
-    if sampling and list(sampling) != list(meta.get("sampling") or []):
-        fail(f"{path} was extracted at {describe_sampling(meta.get('sampling'))}, this run asks for "
-             f"{describe_sampling(sampling)}: the target's probabilities of the references are kept for the "
-             "settings of the extraction; evaluate at those, or extract again")
-    rows = meta["prompts"][:settings["limit"]] if settings["limit"] else meta["prompts"]
+    for path, meta in zip(paths, metas):
+        if meta["target_hash"] != target_hash(settings["target"], meta["format"] != "eval_drafter.hidden/1"):
+            fail(f"{path} was extracted from another target than {settings['target']} (the hash of its config and "
+                 "weights differs); pass the target it was made with, or extract again")
+        missing = sorted(set(layer_union) - set(meta["layers"]))
+        if missing:
+            fail(f"{path} holds layers {meta['layers']} but the drafters need {layer_union} (missing {missing}); "
+                 "extract again with drafters that need them all")
+        if sampling and list(sampling) != list(meta.get("sampling") or []):
+            fail(f"{path} was extracted at {describe_sampling(meta.get('sampling'))}, this run asks for "
+                 f"{describe_sampling(sampling)}: the target's probabilities of the references are kept for the "
+                 "settings of the extraction; evaluate at those, or extract again")
+        if (meta.get("prompts_hash"), meta.get("sampling")) != (metas[0].get("prompts_hash"), metas[0].get("sampling")):
+            fail(f"{path} and {paths[0]} come from different prompts files or sampling settings: one run's caches only")
+    entries = sorted(((row.get("index", i), j, i, row) for j, meta in enumerate(metas)
+                      for i, row in enumerate(meta["prompts"])), key=lambda e: e[0])
+    twice = [row["id"] for (a, _, _, row), (b, _, _, _) in zip(entries, entries[1:]) if a == b]
+    if twice:
+        fail(f"prompt {twice[0]} is in more than one of the --load-hidden files: give each shard's cache once")
+    entries = entries[:settings["limit"]] if settings["limit"] else entries
     items = []
 
     def stream():
         dtype = getattr(torch, settings["dtype"])
-        with hidden_tensors(path, meta, settings["device"]) as get:
-            for i, it in enumerate(items):
-                if i not in done:
-                    argmax = get(f"{i}.argmax").tolist()
-                    with contextlib.suppress(KeyError):   # files written before the gaps were kept have none
-                        gap = get(f"{i}.gaps").tolist()
-                        it["gaps"] = {k: gap[k] for k, (a, b) in enumerate(zip(argmax, it["completion_ids"])) if a != b}
-                    if sampling:
-                        it["p"] = get(f"{i}.p").double().cpu()
-                    yield it, {L: get(f"{i}.layer{L}").to(dtype) for L in layer_union}, argmax
+        with contextlib.ExitStack() as stack:
+            getters = [stack.enter_context(hidden_tensors(path, meta, settings["device"]))
+                       for path, meta in zip(paths, metas)]
+            for it in items:
+                if skip(it):
+                    continue
+                get, i = getters[it["cache"][0]], it["cache"][1]
+                argmax = get(f"{i}.argmax").tolist()
+                with contextlib.suppress(KeyError):   # files written before the gaps were kept have none
+                    gap = get(f"{i}.gaps").tolist()
+                    it["gaps"] = {k: gap[k] for k, (a, b) in enumerate(zip(argmax, it["completion_ids"])) if a != b}
+                if sampling:
+                    it["p"] = get(f"{i}.p").double().cpu()
+                yield it, {L: get(f"{i}.layer{L}").to(dtype) for L in layer_union}, argmax
 
-    with hidden_tensors(path, meta) as get:
-        for i, row in enumerate(rows):
-            ids = get(f"{i}.ids").tolist()
-            items.append({"index": i, "id": row["id"], "split": row["split"], "prompt_ids": ids[:row["prompt_tokens"]],
-                          "completion_ids": ids[row["prompt_tokens"]:], "sample": row.get("sample"),
+    with contextlib.ExitStack() as stack:
+        getters = [stack.enter_context(hidden_tensors(path, meta)) for path, meta in zip(paths, metas)]
+        for index, j, i, row in entries:
+            ids = getters[j](f"{i}.ids").tolist()
+            items.append({"index": index, "line": row.get("line", index), "id": row["id"], "split": row["split"],
+                          "prompt_ids": ids[:row["prompt_tokens"]], "completion_ids": ids[row["prompt_tokens"]:],
+                          "sample": row.get("sample"), "turn": row.get("turn"), "cache": (j, i),
                           "source": row.get("source", "target" if row.get("generated") else "file")})
+    meta = metas[0]
     settings["chat_template"] = "applied" if meta.get("chat_template") else "not applied"   # at extraction
     settings["hidden_cache"] = {k: meta.get(k) for k in ("format", "dtype", "device", "torch_version",
                                                          "transformers_version", "prompts_file", "layers")}
@@ -2671,6 +2900,7 @@ def prompt_report(it, res, B):
     """One reference's entry: where it came from, how it sits with the target, its rounds (or at temperature
     > 0 their expectation, with the rounds too under argmax proposals)."""
     entry = {"id": it["id"], **({"sample": it["sample"]} if it.get("sample") is not None else {}),
+             **({"turn": it["turn"]} if it.get("turn") is not None else {}),
              "split": it["split"], "prompt_tokens": len(it["prompt_ids"]), "completion_tokens": len(it["completion_ids"]),
              "reference_generated": it["source"] != "file", "reference_source": it["source"],
              "first_divergence": it["first_divergence"], "divergence": it.get("divergence")}
@@ -2704,9 +2934,19 @@ DDTREE_NOTE_DFLASH2 = ("DFlash 2 drafts a chain: its selector couples each slot'
                        "alone is not what any engine runs)")
 
 
+def drafter_facts(d):
+    """What the report says of a drafter apart from its results (a shard's output carries it for --merge)."""
+    return {"name": d.name, "checkpoint": d.checkpoint, "generation": d.generation, "layout": d.layout,
+            "block_size": d.block_size, "layers": d.layers, "mask_token_id": d.mask_token_id,
+            "block_mask": [rule_label(r) for r in d.rules],
+            "mask_modes": {name: [rule_label(r) for r in rules] for name, rules in d.mask_variants.items()}
+            if d.mask_variants else None}
+
+
 def drafter_report(d, results, items):
-    B = d.block_size
-    no_trees = {"ddtree": None, "ddtree_note": DDTREE_NOTE_DFLASH2} if d.selector_top_k else {}
+    """The report of one drafter (its facts d) over some prompts' results."""
+    B = d["block_size"]
+    no_trees = {"ddtree": None, "ddtree_note": DDTREE_NOTE_DFLASH2} if d["generation"] == "DFlash 2" else {}
     sampled = bool(results) and "expected" in results[0]
     stats = summarize_expected if sampled else summarize
 
@@ -2714,25 +2954,49 @@ def drafter_report(d, results, items):
         return reference_support([it for it in chosen]) if sampled else \
             {"target_agreement": target_agreement([it for it in chosen])}
 
-    splits = {}
-    for split in sorted({it["split"] for it in items}):
-        chosen = [(res, it) for res, it in zip(results, items) if it["split"] == split]
-        splits[split] = {**stats([res for res, _ in chosen], B), **check([it for _, it in chosen]), **no_trees}
+    def section(keep):
+        chosen = [(res, it) for res, it in zip(results, items) if keep(it)]
+        return {**stats([res for res, _ in chosen], B), **check([it for _, it in chosen]), **no_trees}
+
+    splits = {split: section(lambda it: it["split"] == split) for split in sorted({it["split"] for it in items})}
+    turns = {str(t): section(lambda it: it.get("turn") == t) for t in sorted({it.get("turn") for it in items} - {None})}
     prompts = [prompt_report(it, res, B) for it, res in zip(items, results)]
-    return {"name": d.name, "checkpoint": d.checkpoint, "generation": d.generation, "layout": d.layout,
-            "block_size": B, "layers": d.layers,
-            "mask_token_id": d.mask_token_id, "block_mask": [rule_label(r) for r in d.rules],
-            **stats(results, B), **no_trees, **check(items), "splits": splits,
-            **({"mask_check": mask_check_summary(d.mask_variants, [r["mask_check"] for r in results if "mask_check" in r])}
-               if d.mask_variants else {}), "prompts": prompts}
+    return {**{k: v for k, v in d.items() if k != "mask_modes"},
+            **stats(results, B), **no_trees, **check(items), "splits": splits, **({"turns": turns} if turns else {}),
+            **({"mask_check": mask_check_summary(d["mask_modes"], [r["mask_check"] for r in results if "mask_check" in r])}
+               if d["mask_modes"] else {}), "prompts": prompts}
+
+
+def join_ranks(settings):
+    """Under torchrun (WORLD_SIZE > 1): join the process group (gloo on CPU, nccl on CUDA) and take this rank's
+    device (cuda:LOCAL_RANK) and, on CPU, its share of the cores."""
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if ranks < 2 or settings.get("merge") or settings.get("compare_hidden"):
+        return settings
+    import torch.distributed as dist
+    if settings["shard"]:
+        fail("--shard and torchrun both slice the prompts: use one of them")
+    local, local_ranks = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
+    if settings["device"] == "cuda":
+        torch.cuda.set_device(local)
+        settings["device"] = f"cuda:{local}"
+    elif not settings["threads"]:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if settings["device"].startswith("cuda") else "gloo")
+    settings.update(rank=dist.get_rank(), ranks=dist.get_world_size())
+    if settings["rank"]:
+        settings["quiet"] = True   # rank 0 speaks for the run
+    return settings
 
 
 def main(argv=None):
     try:
-        settings = resolve_settings(parse_args(argv))
+        settings = join_ranks(resolve_settings(parse_args(argv)))
         report = run(settings)
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:   # under torchrun every rank stops; one says why
+            print(f"error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:   # the report piped into `head`: what was read is what was wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

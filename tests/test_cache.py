@@ -858,7 +858,7 @@ def test_check_mask_causal_drafter(causal_drafter, tmp_path):
 def fake_summary(wins, losses, drafts):
     """mask_check_summary over made-up counts: one prompt; 'causal' wins `wins` drafts from the configured mode
     and loses `losses`."""
-    variants = {name: [("bidirectional", None)] for name in ("configured", "causal")}
+    variants = {name: ["bidirectional"] for name in ("configured", "causal")}
     hits = drafts // 2
     counts = {"configured": [hits, drafts, 0, 10, 0, 0],
               "causal": [hits + wins - losses, drafts, 0, 10, wins, losses]}
