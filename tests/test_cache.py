@@ -150,7 +150,7 @@ def test_demo_load_equals_direct_run(demo):
     differ = {k for k in set(direct["config"]) | set(loaded["config"])
               if direct["config"].get(k) != loaded["config"].get(k)}
     assert differ <= CONFIG_KEYS_ALLOWED_TO_DIFFER, differ
-    assert loaded["config"]["load_hidden"] == demo["fp32"]
+    assert loaded["config"]["load_hidden"] == [demo["fp32"]]
 
 
 def test_tiny_save_does_not_change_results(tiny):
