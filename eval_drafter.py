@@ -123,6 +123,9 @@ def parse_args(argv):
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="where the target and drafters run: auto (default) = cuda when torch sees a GPU, else cpu; "
                         "cuda = the current GPU (pick one with CUDA_VISIBLE_DEVICES)")
+    g.add_argument("--device-map", choices=["auto"],
+                   help="auto = spread a target too big for one GPU over this box's GPUs (transformers + accelerate); "
+                        "the drafters run on the first GPU, where the embedding sits")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto = float32 on CPU (exact; bf16 CPU kernels of hybrid targets drift), bfloat16 on CUDA")
     g.add_argument("--threads", type=int, help="torch CPU threads")
@@ -141,7 +144,8 @@ def parse_args(argv):
     g.add_argument("--ignore-eos", action="store_true", help="generate references past EOS")
     g.add_argument("--reference-generation", default="speculative", choices=["speculative", "plain"],
                    help="how missing references are generated locally: speculative decoding with the first "
-                        "--ckpt (same tokens as plain greedy, faster; plain for hybrid targets) or plain greedy")
+                        "--ckpt (same tokens as plain greedy, faster; hybrid targets need transformers 5.x) or "
+                        "plain greedy")
     g.add_argument("--turns", default="all", choices=["all", "first"],
                    help="a \"turns\" line with several user turns: all (default) = every turn scored, each with the "
                         "target's own earlier replies in its context, as the public benchmark runs MT-bench; first = "
@@ -269,6 +273,21 @@ def resolve_settings(args):
     elif device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    if args.device_map:
+        import importlib.util
+        if device != "cuda":
+            fail("--device-map auto spreads the target over GPUs, but this run is on the CPU (torch sees no GPU, "
+                 "or --device cpu); drop --device-map")
+        if importlib.util.find_spec("accelerate") is None:
+            fail("--device-map auto needs the accelerate package, which transformers uses to place the layers: "
+                 "pip install accelerate")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            fail("--device-map auto and torchrun both claim the GPUs: use one rank per GPU, or one process with "
+                 "--device-map auto")
+    if device == "cuda":
+        # cuDNN attention builds a plan for every new sequence length, and generation and walks meet a new one
+        # at every step (the bf16 demo ran 9x slower on CUDA than on CPU); flash / memory-efficient kernels don't.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     layers = None
     if args.layers:
         try:
@@ -566,10 +585,12 @@ def load_target(settings):
     config, rewritten = target_config(path)
     # Load straight into the run dtype: casting afterwards would also cast rotary buffers. (`dtype=` is
     # transformers' name since 4.56; the tested floor is above that.)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False,
+    placement = {"device_map": "auto"} if settings.get("device_map") else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False, **placement,
                                                  **({"config": config} if rewritten else {}))
-    model.to(settings["device"]).eval()
-    return model, tokenizer
+    if not placement:
+        model.to(settings["device"])
+    return model.eval(), tokenizer
 
 
 def eos_ids(model, tokenizer):
@@ -613,6 +634,49 @@ def roll_back(cache, n):
     "remove n" in both, and n = 0 must not call crop at all."""
     if n > 0:
         cache.crop(-n)
+
+
+def is_hybrid(config):
+    return "linear_attention" in (getattr(config, "layer_types", None) or [])
+
+
+def rewindable_cache(model):
+    """A fresh target cache the speculative loop can roll back, or None. Attention K/V crop; a hybrid's
+    linear-attention layers keep a convolution window (cropped too, once transformers records its past)
+    and a recurrent state that no crop can undo: `verify_pass` snapshots that state instead. transformers
+    4.x caches cannot record the past, so hybrids there get None (plain decoding)."""
+    from transformers import DynamicCache
+    if not is_hybrid(model.config):
+        return DynamicCache()
+    if not hasattr(DynamicCache, "activate_past_recording"):
+        return None
+    return DynamicCache(config=model.config)
+
+
+def recurrent_states(cache):
+    """[(layer cache, state index)] of every recurrent state a hybrid cache holds."""
+    return [(layer, i) for layer in getattr(cache, "layers", [])
+            for i, state in (getattr(layer, "recurrent_states", None) or {}).items() if state is not None]
+
+
+def verify_pass(model, block, layers, cache, verdict):
+    """The target over a drafted block after `cache`, left holding the anchor and the accepted drafts only:
+    (features of the block, accepted, the target's next token). A full-attention cache just drops the
+    rejected tail. A hybrid's recurrent state has already absorbed the whole block, so it is put back as
+    it was before the block and the kept tokens run again: exact, one extra pass per rejected round."""
+    saved = [(layer, i, layer.recurrent_states[i].clone()) for layer, i in recurrent_states(cache)]
+    features, last, cache = target_pass(model, block, layers, cache)
+    accepted, bonus = verdict(last)
+    if not saved:
+        roll_back(cache, len(block) - 1 - accepted)
+    elif accepted == len(block) - 1:
+        cache.crop(0)    # nothing to drop; trims the recorded convolution inputs back to the kernel width
+    else:
+        for layer, i, state in saved:
+            layer.recurrent_states[i].copy_(state)
+        cache.crop(-len(block))
+        target_pass(model, block[:accepted + 1], [], cache)
+    return features, accepted, bonus
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -788,8 +852,15 @@ def server_words(error):
 
 
 def target_parts(model):
-    decoder = model.get_decoder()
-    return decoder, decoder.layers, model.get_input_embeddings(), model.get_output_embeddings()
+    """(decoder, its layers, embedding, head). Under --device-map the head may sit on another GPU than the
+    embedding, where the drafters and every tensor of this tool live: the head returned then takes rows
+    there and gives logits back there."""
+    decoder, embed, lm_head = model.get_decoder(), model.get_input_embeddings(), model.get_output_embeddings()
+    head = lm_head
+    if lm_head.weight.device != embed.weight.device:
+        def head(rows):
+            return lm_head(rows.to(lm_head.weight.device)).to(rows.device)
+    return decoder, decoder.layers, embed, head
 
 
 def target_pass(model, ids, layer_ids, cache=None):
@@ -799,12 +870,12 @@ def target_pass(model, ids, layer_ids, cache=None):
     Layer id L is the OUTPUT of decoder layer L (transformers' hidden_states[L + 1]). The last layer's entry
     in hidden_states carries the final norm, so that id hooks the norm.
     """
-    decoder, layers, _, _ = target_parts(model)
-    captured, handles = {}, []
+    decoder, layers, embed, _ = target_parts(model)
+    captured, handles, home = {}, [], embed.weight.device   # layers may sit on several GPUs (--device-map)
 
     def keep(layer_id):
         def hook(module, inputs, output):
-            captured[layer_id] = (output[0] if isinstance(output, tuple) else output)[0]
+            captured[layer_id] = (output[0] if isinstance(output, tuple) else output)[0].to(home)
         return hook
 
     for layer_id in sorted(set(layer_ids)):
@@ -817,7 +888,7 @@ def target_pass(model, ids, layer_ids, cache=None):
         for h in handles:
             h.remove()
     cache = returned_cache(out) if cache is not None else None
-    return {layer_id: captured[layer_id] for layer_id in layer_ids}, out.last_hidden_state[0], cache
+    return {layer_id: captured[layer_id] for layer_id in layer_ids}, out.last_hidden_state[0].to(home), cache
 
 
 def check_finite(features, prompt_id):
@@ -833,7 +904,7 @@ def extract_hidden(model, ids, layer_ids, n_prompt, sampling=None):
     argmax is not the reference's token how far the reference's logit lies below the top one ({completion
     position: logit gap}; a gap near 0 is a near-tie that numerics can flip), and with `sampling` the
     probability of each reference token under the target's sampling distribution (float64)."""
-    head = model_logits(model) if sampling else model.get_output_embeddings()
+    head = model_logits(model) if sampling else target_parts(model)[3]
     features, last, _ = target_pass(model, ids, layer_ids)
     last = last[n_prompt - 1:len(ids) - 1]
     reference = torch.tensor(ids[n_prompt:], device=last.device)
@@ -929,7 +1000,7 @@ def model_logits(model):
     Checked once against the model's forward on a few tokens; a transform this tool does not know is refused."""
     if getattr(model, "_eval_drafter_logits", None):
         return model._eval_drafter_logits
-    cfg, head = model.config.get_text_config(), model.get_output_embeddings()
+    cfg, head = model.config.get_text_config(), target_parts(model)[3]
     scale, divide = getattr(cfg, "logit_scale", None), getattr(cfg, "logits_scaling", None)
     softcap = getattr(cfg, "final_logit_softcapping", None)
 
@@ -945,8 +1016,8 @@ def model_logits(model):
 
     probe = torch.arange(4, 12, device=model.device)[None] % cfg.vocab_size
     with torch.inference_mode():
-        want = model(input_ids=probe).logits[0].float()
-        got = logits(model.get_decoder()(input_ids=probe).last_hidden_state[0]).float()
+        got = logits(target_pass(model, probe[0].tolist(), [])[1]).float()
+        want = model(input_ids=probe).logits[0].float().to(got.device)
     if not torch.allclose(got, want, rtol=1e-3, atol=1e-3 * float(want.abs().max())):
         fail("the target's forward transforms its logits in a way this tool does not reproduce (not the head alone, "
              "nor with logit_scale, logits_scaling or final_logit_softcapping): sampled decoding needs its exact "
@@ -1005,13 +1076,13 @@ def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, p
     drafts and the target's own next token, roll the KV cache back. The target decides every token, so the
     output is plain decoding's: greedy token for token, sampled in distribution; it needs a cache that can
     roll back."""
-    from transformers import DynamicCache
     _, _, embed, head = target_parts(model)
     logits_of = model_logits(model) if sampling else head   # the drafter reads the head alone
-    layers, B = drafter.layers, drafter.block_size
-    cache = DynamicCache()
-    features, last, cache = target_pass(model, prompt_ids, layers, cache)
+    layers = drafter.layers
+    features, last, cache = target_pass(model, prompt_ids, layers, rewindable_cache(model))
     check_finite(features, prompt_id)
+    if is_hybrid(model.config):
+        cache.activate_past_recording()   # after the prompt: recording it would keep every convolution input
     # The drafter's context K/V grow with the accepted tokens only: re-projecting the whole context every
     # round would make a generation quadratic in its length.
     context_kv = prompt_context(drafter, features)
@@ -1025,10 +1096,9 @@ def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, p
                                       torch.tensor([ids[anchor]], device=model.device), embed.weight, head, 0,
                                       prompt_id)
         block = [ids[anchor]] + drafts[0].tolist()
-        new_feats, last, cache = target_pass(model, block, layers, cache)
+        new_feats, accepted, bonus = verify_pass(
+            model, block, layers, cache, lambda last: verify(block, logits_of(last), sampling, generator))
         check_finite(new_feats, prompt_id)
-        accepted, bonus = verify(block, logits_of(last), sampling, generator)
-        roll_back(cache, B - 1 - accepted)        # keep the anchor and the accepted drafts
         new_kv = drafter_context(drafter, torch.cat([new_feats[L][:accepted + 1] for L in layers], dim=-1), anchor)
         context_kv = [(torch.cat([k, k_new], 1), torch.cat([v, v_new], 1))
                       for (k, v), (k_new, v_new) in zip(context_kv, new_kv)]
@@ -2495,9 +2565,10 @@ def generate_locally(model, items, settings, target_cfg, drafter, stops):
     the same text as plain greedy decoding, the same distribution as plain sampling)."""
     sampling = sampling_of(settings)
     speculative = settings["reference_generation"] == "speculative" and drafter is not None
-    if speculative and "linear_attention" in (getattr(target_cfg, "layer_types", None) or []):
-        speculative = False  # linear-attention state cannot be rolled back after a rejected draft
-        log(settings, "note: hybrid target: references are generated by plain decoding")
+    if speculative and rewindable_cache(model) is None:
+        speculative = False
+        log(settings, f"note: transformers {settings['transformers_version']} cannot roll back a hybrid target's "
+                      "linear-attention cache: references are generated by plain decoding")
     settings["reference_generation_used"] = "speculative" if speculative else "plain"
     with progress(settings, len(items), "generate") as bar:
         for it in items:
@@ -2522,7 +2593,7 @@ def extract_from_target(items, settings, target_cfg, layer_union, done=frozenset
     per prompt from one teacher-forced pass each (prompts in `done` or too long are passed over), saved to
     --save-hidden at its end when asked."""
     if settings["device"] == "cpu" and settings["dtype"] != "float32" and \
-            "linear_attention" in (getattr(target_cfg, "layer_types", None) or []):
+            is_hybrid(target_cfg):
         print(f"warning: {settings['dtype']} on CPU with a hybrid (linear-attention) target: the CPU fallback of "
               "those layers drifts from the GPU kernels enough to garble drafts; use --dtype float32 on CPU, or "
               "extract on a GPU", file=sys.stderr)

@@ -30,6 +30,8 @@ target's own greedy output (given as completion_ids, so no generation is timed i
      0.95, top-k 20), argmax and sampled proposals, against b's greedy evaluation of the same references (goals
      ~1.1x and <= 1.5x); and top-p without top-k, sampled proposals: the random drafter's flat rows are the
      worst case of the top-p cut (each row sorted).
+  i. local references for a hybrid target (the bundled hybrid demo pair, Qwen3.5 layers): plain greedy
+     decoding against speculative decoding with the state snapshot (goal: >= 2x at tau >= 4); equal tokens.
   Also: whole-process time of `eval_drafter.py --demo --limit 2 --quiet` split into imports and the rest;
   b with --anchors walk (one run); plain vs speculative reference generation (--reference-generation) on
   the benchmark pair and on the bundled demo pair; a cProfile of one b run and of the tool's
@@ -732,6 +734,67 @@ def reference_generation(paths, args, work):
     return rows
 
 
+HYBRID_DEMO = os.path.join(ROOT, "tests", "fixtures", "demo_hybrid")
+
+
+def hybrid_references(args):
+    """i. Local references for a hybrid target: the tool's plain greedy decoding against its speculative
+    decoding (recurrent state snapshot, restore and re-run on rejection) on the bundled hybrid demo pair,
+    GEN_TOKENS tokens per prompt with EOS ignored, best of --repeats after a warm-up; the tokens must be
+    equal. None where transformers has no Qwen3.5 model."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if not hasattr(transformers, "Qwen3_5ForCausalLM"):
+        return None
+    device = args.device
+    target = AutoModelForCausalLM.from_pretrained(os.path.join(HYBRID_DEMO, "target"), dtype=torch.float32)
+    target.to(device).eval()
+    tok = AutoTokenizer.from_pretrained(os.path.join(HYBRID_DEMO, "target"))
+    drafter = ed.load_drafter(os.path.join(HYBRID_DEMO, "drafter"), target.config, {"layers": None, "block_size": None, "block_mask": "auto", "sliding_window": "train",
+                                "dtype": "float32", "device": device, "quiet": True, "max_memory_gb": 0.5})
+    with open(os.path.join(HYBRID_DEMO, "prompts.jsonl")) as fh:
+        prompts = [tok(json.loads(line)["prompt"])["input_ids"] for line in fh]
+    rounds, verify = [], ed.verify
+
+    def counted(*a):
+        verdict = verify(*a)
+        rounds.append(verdict[0])
+        return verdict
+
+    ed.verify = counted
+    try:
+        times = {"plain": [], "speculative": []}
+        for run in range(args.repeats + 1):
+            rounds.clear()
+            for mode in times:
+                t = time.perf_counter()
+                out = [ed.greedy_generate(target, ids, GEN_TOKENS, set()) if mode == "plain" else
+                       ed.speculative_generate(target, drafter, ids, GEN_TOKENS, set()) for ids in prompts]
+                sync(device)
+                if run:
+                    times[mode].append(time.perf_counter() - t)
+                if mode == "plain":
+                    plain = out
+            assert out == plain, "hybrid speculative references differ from plain greedy decoding"
+    finally:
+        ed.verify = verify
+    tokens = sum(map(len, plain))
+    return {"plain_s": best(times["plain"]), "spec_s": best(times["speculative"]), "tokens": tokens,
+            "prompts": len(prompts), "rounds": len(rounds),
+            "tau": (tokens - len(prompts)) / len(rounds),   # the first token comes from the prompt pass
+            "rejected": sum(a < drafter.block_size - 1 for a in rounds), "block": drafter.block_size}
+
+
+def report_hybrid(i):
+    if i is None:
+        say("i. hybrid references: this transformers has no Qwen3.5 model; not measured")
+        return
+    say(f"i. hybrid references (bundled hybrid demo pair, {i['prompts']} prompts x {GEN_TOKENS} tokens, block "
+        f"{i['block']}): plain greedy {i['plain_s']:.2f} s, speculative {i['spec_s']:.2f} s -> "
+        f"x{i['plain_s'] / i['spec_s']:.2f}; tau {i['tau']:.2f} over {i['rounds']} rounds, {i['rejected']} with a "
+        f"rejected draft (state restored, kept tokens re-run); tokens equal")
+
+
 # ----------------------------------------------------------------------------------------------------
 # Report
 
@@ -1004,6 +1067,9 @@ def verdicts_of(f):
         verdict(f["h"]["argmax"]["work_s"] <= 1.1 * b["work_s"] and f["h"]["sample"]["work_s"] <= 1.5 * b["work_s"],
                 f"sampled evaluation at Qwen3's settings <= 1.1 x b (argmax) and <= 1.5 x b (sample): "
                 f"x{f['h']['argmax']['work_s'] / b['work_s']:.2f} and x{f['h']['sample']['work_s'] / b['work_s']:.2f}"),
+        *([verdict(f["i"]["tau"] >= 4 and f["i"]["plain_s"] >= 2 * f["i"]["spec_s"],
+                   f"hybrid speculative references >= 2 x plain greedy at tau >= 4: x"
+                   f"{f['i']['plain_s'] / f['i']['spec_s']:.2f} at tau {f['i']['tau']:.2f}")] if f.get("i") else []),
         verdict(peak <= 1.25 * need, f"peak memory of b <= 1.25 x (weights + features): {where} {mib(peak)} vs "
                                      f"{mib(need)} (x{peak / need:.2f})"),
     ]
@@ -1061,6 +1127,9 @@ def main(argv=None):
         with watch("h"):
             f["h"] = measure_sampled(paths, args, work)
         report_sampled(f["h"], b)
+        with watch("i"):
+            f["i"] = hybrid_references(args)
+        report_hybrid(f["i"])
         with watch("process"):
             f["proc"] = demo_process(args, work)
         report_process(f["proc"])

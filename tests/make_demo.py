@@ -2,6 +2,7 @@
 DFlash drafter trained on that target's greedy output. Deterministic; about two minutes on 2 CPU cores.
 
     python tests/make_demo.py [OUT_DIR]
+    python tests/make_demo.py --hybrid [OUT_DIR]     # the hybrid demo pair (Qwen3.5 target; transformers 5.x)
 
 The language: 60 words. Most words are followed by a fixed successor (a permutation); a quarter of them
 ("twist" words) are followed by a word chosen by a table over (previous word, current word). Training text
@@ -50,11 +51,20 @@ def save_tokenizer(out_dir, n_words=N_WORDS):
     return len(vocab)
 
 
-def target_config(vocab_size, **overrides):
+def target_config(vocab_size, hybrid=False, **overrides):
+    """The demo target: Qwen3, or with hybrid=True a 4-layer Qwen3.5 text model of the same widths whose
+    layers alternate linear and full attention (transformers 5.x only)."""
     from transformers import Qwen3Config
     cfg = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=192, num_hidden_layers=6,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                rope_theta=10000.0, tie_word_embeddings=False, eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    if hybrid:
+        from transformers import Qwen3_5TextConfig
+        cfg.pop("rope_theta")
+        cfg.update(num_hidden_layers=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                   linear_num_value_heads=4, full_attention_interval=2)
+        cfg.update(overrides)
+        return Qwen3_5TextConfig(**cfg)
     cfg.update(overrides)
     return Qwen3Config(**cfg)
 
@@ -125,16 +135,19 @@ def sample_text(lang, rng, length, noise):
     return words
 
 
-def train_target(out_dir, lang, steps=1500, batch=32):
-    from transformers import Qwen3ForCausalLM
+def train_target(out_dir, lang, steps=1500, batch=32, hybrid=False, seq_len=SEQ_LEN):
     vocab = save_tokenizer(out_dir)
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(target_config(vocab))
+    if hybrid:
+        from transformers import Qwen3_5ForCausalLM as model_class
+    else:
+        from transformers import Qwen3ForCausalLM as model_class
+    model = model_class(target_config(vocab, hybrid))
     rng = random.Random(0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
     for step in range(steps):
-        ids = torch.tensor([[len(SPECIALS) + w for w in sample_text(lang, rng, SEQ_LEN, 0.15)] for _ in range(batch)])
+        ids = torch.tensor([[len(SPECIALS) + w for w in sample_text(lang, rng, seq_len, 0.15)] for _ in range(batch)])
         loss = model(input_ids=ids, labels=ids).loss
         opt.zero_grad()
         loss.backward()
@@ -206,11 +219,22 @@ def train_drafter(out_dir, target, lang, steps=1500, anchors_per_step=48, n_sequ
     save_drafter(out_dir, cfg, {k: v.detach() for k, v in weights.items()})
 
 
-def main(out=os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "demo")):
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+
+
+def main(out=None, hybrid=False):
+    """The demo pair, or with hybrid=True the hybrid demo pair (tests/fixtures/demo_hybrid): the same
+    language, a Qwen3.5 target trained on shorter texts (its reference linear-attention kernels are slow on
+    CPU; the language needs two words of context), about 8 minutes."""
+    out = out or os.path.join(FIXTURES, "demo_hybrid" if hybrid else "demo")
     torch.set_num_threads(2)
     lang = language()
-    target = train_target(os.path.join(out, "target"), lang)
-    train_drafter(os.path.join(out, "drafter"), target, lang)
+    if hybrid:
+        target = train_target(os.path.join(out, "target"), lang, steps=800, batch=16, hybrid=True, seq_len=64)
+        train_drafter(os.path.join(out, "drafter"), target, lang, layer_ids=(0, 2, 3))
+    else:
+        target = train_target(os.path.join(out, "target"), lang)
+        train_drafter(os.path.join(out, "drafter"), target, lang)
     with open(os.path.join(out, "prompts.jsonl"), "w") as f:
         for row in demo_prompts(lang):
             f.write(json.dumps(row) + "\n")
@@ -218,4 +242,5 @@ def main(out=os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures"
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    args = sys.argv[1:]
+    main(*[a for a in args if a != "--hybrid"], hybrid="--hybrid" in args)

@@ -85,12 +85,25 @@ BAD_INPUTS = {
                            "mask_token_id 64 is outside the target vocab (64)"),
     "block_size_1": (lambda e: base_argv(e, **{"--block-size": "1"}), "--block-size 1 is too small"),
     "device_cuda": (lambda e: base_argv(e, **{"--device": "cuda"}), "--device cuda was asked for"),
+    "device_map_on_cpu": (lambda e: base_argv(e, **{"--device-map": "auto"}),
+                          "--device-map auto spreads the target over GPUs, but this run is on the CPU"),
     "max_memory_zero": (lambda e: base_argv(e, **{"--max-memory-gb": "0"}), "--max-memory-gb must be above 0"),
     "layers_not_ints": (lambda e: base_argv(e, **{"--layers": "1,x,3"}), "--layers must be comma-separated"),
     # A malformed chat turn is bad input like any other: it must name the line, not raise a KeyError.
     "message_without_content": (lambda e: base_argv(e, **{"--prompts": write_jsonl(
         e["tmp"] / "p.jsonl", [{"prompt": "w1"}, {"messages": [{"role": "user"}]}])}), "line 2"),
 }
+
+
+def test_device_map_without_accelerate(env, capsys, monkeypatch):
+    """On a GPU box without accelerate, --device-map auto stops before loading, naming the package."""
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(ed.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else find_spec(name, *a))
+    rc, out, err = run_main(base_argv(env, **{"--device-map": "auto"}), capsys)
+    assert rc == 2
+    assert_one_error_line(err, "--device-map auto needs the accelerate package")
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
@@ -127,7 +140,7 @@ E2E_ROWS = [
     {"id": "p-ids", "split": "fresh", "prompt": "w20 w21", "completion_ids": COMPLETION_IDS},
 ]
 # The word tokenizer has no chat template, so prompts are the contents joined by newlines, one id per word.
-PROMPT_TOKENS = {"p-prompt": 4, "p-messages": 5, "p-turns": 3, "p-conv": 6, "p-ids": 2}  # turns: first turn only
+PROMPT_TOKENS = {"p-prompt": 4, "p-messages": 5, "p-turns": 3, "p-conv": 6, "p-ids": 2}  # turns: the first turn
 COMPLETION_TOKENS = {"p-prompt": 24, "p-messages": 24, "p-turns": 24, "p-conv": 20, "p-ids": 20}
 MAX_NEW = 24
 
@@ -171,10 +184,14 @@ def test_e2e_drafter_identity(e2e):
 
 def test_e2e_prompt_entries(e2e):
     for d in e2e["report"]["drafters"]:
-        got = {p["id"]: p for p in d["prompts"]}
-        assert list(got) == [r["id"] for r in E2E_ROWS]
-        for pid, p in got.items():
-            assert p["prompt_tokens"] == PROMPT_TOKENS[pid], pid
+        got = {(p["id"], p.get("turn", 1)): p for p in d["prompts"]}
+        assert list(got) == [(r["id"], 1) for r in E2E_ROWS[:3]] + [("p-turns", 2)] + [(r["id"], 1) for r in E2E_ROWS[3:]]
+        # The second turn's prompt: the first turn, the target's reply to it (special tokens dropped, so up to
+        # its length), the second turn; test_large_runs checks it token for token.
+        assert 3 + 2 < got["p-turns", 2]["prompt_tokens"] <= 3 + COMPLETION_TOKENS["p-turns"] + 2
+        for (pid, turn), p in got.items():
+            if turn == 1:
+                assert p["prompt_tokens"] == PROMPT_TOKENS[pid], pid
             assert p["completion_tokens"] == COMPLETION_TOKENS[pid], pid
             assert p["reference_generated"] == (pid not in ("p-conv", "p-ids"))
             if p["reference_generated"]:

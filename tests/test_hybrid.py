@@ -260,6 +260,89 @@ def test_hybrid_rounds_equal_online_loop(hybrid, word_run):
 
 
 # ----------------------------------------------------------------------------------------------------
+# 2b. Local references by speculative decoding on a hybrid: token for token plain greedy
+
+
+def load_word_pair(hybrid):
+    from transformers import AutoModelForCausalLM
+    target = AutoModelForCausalLM.from_pretrained(hybrid["path"], dtype=torch.float32).eval()
+    return target, ed.load_drafter(hybrid["drafter"], target.config, drafter_settings())
+
+
+def word_prompt_ids(i):
+    return [len(md.SPECIALS) + (3 * i + j) % N_WORDS for j in range(3 + i)]
+
+
+HYBRID_DEMO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "demo_hybrid")
+
+
+def counting_verdicts(monkeypatch):
+    """Every verify verdict's acceptance, in order, while the test runs."""
+    accepted, verify = [], ed.verify
+
+    def counted(*args):
+        verdict = verify(*args)
+        accepted.append(verdict[0])
+        return verdict
+
+    monkeypatch.setattr(ed, "verify", counted)
+    return accepted
+
+
+def test_hybrid_speculative_equals_plain_greedy(hybrid, monkeypatch):
+    """Rejected rounds (the recurrent state put back, the kept tokens run again), fully accepted rounds (the
+    convolution window trimmed) and a stop inside a block all give plain greedy's tokens."""
+    target, drafter = load_word_pair(hybrid)
+    accepted = counting_verdicts(monkeypatch)
+    for i in range(6):
+        ids = word_prompt_ids(i)
+        plain = ed.greedy_generate(target, ids, 60, set())
+        assert ed.speculative_generate(target, drafter, ids, 60, set()) == plain, i
+        assert ed.speculative_generate(target, drafter, ids, 60, {plain[30]}) == plain[:plain.index(plain[30]) + 1]
+    B = drafter.block_size
+    assert min(accepted) < B - 1 and max(accepted) == B - 1, accepted
+    assert sum(a < B - 1 for a in accepted) >= 20, accepted
+
+
+def test_hybrid_demo_speculative_equals_plain_greedy(monkeypatch):
+    """The bundled hybrid demo pair (a trained Qwen3.5 target and its drafter, tests/make_demo.py --hybrid):
+    128 tokens of every demo prompt, speculative == plain greedy, at the long acceptances a trained drafter
+    gets (the bench times the same against plain decoding)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    target = AutoModelForCausalLM.from_pretrained(os.path.join(HYBRID_DEMO, "target"), dtype=torch.float32).eval()
+    assert ed.is_hybrid(target.config)
+    tok = AutoTokenizer.from_pretrained(os.path.join(HYBRID_DEMO, "target"))
+    drafter = ed.load_drafter(os.path.join(HYBRID_DEMO, "drafter"), target.config, drafter_settings())
+    with open(os.path.join(HYBRID_DEMO, "prompts.jsonl")) as f:
+        prompts = [tok(json.loads(line)["prompt"])["input_ids"] for line in f]
+    accepted = counting_verdicts(monkeypatch)
+    for ids in prompts:
+        assert ed.speculative_generate(target, drafter, ids, 128, set()) == ed.greedy_generate(target, ids, 128, set())
+    B = drafter.block_size
+    tau = (127 * len(prompts)) / len(accepted)   # the first token of each comes from the prompt pass
+    assert tau >= 4, tau
+    assert sum(a < B - 1 for a in accepted) >= 10 and B - 1 in accepted, accepted
+
+
+def test_hybrid_speculative_needs_the_state_put_back(hybrid, monkeypatch):
+    """The control: without the snapshot (attention and convolution crop only) the tokens drift."""
+    target, drafter = load_word_pair(hybrid)
+    monkeypatch.setattr(ed, "recurrent_states", lambda cache: [])
+    differ = [i for i in range(6) if ed.speculative_generate(target, drafter, word_prompt_ids(i), 60, set())
+              != ed.greedy_generate(target, word_prompt_ids(i), 60, set())]
+    assert differ, "dropping the recurrent snapshot changed nothing: the test would not see a broken rollback"
+
+
+def test_hybrid_cli_reference_modes_agree(hybrid, word_run):
+    assert word_run["config"]["reference_generation_used"] == "speculative"
+    out = hybrid["tmp"] / "word_plain.json"
+    assert ed.main(word_argv(hybrid, out, "--reference-generation", "plain")) == 0
+    plain = read_json(out)
+    assert plain["config"]["reference_generation_used"] == "plain"
+    assert plain["drafters"] == word_run["drafters"]
+
+
+# ----------------------------------------------------------------------------------------------------
 # 3. Layer id L = output of decoder layer L = hidden_states[L + 1], the last one included (normed)
 
 

@@ -206,7 +206,7 @@ def test_help_is_grouped_with_the_demo_on_top(capsys):
     head = text.split("options:")[0]
     assert "--demo" in head.splitlines()[0] and "python eval_drafter.py --demo" in head
     assert "python eval_drafter.py --target" in head
-    titles = ["inputs:", "drafter config", "evaluation:", "references", "hidden-state cache", "long runs:", "output:"]
+    titles = ["inputs:", "drafter config", "evaluation:", "references", "hidden-state cache", "long runs", "output:"]
     where = [text.index("\n" + t) for t in titles]
     assert where == sorted(where)
     flat = " ".join(text.split())   # argparse wraps lines
