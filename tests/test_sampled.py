@@ -376,6 +376,9 @@ def test_target_distribution_is_its_forwards(tmp_path):
         def get_output_embeddings(self):
             return self.inner.get_output_embeddings()
 
+        def get_input_embeddings(self):
+            return self.inner.get_input_embeddings()
+
         def get_decoder(self):
             return self.inner.get_decoder()
 
