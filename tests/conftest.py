@@ -30,6 +30,21 @@ IM_START = 151644
 IM_END = 151645
 
 
+def interrupt_at(monkeypatch, name, n):
+    """Replace eval_drafter.<name> by one whose n-th call raises KeyboardInterrupt (Ctrl-C mid-run): (the real
+    function, for putting it back before a resume; the list of calls so far)."""
+    real, calls = getattr(ed, name), []
+
+    def stopping(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ed, name, stopping)
+    return real, calls
+
+
 def drafter_settings(**overrides):
     """The settings keys load_drafter / layer_rules read, with the CLI defaults on CPU."""
     s = {"layers": None, "block_size": None, "block_mask": "auto", "sliding_window": "train",

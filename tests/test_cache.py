@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import eval_drafter as ed
-from conftest import make_drafter, md, write_jsonl
+from conftest import interrupt_at, make_drafter, md, write_jsonl
 
 DEMO_TARGET = os.path.join(ed.DEMO_DIR, "target")
 DEMO_DRAFTER = os.path.join(ed.DEMO_DIR, "drafter")
@@ -358,15 +358,7 @@ def test_interrupted_resave_keeps_the_old_sharded_cache(tiny, tmp_path, monkeypa
     ok(*tiny["common"], "--ckpt", f"p={tiny['p']}", "--save-hidden", cache, "--output", first)
     other_prompts = write_jsonl(tmp_path / "other.jsonl", [{"id": f"o{i}", "prompt": f"w{10 + i} w{30 + i} w7"}
                                                            for i in range(3)])
-    real, calls = ed.extract_hidden, []
-
-    def stop_at_second(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(ed, "extract_hidden", stop_at_second)
+    real, calls = interrupt_at(monkeypatch, "extract_hidden", 2)
     argv = ["--target", tiny["target"], "--prompts", other_prompts, "--max-new-tokens", "24", "--ignore-eos",
             "--quiet", "--ckpt", f"p={tiny['p']}", "--save-hidden", cache]
     rc, _, _ = cli(*argv)

@@ -16,7 +16,7 @@ import time
 import pytest
 
 import eval_drafter as ed
-from conftest import ROOT
+from conftest import ROOT, interrupt_at
 
 BASE = ["--demo", "--limit", "7", "--max-new-tokens", "48", "--ddtree-budgets", "8,32", "--quiet"]
 PROCESS_FACTS = {"output", "merge", "ranks", "save_hidden", "load_hidden", "shard", "resume", "quiet"}
@@ -82,15 +82,7 @@ def test_resume_across_a_merge(tmp_path, monkeypatch, capsys, whole):
     """Shard 2 of 2 interrupted after its first prompt: the merge refuses it; resumed, the merge equals the
     single run."""
     run(tmp_path, "s1", *BASE, "--check-mask", "--shard", "1/2")
-    real, calls = ed.evaluate_prompts, []
-
-    def stop_at_second(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(ed, "evaluate_prompts", stop_at_second)
+    real, calls = interrupt_at(monkeypatch, "evaluate_prompts", 2)
     cut = run(tmp_path, "s2", *BASE, "--check-mask", "--shard", "2/2", code=130)
     assert cut["interrupted"] and len(cut["drafters"][0]["prompts"]) == 1
     monkeypatch.setattr(ed, "evaluate_prompts", real)
@@ -234,15 +226,7 @@ def test_turns_under_shards_and_resume(tmp_path, monkeypatch):
         run(tmp_path, f"s{k}", *argv, "--shard", f"{k}/2")
     merged = run(tmp_path, "merged", "--merge", str(tmp_path / "s1.json"), str(tmp_path / "s2.json"))
     assert_same_report(merged, whole)
-    real, calls = ed.evaluate_prompts, []
-
-    def stop_at_second(*args, **kwargs):   # after turn 1 of line a
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(ed, "evaluate_prompts", stop_at_second)
+    real, calls = interrupt_at(monkeypatch, "evaluate_prompts", 2)   # after turn 1 of line a
     run(tmp_path, "cut", *argv, code=130)
     monkeypatch.setattr(ed, "evaluate_prompts", real)
     resumed = run(tmp_path, "cut", *argv, "--resume")

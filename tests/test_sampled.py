@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import eval_drafter as ed
-from conftest import drafter_settings, online_draft_logits, write_jsonl
+from conftest import drafter_settings, interrupt_at, online_draft_logits, write_jsonl
 from drafters import DEMO, demo_pair, dflash2_from_demo, public_module
 
 transformers = pytest.importorskip("transformers")
@@ -313,15 +313,7 @@ def test_cache_and_resume_under_sampling(tmp_path, monkeypatch, capsys):
         in err[0]
     # Interrupted after the first group of prompts, then resumed: the same report.
     out = tmp_path / "resumed.json"
-    real, calls = ed.evaluate_prompts, []
-
-    def stop_after_three(group, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        return real(group, *args, **kwargs)
-
-    monkeypatch.setattr(ed, "evaluate_prompts", stop_after_three)
+    real, calls = interrupt_at(monkeypatch, "evaluate_prompts", 4)
     assert ed.main([*argv, "--quiet", "--output", str(out)]) == 130
     monkeypatch.setattr(ed, "evaluate_prompts", real)
     assert ed.main([*argv, "--quiet", "--output", str(out), "--resume"]) == 0
