@@ -284,10 +284,6 @@ def resolve_settings(args):
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             fail("--device-map auto and torchrun both claim the GPUs: use one rank per GPU, or one process with "
                  "--device-map auto")
-    if device == "cuda":
-        # cuDNN attention builds a plan for every new sequence length, and generation and walks meet a new one
-        # at every step (the bf16 demo ran 9x slower on CUDA than on CPU); flash / memory-efficient kernels don't.
-        torch.backends.cuda.enable_cudnn_sdp(False)
     layers = None
     if args.layers:
         try:
@@ -599,21 +595,6 @@ def eos_ids(model, tokenizer):
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
-
-
-@torch.inference_mode()
-def greedy_generate(model, prompt_ids, max_new_tokens, stop_ids):
-    """Plain greedy decoding with the KV cache: the reference the speculative loop would commit."""
-    device = model.device
-    out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True, logits_to_keep=1)
-    tokens = []
-    while True:
-        token = int(out.logits[0, -1].argmax())
-        tokens.append(token)
-        if len(tokens) >= max_new_tokens or token in stop_ids:
-            return tokens
-        out = model(input_ids=torch.tensor([[token]], device=device), use_cache=True,
-                    **cache_kwarg(model, returned_cache(out)))
 
 
 def cache_kwarg(module, cache):
@@ -1033,14 +1014,22 @@ def sample_seed(settings, prompt_id, sample):
     return int.from_bytes(hashlib.sha256(f"{settings['seed']}:{prompt_id}:{sample}".encode()).digest()[:7], "big")
 
 
+def next_token(logits, sampling, generator):
+    """The target's token from its logits row (1, V): the argmax (greedy), or a draw at the sampling settings."""
+    if sampling is None:
+        return int(logits.argmax(-1))
+    return int(torch.multinomial(sampling_probs(logits, sampling), 1, generator=generator))
+
+
 @torch.inference_mode()
-def sample_generate(model, prompt_ids, max_new_tokens, stop_ids, sampling, generator):
-    """Plain sampled decoding with the KV cache: one sample of the target at the run's settings."""
+def plain_generate(model, prompt_ids, max_new_tokens, stop_ids, sampling=None, generator=None):
+    """Plain decoding with the KV cache, one target forward per token: greedy (the reference the speculative
+    loop would commit), or with `sampling` one sample of the target at the run's settings."""
     device = model.device
     out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True, logits_to_keep=1)
     tokens = []
     while True:
-        token = int(torch.multinomial(sampling_probs(out.logits[0, -1:], sampling), 1, generator=generator))
+        token = next_token(out.logits[0, -1:], sampling, generator)
         tokens.append(token)
         if len(tokens) >= max_new_tokens or token in stop_ids:
             return tokens
@@ -1086,9 +1075,7 @@ def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, p
     # The drafter's context K/V grow with the accepted tokens only: re-projecting the whole context every
     # round would make a generation quadratic in its length.
     context_kv = prompt_context(drafter, features)
-    first = logits_of(last[-1:])
-    tokens = [int(first.argmax(-1)) if sampling is None else
-              int(torch.multinomial(sampling_probs(first, sampling), 1, generator=generator))]
+    tokens = [next_token(logits_of(last[-1:]), sampling, generator)]
     while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
         ids = prompt_ids + tokens
         anchor = len(ids) - 1   # its hidden state is not context: the cache holds positions < anchor
@@ -2200,6 +2187,11 @@ def progress(settings, total, desc, position=0):
 def run(settings):
     if settings["threads"]:
         torch.set_num_threads(settings["threads"])
+    if str(settings.get("device")).startswith("cuda"):
+        # cuDNN attention builds a plan for every new sequence length, and generation and walks meet a new one
+        # at every step (suspected cause of the bf16 demo's 9x slowdown on CUDA against CPU; not measured yet);
+        # the flash and memory-efficient kernels need no plan.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if settings["compare_hidden"]:
         return compare_hidden(settings)
     report = merge_shards(settings) if settings.get("merge") else evaluate(settings)
@@ -2580,10 +2572,8 @@ def generate_locally(model, items, settings, target_cfg, drafter, stops):
                 if speculative:
                     ids = speculative_generate(model, drafter, it["prompt_ids"], it["room"], stops, it["id"], sampling,
                                                generator)
-                elif sampling:
-                    ids = sample_generate(model, it["prompt_ids"], it["room"], stops, sampling, generator)
                 else:
-                    ids = greedy_generate(model, it["prompt_ids"], it["room"], stops)
+                    ids = plain_generate(model, it["prompt_ids"], it["room"], stops, sampling, generator)
             it.update(completion_ids=ids, source="target")
             bar.update()
 
@@ -3022,8 +3012,7 @@ def drafter_report(d, results, items):
     stats = summarize_expected if sampled else summarize
 
     def check(chosen):   # greedy: target agreement; sampled: how the references sit in the target's support
-        return reference_support([it for it in chosen]) if sampled else \
-            {"target_agreement": target_agreement([it for it in chosen])}
+        return reference_support(chosen) if sampled else {"target_agreement": target_agreement(chosen)}
 
     def section(keep):
         chosen = [(res, it) for res, it in zip(results, items) if keep(it)]

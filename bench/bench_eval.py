@@ -4,7 +4,7 @@
 One command; the tool runs in this process (ed.main), except where a clean process is the point (peak
 memory, whole-process time):
 
-    python bench/bench_eval.py                    # CPU; ~7 minutes on 2 cores; rewrites bench/RESULTS.md
+    python bench/bench_eval.py                    # CPU; ~18 minutes on 2 cores; rewrites bench/RESULTS.md
     python bench/bench_eval.py --device cuda      # the same on a GPU (bfloat16, as the tool's default there)
     python bench/bench_eval.py --quick            # ~2 minutes: 2 prompts, 1 run each, RESULTS.md untouched
 
@@ -249,7 +249,7 @@ def write_references(args, model, paths):
             for i in range(args.prompts)]
     write_jsonl(paths["bare"], rows)
     for row, item in zip(rows, tool_prompts(paths["bare"], paths["target"])):
-        row["completion_ids"] = ed.greedy_generate(model, item["prompt_ids"], args.ref_tokens, set())
+        row["completion_ids"] = ed.plain_generate(model, item["prompt_ids"], args.ref_tokens, set())
     write_jsonl(paths["prompts"], rows)
 
 
@@ -768,7 +768,7 @@ def hybrid_references(args):
             rounds.clear()
             for mode in times:
                 t = time.perf_counter()
-                out = [ed.greedy_generate(target, ids, GEN_TOKENS, set()) if mode == "plain" else
+                out = [ed.plain_generate(target, ids, GEN_TOKENS, set()) if mode == "plain" else
                        ed.speculative_generate(target, drafter, ids, GEN_TOKENS, set()) for ids in prompts]
                 sync(device)
                 if run:

@@ -188,7 +188,7 @@ def train_drafter(out_dir, target, lang, steps=1500, anchors_per_step=48, n_sequ
     data = []
     for _ in range(n_sequences):
         prompt = [len(SPECIALS) + w for w in sample_text(lang, rng, rng.randrange(4, 12), 0.5)]
-        ids = prompt + ed.greedy_generate(target, prompt, completion, set())
+        ids = prompt + ed.plain_generate(target, prompt, completion, set())
         feats = ed.extract_hidden(target, ids, layer_ids, len(prompt)).features
         data.append((ids, len(prompt), torch.cat([feats[L] for L in layer_ids], -1).clone()))
     print("drafter data ready", flush=True)

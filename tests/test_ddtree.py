@@ -253,7 +253,7 @@ def compare_online(target, drafter, prompts, tool_prompts, n_new):
     for prompt_ids, result in zip(prompts, tool_prompts):
         assert result["prompt_tokens"] == len(prompt_ids)
         # the last round's bonus token may be one past the tool's n_new-token reference
-        reference = ed.greedy_generate(target, prompt_ids, n_new + 1, set())
+        reference = ed.plain_generate(target, prompt_ids, n_new + 1, set())
         chain = round_anchors(result["rounds"])
         for budget in BUDGETS:
             rounds, seq = online_ddtree_rounds(target, drafter, prompt_ids, n_new, budget)

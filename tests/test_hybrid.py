@@ -296,7 +296,7 @@ def test_hybrid_speculative_equals_plain_greedy(hybrid, monkeypatch):
     accepted = counting_verdicts(monkeypatch)
     for i in range(6):
         ids = word_prompt_ids(i)
-        plain = ed.greedy_generate(target, ids, 60, set())
+        plain = ed.plain_generate(target, ids, 60, set())
         assert ed.speculative_generate(target, drafter, ids, 60, set()) == plain, i
         assert ed.speculative_generate(target, drafter, ids, 60, {plain[30]}) == plain[:plain.index(plain[30]) + 1]
     B = drafter.block_size
@@ -317,7 +317,7 @@ def test_hybrid_demo_speculative_equals_plain_greedy(monkeypatch):
         prompts = [tok(json.loads(line)["prompt"])["input_ids"] for line in f]
     accepted = counting_verdicts(monkeypatch)
     for ids in prompts:
-        assert ed.speculative_generate(target, drafter, ids, 128, set()) == ed.greedy_generate(target, ids, 128, set())
+        assert ed.speculative_generate(target, drafter, ids, 128, set()) == ed.plain_generate(target, ids, 128, set())
     B = drafter.block_size
     tau = (127 * len(prompts)) / len(accepted)   # the first token of each comes from the prompt pass
     assert tau >= 4, tau
@@ -329,7 +329,7 @@ def test_hybrid_speculative_needs_the_state_put_back(hybrid, monkeypatch):
     target, drafter = load_word_pair(hybrid)
     monkeypatch.setattr(ed, "recurrent_states", lambda cache: [])
     differ = [i for i in range(6) if ed.speculative_generate(target, drafter, word_prompt_ids(i), 60, set())
-              != ed.greedy_generate(target, word_prompt_ids(i), 60, set())]
+              != ed.plain_generate(target, word_prompt_ids(i), 60, set())]
     assert differ, "dropping the recurrent snapshot changed nothing: the test would not see a broken rollback"
 
 

@@ -1,6 +1,6 @@
 """References from a serving engine (--server): a real HTTP server on 127.0.0.1 stands in for SGLang and vLLM.
 
-The fake engine runs the demo target greedily (the tool's own greedy_generate, float32) behind both request
+The fake engine runs the demo target greedily (the tool's own plain_generate, float32) behind both request
 shapes: SGLang's POST /generate and vLLM's POST /v1/completions. Each test sets its behaviour (legacy reply
 shapes, faults, perturbed references) and reads back the request bodies it received. The rounds measured from
 the server's references must equal those from the tool's local generation, every fault must end in one clear
@@ -73,7 +73,7 @@ class FakeEngine(ThreadingHTTPServer):
         generator = torch.Generator().manual_seed(seed)
         sampling = (params["temperature"], params["top_p"], max(0, params["top_k"]))
         with self.model_lock:
-            return ed.sample_generate(self.model, list(prompt), max_new, set() if ignore_eos else self.stops, sampling,
+            return ed.plain_generate(self.model, list(prompt), max_new, set() if ignore_eos else self.stops, sampling,
                                       generator)
 
     def greedy(self, prompt, max_new, ignore_eos):
@@ -81,7 +81,7 @@ class FakeEngine(ThreadingHTTPServer):
         with self.model_lock:
             if key not in self.cache:
                 stops = set() if ignore_eos else self.stops
-                self.cache[key] = ed.greedy_generate(self.model, list(prompt), max_new, stops)
+                self.cache[key] = ed.plain_generate(self.model, list(prompt), max_new, stops)
         return list(self.cache[key])
 
 

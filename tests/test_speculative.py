@@ -24,7 +24,7 @@ def demo_pair():
 def test_speculative_equals_plain_greedy_on_the_demo(demo_pair):
     target, drafter, prompts = demo_pair
     for ids in prompts:
-        plain = ed.greedy_generate(target, ids, 128, set())
+        plain = ed.plain_generate(target, ids, 128, set())
         assert ed.speculative_generate(target, drafter, ids, 128, set()) == plain
 
 
@@ -35,11 +35,11 @@ def test_speculative_equals_plain_with_rejections_and_stops(tiny_target, drafter
     drafter = ed.load_drafter(drafter_a, tiny_target["cfg"], drafter_settings())
     for seed in range(4):
         ids = [4 + (seed * 7 + k * 3) % 50 for k in range(5 + seed)]
-        plain = ed.greedy_generate(model, ids, 40, set())
+        plain = ed.plain_generate(model, ids, 40, set())
         assert ed.speculative_generate(model, drafter, ids, 40, set()) == plain
         for stop_at in (0, 5, 17):
             stop = {plain[stop_at]}
-            expected = ed.greedy_generate(model, ids, 40, stop)
+            expected = ed.plain_generate(model, ids, 40, stop)
             assert expected[-1] == plain[stop_at] and len(expected) <= stop_at + 1
             assert ed.speculative_generate(model, drafter, ids, 40, stop) == expected
         for limit in (1, 2, 9):

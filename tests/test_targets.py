@@ -55,10 +55,10 @@ def test_speculative_references_equal_plain_greedy(other_target):
     drafter = ed.load_drafter(other_target["drafter"], other_target["cfg"], drafter_settings())
     for i in range(3):
         ids = [4 + (i * 7 + k * 3) % 50 for k in range(5 + i)]
-        plain = ed.greedy_generate(model, ids, 30, set())
+        plain = ed.plain_generate(model, ids, 30, set())
         assert ed.speculative_generate(model, drafter, ids, 30, set()) == plain
         stop = {plain[11]}
-        assert ed.speculative_generate(model, drafter, ids, 30, stop) == ed.greedy_generate(model, ids, 30, stop)
+        assert ed.speculative_generate(model, drafter, ids, 30, stop) == ed.plain_generate(model, ids, 30, stop)
 
 
 def test_features_are_the_layer_outputs(other_target):

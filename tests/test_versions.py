@@ -121,7 +121,7 @@ def test_extract_hidden_logit_gaps(tiny_target):
     for k in wrong:
         assert gaps[k] == pytest.approx(float(logits[k].max() - logits[k, ids[n_prompt + k]]), abs=1e-5)
         assert gaps[k] > 0
-    greedy = ed.greedy_generate(model, ids[:n_prompt], 20, set())
+    greedy = ed.plain_generate(model, ids[:n_prompt], 20, set())
     x = ed.extract_hidden(model, ids[:n_prompt] + greedy, [1], n_prompt)
     argmax, none = x.argmax, x.gaps
     assert argmax == greedy and none == {}   # its own greedy text: no gap anywhere
@@ -145,7 +145,9 @@ def test_floor_matches_requirements_and_ci():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     requirements = open(os.path.join(root, "requirements.txt")).read()
     assert f"transformers>={ed.MIN_TRANSFORMERS}" in requirements.split()
-    assert f"\nFLOOR={ed.MIN_TRANSFORMERS} " in open(os.path.join(root, ".ci", "run")).read()
+    ci = open(os.path.join(root, ".ci", "run")).read()
+    assert f'setup "$WORK/floor" "transformers=={ed.MIN_TRANSFORMERS}"' in ci   # CI installs the floor itself
+    assert f'grep -qx "transformers>={ed.MIN_TRANSFORMERS}" requirements.txt' in ci
 
 
 def test_version_tuple():
