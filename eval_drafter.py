@@ -82,7 +82,7 @@ start here:
 """
 
 
-def parse_args(argv):
+def build_parser():
     p = argparse.ArgumentParser(usage="%(prog)s --demo | --target DIR --ckpt [NAME=]PATH [--ckpt ...] --prompts FILE "
                                       "[options]", description=HELP_TOP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -198,7 +198,11 @@ def parse_args(argv):
     g.add_argument("--output", help="write the full results as JSON to this file (atomically; finished prompts "
                                     "go to <output>.partial.jsonl as the run goes)")
     g.add_argument("--quiet", action="store_true", help="no progress bars or notes on stderr")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv):
+    return build_parser().parse_args(argv)
 
 
 def parse_budgets(text):
@@ -215,10 +219,12 @@ def parse_budgets(text):
 
 def resolve_settings(args):
     """Every choice the run makes, in one dict: it is echoed into the JSON output."""
+    notes = check_flags(args)
     if args.demo:
         args.target = args.target or os.path.join(DEMO_DIR, "target")
         args.ckpt = args.ckpt or ["demo=" + os.path.join(DEMO_DIR, "drafter")]
-        args.prompts = args.prompts or os.path.join(DEMO_DIR, "prompts.jsonl")
+        if not (args.load_hidden or args.compare_hidden):
+            args.prompts = args.prompts or os.path.join(DEMO_DIR, "prompts.jsonl")
         if args.max_new_tokens is None:
             args.max_new_tokens = 128  # the demo target was trained on short texts
     if args.max_new_tokens is None:
@@ -238,12 +244,6 @@ def resolve_settings(args):
         fail("--prompts is required (or run --demo for the bundled example)")
     if not from_file and not os.path.isfile(args.prompts):
         fail(f"prompts file not found: {args.prompts} (pass a JSONL file to --prompts)")
-    if args.max_new_tokens < 1:
-        fail("--max-new-tokens must be at least 1")
-    if args.block_size is not None and args.block_size < 2:
-        fail(f"--block-size {args.block_size} is too small: a block needs the anchor and at least one draft")
-    if args.limit is not None and args.limit < 1:
-        fail("--limit must be at least 1")
     for flag, path in (("--output", args.output), ("--save-hidden", args.save_hidden),
                        ("--save-references", args.save_references)):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
@@ -252,10 +252,6 @@ def resolve_settings(args):
         fail(f"--server must be an http:// or https:// URL, got {args.server!r}")
     if args.server and args.server_api == "openai" and not args.server_model:
         fail("--server-api openai needs --server-model (the name the server serves the target under)")
-    if args.server_concurrency < 1 or args.server_retries < 0 or args.server_timeout <= 0:
-        fail("--server-concurrency must be >= 1, --server-retries >= 0 and --server-timeout > 0")
-    if args.max_memory_gb <= 0:
-        fail(f"--max-memory-gb must be above 0, got {args.max_memory_gb}")
     check_sampling(args)
     if args.resume and not args.output:
         fail("--resume needs --output: the partial results live in <output>.partial.jsonl")
@@ -293,18 +289,80 @@ def resolve_settings(args):
         if not layers:
             fail("--layers is empty")
     transformers_version = check_transformers()
-    return {**vars(args),  # every flag as given, then what was resolved from it
-            "target": os.path.abspath(args.target) if args.target else None,
-            "prompts": os.path.abspath(args.prompts) if args.prompts else None,
-            "prompts_hash": file_hash(args.prompts) if args.prompts and not from_file else None,
-            "device": device, "dtype": dtype, "layers": layers,
-            # what happened, once the tokenizer is read: applied / off (--no-chat-template) / none in the tokenizer
-            "chat_template": "off" if args.no_chat_template else None,
-            "ddtree_budgets": parse_budgets(args.ddtree_budgets),
-            "shard": shard, "ranks": 1, "rank": 0,
-            "walk_rule": "first anchor = first completion token; next anchor = anchor + acceptance; "
-                         "stop when the next block's drafts would pass the end of the reference",
-            "torch_version": torch.__version__, "transformers_version": transformers_version}
+    settings = {**vars(args),  # every flag as given, then what was resolved from it
+                "target": os.path.abspath(args.target) if args.target else None,
+                "prompts": os.path.abspath(args.prompts) if args.prompts else None,
+                # identities by content (--resume and --merge compare these, never paths): the target's and the
+                # drafters' hashes are added once they are read
+                "prompts_hash": file_hash(args.prompts) if args.prompts and not from_file else None,
+                "hidden_hashes": [hidden_hash(path) for path in args.load_hidden] if args.load_hidden else None,
+                "device": device, "dtype": dtype, "layers": layers,
+                # what happened, once the tokenizer is read: applied / off (--no-chat-template) / none in the tokenizer
+                "chat_template": "off" if args.no_chat_template else None,
+                "ddtree_budgets": parse_budgets(args.ddtree_budgets),
+                "shard": shard, "ranks": 1, "rank": 0,
+                "walk_rule": "first anchor = first completion token; next anchor = anchor + acceptance; "
+                             "stop when the next block's drafts would pass the end of the reference",
+                "torch_version": torch.__version__, "transformers_version": transformers_version}
+    for note in notes:
+        log(settings, f"note: {note}")
+    return settings
+
+
+# Numeric flags: (rule, test). NaN fails every test; the float ones also refuse infinity where it means nothing.
+NUMBER_RULES = {
+    "threads": ("at least 1", lambda v: v >= 1),
+    "limit": ("at least 1", lambda v: v >= 1),
+    "max_new_tokens": ("at least 1", lambda v: v >= 1),
+    "block_size": ("at least 2 (a block needs the anchor and at least one draft)", lambda v: v >= 2),
+    "mask_token_id": ("at least 0", lambda v: v >= 0),
+    "head_dim": ("at least 1", lambda v: v >= 1),
+    "num_heads": ("at least 1", lambda v: v >= 1),
+    "num_kv_heads": ("at least 1", lambda v: v >= 1),
+    "max_memory_gb": ("a finite number above 0", lambda v: 0 < v < math.inf),
+    "temperature": ("a finite number >= 0 (0 is greedy)", lambda v: 0 <= v < math.inf),
+    "top_p": ("in (0, 1] (1 is off)", lambda v: 0 < v <= 1),
+    "top_k": ("at least 0 (0 is off)", lambda v: v >= 0),
+    "samples_per_prompt": ("at least 1", lambda v: v >= 1),
+    "server_concurrency": ("at least 1", lambda v: v >= 1),
+    "server_retries": ("at least 0", lambda v: v >= 0),
+    "server_timeout": ("a finite number of seconds above 0", lambda v: 0 < v < math.inf),
+}
+SERVER_FLAGS = {"server_api", "server_model", "server_concurrency", "server_timeout", "server_retries"}
+# What a run from saved features cannot use: its prompts and references were fixed at extraction.
+GENERATION_FLAGS = {"prompts", "max_new_tokens", "ignore_eos", "reference_generation", "turns", "no_chat_template",
+                    "enable_thinking", "server", "save_references", "samples_per_prompt", "seed",
+                    "device_map"} | SERVER_FLAGS
+
+
+def check_flags(args):
+    """Numbers within their rules, and no flag the chosen mode would ignore: one line naming the flag, its value
+    and the rule (exit 2). Returns the notes for flags that are harmless where they are ignored."""
+    for name, (rule, ok) in NUMBER_RULES.items():
+        value = getattr(args, name)
+        if value is not None and not ok(value):
+            fail(f"--{name.replace('_', '-')} {value}: must be {rule}")
+    defaults = build_parser()
+    given = {k for k, v in vars(args).items() if v != defaults.get_default(k)}
+    if args.merge:
+        unused, why = given - {"merge", "output", "quiet", "threads"}, \
+            "--merge rebuilds a report from shard outputs alone"
+    elif args.compare_hidden:
+        unused, why = given & (GENERATION_FLAGS | {"resume", "shard"}), \
+            "--compare-hidden reads the prompts and references of the two saved files"
+    elif args.load_hidden:
+        unused, why = given & GENERATION_FLAGS, \
+            "--load-hidden takes the prompts and references from the saved file (they were fixed at extraction)"
+    else:
+        unused, why = (given & SERVER_FLAGS if not args.server else set()), "these flags set up --server, not given"
+    if unused:
+        fail(f"{why}; drop {', '.join(sorted('--' + k.replace('_', '-') for k in unused))}")
+    notes = []
+    if "seed" in given and not args.temperature:
+        notes.append(f"--seed {args.seed} does nothing at --temperature 0: greedy references need no seed")
+    if "reference_generation" in given and args.server:
+        notes.append("--reference-generation is for local generation: with --server the server generates")
+    return notes
 
 
 def parse_shard(text):
@@ -316,11 +374,8 @@ def parse_shard(text):
 
 
 def resolve_merge(args):
-    """--merge settings: the shard files, the output; every other flag belongs to the shards."""
-    given = [f"--{k.replace('_', '-')}" for k in ("target", "ckpt", "prompts", "load_hidden", "shard", "resume")
-             if getattr(args, k)]
-    if given:
-        fail(f"--merge rebuilds a report from shard outputs alone; drop {', '.join(given)}")
+    """--merge settings: the shard files, the output; every other flag belongs to the shards (check_flags
+    refuses them)."""
     missing = [path for path in args.merge if not os.path.isfile(path)]
     if missing:
         fail(f"--merge: {missing[0]} not found")
@@ -331,8 +386,6 @@ def resolve_merge(args):
 
 
 def check_sampling(args):
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or args.samples_per_prompt < 1:
-        fail("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 0 and --samples-per-prompt >= 1")
     if args.temperature == 0 and (args.samples_per_prompt > 1 or args.draft_policy != "argmax"):
         fail("--samples-per-prompt and --draft-policy sample need --temperature > 0: greedy decoding has one text "
              "per prompt and argmax drafts")
@@ -365,7 +418,7 @@ def check_transformers():
 
 def read_prompts(path, limit=None):
     """Parse the JSONL file into items {index, id, split, messages, completion | completion_ids}."""
-    items, lines_of = [], {}
+    items, lines_of, turns_of = [], {}, {}
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
@@ -382,9 +435,25 @@ def read_prompts(path, limit=None):
                      "object")
             if not isinstance(row, dict):
                 fail(f"{path} line {lineno}: expected a JSON object, got {type(row).__name__}")
+            turn = saved_turn(row)
+            if turn:   # one turn's reference, as --save-references writes it: joins the line of its conversation
+                row = {k: v for k, v in row.items() if k not in SAVED_REFERENCE_KEYS or k in ("sample", "sampling")}
             item = parse_prompt_row(row, path, lineno)
             # saved sampled references: one line per (id, sample, seed)
             key = (item["id"], row.get("sample"), (row.get("sampling") or {}).get("seed"))
+            if turn:
+                first = turns_of.setdefault(key, item)
+                if first is item and limit and len(items) >= limit:
+                    continue
+                if first is item:
+                    items.append({**item, "index": len(items), "line": len(items),
+                                  "turn_references": [None] * len(row["turns"])})
+                    first = turns_of[key] = items[-1]
+                if first["turn_references"][turn[0] - 1] is not None or first["row"] != item["row"]:
+                    fail(f"{path} line {lineno}: turn {turn[0]} of id {item['id']!r} is given twice, or with another "
+                         "conversation")
+                first["turn_references"][turn[0] - 1] = turn[1]
+                continue
             if key in lines_of:
                 fail(f"{path} line {lineno}: id {item['id']!r} was already used on line {lines_of[key]}; "
                      "ids must be unique")
@@ -397,11 +466,22 @@ def read_prompts(path, limit=None):
     return items
 
 
+def saved_turn(row):
+    """(turn, completion ids) of a line that carries one turn's reference of a "turns" conversation, else None."""
+    turn, turns, ids = row.get("turn"), row.get("turns"), row.get("completion_ids")
+    if isinstance(turn, int) and isinstance(turns, list) and 1 <= turn <= len(turns) and len(turns) > 1 and \
+            isinstance(ids, list) and all(isinstance(t, int) for t in ids):
+        return turn, ids
+    return None
+
+
 def parse_prompt_row(row, path, lineno):
     where = f"{path} line {lineno}"
+    # A reference read from a file is the file's, even one this tool once generated: the self-check is for
+    # references generated in this run, where this run's numerics made them.
     item = {"id": str(row.get("id", lineno)), "split": str(row.get("split", "all")), "row": row,
             "completion": row.get("completion"), "completion_ids": row.get("completion_ids"),
-            "source": row.get("reference_source", "file")}
+            "source": "server" if row.get("reference_source") == "server" else "file"}
     if isinstance(row.get("prompt"), str):
         item["messages"] = [{"role": "user", "content": row["prompt"]}]
     elif isinstance(row.get("messages"), list) and row["messages"]:
@@ -443,7 +523,7 @@ def expand(items, settings):
     sampling, recorded, out = sampling_of(settings), sampling_record(settings), []
     for it in items:
         turns = (it.get("turns") or [None])[:1 if settings["turns"] == "first" else None]
-        given = it["completion"] is not None or it["completion_ids"] is not None
+        given = it["completion"] is not None or it["completion_ids"] is not None or any(it.get("turn_references") or [])
         if sampling and given and it["row"].get("sampling") not in (None, recorded):
             log(settings, f"note: prompt {it['id']}'s reference records other sampling settings ({it['row']['sampling']})"
                           f" than this run's ({recorded})")
@@ -495,7 +575,7 @@ def encode_prompts(tokenizer, items, settings):
     """Token ids of each prompt (chat template with generation prompt) and of its reference, if any."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
     use_template = not settings["no_chat_template"] and has_template
-    if not settings["no_chat_template"] and not has_template:
+    if not settings["no_chat_template"] and not has_template and settings.get("chat_template") is None:
         log(settings, "note: the target's tokenizer has no chat template; prompts are tokenized as plain text")
     settings["chat_template"] = "applied" if use_template else "off" if settings["no_chat_template"] else \
         "none in the tokenizer: plain text"
@@ -666,8 +746,9 @@ def verify_pass(model, block, layers, cache, verdict):
 SERVER_BATCH = 8  # prompts per request
 
 
+# What a saved reference line adds to its prompt line (and what reading it back as a prompt line drops).
 SAVED_REFERENCE_KEYS = ("completion_ids", "reference_source", "server", "server_api", "finish_reason", "sample",
-                        "sampling")
+                        "sampling", "turn", "max_new_tokens", "ignore_eos", "reference_generation", "device", "dtype")
 
 
 def sampling_record(settings):
@@ -676,46 +757,76 @@ def sampling_record(settings):
     return None if not sampling else dict(zip(("temperature", "top_p", "top_k"), sampling), seed=settings["seed"])
 
 
-def fetch_references(items, settings):
-    """References for `items` from --server (greedy, or sampled at the run's settings), saved line by line
-    to --save-references as they come. Prompts already in that file (same line, id, sample and sampling
-    settings) are taken from it, not fetched again."""
-    from concurrent.futures import ThreadPoolExecutor, as_completed
-    path = settings["save_references"]
-    saved = {}
+def reference_origin(it, settings):
+    """What a reference depends on besides its prompt line: a saved one is reused only where all of it agrees
+    (a key missing from an older line agrees)."""
+    origin = {"reference_source": "server" if settings["server"] else "target", "max_new_tokens": it["room"],
+              "ignore_eos": settings["ignore_eos"], "sampling": sampling_record(settings)}
+    if not settings["server"]:   # the self-check holds this tool's own references to its numerics
+        origin.update(device=settings["device"].split(":")[0], dtype=settings["dtype"])
+    return origin
+
+
+def saved_references(settings):
+    """{(id, sample, turn): line} of the --save-references file, for reuse (a line cut short by a kill is
+    passed over)."""
+    path, saved = settings["save_references"], {}
     if path and os.path.isfile(path):
-        saved = {(row.get("id"), row.get("sample")): row
-                 for row in map(json.loads, open(path, encoding="utf-8").read().splitlines()) if row}
-    todo = []
-    for it in items:
-        row = saved.get((it["id"], it.get("sample")))
-        if row and {k: v for k, v in row.items() if k not in SAVED_REFERENCE_KEYS} == \
-                {**it["row"], "id": it["id"], "split": it["split"]} and row.get("sampling") == sampling_record(settings):
-            it.update(completion_ids=row["completion_ids"], source="server", finish_reason=row.get("finish_reason"))
-        else:
-            todo.append(it)
+        for line in open(path, encoding="utf-8", errors="replace").read().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                row = json.loads(line)
+                if isinstance(row, dict) and isinstance(row.get("completion_ids"), list):
+                    saved[(row.get("id"), row.get("sample"), row.get("turn"))] = row
+    return saved
+
+
+def take_saved(it, saved, settings):
+    """Give `it` its reference from a saved line of the same prompt line, sample, turn and origin, if any."""
+    row = saved.get((it["id"], it.get("sample"), it.get("turn")))
+    if row is None or prompt_line(row) != {**prompt_line(it["row"]), "id": it["id"], "split": it["split"]} or \
+            any(row.get(k, v) != v for k, v in reference_origin(it, settings).items()):
+        return False
+    it.update(completion_ids=row["completion_ids"], source=row.get("reference_source", "server"),
+              finish_reason=row.get("finish_reason"))
+    return True
+
+
+def prompt_line(row):
+    return {k: v for k, v in row.items() if k not in SAVED_REFERENCE_KEYS}
+
+
+def saved_line(it, settings):
+    """A reference as --save-references keeps it: its prompt line, the reference and where it came from; it
+    reads back as a --prompts line (a turn's line joins the others of its conversation)."""
+    origin = {k: v for k, v in reference_origin(it, settings).items() if v is not None}
+    origin.update({"server": settings["server"], "server_api": settings["server_api"],
+                   "finish_reason": it.get("finish_reason")} if settings["server"] else
+                  {"reference_generation": settings.get("reference_generation_used")})
+    return {**prompt_line(it["row"]), "id": it["id"], "split": it["split"],
+            **{k: it[k] for k in ("turn", "sample") if it.get(k) is not None},
+            "completion_ids": it["completion_ids"], **origin}
+
+
+def fetch_references(items, settings, keep):
+    """References for `items` from --server (greedy, or sampled at the run's settings), each handed to
+    keep(item) as it arrives."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
     by_room = {}
-    for it in todo:  # one max_new_tokens (and one sample index: one seed) per request
+    for it in items:  # one max_new_tokens (and one sample index: one seed) per request
         by_room.setdefault((it["room"], it.get("sample")), []).append(it)
     batches = [group[i:i + SERVER_BATCH] for group in by_room.values() for i in range(0, len(group), SERVER_BATCH)]
     error = None
-    with ThreadPoolExecutor(settings["server_concurrency"]) as pool, progress(settings, len(todo), "server") as bar, \
-            open(path or os.devnull, "ab", buffering=0) as save:   # one write per line: ranks may share the file
+    with ThreadPoolExecutor(settings["server_concurrency"]) as pool, progress(settings, len(items), "server") as bar:
         futures = {pool.submit(server_batch, batch, settings): batch for batch in batches}
         for future in as_completed(futures):
             try:
                 replies = future.result()
-            except UsageError as e:  # keep saving the batches that did answer, then report the first fault
+            except UsageError as e:  # keep the batches that did answer, then report the first fault
                 error = error or e
                 continue
             for it, (ids, finish) in zip(futures[future], replies):
                 it.update(completion_ids=ids, source="server", finish_reason=finish)
-                sampled = {"sample": it["sample"], "sampling": sampling_record(settings)} \
-                    if it.get("sample") is not None else {}
-                save.write((json.dumps({**it["row"], "id": it["id"], "split": it["split"], "completion_ids": ids,
-                                        "reference_source": "server", "server": settings["server"],
-                                        "server_api": settings["server_api"], "finish_reason": finish,
-                                        **sampled}) + "\n").encode())
+                keep(it)
             bar.update(len(futures[future]))
     if error:
         raise error
@@ -1274,6 +1385,8 @@ class Drafter:
     conv: tuple = ()            # DFlash 2: (taps K, channels per group)
     selector_top_k: int = 0     # DFlash 2: candidates per slot
     mask_variants: dict = None  # --check-mask: the rule sets to try
+    hash: str = ""              # of its weights and resolved config: the drafter's identity wherever it lies
+    warnings: list = None       # where its config disagrees with the target
 
 
 def dflash_value(cfg, name, default=None):
@@ -1344,12 +1457,39 @@ def load_drafter(spec, target_cfg, settings):
     # Logits plus their log-softmax, float32: below ~256 rows the lm_head matmul loses speed, above it gains
     # little; a 248k vocab at the default budget gets 256.
     logit_rows = min(2048, max(16, int(settings["max_memory_gb"] * 2**30 / (8 * target_cfg.vocab_size))))
-    return Drafter(name=name, checkpoint=os.path.abspath(path), cfg=cfg, weights=weights, layers=layer_ids,
-                   block_size=block_size, mask_token_id=int(mask_id), rules=layer_rules(cfg, settings, layout),
-                   rope=build_rope(cfg, settings["device"]), logit_rows=logit_rows, generation=generation,
-                   layout=layout, embed_scale=float(dflash_value(cfg, "input_embedding_scale", 1.0)),
-                   logit_multiplier=float(dflash_value(cfg, "output_multiplier", 1.0)),
-                   softcap=float(dflash_value(cfg, "final_logit_softcapping", 0.0)), conv=conv, selector_top_k=top_k)
+    d = Drafter(name=name, checkpoint=os.path.abspath(path), cfg=cfg, weights=weights, layers=layer_ids,
+                block_size=block_size, mask_token_id=int(mask_id), rules=layer_rules(cfg, settings, layout),
+                rope=build_rope(cfg, settings["device"]), logit_rows=logit_rows, generation=generation,
+                layout=layout, embed_scale=float(dflash_value(cfg, "input_embedding_scale", 1.0)),
+                logit_multiplier=float(dflash_value(cfg, "output_multiplier", 1.0)),
+                softcap=float(dflash_value(cfg, "final_logit_softcapping", 0.0)), conv=conv, selector_top_k=top_k,
+                warnings=config_warnings(cfg, target_cfg))
+    d.hash = content_hash(state, cfg, d.layers, d.block_size, d.mask_token_id, d.rules, d.generation, d.conv, top_k)
+    return d
+
+
+def content_hash(tensors, *facts):
+    """sha256 of JSON facts and of tensors (name, dtype, shape, bytes): equal for copies of the same drafter
+    wherever they lie, different for any other weight or setting."""
+    import hashlib
+    digest = hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+WRONG_DRAFTER_CHECK = "check the target it was trained for (--target), target_layer_ids (--layers), the mask token " \
+                      "id and the chat template (--no-chat-template, --enable-thinking)"
+
+
+def config_warnings(cfg, target_cfg):
+    """Where a drafter's config disagrees with the target in ways its tensor shapes cannot show."""
+    said = {"num_target_layers": target_cfg.num_hidden_layers, "vocab_size": target_cfg.vocab_size,
+            "target_hidden_size": target_cfg.hidden_size}
+    return [f"its config says {key} {cfg[key]} where the target has {value}: it was trained for another target; "
+            f"{WRONG_DRAFTER_CHECK}" for key, value in said.items() if cfg.get(key) not in (None, value)]
 
 
 def dflash2_settings(cfg, state, name, settings):
@@ -2028,15 +2168,52 @@ def support_of(p):
     return (int(inside.sum()), p.numel(), float(p[inside].log().sum()), int(outside[0]) if outside.numel() else None)
 
 
-def ratio_ci95(committed, rounds):
-    """95% interval of sum(committed) / sum(rounds) over units (prompt x sample), by the delta method."""
-    units = [(c, r) for c, r in zip(committed, rounds) if r]
-    if len(units) < 2:
-        return None
+def ratio_terms(units):
+    """tau = sum(committed) / sum(rounds) over units [(committed, rounds)], and each unit's delta-method term
+    (committed - tau * rounds) / mean rounds: the standard error of tau is their root mean square / sqrt(n - 1)."""
     tau = sum(c for c, _ in units) / sum(r for _, r in units)
     mean_r = sum(r for _, r in units) / len(units)
-    se = math.sqrt(sum((c - tau * r) ** 2 for c, r in units) / (len(units) * (len(units) - 1))) / mean_r
-    return [tau - 1.96 * se, tau + 1.96 * se]
+    return tau, [(c - tau * r) / mean_r for c, r in units]
+
+
+def ci95(center, terms):
+    """95% interval around `center` from per-unit delta-method terms (None with fewer than two units)."""
+    n = len(terms)
+    if n < 2:
+        return None
+    se = math.sqrt(sum(t * t for t in terms) / (n * (n - 1)))
+    return [center - 1.96 * se, center + 1.96 * se]
+
+
+def ratio_ci95(committed, rounds):
+    """95% interval of sum(committed) / sum(rounds) over units, by the delta method."""
+    units = [(c, r) for c, r in zip(committed, rounds) if r]
+    return ci95(*ratio_terms(units)) if len(units) >= 2 else None
+
+
+def prompt_totals(results, items):
+    """{prompt: (tokens committed, rounds)}, exact or expected. A prompt's samples and turns add up to one unit:
+    they share the prompt, so they are not independent draws, and two identical samples must not narrow an
+    interval."""
+    totals = {}
+    for res, it in zip(results, items):
+        e = res.get("expected")
+        c, r = (e["committed"], e["rounds"]) if e else (sum(res["rounds"]), len(res["rounds"]))
+        before = totals.get(it["id"], (0, 0))
+        totals[it["id"]] = (before[0] + c, before[1] + r)
+    return totals
+
+
+def paired_delta(mine, ref):
+    """tau(mine) - tau(ref) over the same prompts ({prompt: (committed, rounds)} each) with its paired 95%
+    interval: the difference of the two delta-method terms per prompt, so the prompt-to-prompt spread that both
+    drafters share cancels."""
+    keys = [k for k in ref if ref[k][1] or mine.get(k, (0, 0))[1]]
+    if not keys or not sum(ref[k][1] for k in keys) or not sum(mine[k][1] for k in keys):
+        return None, None
+    (tau_m, terms_m), (tau_r, terms_r) = (ratio_terms([t[k] for k in keys]) for t in (mine, ref))
+    delta = tau_m - tau_r
+    return delta, ci95(delta, [a - b for a, b in zip(terms_m, terms_r)])
 
 
 def summarize_expected(results, block_size):
@@ -2050,7 +2227,7 @@ def summarize_expected(results, block_size):
     per_ref = [c / r for c, r in zip(committed, rounds) if r]
     ddtree = {str(b): round_stats([res["ddtree_rounds"][b] for res in results], block_size)
               for b in (results[0].get("ddtree_rounds", {}) if results else {})}
-    return {"tau": sum(committed) / sum(rounds) if sum(rounds) else None, "tau_ci95": ratio_ci95(committed, rounds),
+    return {"tau": sum(committed) / sum(rounds) if sum(rounds) else None,
             "tau_prompt_mean": sum(per_ref) / len(per_ref) if per_ref else None, "rounds": sum(rounds),
             "histogram": [sum(x["histogram"][k] for x in e) for k in range(block_size)],
             "tau_all_anchors": 1 + sum(reach[1:]) / anchors if anchors else None, "anchors": anchors,
@@ -2099,6 +2276,11 @@ def fmt(x, digits=3):
 
 def print_report(report, out=None):
     out = out or sys.stdout
+    if not any(d["prompts"] for d in report["drafters"]):
+        print(f"no prompt {'finished before the interruption' if report.get('interrupted') else 'was scored'}"
+              f"{' (' + str(len(report['skipped'])) + ' skipped)' if report['skipped'] else ''}: nothing to report",
+              file=out)
+        return
     target = report["target"]
     cache = report["config"].get("hidden_cache")
     extracted = f"; features extracted in {cache['dtype']} on {cache['device']}" if cache else ""
@@ -2114,10 +2296,13 @@ def print_report(report, out=None):
     if cache:
         print(f"features: from {report['config']['load_hidden']} (torch {cache['torch_version']}, "
               f"transformers {cache['transformers_version']})", file=out)
+    walk = report["config"].get("anchors") == "walk"
     for d in report["drafters"]:
         print(f"\n== drafter {d['name']}: {d.get('generation', 'DFlash')} ({d.get('layout', 'public')} layout), "
               f"block {d['block_size']}, layers {d['layers']}", file=out)
         print("   in-block mask per layer: " + "; ".join(f"{i}: {r}" for i, r in enumerate(d["block_mask"])), file=out)
+        for warning in d.get("warnings", []):
+            print(f"   WARNING: {warning}", file=out)
         sections = [("all", d)] + (sorted(d["splits"].items()) if len(d["splits"]) > 1 else []) + \
             [(f"turn {t}", s) for t, s in d.get("turns", {}).items()]
         for name, s in sections:
@@ -2151,12 +2336,37 @@ def print_report(report, out=None):
                 print(f"   WARNING: {d['mask_check']['warning']}", file=out)
                 print(f"warning: drafter {d['name']}: {d['mask_check']['warning']}", file=sys.stderr)
         names = [name for name, _ in sections]
+        if walk:
+            print("   per-position rows and tau_all_anchors cover the anchors the walks visited (--anchors walk), not "
+                  "every anchor", file=out)
         print("   pos  " + "  ".join(f"{'accept ' + n:>14}" for n in names) + "  accuracy(all)", file=out)
         for k in range(d["block_size"] - 1):
             accepts = [s["per_position"]["acceptance"][k] for _, s in sections]
             bar = "#" * round(40 * accepts[0]) if accepts[0] is not None else ""
             print(f"   {k + 1:>3}  " + "  ".join(f"{fmt(a):>14}" for a in accepts)
                   + f"  {fmt(d['per_position']['accuracy'][k]):>13}  |{bar}", file=out)
+    if report.get("comparison"):
+        print_comparison_table(report["comparison"], out)
+
+
+def print_comparison_table(c, out):
+    """Several drafters side by side, each against the first, paired on the same prompts."""
+    budgets = sorted({b for row in c["drafters"] for b in row["ddtree"]}, key=int)
+    width = max(len("drafter"), *(len(row["name"]) for row in c["drafters"]))
+    print(f"\n== side by side over {c['prompts']} prompts (95% intervals over prompts; differences paired on the "
+          "same prompts)", file=out)
+    print(f"   {'drafter':<{width}}    tau  95% interval      accept@1" + "".join(f"  DDTree {b:>4}" for b in budgets),
+          file=out)
+    for row in c["drafters"]:
+        ci = row["tau_ci95"]
+        interval = f"[{fmt(ci[0])}, {fmt(ci[1])}]" if ci else "n/a"
+        print(f"   {row['name']:<{width}}  {fmt(row['tau']):>5}  {interval:<16}  {fmt(row['first_position_acceptance']):>8}"
+              + "".join(f"  {fmt(row['ddtree'].get(b)):>11}" for b in budgets), file=out)
+    for row in c["drafters"][1:]:
+        ci = row["delta_tau_ci95"]
+        delta = "n/a" if row["delta_tau"] is None else f"{row['delta_tau']:+.2f}"
+        print(f"   {row['name']} − {c['reference']}: Δτ {delta}" + (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else ""),
+              file=out)
 
 
 def reference_line(stats):
@@ -2227,15 +2437,30 @@ def evaluate(settings):
         log(settings, f"drafter {d.name}: block {d.block_size}, layers {d.layers}, in-block mask per "
                       f"layer: {', '.join(rule_label(r) for r in d.rules)}")
         d.mask_variants = mask_variants(d, settings) if settings["check_mask"] else None
+    settings["target_hash"] = target_hash(settings["target"])
     facts = [drafter_facts(d) for d in drafters]
     layer_union = sorted({L for d in drafters for L in d.layers})
-    records = resume_records(settings, facts) if settings["resume"] else {}
+    records, references = resume_records(settings, facts) if settings["resume"] else ({}, {})
     for it in items or []:   # a finished turn's reply is the next turn's context
         if it["index"] in records:
             it.update({k: records[it["index"]]["item"][k] for k in ("prompt_ids", "completion_ids")})
+        elif it["index"] in references:
+            it.update({k: references[it["index"]][k] for k in ("completion_ids", "source", "finish_reason")})
     TIMING.clear()
-    partial = open_partial(settings, records)
-    t0, interrupted, skipped = time.time(), False, []
+    partial = open_partial(settings, facts, records, references)
+    save = open(settings["save_references"], "ab", buffering=0) if settings.get("save_references") else None
+
+    made = []
+
+    def keep(it):   # a reference the moment it exists: to the partial file (for --resume) and --save-references
+        made.append(it["index"])
+        if partial:
+            partial.write(json.dumps({"reference": {k: it.get(k) for k in REFERENCE_KEYS}}) + "\n")
+            partial.flush()
+        if save:   # one write per line: torchrun ranks may share the file
+            save.write((json.dumps(saved_line(it, settings)) + "\n").encode())
+
+    t0, interrupted = time.time(), False
     previous = signal.signal(signal.SIGTERM, raise_interrupt) if is_main_thread() else None
     try:
         if settings["load_hidden"]:
@@ -2244,8 +2469,7 @@ def evaluate(settings):
             embed_w, head = read_embed_head(settings["target"], target_cfg, settings)
         else:
             stream, embed_w, head = extract_from_target([it for it in items if mine(it, settings)], settings,
-                                                      target_cfg, layer_union, set(records), drafters[0])
-            skipped = [{"id": it["id"], "reason": it["skip"]} for it in items if it.get("skip")]
+                                                      target_cfg, layer_union, set(records), drafters[0], keep)
         records = {i: r for i, r in records.items() if i < len(items)}  # resumed with a smaller --limit
         group_size = WALK_GROUP if settings["anchors"] == "walk" else 1
         with progress(settings, sum(mine(it, settings) for it in items) - len(records), "draft", 1) as bar:
@@ -2258,12 +2482,14 @@ def evaluate(settings):
                     bar.update()
     except KeyboardInterrupt:
         interrupted = True
-        print(f"interrupted: reporting the {len(records)} prompts finished so far", file=sys.stderr)
+        print(interrupt_message(settings, len(records), len(set(made) - set(records))), file=sys.stderr)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-        if partial:
-            partial.close()
+        for f in (partial, save):
+            if f:
+                f.close()
+    skipped = [{"id": it["id"], "reason": it["skip"]} for it in items or [] if it.get("skip")]
     settings["interrupted_here"] = interrupted
     everything = [(it["index"], it["id"], it.get("sample"), it.get("turn")) for it in items]
     if settings["ranks"] > 1:
@@ -2293,12 +2519,14 @@ def merge_shards(settings):
         shards.append((path, report))
     (first_path, first), facts = shards[0], shards[0][1]["shard"]["facts"]
     for path, report in shards[1:]:
-        differ = [k for k in RESUME_KEYS if report["config"].get(k) != first["config"].get(k)]
+        differ = differences({**report["config"], "drafters": report["shard"]["facts"]},
+                             {**first["config"], "drafters": facts})
         if differ:
             fail(f"--merge: {path} and {first_path} were run with other settings ({', '.join(differ)} differ)")
-        if report["shard"]["facts"] != facts:
-            names = [a["name"] for a, b in zip(report["shard"]["facts"], facts) if a != b] or ["the list"]
-            fail(f"--merge: {path} and {first_path} evaluated other drafters ({', '.join(names)} differ)")
+        for a, b in zip(report["shard"]["facts"], facts):
+            if (a["name"], a["checkpoint"]) != (b["name"], b["checkpoint"]):
+                log(settings, f"note: drafter {b['name']} ({b['checkpoint']}) is {a['name']} ({a['checkpoint']}) in "
+                              f"{path}: the same weights and config; the report names it as {first_path} does")
         if report["shard"]["items"] != first["shard"]["items"]:
             fail(f"--merge: {path} and {first_path} hold other prompt lists (another prompts file or --limit)")
     records, owner = {}, {}
@@ -2386,11 +2614,17 @@ def make_report(settings, facts, done, skipped, seconds, interrupted):
     if skipped:
         print(f"warning: skipped {len(skipped)} prompts (see \"skipped\" in the JSON): {skipped[0]['reason']}",
               file=sys.stderr)
+    results = [[r["results"][j] for r in done] for j in range(len(facts))]
+    drafters = [drafter_report(d, res, finished) for d, res in zip(facts, results)]
+    for d in drafters:
+        for warning in d["warnings"]:
+            print(f"warning: drafter {d['name']}: {warning}", file=sys.stderr)
     report = {
         "config": {k: v for k, v in settings.items() if k != "interrupted_here"},
         "target": {"path": settings["target"], "device": settings["device"], "dtype": settings["dtype"],
                    **reference_check, "self_check": check},
-        "drafters": [drafter_report(d, [r["results"][j] for r in done], finished) for j, d in enumerate(facts)],
+        "drafters": drafters,
+        **({"comparison": side_by_side(drafters, results, finished)} if len(drafters) > 1 and done else {}),
         "skipped": skipped,
         "timing": {**{k: round(v, 4) for k, v in sorted(TIMING.items())}, "total_s": round(seconds, 4)},
         "elapsed_s": seconds,
@@ -2461,12 +2695,32 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
 # ----------------------------------------------------------------------------------------------------
 # Nothing lost: the partial file, resume, interruption
 
-RESUME_KEYS = ("target", "ckpt", "anchors", "prompts", "prompts_hash", "load_hidden", "max_new_tokens", "ignore_eos", "device",
+# The settings that change a run's numbers: --resume and --merge refuse partial results or shards that differ in
+# any. The target, the drafters (by their facts, hash included), the prompts and saved features are compared by
+# content, never by path: the same files elsewhere, or named another way, are the same run.
+RESUME_KEYS = ("target_hash", "prompts_hash", "hidden_hashes", "anchors", "max_new_tokens", "ignore_eos", "device",
                "dtype", "layers", "block_size", "block_mask", "sliding_window", "no_chat_template", "enable_thinking",
-               "ddtree_budgets", "check_mask", "drafter_config", "mask_token_id", "head_dim", "num_heads",
-               "num_kv_heads", "temperature", "top_p", "top_k", "draft_policy", "samples_per_prompt", "seed",
-               "turns")
+               "ddtree_budgets", "check_mask", "mask_token_id", "head_dim", "num_heads", "num_kv_heads", "temperature",
+               "top_p", "top_k", "draft_policy", "samples_per_prompt", "seed", "turns", "reference_generation")
 SLICE_KEYS = ("shard", "ranks")   # a resumed run must take the same slice of the prompts
+KEY_WORDS = {"target_hash": "the target (its config or weights)", "prompts_hash": "the prompts (file content)",
+             "hidden_hashes": "the saved features (--load-hidden files)"}
+REFERENCE_KEYS = ("index", "id", "sample", "turn", "completion_ids", "source", "finish_reason")
+
+
+def differences(a, b, keys=RESUME_KEYS):
+    """What differs between two runs' settings (a, b: config dicts, with "drafters": their facts): named."""
+    named = [KEY_WORDS.get(k, k) for k in keys if a.get(k) != b.get(k)]
+    da, db = a.get("drafters", []), b.get("drafters", [])
+    if len(da) != len(db):
+        return named + [f"the drafters ({len(da)} against {len(db)})"]
+    return named + [f"drafter {x['name']} (its weights or resolved config)" for x, y in zip(da, db)
+                    if same_drafter(x) != same_drafter(y)]
+
+
+def same_drafter(facts):
+    """A drafter's facts without its label and path: what makes two of them the same drafter."""
+    return {k: v for k, v in facts.items() if k not in ("name", "checkpoint")}
 
 
 def raise_interrupt(signum, frame):
@@ -2476,6 +2730,16 @@ def raise_interrupt(signum, frame):
 def is_main_thread():
     import threading
     return threading.current_thread() is threading.main_thread()
+
+
+def interrupt_message(settings, finished, references):
+    """What an interrupted run kept, and how to go on."""
+    kept = f" and {references} references not yet scored" if references and settings["output"] else ""
+    if not settings["output"]:
+        how = "without --output nothing is kept for later: give --output, and --resume goes on from there"
+    else:
+        how = f"to finish, run the same {'torchrun ' if settings['ranks'] > 1 else ''}command with --resume"
+    return f"interrupted: reporting the {finished} prompts finished so far{kept}; {how}"
 
 
 def record_json(record):
@@ -2500,8 +2764,8 @@ def record_from_json(row, facts):
     return {"item": {**row["item"], "agree": tuple(row["item"]["agree"])}, "results": results}
 
 
-def fingerprint(settings):
-    return {k: settings.get(k) for k in RESUME_KEYS + SLICE_KEYS}
+def fingerprint(settings, facts):
+    return {**{k: settings.get(k) for k in RESUME_KEYS + SLICE_KEYS}, "drafters": facts}
 
 
 def partial_path(settings):
@@ -2515,11 +2779,12 @@ def remove_partial(settings):
 
 
 def resume_records(settings, facts):
-    """Finished prompts from <output>.partial.jsonl, if it was written with the same settings."""
+    """Finished prompts ({index: record}) and references not yet scored ({index: reference fields}) from
+    <output>.partial.jsonl, if it was written with the same settings."""
     path = partial_path(settings)
     if not os.path.isfile(path):
         log(settings, f"note: --resume found no {path}; starting from the first prompt")
-        return {}
+        return {}, {}
     with open(path, encoding="utf-8") as f:
         lines = [line for line in f if line.strip()]
     rows = []
@@ -2531,59 +2796,54 @@ def resume_records(settings, facts):
     header, rows = (rows[0] if rows and isinstance(rows[0], dict) else None), rows[1:]
     if not header or "fingerprint" not in header:
         fail(f"{path} is not a partial-results file of this tool; remove it or drop --resume")
-    now = fingerprint(settings)
-    differ = [k for k in RESUME_KEYS + SLICE_KEYS if header["fingerprint"].get(k) != now[k]]
+    differ = differences(header["fingerprint"], fingerprint(settings, facts), RESUME_KEYS + SLICE_KEYS)
     if differ:
         fail(f"--resume: {path} was written with other settings ({', '.join(differ)} differ); rerun with the "
              "same settings, or without --resume to start over")
-    log(settings, f"resuming: {len(rows)} prompts already finished in {path}")
-    return {row["item"]["index"]: record_from_json(row, facts) for row in rows}
+    records = {row["item"]["index"]: record_from_json(row, facts) for row in rows if "item" in row}
+    references = {row["reference"]["index"]: row["reference"] for row in rows if "reference" in row}
+    log(settings, f"resuming: {len(records)} prompts already finished in {path}" +
+        (f", {len(set(references) - set(records))} more references generated" if references else ""))
+    return records, references
 
 
-def open_partial(settings, records):
+def open_partial(settings, facts, records, references):
+    """The partial file, begun again with what a resumed run already has."""
     if not settings["output"]:
         return None
     f = open(partial_path(settings), "w", encoding="utf-8")
-    f.write(json.dumps({"fingerprint": fingerprint(settings)}) + "\n")
+    f.write(json.dumps({"fingerprint": fingerprint(settings, facts)}) + "\n")
+    for index in sorted(set(references) - set(records)):
+        f.write(json.dumps({"reference": references[index]}) + "\n")
     for index in sorted(records):
         f.write(json.dumps(record_json(records[index])) + "\n")
     f.flush()
     return f
 
 
-def generate_locally(model, items, settings, target_cfg, drafter, stops):
-    """Missing references from the target itself: greedy, or sampled at the run's settings (seeded per prompt
-    and sample); by speculative decoding with the first drafter where the cache can roll back (lossless:
-    the same text as plain greedy decoding, the same distribution as plain sampling)."""
-    sampling = sampling_of(settings)
-    speculative = settings["reference_generation"] == "speculative" and drafter is not None
-    if speculative and rewindable_cache(model) is None:
-        speculative = False
-        log(settings, f"note: transformers {settings['transformers_version']} cannot roll back a hybrid target's "
-                      "linear-attention cache: references are generated by plain decoding")
-    settings["reference_generation_used"] = "speculative" if speculative else "plain"
-    with progress(settings, len(items), "generate") as bar:
-        for it in items:
-            generator = None
-            if sampling:
-                generator = torch.Generator(device=model.device)
-                generator.manual_seed(sample_seed(settings, it["id"], it["sample"]))
-            with timed("generate_s"):
-                if speculative:
-                    ids = speculative_generate(model, drafter, it["prompt_ids"], it["room"], stops, it["id"], sampling,
-                                               generator)
-                else:
-                    ids = plain_generate(model, it["prompt_ids"], it["room"], stops, sampling, generator)
-            it.update(completion_ids=ids, source="target")
-            bar.update()
+def generate_reference(model, it, settings, drafter, stops):
+    """The target's own reference for one prompt: greedy, or sampled at the run's settings (seeded per prompt and
+    sample); by speculative decoding with the first drafter where the cache can roll back (lossless: the same
+    text as plain greedy decoding, the same distribution as plain sampling)."""
+    sampling, generator = sampling_of(settings), None
+    if sampling:
+        generator = torch.Generator(device=model.device)
+        generator.manual_seed(sample_seed(settings, it["id"], it["sample"]))
+    with timed("generate_s"):
+        if settings["reference_generation_used"] == "speculative":
+            ids = speculative_generate(model, drafter, it["prompt_ids"], it["room"], stops, it["id"], sampling, generator)
+        else:
+            ids = plain_generate(model, it["prompt_ids"], it["room"], stops, sampling, generator)
+    it.update(completion_ids=ids, source="target")
 
 
-def extract_from_target(items, settings, target_cfg, layer_union, done=frozenset(), drafter=None):
-    """Load the target, tokenize, generate missing references; then a stream of (item, features, argmax)
-    per prompt from one teacher-forced pass each (prompts in `done` or too long are passed over), saved to
-    --save-hidden at its end when asked."""
-    if settings["device"] == "cpu" and settings["dtype"] != "float32" and \
-            is_hybrid(target_cfg):
+def extract_from_target(items, settings, target_cfg, layer_union, done, drafter, keep):
+    """Load the target; then a stream of (item, features, argmax) per prompt, in order: its prompt tokenized
+    (a later turn after the replies before it), its reference generated if it has none (handed to keep(item)
+    the moment it exists: a reference is a result), one teacher-forced pass. With --server the references of
+    each turn are fetched together first, many in flight. Prompts in `done` are passed over; prompts too long
+    for the target are marked skipped. The features go to --save-hidden at the end when asked."""
+    if settings["device"] == "cpu" and settings["dtype"] != "float32" and is_hybrid(target_cfg):
         print(f"warning: {settings['dtype']} on CPU with a hybrid (linear-attention) target: the CPU fallback of "
               "those layers drifts from the GPU kernels enough to garble drafts; use --dtype float32 on CPU, or "
               "extract on a GPU", file=sys.stderr)
@@ -2591,46 +2851,61 @@ def extract_from_target(items, settings, target_cfg, layer_union, done=frozenset
         model, tokenizer = load_target(settings)
     limit = target_cfg.max_position_embeddings
     stops = set() if settings["ignore_eos"] else eos_ids(model, tokenizer)
-    by_index = {it["index"]: it for it in items}
-    for turn in sorted({it.get("turn", 1) for it in items}):   # a turn's context holds the replies before it
-        ready = [it for it in items if it.get("turn", 1) == turn and not by_index.get(it.get("previous"), {}).get("skip")]
-        for it in ready:
-            if it.get("previous") is not None:
-                it["messages"] = conversation(it, by_index, tokenizer)
-        encode_prompts(tokenizer, [it for it in ready if it["index"] not in done], settings)
-        todo = [it for it in ready if it["index"] not in done]
-        for it in todo:
-            total = len(it["prompt_ids"]) + len(it["completion_ids"] or [])
-            if len(it["prompt_ids"]) >= limit or total > limit:
-                it["skip"] = (f"prompt + completion ({total} tokens) exceed the target's {limit} positions")
-        generate = [it for it in todo if it["completion_ids"] is None and not it.get("skip")]
-        for it in generate:
-            it["room"] = min(settings["max_new_tokens"], limit - len(it["prompt_ids"]))
-        if settings["server"]:
-            with timed("generate_s"):
-                fetch_references(generate, settings)
-        else:
-            generate_locally(model, generate, settings, target_cfg, drafter, stops)
-    for it in items:   # a turn after a skipped one has no context: skipped too
-        if by_index.get(it.get("previous"), {}).get("skip"):
+    speculative = settings["reference_generation"] == "speculative"
+    if speculative and rewindable_cache(model) is None:
+        speculative = False
+        log(settings, f"note: transformers {settings['transformers_version']} cannot roll back a hybrid target's "
+                      "linear-attention cache: references are generated by plain decoding")
+    settings["reference_generation_used"] = "speculative" if speculative else "plain"
+    by_index, saved = {it["index"]: it for it in items}, saved_references(settings)
+    todo = [it for it in items if it["index"] not in done]
+
+    def prepare(it):   # tokens, length check, a saved reference; True when the reference is still to make
+        if it.get("prepared"):
+            return it["completion_ids"] is None and not it.get("skip")
+        it["prepared"] = True
+        if by_index.get(it.get("previous"), {}).get("skip"):   # no context without the turn before
             it["skip"] = f"turn {it['turn'] - 1} of this conversation was skipped"
-    todo = [it for it in items if it["index"] not in done and not it.get("skip")]
+            return False
+        if it.get("previous") is not None:
+            it["messages"] = conversation(it, by_index, tokenizer)
+        encode_prompts(tokenizer, [it], settings)
+        total = len(it["prompt_ids"]) + len(it["completion_ids"] or [])
+        if len(it["prompt_ids"]) >= limit or total > limit:
+            it["skip"] = f"prompt + completion ({total} tokens) exceed the target's {limit} positions"
+            return False
+        if it["completion_ids"] is not None:
+            return False
+        it["room"] = min(settings["max_new_tokens"], limit - len(it["prompt_ids"]))
+        return not take_saved(it, saved, settings)
+
+    if settings["server"]:
+        for turn in sorted({it.get("turn", 1) for it in todo}):   # a turn's context holds the replies before it
+            with timed("generate_s"):
+                fetch_references([it for it in todo if it.get("turn", 1) == turn and prepare(it)], settings, keep)
 
     def stream():
-        saved = {"tensors": {}, "bytes": 0, "shards": [], "run": f"{os.getpid()}-{time.time_ns()}"} \
+        kept = {"tensors": {}, "bytes": 0, "shards": [], "run": f"{os.getpid()}-{time.time_ns()}"} \
             if settings["save_hidden"] else None
-        with progress(settings, len(todo), "extract", 0) as bar:
-            for j, it in enumerate(todo):
+        extracted = []
+        with progress(settings, len(todo), "target", 0) as bar:
+            for it in todo:
+                if prepare(it):
+                    generate_reference(model, it, settings, drafter, stops)
+                    keep(it)
+                bar.update()
+                if it.get("skip"):
+                    continue
                 ids = it["prompt_ids"] + it["completion_ids"]
                 with timed("target_s"):
                     x = extract_hidden(model, ids, layer_union, len(it["prompt_ids"]), sampling_of(settings))
                 it.update(gaps=x.gaps, p=x.p)
-                if saved is not None:
-                    keep_hidden(saved, hidden_path(settings), j, ids, x, layer_union)
-                bar.update()
+                if kept is not None:
+                    keep_hidden(kept, hidden_path(settings), len(extracted), ids, x, layer_union)
+                extracted.append(it)
                 yield it, x.features, x.argmax
-        if saved is not None:
-            save_hidden(settings, target_cfg, layer_union, todo, saved)
+        if kept is not None:
+            save_hidden(settings, target_cfg, layer_union, extracted, kept)
 
     _, _, embed, head = target_parts(model)
     return stream(), embed.weight, head
@@ -2646,19 +2921,40 @@ def file_hash(path):
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def target_hash(path, weights=True):
-    """Hash of the target's config.json and of a few rows of its embedding and head: two copies of one
-    target agree; another target differs, even one with the same config (another fine-tune). Caches of the
-    first format hashed the config alone (weights=False)."""
+def target_hash(path, version=3):
+    """The target's identity by content: its config.json and the dtype, shape and first values (up to 256 of the
+    first row) of every tensor in its safetensors, which any fine-tune changes. Copies agree wherever they lie,
+    however sharded or named (tensors are taken as a set, not by name); hashing every byte of a 27B target would
+    take minutes. Caches of earlier formats hashed the config alone (version 1) or with a few rows of the
+    embedding and head (version 2)."""
     import hashlib
     from safetensors import safe_open
     digest = hashlib.sha256(json.dumps(read_json(os.path.join(path, "config.json")), sort_keys=True).encode())
-    files = target_tensor_files(path) if weights else {}
-    for name in EMBED_NAMES + ("lm_head.weight",):
-        if name in files:
-            with safe_open(files[name], "pt") as f:
-                digest.update(f.get_slice(name)[:4].float().numpy().tobytes())
+    files = target_tensor_files(path) if version > 1 else {}
+    names = sorted(files) if version > 2 else [n for n in EMBED_NAMES + ("lm_head.weight",) if n in files]
+    entries = []
+    with contextlib.ExitStack() as stack:
+        opened = {file: stack.enter_context(safe_open(file, "pt")) for file in {files[n] for n in names}}
+        for name in names:
+            part = opened[files[name]].get_slice(name)
+            shape = part.get_shape()
+            if version == 2:
+                digest.update(part[:4].float().numpy().tobytes())
+                continue
+            first = part[tuple(slice(0, 1) for _ in shape[:-1]) + (slice(0, 256),)] if shape else \
+                opened[files[name]].get_tensor(name)
+            entries.append(f"{part.get_dtype()}:{shape}:".encode() + first.float().numpy().tobytes())
+    for entry in sorted(hashlib.sha256(e).digest() for e in entries):
+        digest.update(entry)
     return digest.hexdigest()
+
+
+def hidden_hash(path):
+    """A --save-hidden file's identity by content: its metadata (target hash, prompts hash, layers, dtype, every
+    prompt's lengths and source), not where it lies."""
+    import hashlib
+    meta = {k: v for k, v in read_hidden_meta(path).items() if k != "prompts_file"}
+    return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
 
 
 SAVE_SHARD_BYTES = 2 << 30  # features held in memory before a shard is written
@@ -2698,7 +2994,7 @@ def hidden_path(settings):
 
 def save_hidden(settings, target_cfg, layer_union, items, saved):
     """The main file: the last tensors and the run metadata (naming any shards written before it)."""
-    meta = {"format": "eval_drafter.hidden/2", "target_hash": target_hash(settings["target"]),
+    meta = {"format": "eval_drafter.hidden/3", "target_hash": settings["target_hash"],
             "layers": layer_union, "dtype": settings["dtype"], "device": settings["device"],
             "torch_version": torch.__version__, "transformers_version": settings["transformers_version"],
             "prompts_file": settings["prompts"], "prompts_hash": file_hash(settings["prompts"]),
@@ -2759,7 +3055,8 @@ def open_hidden(paths, settings, target_cfg, layer_union, skip=lambda it: False)
     metas = [read_hidden_meta(path) for path in paths]
     sampling = sampling_of(settings)
     for path, meta in zip(paths, metas):
-        if meta["target_hash"] != target_hash(settings["target"], meta["format"] != "eval_drafter.hidden/1"):
+        version = version_tuple(meta["format"].rpartition("/")[2])[0]
+        if meta["target_hash"] != (settings["target_hash"] if version == 3 else target_hash(settings["target"], version)):
             fail(f"{path} was extracted from another target than {settings['target']} (the hash of its config and "
                  "weights differs); pass the target it was made with, or extract again")
         missing = sorted(set(layer_union) - set(meta["layers"]))
@@ -2997,7 +3294,8 @@ DDTREE_NOTE_DFLASH2 = ("DFlash 2 drafts a chain: its selector couples each slot'
 
 def drafter_facts(d):
     """What the report says of a drafter apart from its results (a shard's output carries it for --merge)."""
-    return {"name": d.name, "checkpoint": d.checkpoint, "generation": d.generation, "layout": d.layout,
+    return {"name": d.name, "checkpoint": d.checkpoint, "hash": d.hash, "warnings": d.warnings or [],
+            "generation": d.generation, "layout": d.layout,
             "block_size": d.block_size, "layers": d.layers, "mask_token_id": d.mask_token_id,
             "block_mask": [rule_label(r) for r in d.rules],
             "mask_modes": {name: [rule_label(r) for r in rules] for name, rules in d.mask_variants.items()}
@@ -3016,15 +3314,56 @@ def drafter_report(d, results, items):
 
     def section(keep):
         chosen = [(res, it) for res, it in zip(results, items) if keep(it)]
-        return {**stats([res for res, _ in chosen], B), **check([it for _, it in chosen]), **no_trees}
+        totals = list(prompt_totals(*zip(*chosen)).values()) if chosen else []
+        return {**stats([res for res, _ in chosen], B),
+                "tau_ci95": ratio_ci95([c for c, _ in totals], [r for _, r in totals]),
+                **check([it for _, it in chosen]), **no_trees}
 
+    whole = section(lambda it: True)
     splits = {split: section(lambda it: it["split"] == split) for split in sorted({it["split"] for it in items})}
     turns = {str(t): section(lambda it: it.get("turn") == t) for t in sorted({it.get("turn") for it in items} - {None})}
     prompts = [prompt_report(it, res, B) for it, res in zip(items, results)]
-    return {**{k: v for k, v in d.items() if k != "mask_modes"},
-            **stats(results, B), **no_trees, **check(items), "splits": splits, **({"turns": turns} if turns else {}),
+    return {**{k: v for k, v in d.items() if k != "mask_modes"}, **whole,
+            "warnings": d["warnings"] + acceptance_warning(whole), "splits": splits, **({"turns": turns} if turns else {}),
             **({"mask_check": mask_check_summary(d["mask_modes"], [r["mask_check"] for r in results if "mask_check" in r])}
                if d["mask_modes"] else {}), "prompts": prompts}
+
+
+# A drafter trained for its target and layer set accepts 0.5-0.9 of its first drafts; one that reads another
+# target's features, or another layer set's, keeps only what the anchor token alone predicts. Warn when the
+# first-position acceptance is below LOW_FIRST_ACCEPTANCE with 95% confidence (the Wilson interval's upper end),
+# and only where the references are the target's own (agreement or support at least TRUSTED_REFERENCES):
+# against foreign references low acceptance says nothing of the drafter.
+LOW_FIRST_ACCEPTANCE = 0.2
+TRUSTED_REFERENCES = 0.9
+
+
+def acceptance_warning(s):
+    first, n = s["per_position"]["acceptance"][0], s["anchors"]
+    trust = s.get("target_agreement", s.get("reference_support"))
+    if first is None or not n or trust is None or trust < TRUSTED_REFERENCES:
+        return []
+    z = 1.96
+    upper = (first + z * z / (2 * n) + z * math.sqrt(first * (1 - first) / n + z * z / (4 * n * n))) / (1 + z * z / n)
+    if upper >= LOW_FIRST_ACCEPTANCE:
+        return []
+    return [f"first-position acceptance {first:.3f} over {n:.0f} anchors (95% upper bound {upper:.3f}) on the "
+            f"target's own text: a drafter trained for this target and layer set accepts far more (0.5-0.9), so "
+            f"this one cannot have been; {WRONG_DRAFTER_CHECK}"]
+
+
+def side_by_side(drafters, results, items):
+    """Several drafters over the same prompts: each one's tau, interval, first-position acceptance and DDTree
+    tau, and its paired difference from the first drafter."""
+    totals = [prompt_totals(res, items) for res in results]
+    rows = []
+    for d, mine in zip(drafters, totals):
+        delta, interval = paired_delta(mine, totals[0]) if rows else (None, None)
+        rows.append({"name": d["name"], "tau": d["tau"], "tau_ci95": d["tau_ci95"],
+                     "first_position_acceptance": d["per_position"]["acceptance"][0],
+                     "ddtree": {b: s["tau"] for b, s in (d["ddtree"] or {}).items()},
+                     "delta_tau": delta, "delta_tau_ci95": interval})
+    return {"reference": drafters[0]["name"], "prompts": len(totals[0]), "drafters": rows}
 
 
 def join_ranks(settings):
@@ -3051,6 +3390,8 @@ def join_ranks(settings):
 
 
 def main(argv=None):
+    with contextlib.suppress(AttributeError, ValueError):   # a report line holds Δτ: never die of the locale
+        sys.stdout.reconfigure(errors="replace")
     try:
         settings = join_ranks(resolve_settings(parse_args(argv)))
         report = run(settings)

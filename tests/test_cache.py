@@ -133,7 +133,7 @@ def load_argv(target, cache, *ckpts):
 
 
 CONFIG_KEYS_ALLOWED_TO_DIFFER = {"prompts", "load_hidden", "save_hidden", "output", "max_new_tokens", "limit",
-                                 "demo", "chat_template", "prompts_hash", "hidden_cache",
+                                 "demo", "chat_template", "prompts_hash", "hidden_cache", "hidden_hashes",
                                  "reference_generation_used"}
 
 
@@ -212,7 +212,7 @@ def test_cache_contents(tiny):
     """Tensors: ids, the target's argmax and hidden_states[L + 1] per layer; metadata as documented."""
     tensors, meta = read_cache(tiny["union"])
     report = tiny["both"]["drafters"][0]
-    assert meta["format"] == "eval_drafter.hidden/2"
+    assert meta["format"] == "eval_drafter.hidden/3"
     assert meta["target_hash"] == ed.target_hash(tiny["target"])
     assert meta["layers"] == [0, 1, 2, 3, 4]
     assert (meta["dtype"], meta["device"]) == ("float32", "cpu")
@@ -557,7 +557,7 @@ def test_cache_from_target_with_same_config_other_weights(tiny, tmp_path):
     weights = {k: torch.randn(v.shape, generator=g) * 0.2 if v.dim() > 1 else v
                for k, v in load_file(weights_path).items()}
     save_file(weights, weights_path, metadata={"format": "pt"})
-    assert ed.target_hash(other, weights=False) == ed.target_hash(tiny["target"], weights=False)  # same config
+    assert ed.target_hash(other, version=1) == ed.target_hash(tiny["target"], version=1)  # same config
     rc, out, err = cli(*load_argv(other, tiny["union"], f"p={tiny['p']}"))
     assert_one_error_line(rc, err, "another target")
 

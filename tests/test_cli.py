@@ -83,11 +83,11 @@ BAD_INPUTS = {
                            "layer id 6 is outside the target's 6 layers"),
     "mask_outside_vocab": (lambda e: base_argv(e, **{"--ckpt": broken_drafter(e, _set_mask(64))}),
                            "mask_token_id 64 is outside the target vocab (64)"),
-    "block_size_1": (lambda e: base_argv(e, **{"--block-size": "1"}), "--block-size 1 is too small"),
+    "block_size_1": (lambda e: base_argv(e, **{"--block-size": "1"}), "--block-size 1: must be at least 2 (a block needs the anchor"),
     "device_cuda": (lambda e: base_argv(e, **{"--device": "cuda"}), "--device cuda was asked for"),
     "device_map_on_cpu": (lambda e: base_argv(e, **{"--device-map": "auto"}),
                           "--device-map auto spreads the target over GPUs, but this run is on the CPU"),
-    "max_memory_zero": (lambda e: base_argv(e, **{"--max-memory-gb": "0"}), "--max-memory-gb must be above 0"),
+    "max_memory_zero": (lambda e: base_argv(e, **{"--max-memory-gb": "0"}), "--max-memory-gb 0.0: must be a finite number above 0"),
     "layers_not_ints": (lambda e: base_argv(e, **{"--layers": "1,x,3"}), "--layers must be comma-separated"),
     # A malformed chat turn is bad input like any other: it must name the line, not raise a KeyError.
     "message_without_content": (lambda e: base_argv(e, **{"--prompts": write_jsonl(

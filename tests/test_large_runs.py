@@ -142,7 +142,7 @@ def test_torchrun_interrupted_then_resumed(tmp_path):
     proc = torchrun(tmp_path, "cut", *many, wait=False)
     partials = [tmp_path / f"cut.json.partial.rank{r}.jsonl" for r in (0, 1)]
     deadline = time.time() + 300
-    while not all(p.exists() and p.read_text().count("\n") >= 2 for p in partials):
+    while not all(p.exists() and p.read_text().count('{"item"') >= 1 for p in partials):   # a prompt scored on each
         assert proc.poll() is None, proc.communicate()
         assert time.time() < deadline
         time.sleep(0.05)

@@ -251,7 +251,7 @@ def test_temperature_zero_is_the_greedy_json(tmp_path):
     for key in ("drafters", "target", "skipped"):
         assert default[key] == explicit[key], key
     d = default["drafters"][0]
-    assert "tau_ci95" not in d and "expected_rounds" not in d["prompts"][0] and "sample" not in d["prompts"][0]
+    assert "expected_rounds" not in d["prompts"][0] and "sample" not in d["prompts"][0]
     assert default["target"]["agreement"] == 1.0 and "reference_support" not in default["target"]
 
 
@@ -324,7 +324,7 @@ def test_cache_and_resume_under_sampling(tmp_path, monkeypatch, capsys):
     (["--samples-per-prompt", "3"], "need --temperature > 0"),
     (["--draft-policy", "sample"], "need --temperature > 0"),
     (["--top-k", "20"], "at --temperature 0 (greedy) they do nothing"),
-    (["--temperature", "0.5", "--top-p", "0"], "--top-p in (0, 1]"),
+    (["--temperature", "0.5", "--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
     (["--temperature", "0.5", "--draft-policy", "sample", "--anchors", "walk"], "use --anchors all"),
 ])
 def test_bad_sampling_flags_are_one_line(argv, fragment, capsys):
