@@ -2421,8 +2421,8 @@ def run(settings):
 
 def evaluate(settings):
     """Drafters and prompts in, report dict out: the whole pipeline below the CLI, over this process's slice
-    of the prompts (--shard, or this rank's under torchrun). Each finished prompt is appended to the partial
-    file; Ctrl-C or SIGTERM ends the loop with the finished prompts kept. Under torchrun rank 0 gathers every
+    of the prompts (--shard, or this rank's under torchrun). Each reference the run generates and each
+    finished prompt is appended to the partial file; Ctrl-C or SIGTERM ends the loop with all of them kept. Under torchrun rank 0 gathers every
     rank's records and reports them all; the other ranks return None."""
     items = expand(read_prompts(settings["prompts"], settings["limit"]), settings) \
         if not settings["load_hidden"] else None
@@ -2449,7 +2449,6 @@ def evaluate(settings):
     TIMING.clear()
     partial = open_partial(settings, facts, records, references)
     save = open(settings["save_references"], "ab", buffering=0) if settings.get("save_references") else None
-
     made = []
 
     def keep(it):   # a reference the moment it exists: to the partial file (for --resume) and --save-references
@@ -2482,7 +2481,8 @@ def evaluate(settings):
                     bar.update()
     except KeyboardInterrupt:
         interrupted = True
-        print(interrupt_message(settings, len(records), len(set(made) - set(records))), file=sys.stderr)
+        print(interrupt_message(settings, len(records), len((set(made) | set(references)) - set(records))),
+              file=sys.stderr)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
@@ -2491,7 +2491,7 @@ def evaluate(settings):
                 f.close()
     skipped = [{"id": it["id"], "reason": it["skip"]} for it in items or [] if it.get("skip")]
     settings["interrupted_here"] = interrupted
-    everything = [(it["index"], it["id"], it.get("sample"), it.get("turn")) for it in items]
+    everything = [(it["index"], it["id"], it.get("sample"), it.get("turn")) for it in items or []]
     if settings["ranks"] > 1:
         gathered = gather_ranks(settings, facts, records, skipped, interrupted)
         if gathered is None:

@@ -647,3 +647,21 @@ def test_sampled_references_from_the_server(tmp_path, server, api):
     assert [(p["id"], p["sample"]) for p in prompts_of(from_file)] == [(r["id"], r["sample"]) for r in rows]
     code, other = run_tool(tmp_path, argv + ["--seed", "5"], "other.json")
     assert code == 0 and len(server.requests) > 0 and other["drafters"] != report["drafters"]
+
+
+def test_fetched_references_survive_an_interrupt(tmp_path, server, monkeypatch):
+    """Ctrl-C after the references came back, while the second prompt is being extracted: the fetched references
+    are in the partial file, and --resume scores the rest without asking the server again."""
+    from conftest import interrupt_at
+    code, whole = run_tool(tmp_path, BASE + server_args(server), "whole.json")
+    assert code == 0
+    server.reset()
+    real, _ = interrupt_at(monkeypatch, "extract_hidden", 2)
+    assert run_tool(tmp_path, BASE + server_args(server))[0] == 130
+    lines = [json.loads(line) for line in (tmp_path / "out.json.partial.jsonl").read_text().splitlines()]
+    assert sorted(row["reference"]["id"] for row in lines if "reference" in row) == sorted(p["id"] for p in prompts_of(whole))
+    monkeypatch.setattr(ed, "extract_hidden", real)
+    server.reset()
+    code, resumed = run_tool(tmp_path, BASE + server_args(server) + ["--resume"])
+    assert code == 0 and server.requests == []
+    assert resumed["drafters"] == whole["drafters"] and resumed["target"] == whole["target"]
