@@ -442,17 +442,7 @@ def read_prompts(path, limit=None):
             # saved sampled references: one line per (id, sample, seed)
             key = (item["id"], row.get("sample"), (row.get("sampling") or {}).get("seed"))
             if turn:
-                first = turns_of.setdefault(key, item)
-                if first is item and limit and len(items) >= limit:
-                    continue
-                if first is item:
-                    items.append({**item, "index": len(items), "line": len(items),
-                                  "turn_references": [None] * len(row["turns"])})
-                    first = turns_of[key] = items[-1]
-                if first["turn_references"][turn[0] - 1] is not None or first["row"] != item["row"]:
-                    fail(f"{path} line {lineno}: turn {turn[0]} of id {item['id']!r} is given twice, or with another "
-                         "conversation")
-                first["turn_references"][turn[0] - 1] = turn[1]
+                join_turn(items, turns_of, key, item, turn, limit, f"{path} line {lineno}")
                 continue
             if key in lines_of:
                 fail(f"{path} line {lineno}: id {item['id']!r} was already used on line {lines_of[key]}; "
@@ -473,6 +463,21 @@ def saved_turn(row):
             isinstance(ids, list) and all(isinstance(t, int) for t in ids):
         return turn, ids
     return None
+
+
+def join_turn(items, conversations, key, item, turn, limit, where):
+    """A saved turn's line into the item of its conversation, which the first of its lines makes."""
+    first = conversations.get(key)
+    if first is None:
+        if limit and len(items) >= limit:
+            return
+        first = conversations[key] = {**item, "index": len(items), "line": len(items),
+                                      "turn_references": [None] * len(item["turns"])}
+        items.append(first)
+    number, ids = turn
+    if first["turn_references"][number - 1] is not None or first["row"] != item["row"]:
+        fail(f"{where}: turn {number} of id {item['id']!r} is given twice, or with another conversation")
+    first["turn_references"][number - 1] = ids
 
 
 def parse_prompt_row(row, path, lineno):
@@ -3395,6 +3400,7 @@ def main(argv=None):
     try:
         settings = join_ranks(resolve_settings(parse_args(argv)))
         report = run(settings)
+        leave_ranks()
     except UsageError as e:
         if int(os.environ.get("RANK", "0")) == 0:   # under torchrun every rank stops; one says why
             print(f"error: {e}", file=sys.stderr)
@@ -3403,6 +3409,17 @@ def main(argv=None):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     return 130 if report.get("interrupted") else 0
+
+
+def leave_ranks():
+    """torchrun, once every rank is past the gather: leave the process group before exiting. A rank that exits
+    with gloo's worker threads still holding tensors can abort while the interpreter shuts down ("terminate
+    called without an active exception"), failing the launch. (Not on the error path: destroying an NCCL group
+    is collective and would wait for ranks that are not coming.)"""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

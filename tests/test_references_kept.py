@@ -258,3 +258,11 @@ def test_content_hashes(tmp_path, copies):
     w = load_file(str(copies / "run7-drafter" / "model.safetensors"))
     save_file({k: v.to(torch.bfloat16) for k, v in w.items()}, str(copies / "run7-drafter" / "model.safetensors"))
     assert ed.load_drafter(str(copies / "run7-drafter"), cfg, settings).hash != here.hash
+
+
+def test_a_turn_given_twice_is_one_line(tmp_path, capsys):
+    line = {"id": "a", "turns": ["w5 w9", "w20 w21"], "turn": 2, "completion_ids": [4, 5, 6]}
+    prompts = write_jsonl(tmp_path / "p.jsonl", [line, {**line, "completion_ids": [7, 8]}])
+    assert ed.main(["--demo", "--prompts", prompts, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {prompts} line 2: turn 2 of id 'a' is given twice, or with another conversation"]
