@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import heapq
 import inspect
-import itertools
 import json
 import math
 import os
@@ -99,8 +98,13 @@ def build_parser():
                         "model.safetensors (or a sharded model.safetensors.index.json); a .safetensors file (a "
                         "config.json beside it is used); a training .pt/.pth/.bin state dict, read with "
                         "torch.load(weights_only=True), nesting (state_dict, model, module, draft_model) and prefixes "
-                        "(module., _orig_mod., draft_model., model.) unwrapped. Without a config.json, see "
-                        "'drafter config'")
+                        "(module., _orig_mod., draft_model., model.) unwrapped; a SpecForge step directory "
+                        "(training_state.pt); a speculators directory; a training run's directory of steps (see "
+                        "--steps). Without a config.json, see 'drafter config'")
+    g.add_argument("--steps", default="all",
+                   help="with --ckpt NAME=RUN_DIR (a training run's directory of step checkpoints: SpecForge's "
+                        "<run>-step<N>, checkpoint-<N>, step_<N>.pt, ...): which steps, e.g. 400,800 or last:5 "
+                        "(default all); every step is a drafter of the report, all from one target pass")
     g.add_argument("--prompts", help="JSONL file of prompts: prompt / messages / turns / conversations lines, "
                                      "optionally with completion or completion_ids references (see README)")
     g.add_argument("--limit", type=int, help="evaluate only the first N prompts")
@@ -260,6 +264,7 @@ def resolve_settings(args):
     if args.drafter_config and not os.path.isfile(args.drafter_config):
         fail(f"--drafter-config file not found: {args.drafter_config}")
     shard = parse_shard(args.shard) if args.shard else None
+    parse_steps(args.steps)
     if shard and not args.output:
         fail("--shard needs --output: a shard's records are for --merge, which reads them from that file")
 
@@ -363,6 +368,18 @@ def check_flags(args):
     if "reference_generation" in given and args.server:
         notes.append("--reference-generation is for local generation: with --server the server generates")
     return notes
+
+
+def parse_steps(text):
+    """--steps: None (all), ("last", N) or a sorted list of step numbers."""
+    text = text.strip().lower()
+    if text == "all":
+        return None
+    if re.fullmatch(r"last:\d+", text) and int(text[5:]) >= 1:
+        return ("last", int(text[5:]))
+    if re.fullmatch(r"\d+(,\d+)*", text.replace(" ", "")):
+        return sorted({int(x) for x in text.replace(" ", "").split(",")})
+    fail(f"--steps takes all, last:N (N >= 1) or step numbers like 400,800; got {text!r}")
 
 
 def parse_shard(text):
@@ -1232,6 +1249,59 @@ def split_ckpt_spec(spec):
     return ("/".join(parts[-2:]) if generic and len(parts) > 2 else parts[-1]), spec
 
 
+# A step number in a checkpoint's name: SpecForge's <run>-step400, HF Trainer's checkpoint-400, step_400.pt, ...
+STEP_NAME = re.compile(r"(?:^|[^a-z])(?:step|checkpoint|ckpt|iter)[-_]?(\d+)", re.IGNORECASE)
+
+
+def run_steps(path):
+    """{step: checkpoint path} of a training run's directory: the entries whose name carries a step number
+    (links such as SpecForge's <run>-latest and <run>-best are passed over: they repeat a step). None when
+    `path` is a checkpoint itself, or holds no steps."""
+    if not os.path.isdir(path) or any(os.path.exists(os.path.join(path, f)) for f in
+                                      ("model.safetensors", "model.safetensors.index.json", TRAINING_STATE)):
+        return None
+    steps = {}
+    for entry in sorted(os.listdir(path)):
+        full, match = os.path.join(path, entry), STEP_NAME.search(entry)
+        if not match or os.path.islink(full) or not (os.path.isdir(full) or entry.endswith(CHECKPOINT_FILES)):
+            continue
+        if int(match.group(1)) in steps:
+            fail(f"{path} holds two checkpoints of step {match.group(1)}: {os.path.basename(steps[int(match.group(1))])} "
+                 f"and {entry}; give the one you mean to --ckpt")
+        steps[int(match.group(1))] = full
+    return steps or None
+
+
+CHECKPOINT_FILES = (".safetensors", ".pt", ".pth", ".bin")
+
+
+def checkpoint_specs(settings):
+    """[(NAME=PATH spec, step or None)] of the --ckpt flags: a training run's directory gives one per step
+    that --steps picks, named NAME@STEP."""
+    specs, picked, any_run = [], parse_steps(settings["steps"]), False
+    for spec in settings["ckpt"]:
+        name, path = split_ckpt_spec(spec)
+        steps = run_steps(path)
+        if steps is None:
+            specs.append((spec, None))
+            continue
+        any_run = True
+        if isinstance(picked, tuple):
+            chosen = sorted(steps)[-picked[1]:]
+        elif picked:
+            missing = [s for s in picked if s not in steps]
+            if missing:
+                fail(f"--steps {missing[0]}: {path} has no such step (it has {', '.join(map(str, sorted(steps)))})")
+            chosen = picked
+        else:
+            chosen = sorted(steps)
+        specs += [(f"{name}@{s}={steps[s]}", s) for s in chosen]
+    if settings["steps"].strip().lower() != "all" and not any_run:
+        fail("--steps picks steps of a training run's directory, and no --ckpt is one (a directory of step "
+             "checkpoints such as <run>-step400/)")
+    return specs
+
+
 def default_layer_ids(num_target_layers, k):
     """The public rule when a config has no target_layer_ids: k ids evenly spaced over 1..N-3."""
     if k == 1:
@@ -1239,22 +1309,28 @@ def default_layer_ids(num_target_layers, k):
     return [int(round(1 + i * (num_target_layers - 4) / (k - 1))) for i in range(k)]
 
 
-STATE_DICT_NESTS = ("state_dict", "model", "module", "draft_model")   # tried in this order
+STATE_DICT_NESTS = ("draft_state_dict", "state_dict", "model", "module", "draft_model")   # tried in this order
 KEY_PREFIXES = ("module.", "_orig_mod.", "draft_model.", "model.")    # stripped only when every key has it
+
+
+TRAINING_STATE = "training_state.pt"   # SpecForge: <run>-step<N>/training_state.pt, weights under draft_state_dict
 
 
 def read_checkpoint(path, name):
     """(config dict or None, raw state dict) from a public directory, a sharded directory, a single
-    .safetensors file, or a training .pt/.pth/.bin (tensors only: weights_only=True, never unpickled)."""
+    .safetensors file, or a training .pt/.pth/.bin (tensors only: weights_only=True, never unpickled), a
+    SpecForge step directory among them."""
     if os.path.isdir(path):
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
             files = sorted({os.path.join(path, v) for v in index_weight_map(index).values()})
         elif os.path.isfile(os.path.join(path, "model.safetensors")):
             files = [os.path.join(path, "model.safetensors")]
+        elif os.path.isfile(os.path.join(path, TRAINING_STATE)):   # a SpecForge step directory
+            return read_checkpoint(os.path.join(path, TRAINING_STATE), name)
         else:
             fail(f"{path} is not a DFlash drafter: the directory has no model.safetensors "
-                 "(or model.safetensors.index.json)")
+                 f"(or model.safetensors.index.json, or a SpecForge {TRAINING_STATE})")
         state = {}
         for file in files:
             state.update(load_safetensors(file))
@@ -1269,6 +1345,8 @@ def read_checkpoint(path, name):
                  "Python objects, or is no torch file). Unpickling is never tried, since it can run code; "
                  "re-save the state dict alone")
         config = os.path.join(os.path.dirname(path), "config.json")
+        if os.path.basename(path) == TRAINING_STATE and not os.path.isfile(config):   # beside the step directories
+            config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "config.json")
     else:
         fail(f"{path}: unknown checkpoint form; give a drafter directory, a .safetensors file or a .pt/.pth/.bin")
     return (read_json(config) if os.path.isfile(config) else None), state
@@ -1326,8 +1404,18 @@ def unwrap_state_dict(state, name, settings):
     return state
 
 
-def infer_config(state, target_cfg, settings, name):
-    """A drafter config from the tensor shapes, flags and the target's config, saying what came from where."""
+def trained_values(raw):
+    """What a SpecForge training state says of the drafter it holds (dflash_mask_token_id, dflash_block_size,
+    dflash_target_layer_ids, ...), without the prefix; {} for any other checkpoint."""
+    if not (isinstance(raw, dict) and "draft_state_dict" in raw):
+        return {}
+    return {k[len("dflash_"):]: v for k, v in raw.items() if k.startswith("dflash_") and not isinstance(v, torch.Tensor)}
+
+
+def infer_config(state, target_cfg, settings, name, trained=None):
+    """A drafter config from the tensor shapes, flags, a training state's values and the target's config,
+    saying what came from where."""
+    trained = trained or {}
     needed = ["fc.weight"] + [f"layers.0.{k}.weight" for k in ("self_attn.q_norm", "self_attn.q_proj",
                                                                  "self_attn.k_proj", "mlp.gate_proj")]
     missing = [k for k in needed if k not in state]
@@ -1342,7 +1430,12 @@ def infer_config(state, target_cfg, settings, name):
     if heads * head_dim != q_width or kv_heads * head_dim != kv_width:
         fail(f"drafter {name}: q/k widths {q_width}/{kv_width} do not fit {heads}/{kv_heads} heads of {head_dim}; "
              "check --head-dim, --num-heads and --num-kv-heads")
-    if settings["mask_token_id"] is None:
+    mask_id, block = settings["mask_token_id"], settings["block_size"]
+    mask_from = "--mask-token-id" if mask_id is not None else "the training state"
+    mask_id = trained.get("mask_token_id") if mask_id is None else mask_id
+    block_from = "--block-size" if block else "the training state" if trained.get("block_size") else "default"
+    block = block or trained.get("block_size") or 16
+    if mask_id is None:
         fail(f"drafter {name}: no config.json, so the mask token id is unknown; pass --mask-token-id "
              "(or --drafter-config FILE)")
     rope_theta = getattr(target_cfg, "rope_theta", None) or \
@@ -1353,17 +1446,19 @@ def infer_config(state, target_cfg, settings, name):
            "attention_bias": "layers.0.self_attn.q_proj.bias" in state,
            "rms_norm_eps": getattr(target_cfg, "rms_norm_eps", 1e-6), "rope_theta": rope_theta,
            "max_position_embeddings": target_cfg.max_position_embeddings,
-           "block_size": settings["block_size"] or 16,
-           "dflash_config": {"mask_token_id": settings["mask_token_id"]}}
+           "block_size": int(block), "dflash_config": {"mask_token_id": int(mask_id)}}
+    if trained.get("target_layer_ids") is not None:
+        cfg["dflash_config"]["target_layer_ids"] = [int(i) for i in trained["target_layer_ids"]]
     for line in (f"hidden {hidden}, {cfg['num_hidden_layers']} layers, intermediate {cfg['intermediate_size']}, "
                  f"head_dim {head_dim}, heads {heads}/{kv_heads} kv, attention bias {cfg['attention_bias']} "
                  "(from the tensor shapes and flags)",
                  f"rms_norm_eps {cfg['rms_norm_eps']}, rope_theta {rope_theta} without scaling, max positions "
                  f"{cfg['max_position_embeddings']} (from the target config; a drafter trained with YaRN needs "
                  "--drafter-config)",
-                 f"block size {cfg['block_size']} ({'--block-size' if settings['block_size'] else 'default'}), "
-                 f"mask token id {settings['mask_token_id']} (--mask-token-id), all layers full attention "
-                 "(no sliding windows without a config)"):
+                 f"block size {cfg['block_size']} ({block_from}), mask token id {mask_id} ({mask_from})"
+                 + (f", target layer ids {cfg['dflash_config']['target_layer_ids']} (the training state)"
+                    if "target_layer_ids" in cfg["dflash_config"] else "")
+                 + ", all layers full attention (no sliding windows without a config)"):
         log(settings, f"drafter {name}: inferred {line}")
     return cfg
 
@@ -1392,6 +1487,10 @@ class Drafter:
     mask_variants: dict = None  # --check-mask: the rule sets to try
     hash: str = ""              # of its weights and resolved config: the drafter's identity wherever it lies
     warnings: list = None       # where its config disagrees with the target
+    from_anchor: bool = False   # speculators' sample_from_anchor: slot 0 drafts too, block_size = slots + 1
+    vocab: tuple = None         # a reduced draft vocabulary: (target id of each draft id, draft id of each target id)
+    step: int = None            # one step of a training run (--ckpt NAME=RUN_DIR): loaded when its turn comes
+    reload: object = None       # () -> its weights, for a step released between groups of prompts
 
 
 def dflash_value(cfg, name, default=None):
@@ -1405,42 +1504,98 @@ NATIVE_DEFAULTS = {"rms_norm_eps": 1e-5, "sliding_window": 2048, "rope_theta": 5
 SELECTOR = "candidate_selector."
 
 
-def recognize(cfg, state):
-    """(generation, layout, state under the public DFlash key names). The transformers-native assistant
-    names the context projection encoder.*; DFlash 2 adds conv and selector tensors, and its codebooks are
-    bare tensors (a `.weight` suffix, as torch would save an nn.Embedding, is dropped)."""
+def recognize(cfg, state, name):
+    """(generation, layout, config, state): the config under the public DFlash keys, the state under the public
+    names. The transformers-native assistant names the context projection encoder.*; speculators nests the
+    drafter's own config and keeps the DFlash keys at the top level; DFlash 2 adds conv and selector tensors, and
+    its codebooks are bare tensors (a `.weight` suffix, as torch would save an nn.Embedding, is dropped)."""
     native = (cfg or {}).get("model_type") == "muse_glimmer_assistant" or "encoder.fc.weight" in state
+    layout = "speculators" if "speculators_model_type" in (cfg or {}) else \
+        "transformers-native assistant" if native else "public"
+    if layout == "speculators":
+        cfg = speculators_config(cfg, name)
     if native:
         state = {NATIVE_NAMES.get(k, k): v for k, v in state.items()}
     state = {(k[:-len(".weight")] if k.startswith(SELECTOR) and k.endswith("_codebook.weight") else k): v
              for k, v in state.items()}
+    family = next((f for f in ("DSpark", "Domino") for a in (cfg or {}).get("architectures") or [] if f in a), None) \
+        or {"dspark": "DSpark", "domino": "Domino"}.get(str(dflash_value(cfg or {}, "projector_type")))
+    if family:
+        fail(f"drafter {name}: a {family} drafter (architectures {(cfg or {}).get('architectures')}, projector_type "
+             f"{dflash_value(cfg or {}, 'projector_type')!r}); this tool evaluates DFlash and DFlash 2 drafters")
     dflash2 = "DFlash2DraftModel" in ((cfg or {}).get("architectures") or []) or \
         any(k.startswith(SELECTOR) or "_conv." in k for k in state)
-    return ("DFlash 2" if dflash2 else "DFlash"), ("transformers-native assistant" if native else "public"), state
+    return ("DFlash 2" if dflash2 else "DFlash"), layout, cfg, state
 
 
-def load_drafter(spec, target_cfg, settings):
+# speculators 0.9.0 (the layout vLLM loads): the keys of its DFlash and DFlash 2 configs, and their defaults
+SPECULATORS_KEYS = {"speculators_model_type", "architectures", "transformer_layer_config", "draft_vocab_size",
+                    "block_size", "target_hidden_size", "aux_hidden_state_layer_ids", "mask_token_id",
+                    "sliding_window_non_causal", "sample_from_anchor", "speculators_version", "speculators_config",
+                    "transformers_version", "dtype", "torch_dtype", "tie_word_embeddings", "auto_map", "_name_or_path",
+                    "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"}
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+def speculators_config(cfg, name):
+    """A speculators DFlash / DFlash 2 config under the public keys: its transformer_layer_config, block size and
+    mask token, and its aux_hidden_state_layer_ids (indices into transformers' hidden_states: index L + 1 is the
+    output of layer L) as layer ids. What the tool cannot map is refused, naming the key."""
+    kind, layer = cfg.get("speculators_model_type"), cfg.get("transformer_layer_config")
+    where = f"drafter {name}: its speculators config"
+    if kind not in ("dflash", "dflash2"):
+        fail(f"{where} says speculators_model_type {kind!r}; this tool evaluates dflash and dflash2")
+    unknown = sorted(set(cfg) - SPECULATORS_KEYS)
+    if unknown:
+        fail(f"{where} has the key {unknown[0]!r}, which this tool cannot map (speculators 0.9.0 has no such key)")
+    if not isinstance(layer, dict):
+        fail(f"{where} has no transformer_layer_config (the drafter's own layers: hidden size, heads, ...)")
+    aux = cfg.get("aux_hidden_state_layer_ids")
+    if not (isinstance(aux, list) and aux and all(isinstance(i, int) and i > 0 for i in aux)):
+        fail(f"{where} has aux_hidden_state_layer_ids {aux!r}: they must be indices >= 1 into the target's "
+             "hidden_states (0, the embedding output, is not captured by this tool)")
+    for key in ("block_size", "mask_token_id"):
+        if cfg.get(key) is None:
+            fail(f"{where} has no {key}")
+    return {**layer, "architectures": cfg.get("architectures"), "block_size": cfg["block_size"],
+            "target_hidden_size": cfg.get("target_hidden_size"),
+            "dflash_config": {"mask_token_id": cfg["mask_token_id"], "target_layer_ids": [i - 1 for i in aux],
+                              **{k: cfg[k] for k in DFLASH2_KEYS if k in cfg}},
+            "speculators": {"aux_hidden_state_layer_ids": aux, "draft_vocab_size": cfg.get("draft_vocab_size"),
+                            "sample_from_anchor": bool(cfg.get("sample_from_anchor", False)),
+                            "sliding_window_non_causal": bool(cfg.get("sliding_window_non_causal", kind == "dflash2"))}}
+
+
+CARRIED = ("lm_head.weight", "d2t", "t2d", "embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+NEEDED_CONFIG = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def load_drafter(spec, target_cfg, settings, identify=True):
     name, path = split_ckpt_spec(spec)
     if not os.path.exists(path):
         fail(f"drafter checkpoint not found: {path} (pass a drafter directory or file to --ckpt)")
-    cfg, state = read_checkpoint(path, name)
+    cfg, raw = read_checkpoint(path, name)
     if settings.get("drafter_config"):
         if cfg is None:
             cfg = read_json(settings["drafter_config"])
         else:
             log(settings, f"drafter {name}: --drafter-config ignored, the checkpoint has its own config.json")
-    generation, layout, state = recognize(cfg, unwrap_state_dict(state, name, settings))
+    generation, layout, cfg, state = recognize(cfg, unwrap_state_dict(raw, name, settings), name)
     if cfg is None:
-        cfg = infer_config(state, target_cfg, settings, name)
-    if layout != "public":
+        cfg = infer_config(state, target_cfg, settings, name, trained_values(raw))
+    if layout == "transformers-native assistant":
         cfg = {**NATIVE_DEFAULTS, "layer_types": ["sliding_attention"] * cfg.get("num_hidden_layers", 0), **cfg}
     if dflash_value(cfg, "block_size") is None and not cfg.get("dflash_config"):
         fail(f"{path} is not a DFlash drafter: its config.json has neither block_size nor dflash_config")
     if "fc.weight" not in state or "hidden_norm.weight" not in state:
         fail(f"{path} is not a DFlash drafter: its weights have no fc.weight / hidden_norm.weight "
              "(nor encoder.fc.weight / encoder.output_norm_enc.weight)")
-    log(settings, f"drafter {name}: {generation}, {layout} layout" + ("" if layout == "public" else
-        " (bidirectional in every layer; its sliding mask keeps |q - p| <= W, shown as window W + 1)"))
+    missing = [k for k in NEEDED_CONFIG if cfg.get(k) is None]
+    if missing:
+        fail(f"drafter {name}: its config has no {missing[0]}" +
+             (" in transformer_layer_config" if layout == "speculators" else ""))
+    spec_cfg = cfg.get("speculators") or {}
+    from_anchor = spec_cfg.get("sample_from_anchor", False)
 
     hidden = cfg.get("hidden_size")
     if hidden != target_cfg.hidden_size:
@@ -1452,25 +1607,118 @@ def load_drafter(spec, target_cfg, settings):
     if mask_id is None or not 0 <= int(mask_id) < target_cfg.vocab_size:
         fail(f"drafter {name}: mask_token_id {mask_id} is outside the target vocab ({target_cfg.vocab_size})")
     block_size = settings["block_size"] or int(dflash_value(cfg, "block_size", 16))
-    if block_size < 2:
-        fail(f"drafter {name}: block size {block_size} is too small (needs at least 2)")
+    if block_size < 2 - from_anchor:
+        fail(f"drafter {name}: block size {block_size} is too small (needs at least {2 - from_anchor})")
+    carried = {k: state.pop(k) for k in CARRIED if k in state}
+    vocab = draft_vocabulary(carried, cfg, target_cfg, name)
+    if vocab is not None and generation == "DFlash 2":
+        fail(f"drafter {name}: a DFlash 2 drafter with a reduced draft vocabulary (d2t, t2d): its selector scores "
+             "target-vocabulary candidates, and speculators trains DFlash 2 on the full vocabulary only")
+    rules = layer_rules(cfg, settings, layout)
+    log(settings, f"drafter {name}: {generation}, {layout} layout" + layout_note(layout, spec_cfg, rules, vocab))
     conv, top_k = dflash2_settings(cfg, state, name, settings) if generation == "DFlash 2" else ((), 0)
     check_drafter_tensors(state, expected_tensors(cfg, conv, generation, state, target_cfg.vocab_size), name,
                           generation)
+    if vocab is not None:
+        state["lm_head.weight"] = carried["lm_head.weight"]
     dtype = getattr(torch, settings["dtype"])
     weights = {k: v.to(device=settings["device"], dtype=dtype) for k, v in state.items()}
     # Logits plus their log-softmax, float32: below ~256 rows the lm_head matmul loses speed, above it gains
     # little; a 248k vocab at the default budget gets 256.
     logit_rows = min(2048, max(16, int(settings["max_memory_gb"] * 2**30 / (8 * target_cfg.vocab_size))))
     d = Drafter(name=name, checkpoint=os.path.abspath(path), cfg=cfg, weights=weights, layers=layer_ids,
-                block_size=block_size, mask_token_id=int(mask_id), rules=layer_rules(cfg, settings, layout),
+                block_size=block_size + from_anchor, mask_token_id=int(mask_id), rules=rules,
                 rope=build_rope(cfg, settings["device"]), logit_rows=logit_rows, generation=generation,
                 layout=layout, embed_scale=float(dflash_value(cfg, "input_embedding_scale", 1.0)),
                 logit_multiplier=float(dflash_value(cfg, "output_multiplier", 1.0)),
                 softcap=float(dflash_value(cfg, "final_logit_softcapping", 0.0)), conv=conv, selector_top_k=top_k,
+                from_anchor=from_anchor, vocab=None if vocab is None else tuple(v.to(settings["device"]) for v in vocab),
                 warnings=config_warnings(cfg, target_cfg))
-    d.hash = content_hash(state, cfg, d.layers, d.block_size, d.mask_token_id, d.rules, d.generation, d.conv, top_k)
+    if identify:   # the identity and what the drafter carries of the target: once, not at every reload
+        d.hash = content_hash({**state, **{k: carried[k] for k in ("d2t", "t2d") if k in carried}}, cfg, d.layers,
+                              d.block_size, d.mask_token_id, d.rules, d.generation, d.conv, top_k)
+        d.warnings += carried_copies(carried, vocab, settings.get("target"))
     return d
+
+
+def layout_note(layout, spec_cfg, rules, vocab):
+    """What the load line adds for a layout whose conventions differ from the public one."""
+    if layout == "transformers-native assistant":
+        return " (bidirectional in every layer; its sliding mask keeps |q - p| <= W, shown as window W + 1)"
+    if layout != "speculators":
+        return ""
+    notes = [f"aux_hidden_state_layer_ids {spec_cfg['aux_hidden_state_layer_ids']} (hidden_states indices) are "
+             "layers " + str([i - 1 for i in spec_cfg["aux_hidden_state_layer_ids"]])]
+    if any(len(r) > 2 for r in rules):
+        notes.append("sliding layers see the W context positions before the anchor, " +
+                     ("bidirectional" if spec_cfg["sliding_window_non_causal"] else "causal") + " in the block")
+    if spec_cfg["sample_from_anchor"]:
+        notes.append("sample_from_anchor: the anchor's slot drafts too, a block of B slots proposes B drafts")
+    if vocab is not None:
+        notes.append(f"a draft vocabulary of {len(vocab[0])} tokens (its own lm_head; ids mapped by d2t)")
+    return " (" + "; ".join(notes) + ")"
+
+
+def draft_vocabulary(carried, cfg, target_cfg, name):
+    """A reduced draft vocabulary, checked: (target id of each draft id: d + d2t[d], draft id of each target
+    token or -1). None when the drafter drafts over the target's vocabulary."""
+    d2t, t2d, head = carried.get("d2t"), carried.get("t2d"), carried.get("lm_head.weight")
+    V, where = target_cfg.vocab_size, f"drafter {name}: its reduced draft vocabulary"
+    declared = (cfg.get("speculators") or {}).get("draft_vocab_size")
+    if d2t is None and t2d is None:
+        if declared not in (None, V, cfg.get("vocab_size")):
+            fail(f"drafter {name}: its config says draft_vocab_size {declared} (the target has {V} tokens) but it "
+                 "carries no d2t / t2d to map draft ids to target tokens")
+        return None
+    if d2t is None or t2d is None or head is None:
+        fail(f"{where} needs d2t, t2d and its own lm_head.weight; it has only "
+             f"{', '.join(k for k in ('d2t', 't2d', 'lm_head.weight') if k in carried)}")
+    n = head.shape[0]
+    declared = n if declared is None else declared
+    if d2t.dim() != 1 or len(d2t) != n or declared != n:
+        fail(f"{where}: d2t has {tuple(d2t.shape)} entries, lm_head.weight {n} rows and draft_vocab_size is "
+             f"{declared}; all three must agree")
+    if t2d.dim() != 1 or len(t2d) != V or t2d.dtype != torch.bool:
+        fail(f"{where}: t2d must be a boolean mask over the target's {V} tokens, it is {t2d.dtype} {tuple(t2d.shape)}")
+    targets = torch.arange(n) + d2t.long()
+    if int(targets.min()) < 0 or int(targets.max()) >= V or bool((targets[1:] <= targets[:-1]).any()):
+        fail(f"{where}: d + d2t[d] must be increasing target ids in 0..{V - 1}, they are not")
+    if int(t2d.sum()) != n or not bool(t2d[targets].all()):
+        fail(f"{where}: t2d marks {int(t2d.sum())} target tokens, not the {n} that d2t maps to")
+    draft_of = torch.full((V,), -1, dtype=torch.long)
+    draft_of[targets] = torch.arange(n)
+    return targets, draft_of
+
+
+TARGET_NORM_NAMES = ("model.norm.weight", "model.language_model.norm.weight")
+
+
+def carried_copies(carried, vocab, target_dir):
+    """Warnings for copies of the target's tensors that a drafter carries (speculators may keep the verifier's
+    embedding, head and final norm in the file) and that are not the target's: the tool always uses the
+    target's, and a drafter trained with other ones was trained for another target."""
+    from safetensors import safe_open
+    copies = {"embed_tokens.weight": EMBED_NAMES, "verifier_norm.weight": TARGET_NORM_NAMES,
+              "verifier_lm_head.weight": ("lm_head.weight",) + EMBED_NAMES}
+    if vocab is None:
+        copies["lm_head.weight"] = copies["verifier_lm_head.weight"]
+    if not target_dir or not any(k in carried for k in copies):
+        return []
+    files, warnings = target_tensor_files(target_dir), []
+    for key in (k for k in copies if k in carried):
+        name = next((n for n in copies[key] if n in files), None)
+        if name is None:
+            continue
+        with safe_open(files[name], "pt") as f:
+            theirs = f.get_tensor(name).float()
+        if key != "verifier_norm.weight" and vocab is not None:
+            theirs = theirs[vocab[0]]   # the head rows of the draft vocabulary
+        ours = carried[key].float()
+        same = ours.shape == theirs.shape and torch.allclose(ours, theirs, rtol=1e-2, atol=1e-2 * float(theirs.abs().max()))
+        if not same:
+            warnings.append(f"it carries {key} {tuple(ours.shape)}, which is not the target's {name} "
+                            f"{tuple(theirs.shape)}: the tool uses the target's; {WRONG_DRAFTER_CHECK}")
+    return warnings
 
 
 def content_hash(tensors, *facts):
@@ -1599,19 +1847,25 @@ def drafter_layer_ids(cfg, state, target_cfg, settings, name):
 
 
 def layer_rules(cfg, settings, layout="public"):
-    """In-block attention per drafter layer: (mode, window), window W = the key at position p is seen from
-    query position q iff q - p < W (and, both ways, p - q < W). See DFLASH_NOTES: the training rule makes
-    sliding layers causal with a causal window; full layers bidirectional; config overrides win. The
-    transformers-native assistant is bidirectional everywhere and its sliding mask keeps |q - p| <= W,
-    one position more than W: its window here is W + 1."""
-    n = cfg["num_hidden_layers"]
+    """In-block attention per drafter layer: (mode, window) or, speculators' sliding layers, (mode, window,
+    "anchor"). Window W: the key at position p is seen from query position q iff q - p < W (and, both ways,
+    p - q < W). See DFLASH_NOTES: the public training rule makes sliding layers causal with a causal window;
+    full layers bidirectional; config overrides win. The transformers-native assistant is bidirectional
+    everywhere and its sliding mask keeps |q - p| <= W, one position more than W: its window here is W + 1.
+    speculators trains a sliding layer on the W context positions before the anchor, the same for every slot,
+    with no window inside the block, which is causal there unless sliding_window_non_causal; and, as its
+    transformers config does, it has no window without use_sliding_window."""
+    n, speculators = cfg["num_hidden_layers"], layout == "speculators"
     window = dflash_value(cfg, "swa_window_size") or cfg.get("sliding_window")
+    if speculators and not cfg.get("use_sliding_window"):
+        window = None
     types = cfg.get("layer_types")
     if not types:
         sliding = cfg.get("use_sliding_window") and window
         first = cfg.get("max_window_layers", n)
         types = ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(n)]
-    forced = False if layout != "public" else cfg.get("is_causal", (cfg.get("dflash_config") or {}).get("causal"))
+    forced = cfg.get("is_causal", (cfg.get("dflash_config") or {}).get("causal")) if layout == "public" else \
+        False if layout == "transformers-native assistant" else None
     rules = []
     for kind in types[:n]:
         sliding = kind == "sliding_attention" and window and settings["sliding_window"] == "train"
@@ -1620,14 +1874,20 @@ def layer_rules(cfg, settings, layout="public"):
         elif forced is not None:
             mode = "causal" if forced else "bidirectional"
         else:
-            mode = "causal" if sliding else "bidirectional"
-        rules.append((mode, int(window) + (layout != "public") if sliding else None))
+            causal = sliding and not (speculators and cfg["speculators"]["sliding_window_non_causal"])
+            mode = "causal" if causal else "bidirectional"
+        if not sliding:
+            rules.append((mode, None))
+        elif speculators:
+            rules.append((mode, int(window), "anchor"))
+        else:
+            rules.append((mode, int(window) + (layout == "transformers-native assistant")))
     return rules
 
 
 def rule_label(rule):
-    mode, window = rule
-    return mode if window is None else f"{mode}, window {window}"
+    mode, window, *anchored = rule
+    return mode if window is None else f"{mode}, window {window}" + (" before the anchor" if anchored else "")
 
 
 def build_rope(cfg, device):
@@ -1682,10 +1942,11 @@ def block_mask(anchors, n_ctx, block_size, rule, starts=None):
 
     Query (block i, slot j) sits at absolute position a_i + j. It sees context positions p < a_i, and the
     slots of its own block: all of them (bidirectional) or those <= j (causal). A window W keeps only keys
-    at positions >= a_i + j - (W - 1) (and, bidirectional, <= a_i + j + W - 1). With `starts`, block i's context is rows starts_i.. of a context
+    at positions >= a_i + j - (W - 1) (and, bidirectional, <= a_i + j + W - 1); an anchored window (speculators)
+    only the context positions >= a_i - W. With `starts`, block i's context is rows starts_i.. of a context
     that holds several prompts one after another (--anchors walk batches prompts this way).
     """
-    mode, window = rule
+    mode, window, *anchored = rule
     n, dev = anchors.shape[0], anchors.device
     slot = torch.arange(block_size, device=dev)
     q_block = torch.arange(n, device=dev).repeat_interleave(block_size)
@@ -1697,7 +1958,9 @@ def block_mask(anchors, n_ctx, block_size, rule, starts=None):
     blk_ok = q_block[:, None] == q_block[None, :]
     if mode == "causal":
         blk_ok &= q_slot[None, :] <= q_slot[:, None]
-    if window is not None:
+    if window is not None and anchored:   # speculators: the W positions before the anchor; none in the block
+        ctx_ok &= ctx_pos >= anchors[q_block][:, None] - window
+    elif window is not None:
         lowest = q_pos[:, None] - (window - 1)
         ctx_ok &= ctx_pos >= lowest
         blk_ok &= q_pos[None, :] >= lowest
@@ -1795,9 +2058,10 @@ def prompt_context(drafter, features):
 
 
 def drafter_logits(drafter, head, rows, prompt_id):
-    """Logits of drafter hidden rows through the target's head, then the config's multiplier and softcap
-    (c * tanh(m * z / c)); NaN or Inf anywhere stops the run, naming the prompt."""
-    logits = head(rows)
+    """Logits of drafter hidden rows through the target's head (a reduced draft vocabulary: through the
+    drafter's own), then the config's multiplier and softcap (c * tanh(m * z / c)), and each row's argmax as a
+    target token id. NaN or Inf anywhere stops the run, naming the prompt."""
+    logits = head(rows) if drafter.vocab is None else F.linear(rows, drafter.weights["lm_head.weight"])
     if drafter.logit_multiplier != 1.0:
         logits = logits * drafter.logit_multiplier
     if drafter.softcap > 0:
@@ -1806,7 +2070,17 @@ def drafter_logits(drafter, head, rows, prompt_id):
     if not torch.isfinite(best.values).all():
         fail(f"drafter {drafter.name}: its logits on prompt {prompt_id} hold NaN or Inf (features are "
              "finite, so the drafter's weights or its numerics in this dtype are at fault)")
-    return logits, best.indices
+    return logits, to_target(drafter, best.indices)
+
+
+def to_target(drafter, ids):
+    """Draft-vocabulary ids as target token ids (-1 stays -1)."""
+    return ids if drafter.vocab is None else torch.where(ids >= 0, drafter.vocab[0][ids.clamp(min=0)], -1)
+
+
+def to_draft(drafter, tokens):
+    """Target token ids as draft-vocabulary ids, -1 for a token the draft vocabulary does not hold."""
+    return tokens if drafter.vocab is None else drafter.vocab[1][tokens]
 
 
 @torch.inference_mode()
@@ -1814,7 +2088,8 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
                       after=None, reference=None, sampling=None, proposal=None):
     """Drafts (n_anchors, B-1) for blocks [first token, MASK, ...] at `anchors`, many blocks per SDPA call:
     per block, the backbone's hidden states, their logits, then the proposal (each slot's argmax; for DFlash 2
-    the selector's path). With top_k > 0, also what DDTree builds from (see tree_top_k). Given `reference`
+    the selector's path). B is the round's span: the block's slots, plus one where the anchor's own slot drafts
+    (sample_from_anchor). With top_k > 0, also what DDTree builds from (see tree_top_k). Given `reference`
     tokens (n_anchors, B-1), `sampling` and a `proposal` tensor of that shape, fills it with the probability
     that a drafter sampling at those settings proposes each reference token (--draft-policy sample)."""
     B, n = drafter.block_size, anchors.shape[0]
@@ -1829,27 +2104,29 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
     per_call = max(1, ANCHOR_TOKENS_PER_CHUNK // B)
     for lo in range(0, n, per_call):
         part = slice(lo, lo + per_call)
-        block = torch.full((anchors[part].shape[0], B), drafter.mask_token_id, device=dev)
+        block = torch.full((anchors[part].shape[0], B - drafter.from_anchor), drafter.mask_token_id, device=dev)
         block[:, 0] = first[part]
         hidden = drafter_forward(drafter, context_kv, anchors[part], block, embed_w,
-                                 None if starts is None else starts[part])[:, 1:]
+                                 None if starts is None else starts[part])[:, 1 - drafter.from_anchor:]
         for rows in hidden.reshape(-1, hidden.shape[-1]).split(drafter.logit_rows):
             at = slice(done, done + rows.shape[0])
             logits, drafts[at] = drafter_logits(drafter, head, rows, prompt_id)
-            if proposal is not None and picks is None:
-                proposal.view(-1)[at] = sampled_prob(logits, reference.reshape(-1)[at], sampling).to(proposal.device)
+            if proposal is not None and picks is None:   # 0 for a token outside the draft vocabulary
+                tokens = to_draft(drafter, reference.reshape(-1)[at].to(dev))
+                proposal.view(-1)[at] = (sampled_prob(logits, tokens.clamp(min=0), sampling) * (tokens >= 0)).to(
+                    proposal.device)
             if picks is not None:
                 picks[0][at], picks[1][at] = logits.topk(drafter.selector_top_k, dim=-1, sorted=False)
                 picks[2][at] = F.linear(rows, drafter.weights[SELECTOR + "hidden_projection.weight"])
             if top_k:
-                top = tree_top_k(top, logits, done, B, top_k, after, n)
+                top = tree_top_k(top, logits, done, B, top_k, None if after is None else to_draft(drafter, after), n)
             done += rows.shape[0]
     if picks is not None:
         drafts = select_path(drafter, *picks, first)
         if proposal is not None:
             proposal.copy_(selector_prob(drafter, *picks, first, reference, sampling[0]).view(proposal.shape))
     shape = (n, B - 1, -1)
-    top = (top[0].view(shape).cpu(), top[1].view(shape).cpu()) if top_k else None
+    top = (top[0].view(shape).cpu(), to_target(drafter, top[1]).view(shape).cpu()) if top_k else None
     return drafts.view(n, B - 1).cpu(), top
 
 
@@ -1867,8 +2144,9 @@ def tree_top_k(top, logits, done, B, top_k, after, n):
     anchor_of = row // (B - 1)
     if after is not None:   # first slots decide for their anchor's whole block
         firsts = (row % (B - 1) == 0).nonzero()[:, 0]
-        ref = logits[firsts].gather(1, after[anchor_of[firsts]][:, None])
-        top[2][anchor_of[firsts]] = (logits[firsts] > ref).sum(-1) < k
+        token = after[anchor_of[firsts]][:, None]   # -1: outside a reduced draft vocabulary, in no tree
+        ref = logits[firsts].gather(1, token.clamp(min=0))
+        top[2][anchor_of[firsts]] = ((logits[firsts] > ref).sum(-1) < k) & (token[:, 0] >= 0)
     keep = top[2][anchor_of].nonzero()[:, 0]
     if keep.numel():
         logp = (logits if keep.numel() == logits.shape[0] else logits[keep]).float().log_softmax(-1)
@@ -2304,7 +2582,9 @@ def print_report(report, out=None):
     walk = report["config"].get("anchors") == "walk"
     for d in report["drafters"]:
         print(f"\n== drafter {d['name']}: {d.get('generation', 'DFlash')} ({d.get('layout', 'public')} layout), "
-              f"block {d['block_size']}, layers {d['layers']}", file=out)
+              f"block {d['block_size']}" + (f" ({d['drafts_per_round']} drafts a round: the anchor's slot drafts too)"
+                                            if d["drafts_per_round"] == d["block_size"] else "")
+              + f", layers {d['layers']}" + (f", step {d['step']}" if d.get("step") is not None else ""), file=out)
         print("   in-block mask per layer: " + "; ".join(f"{i}: {r}" for i, r in enumerate(d["block_mask"])), file=out)
         for warning in d.get("warnings", []):
             print(f"   WARNING: {warning}", file=out)
@@ -2328,7 +2608,7 @@ def print_report(report, out=None):
                      if None not in (t["tau"], s["tau"]) and round(t["tau"], 3) < round(s["tau"], 3)]
             if below:
                 print(f"   (budget {', '.join(below)} below the chain: a tree spends its nodes on the likeliest paths, "
-                      f"so it need not hold the chain's whole depth-{d['block_size'] - 1} path; a bigger budget's "
+                      f"so it need not hold the chain's whole depth-{d['drafts_per_round']} path; a bigger budget's "
                       "tree holds every smaller one's: see README, DDTree rows)", file=out)
         if "mask_check" in d:
             print("   mask check on sampled anchors:  accuracy  tau_all_anchors  wins/losses  in-block mask per layer",
@@ -2345,7 +2625,7 @@ def print_report(report, out=None):
             print("   per-position rows and tau_all_anchors cover the anchors the walks visited (--anchors walk), not "
                   "every anchor", file=out)
         print("   pos  " + "  ".join(f"{'accept ' + n:>14}" for n in names) + "  accuracy(all)", file=out)
-        for k in range(d["block_size"] - 1):
+        for k in range(d["drafts_per_round"]):
             accepts = [s["per_position"]["acceptance"][k] for _, s in sections]
             bar = "#" * round(40 * accepts[0]) if accepts[0] is not None else ""
             print(f"   {k + 1:>3}  " + "  ".join(f"{fmt(a):>14}" for a in accepts)
@@ -2365,8 +2645,10 @@ def print_comparison_table(c, out):
     for row in c["drafters"]:
         ci = row["tau_ci95"]
         interval = f"[{fmt(ci[0])}, {fmt(ci[1])}]" if ci else "n/a"
+        best = "  <- best of " + row["series"] if "series" in row and c["best_steps"].get(row["series"]) == row["step"] \
+            and len([r for r in c["drafters"] if r.get("series") == row.get("series")]) > 1 else ""
         print(f"   {row['name']:<{width}}  {fmt(row['tau']):>5}  {interval:<16}  {fmt(row['first_position_acceptance']):>8}"
-              + "".join(f"  {fmt(row['ddtree'].get(b)):>11}" for b in budgets), file=out)
+              + "".join(f"  {fmt(row['ddtree'].get(b)):>11}" for b in budgets) + best, file=out)
     for row in c["drafters"][1:]:
         ci = row["delta_tau_ci95"]
         delta = "n/a" if row["delta_tau"] is None else f"{row['delta_tau']:+.2f}"
@@ -2432,14 +2714,22 @@ def evaluate(settings):
     items = expand(read_prompts(settings["prompts"], settings["limit"]), settings) \
         if not settings["load_hidden"] else None
     target_cfg = read_target_config(settings["target"])
-    drafters = [load_drafter(spec, target_cfg, settings) for spec in settings["ckpt"]]
+    drafters = []
+    for spec, step in checkpoint_specs(settings):
+        d = load_drafter(spec, target_cfg, settings)
+        d.step = step
+        if step is not None and drafters:   # a training run's steps wait on disk for their turn (the first one
+            d.weights = None                # stays: it may generate the references)
+            d.reload = lambda spec=spec: load_drafter(spec, target_cfg, {**settings, "quiet": True},
+                                                      identify=False).weights
+        drafters.append(d)
     seen = {}
     for d in drafters:  # run1/ckpt and run2/ckpt would both be "ckpt": keep names apart
         seen[d.name] = seen.get(d.name, 0) + 1
         if seen[d.name] > 1:
             d.name += f"#{seen[d.name]}"
     for d in drafters:
-        log(settings, f"drafter {d.name}: block {d.block_size}, layers {d.layers}, in-block mask per "
+        log(settings, f"drafter {d.name}: block {d.block_size - d.from_anchor}, layers {d.layers}, in-block mask per "
                       f"layer: {', '.join(rule_label(r) for r in d.rules)}")
         d.mask_variants = mask_variants(d, settings) if settings["check_mask"] else None
     settings["target_hash"] = target_hash(settings["target"])
@@ -2475,9 +2765,12 @@ def evaluate(settings):
             stream, embed_w, head = extract_from_target([it for it in items if mine(it, settings)], settings,
                                                       target_cfg, layer_union, set(records), drafters[0], keep)
         records = {i: r for i, r in records.items() if i < len(items)}  # resumed with a smaller --limit
-        group_size = WALK_GROUP if settings["anchors"] == "walk" else 1
+        # Steps of a training run are loaded once per group: a group holds as many prompts' features as fit
+        # in FEATURES_PER_GROUP; otherwise one prompt at a time (walk mode: WALK_GROUP, drafted together).
+        size = WALK_GROUP if settings["anchors"] == "walk" else 1
+        budget = FEATURES_PER_GROUP if any(d.reload for d in drafters) else 0
         with progress(settings, sum(mine(it, settings) for it in items) - len(records), "draft", 1) as bar:
-            for group in groups(stream, group_size):
+            for group in groups(stream, size, budget):
                 for record in evaluate_prompts(group, drafters, embed_w, head, settings):
                     records[record["item"]["index"]] = record
                     if partial:
@@ -2642,9 +2935,20 @@ def make_report(settings, facts, done, skipped, seconds, interrupted):
 WALK_GROUP = 16   # prompts whose walks --anchors walk drafts together
 
 
-def groups(stream, size):
-    stream = iter(stream)
-    while group := list(itertools.islice(stream, size)):
+FEATURES_PER_GROUP = 4 << 30   # bytes of features held for one group of prompts when steps are loaded per group
+
+
+def groups(stream, size, budget=0):
+    """Lists of `size` stream items [(item, features, argmax)], or with a byte budget as many as keep their
+    features within it (at least one)."""
+    stream, group, held = iter(stream), [], 0
+    for entry in stream:
+        group.append(entry)
+        held += sum(f.numel() * f.element_size() for f in entry[1].values())
+        if (held >= budget) if budget else len(group) >= size:
+            yield group
+            group, held = [], 0
+    if group:
         yield group
 
 
@@ -2660,10 +2964,12 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
             it["support"] = support_of(it["p"])
         prompts.append((features, it["prompt_ids"] + it["completion_ids"], len(it["prompt_ids"]), it["id"]))
     results = [[] for _ in group]
-    for d in drafters:
+    for stub in drafters:
+        d = stub if stub.weights is not None else replace(stub, weights=stub.reload())   # a step: for this group
         budgets = [] if d.selector_top_k else settings["ddtree_budgets"]   # no tree verifier for DFlash 2's paths
         if settings["anchors"] == "walk":
-            per_prompt = score_walks_only(d, prompts, embed_w, head, budgets)
+            per_prompt = [res for lo in range(0, len(prompts), WALK_GROUP)
+                          for res in score_walks_only(d, prompts[lo:lo + WALK_GROUP], embed_w, head, budgets)]
         for i, (features, ids, n_prompt, prompt_id) in enumerate(prompts):
             anchors = fitting_anchors(n_prompt, len(ids), d.block_size).to(settings["device"])
             if settings["anchors"] == "walk":
@@ -2763,7 +3069,7 @@ def record_from_json(row, facts):
         bits = torch.tensor(r["equal"], dtype=torch.long).view(-1, 1)
         results.append({"rounds": r["rounds"], "ddtree_rounds": {int(b): v for b, v in r["ddtree_rounds"].items()},
                         "matched": torch.tensor(r["matched"], dtype=torch.long),
-                        "equal": (bits >> torch.arange(d["block_size"] - 1)) & 1 == 1,
+                        "equal": (bits >> torch.arange(d["drafts_per_round"])) & 1 == 1,
                         **({"mask_check": r["mask_check"]} if r.get("mask_check") else {}),
                         **({"expected": r["expected"]} if "expected" in r else {})})
     return {"item": {**row["item"], "agree": tuple(row["item"]["agree"])}, "results": results}
@@ -3301,7 +3607,9 @@ def drafter_facts(d):
     """What the report says of a drafter apart from its results (a shard's output carries it for --merge)."""
     return {"name": d.name, "checkpoint": d.checkpoint, "hash": d.hash, "warnings": d.warnings or [],
             "generation": d.generation, "layout": d.layout,
-            "block_size": d.block_size, "layers": d.layers, "mask_token_id": d.mask_token_id,
+            "block_size": d.block_size - d.from_anchor, "drafts_per_round": d.block_size - 1,
+            **({"series": d.name.rpartition("@")[0], "step": d.step} if d.step is not None else {}),
+            "layers": d.layers, "mask_token_id": d.mask_token_id,
             "block_mask": [rule_label(r) for r in d.rules],
             "mask_modes": {name: [rule_label(r) for r in rules] for name, rules in d.mask_variants.items()}
             if d.mask_variants else None}
@@ -3309,7 +3617,7 @@ def drafter_facts(d):
 
 def drafter_report(d, results, items):
     """The report of one drafter (its facts d) over some prompts' results."""
-    B = d["block_size"]
+    B = d["drafts_per_round"] + 1   # the longest round: every draft and the target's own token
     no_trees = {"ddtree": None, "ddtree_note": DDTREE_NOTE_DFLASH2} if d["generation"] == "DFlash 2" else {}
     sampled = bool(results) and "expected" in results[0]
     stats = summarize_expected if sampled else summarize
@@ -3364,11 +3672,18 @@ def side_by_side(drafters, results, items):
     rows = []
     for d, mine in zip(drafters, totals):
         delta, interval = paired_delta(mine, totals[0]) if rows else (None, None)
-        rows.append({"name": d["name"], "tau": d["tau"], "tau_ci95": d["tau_ci95"],
+        rows.append({"name": d["name"], **{k: d[k] for k in ("series", "step") if k in d},
+                     "tau": d["tau"], "tau_ci95": d["tau_ci95"],
                      "first_position_acceptance": d["per_position"]["acceptance"][0],
                      "ddtree": {b: s["tau"] for b, s in (d["ddtree"] or {}).items()},
                      "delta_tau": delta, "delta_tau_ci95": interval})
-    return {"reference": drafters[0]["name"], "prompts": len(totals[0]), "drafters": rows}
+    series = {}
+    for row in rows:
+        if "series" in row and row["tau"] is not None:
+            best = series.setdefault(row["series"], row)
+            series[row["series"]] = row if row["tau"] > best["tau"] else best
+    return {"reference": drafters[0]["name"], "prompts": len(totals[0]), "drafters": rows,
+            "best_steps": {name: row["step"] for name, row in series.items()}}
 
 
 def join_ranks(settings):

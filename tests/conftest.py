@@ -153,17 +153,22 @@ def qwen_target(tmp_path_factory):
     return {"path": path, "cfg": cfg, "tokenizer": AutoTokenizer.from_pretrained(path)}
 
 
-def online_draft_logits(target, drafter, seq):
-    """The drafter's logits (B-1, vocab) for the block anchored at the last token of `seq`, computed the
-    online way: a fresh target pass over the committed tokens only, features strictly before the anchor."""
-    B, anchor = drafter.block_size, len(seq) - 1
+def online_draft_hidden(target, drafter, seq, slots=None):
+    """The drafter's final hidden states (slots, H) for the block [anchor, mask, ...] of `slots` (default: its
+    block size) anchored at the last token of `seq`, computed the online way: a fresh target pass over the
+    committed tokens only, features strictly before the anchor."""
+    slots, anchor = slots or drafter.block_size, len(seq) - 1
     hidden = target(torch.tensor([seq]), output_hidden_states=True).hidden_states
     feats = torch.cat([hidden[L + 1][0, :anchor] for L in drafter.layers], dim=-1)
-    block = torch.full((1, B), drafter.mask_token_id)
+    block = torch.full((1, slots), drafter.mask_token_id)
     block[0, 0] = seq[anchor]
-    out = ed.drafter_forward(drafter, ed.drafter_context(drafter, feats), torch.tensor([anchor]), block,
-                             target.get_input_embeddings().weight)
-    return target.get_output_embeddings()(out[0, 1:])
+    return ed.drafter_forward(drafter, ed.drafter_context(drafter, feats), torch.tensor([anchor]), block,
+                              target.get_input_embeddings().weight)[0]
+
+
+def online_draft_logits(target, drafter, seq):
+    """The drafter's logits (B-1, vocab) through the target's head for the block anchored at seq's last token."""
+    return target.get_output_embeddings()(online_draft_hidden(target, drafter, seq)[1:])
 
 
 @torch.inference_mode()

@@ -3,6 +3,8 @@ DFlash drafter trained on that target's greedy output. Deterministic; about two 
 
     python tests/make_demo.py [OUT_DIR]
     python tests/make_demo.py --hybrid [OUT_DIR]     # the hybrid demo pair (Qwen3.5 target; transformers 5.x)
+    python tests/make_demo.py --from-anchor [OUT_DIR]   # a drafter for the demo target trained with
+                                                        # speculators' sample_from_anchor, in its layout
 
 The language: 60 words. Most words are followed by a fixed successor (a permutation); a quarter of them
 ("twist" words) are followed by a word chosen by a table over (previous word, current word). Training text
@@ -171,10 +173,32 @@ def demo_prompts(lang, n=10):
     return rows
 
 
+def save_speculators(out_dir, cfg, weights, kind="dflash", **top):
+    """A drafter in speculators' layout (what vLLM loads): the drafter's own layers under
+    transformer_layer_config, the DFlash keys at the top level, layer ids as hidden_states indices (layer L's
+    output is index L + 1); `top` sets or adds top-level keys (sample_from_anchor, draft_vocab_size, ...)."""
+    zlab = ("architectures", "block_size", "dflash_config", "num_target_layers")
+    spec = {"speculators_model_type": kind, "architectures": ["DFlash2DraftModel" if kind == "dflash2" else "DFlashDraftModel"],
+            "transformer_layer_config": {k: v for k, v in cfg.items() if k not in zlab},
+            "draft_vocab_size": cfg["vocab_size"], "block_size": cfg["block_size"], "target_hidden_size": None,
+            "aux_hidden_state_layer_ids": [i + 1 for i in cfg["dflash_config"]["target_layer_ids"]],
+            "mask_token_id": cfg["dflash_config"]["mask_token_id"], "sliding_window_non_causal": kind == "dflash2",
+            "sample_from_anchor": False, "speculators_version": "0.9.0", "tie_word_embeddings": False,
+            "speculators_config": {"algorithm": kind, "default_proposal_method": "greedy",
+                                   "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg["block_size"] - 1,
+                                                         "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                                   "verifier": {"name_or_path": None, "architectures": ["Qwen3ForCausalLM"]}}}
+    spec.update(top)
+    save_drafter(out_dir, spec, weights)
+    return out_dir
+
+
 def train_drafter(out_dir, target, lang, steps=1500, anchors_per_step=48, n_sequences=160, completion=128,
-                  **config_overrides):
+                  from_anchor=False, **config_overrides):
     """Train a drafter on the target's greedy text; config_overrides (e.g. is_causal=True, layer_types=...)
-    change what is trained, so tests can make drafters trained with another mask."""
+    change what is trained, so tests can make drafters trained with another mask. from_anchor: every slot of
+    the block drafts, the anchor's too (slot k predicts the token after position a + k), as speculators'
+    sample_from_anchor trains it; saved in speculators' layout."""
     cfg = drafter_config(target.config, **config_overrides)
     layer_ids = cfg["dflash_config"]["target_layer_ids"]
     weights = {k: v.requires_grad_() for k, v in random_drafter_weights(cfg, len(layer_ids)).items()}
@@ -198,16 +222,17 @@ def train_drafter(out_dir, target, lang, steps=1500, anchors_per_step=48, n_sequ
     torch.manual_seed(1)
     opt = torch.optim.AdamW(weights.values(), lr=3e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
-    decay = torch.exp(-(torch.arange(1, B).float() - 1) / 4)  # earlier slots matter more, as in DFlash training
+    first = 0 if from_anchor else 1   # the first slot that drafts
+    decay = torch.exp(-(torch.arange(first, B).float() - first) / 4)  # earlier slots matter more, as in DFlash training
     for step in range(steps):
         ids, n_prompt, feats = data[rng.randrange(len(data))]
-        anchors = torch.tensor(sorted(rng.sample(range(n_prompt, len(ids) - B + 1), anchors_per_step)))
+        anchors = torch.tensor(sorted(rng.sample(range(n_prompt, len(ids) - B + 1 - (1 - first)), anchors_per_step)))
         ids_t = torch.tensor(ids)
         block = torch.full((len(anchors), B), MASK_ID)
         block[:, 0] = ids_t[anchors]
         hidden = ed.drafter_forward(drafter, ed.drafter_context(drafter, feats), anchors, block, embed.weight)
-        logits = head(hidden[:, 1:])
-        labels = ids_t[anchors[:, None] + torch.arange(1, B)]
+        logits = head(hidden[:, first:])
+        labels = ids_t[anchors[:, None] + torch.arange(1, B + 1 - first)]
         loss = (torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none").mean(0)
                 * decay).sum() / decay.sum()
         opt.zero_grad()
@@ -216,19 +241,28 @@ def train_drafter(out_dir, target, lang, steps=1500, anchors_per_step=48, n_sequ
         sched.step()
         if step % 100 == 0:
             print(f"drafter step {step} loss {loss.item():.3f}", flush=True)
-    save_drafter(out_dir, cfg, {k: v.detach() for k, v in weights.items()})
+    if from_anchor:
+        save_speculators(out_dir, cfg, {k: v.detach() for k, v in weights.items()}, sample_from_anchor=True)
+    else:
+        save_drafter(out_dir, cfg, {k: v.detach() for k, v in weights.items()})
 
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 
 
-def main(out=None, hybrid=False):
+def main(out=None, hybrid=False, from_anchor=False):
     """The demo pair, or with hybrid=True the hybrid demo pair (tests/fixtures/demo_hybrid): the same
     language, a Qwen3.5 target trained on shorter texts (its reference linear-attention kernels are slow on
     CPU; the language needs two words of context), about 8 minutes."""
-    out = out or os.path.join(FIXTURES, "demo_hybrid" if hybrid else "demo")
+    out = out or os.path.join(FIXTURES, "demo_hybrid" if hybrid else "demo_from_anchor" if from_anchor else "demo")
     torch.set_num_threads(2)
     lang = language()
+    if from_anchor:   # for the demo target as it is committed
+        from transformers import AutoModelForCausalLM
+        target = AutoModelForCausalLM.from_pretrained(os.path.join(FIXTURES, "demo", "target"), dtype=torch.float32)
+        train_drafter(os.path.join(out, "drafter"), target.eval(), lang, from_anchor=True)
+        print(f"wrote {out}")
+        return
     if hybrid:
         target = train_target(os.path.join(out, "target"), lang, steps=800, batch=16, hybrid=True, seq_len=64)
         train_drafter(os.path.join(out, "drafter"), target, lang, layer_ids=(0, 2, 3))
@@ -243,4 +277,4 @@ def main(out=None, hybrid=False):
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    main(*[a for a in args if a != "--hybrid"], hybrid="--hybrid" in args)
+    main(*[a for a in args if not a.startswith("--")], hybrid="--hybrid" in args, from_anchor="--from-anchor" in args)
