@@ -6,16 +6,22 @@ over prompt + reference completion gives every hidden state the drafter would ev
 script drafts a block at every anchor of the completion, scores each draft against the reference, and
 replays the greedy speculative walk. The rounds equal those of a real decoding loop when the reference is
 the target's own greedy output (the "target agreement" line says how close yours is). Drafters: DFlash and
-DFlash 2 (conv taps, candidate path selector), public or transformers-native layout; targets: any
+DFlash 2 (conv taps, candidate path selector) in z-lab's, transformers' native, speculators' (reduced draft
+vocabularies, sample_from_anchor) or SpecForge's layout, and a training run's steps as a series; targets: any
 decoder-only transformers model (Qwen3, hybrid Qwen3.5/3.6, Llama, gpt-oss, ...).
 
     python eval_drafter.py --target QWEN_DIR --ckpt DRAFTER --prompts prompts.jsonl
     python eval_drafter.py --target QWEN_DIR --ckpt mine=ckpt_a --ckpt ref=ckpt_b --prompts p.jsonl \
         --output result.json
+    python eval_drafter.py --target QWEN_DIR --ckpt run5=RUN_DIR --steps last:5 --prompts p.jsonl
     python eval_drafter.py --demo             # the whole pipeline on the tiny bundled pair
 
-Data flows top to bottom: CLI -> prompts -> target -> hidden states -> drafter -> metrics -> report.
-Only torch, transformers, safetensors, numpy, tqdm and the standard library are used.
+Data flows top to bottom: CLI -> prompts -> target -> hidden states -> drafter -> metrics -> report. The
+sections, in order: CLI and resolved settings; prompts; target; references from a serving engine; sampled
+decoding, target side; drafter loading and checking (every layout, training runs); the drafter's forward
+pass; DDTree; the mask check; metrics; report; main (the run, shards, torchrun); nothing lost (the partial
+file, resume, reference generation); the hidden-state cache. Only torch, transformers, safetensors, numpy,
+tqdm and the standard library are used.
 """
 import argparse
 import contextlib
