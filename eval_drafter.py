@@ -19,9 +19,9 @@ decoder-only transformers model (Qwen3, hybrid Qwen3.5/3.6, Llama, gpt-oss, ...)
 Data flows top to bottom: CLI -> prompts -> target -> hidden states -> drafter -> metrics -> report. The
 sections, in order: CLI and resolved settings; prompts; target; references from a serving engine; sampled
 decoding, target side; drafter loading and checking (every layout, training runs); the drafter's forward
-pass; DDTree; the mask check; metrics; report; main (the run, shards, torchrun); nothing lost (the partial
-file, resume, reference generation); the hidden-state cache. Only torch, transformers, safetensors, numpy,
-tqdm and the standard library are used.
+pass; DDTree; the mask check; metrics; serving (the engines' figures, costs, predicted speedup); report;
+main (the run, shards, torchrun); nothing lost (the partial file, resume, reference generation); the
+hidden-state cache. Only torch, transformers, safetensors, numpy, tqdm and the standard library are used.
 """
 import argparse
 import contextlib
@@ -98,15 +98,10 @@ def build_parser():
                                     "tokenizer): Qwen3, Qwen3.5/3.6 hybrid (transformers 5.x), Llama, gpt-oss, or any "
                                     "decoder-only model whose layers and final norm transformers exposes")
     g.add_argument("--ckpt", action="append", default=[], metavar="[NAME=]PATH",
-                   help="drafter checkpoint (DFlash or DFlash 2; public or transformers-native assistant layout); "
-                        "repeat to compare several drafters on one target pass. NAME= labels it "
-                        "(default: its directory or file name). Forms: a directory with config.json + "
-                        "model.safetensors (or a sharded model.safetensors.index.json); a .safetensors file (a "
-                        "config.json beside it is used); a training .pt/.pth/.bin state dict, read with "
-                        "torch.load(weights_only=True), nesting (state_dict, model, module, draft_model) and prefixes "
-                        "(module., _orig_mod., draft_model., model.) unwrapped; a SpecForge step directory "
-                        "(training_state.pt); a speculators directory; a training run's directory of steps (see "
-                        "--steps). Without a config.json, see 'drafter config'")
+                   help="a DFlash or DFlash 2 drafter, repeated to compare several on one target pass; NAME= labels "
+                        "it. A z-lab, transformers-native, speculators or SpecForge directory, a .safetensors or "
+                        "training .pt/.pth/.bin file (weights_only), or a training run's directory of steps (--steps); "
+                        "README, Checkpoints from training")
     g.add_argument("--steps", default="all",
                    help="with --ckpt NAME=RUN_DIR (a training run's directory of step checkpoints: SpecForge's "
                         "<run>-step<N>, checkpoint-<N>, step_<N>.pt, ...): which steps, e.g. 400,800 or last:5 "
@@ -170,8 +165,8 @@ def build_parser():
     g.add_argument("--server-timeout", type=float, default=600, help="seconds per request (default 600)")
     g.add_argument("--server-retries", type=int, default=3, help="retries for 5xx, timeouts, resets (default 3)")
     g.add_argument("--save-references", metavar="FILE.jsonl",
-                   help="append every fetched reference (prompt line + completion_ids) to this file; "
-                        "it works as --prompts later, with no server")
+                   help="append every reference the run generates or fetches (its prompt line + completion_ids) to "
+                        "this file as it is made; it works as --prompts later, with no generation")
 
     g = p.add_argument_group("sampled decoding (default: greedy)")
     g.add_argument("--temperature", type=float, default=0.0,
@@ -203,6 +198,18 @@ def build_parser():
                         "--merge rebuilds one report from the N outputs")
     g.add_argument("--merge", nargs="+", metavar="SHARD.json",
                    help="rebuild one report from --shard outputs (their per-prompt records); with --output")
+
+    g = p.add_argument_group("deployment (see README, Choosing what to serve)")
+    g.add_argument("--depths", help="also evaluate every drafter at these served depths K (drafts a round: vLLM's "
+                                    "num_speculative_tokens, SGLang's --speculative-num-draft-tokens minus 1), e.g. 3,5 "
+                                    "or all (1 .. the trained depth): the drafter re-run with a block of 1 + K")
+    g.add_argument("--costs", metavar="measure|FILE",
+                   help="predicted speedup per depth and DDTree budget: measure = time the target's and the drafters' "
+                        "forwards here, on the run's device and dtype; FILE = a JSON table of your own (see README)")
+    g.add_argument("--export-vllm-synthetic", metavar="FILE.json",
+                   help="write vLLM's speculative config replaying the first drafter's measured acceptance profile "
+                        "(rejection_sample_method synthetic) at --export-depth")
+    g.add_argument("--export-depth", type=int, help="the depth K of --export-vllm-synthetic (default: the trained one)")
 
     g = p.add_argument_group("output")
     g.add_argument("--output", help="write the full results as JSON to this file (atomically; finished prompts "
@@ -255,7 +262,7 @@ def resolve_settings(args):
     if not from_file and not os.path.isfile(args.prompts):
         fail(f"prompts file not found: {args.prompts} (pass a JSONL file to --prompts)")
     for flag, path in (("--output", args.output), ("--save-hidden", args.save_hidden),
-                       ("--save-references", args.save_references)):
+                       ("--save-references", args.save_references), ("--export-vllm-synthetic", args.export_vllm_synthetic)):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             fail(f"{flag} {path}: its directory does not exist; create it first")
     if args.server and not args.server.startswith(("http://", "https://")):
@@ -271,6 +278,13 @@ def resolve_settings(args):
         fail(f"--drafter-config file not found: {args.drafter_config}")
     shard = parse_shard(args.shard) if args.shard else None
     parse_steps(args.steps)
+    if args.export_depth and not args.export_vllm_synthetic:
+        fail("--export-depth sets the depth of --export-vllm-synthetic, which is not given")
+    if args.costs and args.costs != "measure" and not os.path.isfile(args.costs):
+        fail(f"--costs takes measure or a JSON file of costs; {args.costs} is neither (see README, Choosing what to serve)")
+    if args.costs == "measure" and (args.load_hidden or args.compare_hidden):
+        fail("--costs measure times the target model, which a run from saved features does not build: give --costs "
+             "FILE (costs measured where the target runs), or measure in a run with the target")
     if shard and not args.output:
         fail("--shard needs --output: a shard's records are for --merge, which reads them from that file")
 
@@ -310,7 +324,8 @@ def resolve_settings(args):
                 "device": device, "dtype": dtype, "layers": layers,
                 # what happened, once the tokenizer is read: applied / off (--no-chat-template) / none in the tokenizer
                 "chat_template": "off" if args.no_chat_template else None,
-                "ddtree_budgets": parse_budgets(args.ddtree_budgets),
+                "ddtree_budgets": parse_budgets(args.ddtree_budgets), "depths": parse_depths(args.depths),
+                "costs_used": read_costs(args.costs) if args.costs and args.costs != "measure" else None,
                 "shard": shard, "ranks": 1, "rank": 0,
                 "walk_rule": "first anchor = first completion token; next anchor = anchor + acceptance; "
                              "stop when the next block's drafts would pass the end of the reference",
@@ -335,6 +350,7 @@ NUMBER_RULES = {
     "top_p": ("in (0, 1] (1 is off)", lambda v: 0 < v <= 1),
     "top_k": ("at least 0 (0 is off)", lambda v: v >= 0),
     "samples_per_prompt": ("at least 1", lambda v: v >= 1),
+    "export_depth": ("at least 1", lambda v: v >= 1),
     "server_concurrency": ("at least 1", lambda v: v >= 1),
     "server_retries": ("at least 0", lambda v: v >= 0),
     "server_timeout": ("a finite number of seconds above 0", lambda v: 0 < v < math.inf),
@@ -374,6 +390,19 @@ def check_flags(args):
     if "reference_generation" in given and args.server:
         notes.append("--reference-generation is for local generation: with --server the server generates")
     return notes
+
+
+def parse_depths(text):
+    """--depths: None, "all" or a sorted list of depths >= 1."""
+    if text is None or text.strip().lower() == "all":
+        return text and "all"
+    try:
+        depths = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        depths = []
+    if not depths or depths[0] < 1:
+        fail(f"--depths takes all or depths >= 1 like 3,5,7; got {text!r}")
+    return depths
 
 
 def parse_steps(text):
@@ -2329,6 +2358,84 @@ def fitting_anchors(n_prompt, total_len, block_size):
     return torch.arange(n_prompt, max(n_prompt, total_len - block_size + 1))
 
 
+def check_depths(drafters, settings):
+    """--depths and --export-depth within what each drafter drafts a round (a deeper block was never trained)."""
+    for d in drafters:
+        deep = [k for k in (settings["depths"] if isinstance(settings["depths"], list) else []) if k > d.block_size - 1]
+        if deep:
+            fail(f"--depths {deep[0]}: drafter {d.name} drafts {d.block_size - 1} tokens a round; a served depth "
+                 "cannot exceed what it was trained for")
+    export = settings.get("export_depth")
+    if export and export != drafters[0].block_size - 1 and export not in served_depths(drafters[0], settings):
+        fail(f"--export-depth {export}: drafter {drafters[0].name} is not evaluated at depth {export}; add it to "
+             "--depths")
+
+
+def served_depths(d, settings):
+    """The depths --depths asks of drafter d besides its trained one (its block's drafts)."""
+    trained, asked = d.block_size - 1, settings.get("depths")
+    return [k for k in (range(1, trained) if asked == "all" else asked or []) if k != trained]
+
+
+def score_drafter(d, prompts, group, embed_w, head, settings, budgets):
+    """One drafter's results on a group's prompts [(features, ids, n_prompt, prompt id)]: every anchor drafted
+    (or, --anchors walk, the anchors the walks visit), the walks, the expectations under sampling, and the
+    sums by context length."""
+    sampling = sampling_of(settings)
+    sample_policy = sampling is not None and settings["draft_policy"] == "sample"
+    walked = [res for lo in range(0, len(prompts), WALK_GROUP)
+              for res in score_walks_only(d, prompts[lo:lo + WALK_GROUP], embed_w, head, budgets)] \
+        if settings["anchors"] == "walk" else None
+    out = []
+    for i, (features, ids, n_prompt, prompt_id) in enumerate(prompts):
+        q = None
+        if walked is not None:
+            res = walked[i]
+        else:
+            with timed("drafter_s"):
+                anchors = fitting_anchors(n_prompt, len(ids), d.block_size).to(settings["device"])
+                ids_t = torch.tensor(ids, device=anchors.device)
+                reference = ids_t[anchors[:, None] + torch.arange(1, d.block_size, device=anchors.device)]
+                q = torch.zeros(reference.shape, dtype=torch.float64) if sample_policy else None
+                drafts, top = draft_all_anchors(d, prompt_context(d, features), anchors, ids_t[anchors], embed_w,
+                                                head, max(budgets, default=0), prompt_id, after=ids_t[anchors + 1],
+                                                reference=reference, sampling=sampling, proposal=q)
+            res = score_prompt(drafts, ids, n_prompt, d.block_size, top, budgets)
+        with timed("metrics_s"):
+            if sampling:
+                add_expectations(res, d.block_size, n_prompt, len(ids), group[i][0]["p"], q)
+            else:
+                res["by_context"] = context_sums(res["anchors"], res["matched"] >= 1, walk_anchors(res["rounds"], n_prompt),
+                                                 res["rounds"])
+        out.append(res)
+    return out
+
+
+CONTEXT_BUCKETS = ((512, "<512"), (2048, "512-2k"), (8192, "2k-8k"), (math.inf, ">=8k"))
+
+
+def context_bucket(position):
+    return next(label for bound, label in CONTEXT_BUCKETS if position < bound)
+
+
+def walk_anchors(rounds, n_prompt):
+    """The anchor of each round of a walk that starts at the first completion token."""
+    return [n_prompt + sum(rounds[:i]) for i in range(len(rounds))]
+
+
+def context_sums(anchors, first_accepted, round_anchors, lengths, weights=None):
+    """{context bucket: [tokens committed, rounds, first drafts accepted, anchors]} by the anchor's context length
+    (its position): the rounds (weighted by their probability under sampling) and every drafted anchor."""
+    sums = {}
+    for a, ok in zip(anchors.tolist(), first_accepted.tolist()):
+        s = sums.setdefault(context_bucket(a), [0.0, 0.0, 0.0, 0])
+        s[2], s[3] = s[2] + float(ok), s[3] + 1
+    for a, length, w in zip(round_anchors, lengths, weights or [1.0] * len(lengths)):
+        s = sums.setdefault(context_bucket(a), [0.0, 0.0, 0.0, 0])
+        s[0], s[1] = s[0] + w * length, s[1] + w
+    return sums
+
+
 def score_prompt(drafts, ids, n_prompt, block_size, top=None, budgets=()):
     """Per anchor: matched drafts m (acceptance = 1 + m) and which drafts equal the reference; then the
     chain walk, and the DDTree walk of every budget from the top-k log-probs `top`."""
@@ -2426,7 +2533,8 @@ def expected_walk(accept, n_prompt, total_len, block_size):
                     histogram[k] += start[i] * pk
                     start[i + k + 1] += start[i] * pk
     return {"rounds": sum(histogram), "committed": sum((k + 1) * h for k, h in enumerate(histogram)),
-            "histogram": histogram}
+            "histogram": histogram, "start": start[:n],
+            "length": [sum((k + 1) * pk for k, pk in enumerate(row)) for row in lengths]}
 
 
 def add_expectations(res, block_size, n_prompt, total_len, p, q=None):
@@ -2438,12 +2546,15 @@ def add_expectations(res, block_size, n_prompt, total_len, p, q=None):
         rounds = res["rounds"]
         expected = {"rounds": float(len(rounds)), "committed": float(sum(rounds)),
                     "histogram": [float(rounds.count(n)) for n in range(1, block_size + 1)]}
+        res["by_context"] = context_sums(res["anchors"], accept[:, 0], walk_anchors(rounds, n_prompt), rounds)
     else:
         at = res["anchors"][:, None] + torch.arange(1, block_size) - n_prompt
         p_at = p[at]
         accept = torch.where(p_at > 0, (q / p_at.clamp_min(1e-300)).clamp(max=1.0), torch.zeros_like(q))
         expected = expected_walk(accept, n_prompt, total_len, block_size)
         res["rounds"] = None   # sampled proposals: no one walk, its expectation
+        res["by_context"] = context_sums(res["anchors"], accept[:, 0], res["anchors"].tolist(), expected.pop("length"),
+                                         expected.pop("start"))
     reach = torch.cat([torch.ones(accept.shape[0], 1, dtype=torch.float64), accept.cumprod(1)], dim=1)
     res["expected"] = {**expected, "reach": reach.sum(0).tolist(), "hits": accept.sum(0).tolist(),
                        "anchors": accept.shape[0]}
@@ -2556,6 +2667,161 @@ def summarize(results, block_size):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Serving: the engines' figures, costs and the predicted speedup
+
+
+DEPTH_KEYS = ("tau", "tau_ci95", "tau_prompt_mean", "rounds", "histogram", "tau_all_anchors", "anchors", "per_position")
+
+
+def engine_metrics(s, depth):
+    """What the engines' logs show for these rounds, under their names and definitions (vLLM 0.33
+    v1/spec_decode/metrics.py, SGLang 0.5.23's scheduler log): a draft is a round; accepted counts drafts, not
+    the target's own token. vLLM's per-position rate is unconditional, P(the first i drafts all accepted)."""
+    h = s["histogram"]
+    drafts = sum(h)
+    if not drafts:
+        return None
+    accepted = sum(k * n for k, n in enumerate(h))   # a round of length k + 1 accepted k drafts
+    return {"vllm": {"num_speculative_tokens": depth, "mean_acceptance_length": 1 + accepted / drafts,
+                     "per_position_acceptance_rate": [sum(h[i:]) / drafts for i in range(1, depth + 1)],
+                     "avg_draft_acceptance_rate": 100 * accepted / (drafts * depth)},
+            "sglang": {"speculative_num_draft_tokens": depth + 1, "accept_len": 1 + accepted / drafts,
+                       "accept_rate": accepted / (drafts * depth)}}
+
+
+def by_context(sums_per_prompt):
+    """tau and first-position acceptance by the anchor's context length, over the buckets that have rounds."""
+    total = {}
+    for sums in sums_per_prompt:
+        for bucket, values in sums.items():
+            total[bucket] = [a + b for a, b in zip(total.get(bucket, [0, 0, 0, 0]), values)]
+    return {label: {"tau": c / r, "rounds": r, "first_position_acceptance": f / n if n else None, "anchors": n}
+            for _, label in CONTEXT_BUCKETS if label in total for c, r, f, n in [total[label]] if r}
+
+
+COST_REPEATS = 5   # timed runs per forward: the fastest counts (interference on a shared box only adds time)
+
+
+@torch.inference_mode()
+def measure_costs(model, drafters, settings, items):
+    """Seconds of the forwards a speculative loop makes, at the prompts' typical context L (the median of the
+    prompt plus half the reference): the target over n new tokens after L cached ones, its head included (n = 1
+    for plain decoding, 1 + K for every depth, 1 + budget for every DDTree budget), and each drafter's round at
+    depth K: its new context rows (K + 1 of them at most), the context cache grown, the block of 1 + K through
+    backbone, head and selector. The fastest of COST_REPEATS runs after a warm-up."""
+    _, _, embed, head = target_parts(model)
+    depths = {d.block_size - 1 for d in drafters} | {k for d in drafters for k in served_depths(d, settings)}
+    sizes = sorted({1} | {1 + k for k in depths} | {1 + b for b in settings["ddtree_budgets"]})
+    L = sorted(len(it["prompt_ids"]) + len(it["completion_ids"]) // 2 for it in items)[len(items) // 2] if items else 64
+    ids = [t for it in items for t in it["prompt_ids"] + it["completion_ids"]] or [0]
+    ids = (ids * ((L + sizes[-1]) // len(ids) + 1))[:L + sizes[-1]]   # real tokens, repeated as far as needed
+    cache = rewindable_cache(model)
+    if cache is None:
+        fail("--costs measure needs a target cache that rolls back: a hybrid target needs transformers 5.x")
+    _, _, cache = target_pass(model, ids[:L], [], cache)
+    if is_hybrid(model.config):
+        cache.activate_past_recording()
+
+    def target(n):   # n tokens after the cache, then the cache as it was (recurrent states put back)
+        saved = [(layer, i, layer.recurrent_states[i].clone()) for layer, i in recurrent_states(cache)]
+        start = time.perf_counter()
+        head(target_pass(model, ids[L:L + n], [], cache)[1])
+        elapsed = seconds_since(start)
+        for layer, i, state in saved:
+            layer.recurrent_states[i].copy_(state)
+        cache.crop(-n)
+        return elapsed
+
+    costs = {"context": L, "repeats": COST_REPEATS, "device": settings["device"], "dtype": settings["dtype"],
+             "target": {str(n): fastest(lambda: target(n)) for n in sizes}, "draft": {}}
+    for d in drafters:
+        d = d if d.weights is not None else replace(d, weights=d.reload())
+        g = torch.Generator().manual_seed(0)
+        feats = torch.randn(L + sizes[-1], len(d.layers) * d.cfg["hidden_size"], generator=g).to(embed.weight)
+        context_kv = drafter_context(d, feats[:L])
+        first = torch.tensor([ids[L]], device=embed.weight.device)
+
+        def draft(k):
+            start = time.perf_counter()
+            new_kv = drafter_context(d, feats[L:L + k + 1], L)
+            grown = [(torch.cat([kc, kn], 1), torch.cat([vc, vn], 1)) for (kc, vc), (kn, vn) in zip(context_kv, new_kv)]
+            draft_all_anchors(replace(d, block_size=k + 1), grown, torch.tensor([L], device=first.device), first,
+                              embed.weight, head)
+            return seconds_since(start)
+
+        costs["draft"][d.name] = {str(k): fastest(lambda: draft(k)) for k in [d.block_size - 1, *served_depths(d, settings)]}
+    return costs
+
+
+def read_costs(path):
+    """A --costs FILE: {"target": {"<new tokens n>": seconds}, "draft": {"<depth K>": seconds} or {"<drafter>":
+    {"<K>": seconds}}}, or several of those under "batch_sizes": {"<batch size>": {...}}."""
+    table = read_json(path)
+    tables = table.get("batch_sizes", {"1": table})
+    for batch, t in (tables.items() if isinstance(tables, dict) else [("?", None)]):
+        flat = [v for part in ("target", "draft") for v in (t or {}).get(part, {}).values()] if isinstance(t, dict) else []
+        flat = [x for v in flat for x in (v.values() if isinstance(v, dict) else [v])]
+        if not (isinstance(t, dict) and isinstance(t.get("target"), dict) and "1" in t["target"] and
+                isinstance(t.get("draft"), dict) and all(isinstance(x, (int, float)) and x > 0 for x in flat)):
+            fail(f"--costs {path}: batch size {batch} needs \"target\" (seconds per n new tokens, \"1\" among them) "
+                 "and \"draft\" (seconds per depth, or per drafter and depth), every value a number above 0")
+    return {"file": os.path.abspath(path), "batch_sizes": tables}
+
+
+def predicted_speedups(report, costs):
+    """speedup(K) = tau(K) * c_target(1) / (c_target(1 + K) + c_draft(K)) per depth of every drafter, and for every
+    DDTree budget b (verifying the tree's b nodes and the root: c_target(1 + b), the drafter's pass at its trained
+    depth); None where a cost is missing. What it leaves out: batching, scheduling, the engines' own overheads."""
+    for d in report["drafters"]:
+        depths = d.get("depths") or {str(d["drafts_per_round"]): d}
+        out = {}
+        for batch, t in costs.get("batch_sizes", {"1": costs}).items():
+            draft = t["draft"].get(d["name"], t["draft"])
+            rows = {f"K={k}": (s["tau"], str(1 + int(k)), k) for k, s in depths.items()}
+            rows.update({f"DDTree {b}": (s["tau"], str(1 + int(b)), str(d["drafts_per_round"]))
+                         for b, s in (d["ddtree"] or {}).items()})
+            rows = {name: speedup(tau, t["target"]["1"], t["target"].get(n), draft.get(k))
+                    for name, (tau, n, k) in rows.items()}
+            best = max((r for r in rows.items() if r[1]["speedup"]), key=lambda r: r[1]["speedup"], default=None)
+            out[batch] = {"plain_s": t["target"]["1"], "rows": rows, "best": best[0] if best else None}
+        d["predicted_speedup"] = out
+
+
+def speedup(tau, one, verify, draft):
+    value = tau * one / (verify + draft) if None not in (tau, one, verify, draft) else None
+    return {"tau": tau, "target_s": verify, "draft_s": draft, "speedup": value}
+
+
+def export_vllm_synthetic(report, path, depth):
+    """vLLM's speculative config that replays the first drafter's measured profile: per-position unconditional
+    acceptance rates (length K, in [0, 1], non-increasing, as vLLM's validation asks)."""
+    d = report["drafters"][0]
+    depth = depth or d["drafts_per_round"]
+    stats = (d.get("depths") or {}).get(str(depth), d if depth == d["drafts_per_round"] else None)
+    if stats is None or not stats.get("engine_metrics"):
+        fail(f"--export-vllm-synthetic: drafter {d['name']} has no rounds at depth {depth}; evaluate that depth "
+             f"(--depths {depth}) or pick another with --export-depth")
+    rates = stats["engine_metrics"]["vllm"]["per_position_acceptance_rate"]
+    config = {"method": "dflash", "model": d["checkpoint"], "num_speculative_tokens": depth,
+              "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [round(r, 6) for r in rates],
+              "draft_sample_method": "greedy"}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=1)
+    return config
+
+
+def seconds_since(start):
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def fastest(run):
+    run()   # warm-up
+    return min(run() for _ in range(COST_REPEATS))
+
+
+# ----------------------------------------------------------------------------------------------------
 # Report
 
 
@@ -2626,6 +2892,11 @@ def print_report(report, out=None):
             if d["mask_check"]["warning"]:
                 print(f"   WARNING: {d['mask_check']['warning']}", file=out)
                 print(f"warning: drafter {d['name']}: {d['mask_check']['warning']}", file=sys.stderr)
+        print_serving(d, out)
+        if d.get("by_context") and len(d["by_context"]) > 1:
+            print("   by context length (the anchor's position): " + "; ".join(
+                f"{label}: tau {fmt(s['tau'])} over {s['rounds']:.0f} rounds, first-position acceptance "
+                f"{fmt(s['first_position_acceptance'])}" for label, s in d["by_context"].items()), file=out)
         names = [name for name, _ in sections]
         if walk:
             print("   per-position rows and tau_all_anchors cover the anchors the walks visited (--anchors walk), not "
@@ -2638,6 +2909,32 @@ def print_report(report, out=None):
                   + f"  {fmt(d['per_position']['accuracy'][k]):>13}  |{bar}", file=out)
     if report.get("comparison"):
         print_comparison_table(report["comparison"], out)
+
+
+def print_serving(d, out):
+    """Per served depth: tau, the engines' own figures under their names (to hold against a server's log), and
+    with --costs the predicted speedup per depth and DDTree budget."""
+    depths = d.get("depths") or {str(d["drafts_per_round"]): {**d, "engine_metrics": d.get("engine_metrics")}}
+    for k, s in depths.items():
+        if not s.get("engine_metrics"):
+            continue
+        v, g = s["engine_metrics"]["vllm"], s["engine_metrics"]["sglang"]
+        if len(depths) > 1:
+            ci = "" if not s.get("tau_ci95") else f" [{fmt(s['tau_ci95'][0])}, {fmt(s['tau_ci95'][1])}]"
+            print(f"   depth {k}: tau {fmt(s['tau'])}{ci}, {s['rounds']:.0f} rounds", file=out)
+        print(f"     vLLM (num_speculative_tokens {k}): Mean acceptance length {v['mean_acceptance_length']:.2f}, "
+              f"Per-position acceptance rate {', '.join(f'{x:.3f}' for x in v['per_position_acceptance_rate'])}, "
+              f"Avg Draft acceptance rate {v['avg_draft_acceptance_rate']:.1f}%", file=out)
+        print(f"     SGLang (--speculative-num-draft-tokens {g['speculative_num_draft_tokens']}): accept len "
+              f"{g['accept_len']:.2f}, accept rate {g['accept_rate']:.3f}", file=out)
+    for batch, p in (d.get("predicted_speedup") or {}).items():
+        print(f"   predicted speedup{'' if batch == '1' else f' at batch size {batch}'} = tau x plain decoding's "
+              f"{1e3 * p['plain_s']:.3g} ms a token / a round's cost (the target verifying 1 + K tokens, or a tree's "
+              "nodes + 1, plus the drafter's pass; no batching or scheduling):", file=out)
+        for name, r in p["rows"].items():
+            cost = "n/a" if None in (r["target_s"], r["draft_s"]) else f"{1e3 * r['target_s']:.3g} + {1e3 * r['draft_s']:.3g} ms"
+            print(f"     {name:<12} tau {fmt(r['tau'])}  round {cost:<20} speedup {fmt(r['speedup'], 2)}x"
+                  + ("  <- best" if name == p["best"] else ""), file=out)
 
 
 def print_comparison_table(c, out):
@@ -2707,6 +3004,9 @@ def run(settings):
         if not report.get("interrupted") and not settings.get("merge"):
             remove_partial(settings)
     print_report(report)
+    if settings.get("export_vllm_synthetic") and not report.get("interrupted"):
+        export_vllm_synthetic(report, settings["export_vllm_synthetic"], settings.get("export_depth"))
+        log(settings, f"wrote {settings['export_vllm_synthetic']} (vLLM's speculative config, synthetic profile)")
     if settings["output"]:
         log(settings, f"wrote {settings['output']}")
     return report
@@ -2739,6 +3039,7 @@ def evaluate(settings):
                       f"layer: {', '.join(rule_label(r) for r in d.rules)}")
         d.mask_variants = mask_variants(d, settings) if settings["check_mask"] else None
     settings["target_hash"] = target_hash(settings["target"])
+    check_depths(drafters, settings)
     facts = [drafter_facts(d) for d in drafters]
     layer_union = sorted({L for d in drafters for L in d.layers})
     records, references = resume_records(settings, facts) if settings["resume"] else ({}, {})
@@ -2795,6 +3096,11 @@ def evaluate(settings):
                 f.close()
     skipped = [{"id": it["id"], "reason": it["skip"]} for it in items or [] if it.get("skip")]
     settings["interrupted_here"] = interrupted
+    model = settings.pop("model", None)
+    if settings.get("costs") == "measure" and not interrupted:
+        with timed("costs_s"):
+            settings["costs_used"] = measure_costs(model, drafters, settings, [r["item"] for r in records.values()])
+    del model
     everything = [(it["index"], it["id"], it.get("sample"), it.get("turn")) for it in items or []]
     if settings["ranks"] > 1:
         gathered = gather_ranks(settings, facts, records, skipped, interrupted)
@@ -2933,6 +3239,8 @@ def make_report(settings, facts, done, skipped, seconds, interrupted):
         "timing": {**{k: round(v, 4) for k, v in sorted(TIMING.items())}, "total_s": round(seconds, 4)},
         "elapsed_s": seconds,
     }
+    if settings.get("costs_used"):
+        predicted_speedups(report, settings["costs_used"])
     if interrupted:
         report["interrupted"] = True
     return report
@@ -2959,10 +3267,9 @@ def groups(stream, size, budget=0):
 
 
 def evaluate_prompts(group, drafters, embed_w, head, settings):
-    """Every drafter on a group of prompts [(item, features, target argmax)]: scores, walks, and the mask
-    check when asked. One record per prompt."""
+    """Every drafter on a group of prompts [(item, features, target argmax)]: scores, walks, the other served
+    depths, and the mask check when asked. One record per prompt."""
     prompts, sampling = [], sampling_of(settings)
-    sample_policy = sampling is not None and settings["draft_policy"] == "sample"
     for it, features, argmax in group:
         check_finite(features, it["id"])
         it["agree"] = (sum(a == b for a, b in zip(argmax, it["completion_ids"])), len(argmax))
@@ -2973,30 +3280,17 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
     for stub in drafters:
         d = stub if stub.weights is not None else replace(stub, weights=stub.reload())   # a step: for this group
         budgets = [] if d.selector_top_k else settings["ddtree_budgets"]   # no tree verifier for DFlash 2's paths
-        if settings["anchors"] == "walk":
-            per_prompt = [res for lo in range(0, len(prompts), WALK_GROUP)
-                          for res in score_walks_only(d, prompts[lo:lo + WALK_GROUP], embed_w, head, budgets)]
-        for i, (features, ids, n_prompt, prompt_id) in enumerate(prompts):
-            anchors = fitting_anchors(n_prompt, len(ids), d.block_size).to(settings["device"])
-            if settings["anchors"] == "walk":
-                res = per_prompt[i]
-            else:
-                with timed("drafter_s"):
-                    ids_t = torch.tensor(ids, device=anchors.device)
-                    reference = ids_t[anchors[:, None] + torch.arange(1, d.block_size, device=anchors.device)]
-                    q = torch.zeros(reference.shape, dtype=torch.float64) if sample_policy else None
-                    drafts, top = draft_all_anchors(d, prompt_context(d, features), anchors, ids_t[anchors], embed_w,
-                                                    head, max(budgets, default=0), prompt_id, after=ids_t[anchors + 1],
-                                                    reference=reference, sampling=sampling, proposal=q)
-                res = score_prompt(drafts, ids, n_prompt, d.block_size, top, budgets)
-            if sampling:
-                with timed("metrics_s"):
-                    add_expectations(res, d.block_size, n_prompt, len(ids), group[i][0]["p"],
-                                     q if sample_policy else None)
+        scored = score_drafter(d, prompts, group, embed_w, head, settings, budgets)
+        for depth in served_depths(d, settings):   # the engines' shorter blocks: 1 + K slots, chain only
+            for res, other in zip(scored, score_drafter(replace(d, block_size=depth + 1), prompts, group, embed_w,
+                                                        head, settings, [])):
+                res.setdefault("depths", {})[depth] = other
+        for i, res in enumerate(scored):
             if d.mask_variants:
+                features, ids, n_prompt, _ = prompts[i]
                 with timed("mask_check_s"):
-                    res["mask_check"] = check_mask_prompt(d, d.mask_variants, features, ids, anchors, embed_w,
-                                                          head)
+                    res["mask_check"] = check_mask_prompt(d, d.mask_variants, features, ids, fitting_anchors(
+                        n_prompt, len(ids), d.block_size).to(settings["device"]), embed_w, head)
             results[i].append(res)
     records = []
     keep = ("index", "id", "split", "prompt_ids", "completion_ids", "agree", "source", "sample", "support", "turn")
@@ -3018,7 +3312,8 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
 RESUME_KEYS = ("target_hash", "prompts_hash", "hidden_hashes", "anchors", "max_new_tokens", "ignore_eos", "device",
                "dtype", "layers", "block_size", "block_mask", "sliding_window", "no_chat_template", "enable_thinking",
                "ddtree_budgets", "check_mask", "mask_token_id", "head_dim", "num_heads", "num_kv_heads", "temperature",
-               "top_p", "top_k", "draft_policy", "samples_per_prompt", "seed", "turns", "reference_generation")
+               "top_p", "top_k", "draft_policy", "samples_per_prompt", "seed", "turns", "reference_generation",
+               "depths")
 SLICE_KEYS = ("shard", "ranks")   # a resumed run must take the same slice of the prompts
 KEY_WORDS = {"target_hash": "the target (its config or weights)", "prompts_hash": "the prompts (file content)",
              "hidden_hashes": "the saved features (--load-hidden files)"}
@@ -3061,24 +3356,31 @@ def interrupt_message(settings, finished, references):
 
 def record_json(record):
     """A finished prompt as one JSON line: enough to rebuild every statistic without recomputing."""
-    results = [{"rounds": r["rounds"], "ddtree_rounds": {str(b): v for b, v in r["ddtree_rounds"].items()},
-                "matched": r["matched"].tolist(),
-                "equal": [int(sum(1 << k for k, e in enumerate(row) if e)) for row in r["equal"].tolist()],
-                "mask_check": r.get("mask_check"), **({"expected": r["expected"]} if "expected" in r else {})}
-               for r in record["results"]]
-    return {"item": record["item"], "results": results}
+    return {"item": record["item"], "results": [result_json(r) for r in record["results"]]}
+
+
+def result_json(r):
+    return {"rounds": r["rounds"], "ddtree_rounds": {str(b): v for b, v in r["ddtree_rounds"].items()},
+            "anchors": r["anchors"].tolist(), "matched": r["matched"].tolist(),
+            "equal": [int(sum(1 << k for k, e in enumerate(row) if e)) for row in r["equal"].tolist()],
+            "mask_check": r.get("mask_check"), "by_context": r["by_context"],
+            **({"expected": r["expected"]} if "expected" in r else {}),
+            **({"depths": {str(k): result_json(v) for k, v in r["depths"].items()}} if "depths" in r else {})}
 
 
 def record_from_json(row, facts):
-    results = []
-    for r, d in zip(row["results"], facts):
-        bits = torch.tensor(r["equal"], dtype=torch.long).view(-1, 1)
-        results.append({"rounds": r["rounds"], "ddtree_rounds": {int(b): v for b, v in r["ddtree_rounds"].items()},
-                        "matched": torch.tensor(r["matched"], dtype=torch.long),
-                        "equal": (bits >> torch.arange(d["drafts_per_round"])) & 1 == 1,
-                        **({"mask_check": r["mask_check"]} if r.get("mask_check") else {}),
-                        **({"expected": r["expected"]} if "expected" in r else {})})
-    return {"item": {**row["item"], "agree": tuple(row["item"]["agree"])}, "results": results}
+    return {"item": {**row["item"], "agree": tuple(row["item"]["agree"])},
+            "results": [result_from_json(r, d["drafts_per_round"]) for r, d in zip(row["results"], facts)]}
+
+
+def result_from_json(r, drafts):
+    bits = torch.tensor(r["equal"], dtype=torch.long).view(-1, 1)
+    return {"rounds": r["rounds"], "ddtree_rounds": {int(b): v for b, v in r["ddtree_rounds"].items()},
+            "anchors": torch.tensor(r["anchors"], dtype=torch.long), "matched": torch.tensor(r["matched"], dtype=torch.long),
+            "equal": (bits >> torch.arange(drafts)) & 1 == 1, "by_context": r["by_context"],
+            **({"mask_check": r["mask_check"]} if r.get("mask_check") else {}),
+            **({"expected": r["expected"]} if "expected" in r else {}),
+            **({"depths": {int(k): result_from_json(v, int(k)) for k, v in r["depths"].items()}} if "depths" in r else {})}
 
 
 def fingerprint(settings, facts):
@@ -3225,6 +3527,7 @@ def extract_from_target(items, settings, target_cfg, layer_union, done, drafter,
             save_hidden(settings, target_cfg, layer_union, extracted, kept)
 
     _, _, embed, head = target_parts(model)
+    settings["model"] = model   # for --costs measure, after the prompts; not echoed (run drops it)
     return stream(), embed.weight, head
 
 
@@ -3590,6 +3893,8 @@ def prompt_report(it, res, B):
         entry.update(target_agreement=it["agree"][0] / it["agree"][1] if it["agree"][1] else None,
                      tau=sum(res["rounds"]) / len(res["rounds"]) if res["rounds"] else None, rounds=res["rounds"])
     entry["ddtree_rounds"] = {str(b): r for b, r in res["ddtree_rounds"].items()}
+    if "depths" in res:
+        entry["depth_rounds"] = {str(k): other["rounds"] for k, other in sorted(res["depths"].items())}
     if not (res["rounds"] or res.get("expected", {}).get("rounds")):
         entry["note"] = (f"completion of {len(it['completion_ids'])} tokens is shorter than one block ({B} tokens: "
                          f"the anchor and {B - 1} drafts): nothing to score")
@@ -3631,18 +3936,22 @@ def drafter_report(d, results, items):
     def check(chosen):   # greedy: target agreement; sampled: how the references sit in the target's support
         return reference_support(chosen) if sampled else {"target_agreement": target_agreement(chosen)}
 
-    def section(keep):
-        chosen = [(res, it) for res, it in zip(results, items) if keep(it)]
+    def section(keep, depth=None):
+        chosen = [(res if depth is None else res["depths"][depth], it) for res, it in zip(results, items) if keep(it)]
         totals = list(prompt_totals(*zip(*chosen)).values()) if chosen else []
-        return {**stats([res for res, _ in chosen], B),
+        return {**stats([res for res, _ in chosen], B if depth is None else depth + 1),
                 "tau_ci95": ratio_ci95([c for c, _ in totals], [r for _, r in totals]),
-                **check([it for _, it in chosen]), **no_trees}
+                **check([it for _, it in chosen]), **(no_trees if depth is None else {})}
 
     whole = section(lambda it: True)
     splits = {split: section(lambda it: it["split"] == split) for split in sorted({it["split"] for it in items})}
     turns = {str(t): section(lambda it: it.get("turn") == t) for t in sorted({it.get("turn") for it in items} - {None})}
+    depths = {B - 1: whole, **{k: section(lambda it: True, k) for k in (results[0].get("depths", {}) if results else {})}}
     prompts = [prompt_report(it, res, B) for it, res in zip(items, results)]
-    return {**{k: v for k, v in d.items() if k != "mask_modes"}, **whole,
+    return {**{k: v for k, v in d.items() if k != "mask_modes"}, **whole, "engine_metrics": engine_metrics(whole, B - 1),
+            **({"depths": {str(k): {**{key: s[key] for key in DEPTH_KEYS}, "engine_metrics": engine_metrics(s, k)}
+                           for k, s in sorted(depths.items())}} if len(depths) > 1 else {}),
+            "by_context": by_context([res["by_context"] for res in results]),
             "warnings": d["warnings"] + acceptance_warning(whole), "splits": splits, **({"turns": turns} if turns else {}),
             **({"mask_check": mask_check_summary(d["mask_modes"], [r["mask_check"] for r in results if "mask_check" in r])}
                if d["mask_modes"] else {}), "prompts": prompts}

@@ -140,13 +140,15 @@ def parse_args(argv=None):
     p.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
                    help="profile one extra b run and print its top functions (default on)")
     p.add_argument("--quick", action="store_true", help="2 prompts, 1 run each, no RESULTS.md")
+    p.add_argument("--only", help="run only these rows, e.g. j,k (no RESULTS.md): j = the --depths sweep's cost, "
+                                  "k = predicted against measured speedup on the demo pair")
     p.add_argument("--write-results", action=argparse.BooleanOptionalAction,
                    help="write bench/RESULTS.md (default on, off with --quick)")
     args = p.parse_args(argv)
     if args.quick:
         args.prompts, args.repeats = min(args.prompts, 2), 1
     if args.write_results is None:
-        args.write_results = not args.quick
+        args.write_results = not args.quick and not args.only
     return args
 
 
@@ -1053,6 +1055,69 @@ def describe_pair(mem, tcfg, dcfg, lengths):
         f"{[n for n, _ in lengths]} tokens, {lengths[0][1]}-token references (the target's greedy output)")
 
 
+def measure_depths(paths, args, work, b):
+    """j. The bench pair with --depths all (every depth 1 .. B-1) against b's drafter time: a drafter pass per
+    depth, each over a shorter block, so the sweep should cost about B-1 of b's passes at most."""
+    report = run_tool(tool_argv(paths, args, os.path.join(work, "j.json"), "--depths", "all"))
+    depths = len(report["drafters"][0]["depths"])
+    return {"drafter_s": report["timing"]["drafter_s"], "depths": depths, "b_drafter_s": b["drafter_s"]}
+
+
+def report_depths(j):
+    say(f"j. --depths all ({j['depths']} depths): drafter {secs(j['drafter_s'])} against b's {secs(j['b_drafter_s'])} "
+        f"for the trained depth alone: {j['drafter_s'] / j['b_drafter_s']:.2f} x b, "
+        f"{j['drafter_s'] / j['b_drafter_s'] / j['depths']:.2f} x b per depth (shorter blocks cost less)")
+
+
+SPEEDUP_DEPTHS = (3, 7)
+
+
+def measure_speedup(args, work):
+    """k. The predicted speedup (--costs measure) against the measured one: the tool's own speculative
+    generation over its plain generation, on the demo pair at K = 3 and 7, the same prompts and lengths, each
+    the best of --repeats after a warm-up."""
+    from transformers import AutoModelForCausalLM
+    demo = os.path.join(ROOT, "tests", "fixtures", "demo")
+    argv = ["--demo", "--depths", ",".join(map(str, SPEEDUP_DEPTHS)), "--costs", "measure", "--ddtree-budgets",
+            "none", "--device", args.device, "--output", os.path.join(work, "k.json"), "--quiet"]
+    report = run_tool(argv + (["--threads", str(args.threads)] if args.threads else []))
+    d = report["drafters"][0]
+    predicted = {k: d["predicted_speedup"]["1"]["rows"][f"K={k}"]["speedup"] for k in SPEEDUP_DEPTHS}
+    target = AutoModelForCausalLM.from_pretrained(os.path.join(demo, "target"), dtype=torch.float32).to(args.device).eval()
+    settings = {"layers": None, "block_size": None, "block_mask": "auto", "sliding_window": "train",
+                "dtype": "float32", "device": args.device, "quiet": True, "max_memory_gb": 0.5}
+    drafter = ed.load_drafter(os.path.join(demo, "drafter"), target.config, settings)
+    prompts = [it["prompt_ids"] for it in tool_prompts(os.path.join(demo, "prompts.jsonl"), os.path.join(demo, "target"))]
+
+    def best(run):
+        run()
+        return min(timed_run(run) for _ in range(args.repeats))
+
+    plain = best(lambda: [ed.plain_generate(target, p, 128, set()) for p in prompts])
+    measured = {k: plain / best(lambda: [ed.speculative_generate(target, ed.replace(drafter, block_size=k + 1), p, 128,
+                                                                  set()) for p in prompts]) for k in SPEEDUP_DEPTHS}
+    return {"predicted": predicted, "measured": measured, "plain_s": plain}
+
+
+def timed_run(run):
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def report_speedup(k):
+    say("k. predicted speedup (--costs measure) against the measured one (speculative over plain generation, "
+        f"demo pair, plain {secs(k['plain_s'])}): " + ", ".join(
+            f"K={d}: predicted {k['predicted'][d]:.2f}x, measured {k['measured'][d]:.2f}x "
+            f"({k['predicted'][d] / k['measured'][d] - 1:+.0%})" for d in SPEEDUP_DEPTHS))
+
+
+def speedup_verdict(k):
+    off = {d: k["predicted"][d] / k["measured"][d] - 1 for d in SPEEDUP_DEPTHS}
+    return verdict(all(abs(x) <= 0.2 for x in off.values()), "predicted speedup within 20% of the measured one at "
+                   "K = 3 and 7: " + ", ".join(f"{x:+.0%}" for x in off.values()))
+
+
 def verdicts_of(f):
     b, c, d, e, need = f["b"], f["c"], f["d"], f["e"], f["mem"]["weights_bytes"] + f["mem"]["features_bytes"]
     peak, where = (e["gpu_bytes"], "GPU peak allocated") if e.get("gpu_bytes") else (e["peak_kib"] * 1024, "peak RSS")
@@ -1067,6 +1132,7 @@ def verdicts_of(f):
         verdict(f["h"]["argmax"]["work_s"] <= 1.1 * b["work_s"] and f["h"]["sample"]["work_s"] <= 1.5 * b["work_s"],
                 f"sampled evaluation at Qwen3's settings <= 1.1 x b (argmax) and <= 1.5 x b (sample): "
                 f"x{f['h']['argmax']['work_s'] / b['work_s']:.2f} and x{f['h']['sample']['work_s'] / b['work_s']:.2f}"),
+        *([speedup_verdict(f["k"])] if f.get("k") else []),
         *([verdict(f["i"]["tau"] >= 4 and f["i"]["plain_s"] >= 2 * f["i"]["spec_s"],
                    f"hybrid speculative references >= 2 x plain greedy at tau >= 4: x"
                    f"{f['i']['plain_s'] / f['i']['spec_s']:.2f} at tau {f['i']['tau']:.2f}")] if f.get("i") else []),
@@ -1087,6 +1153,18 @@ def main(argv=None):
     say(f"machine: {info['cpu']}, {info['cores']} cores, torch threads {info['threads']}, load average "
         f"{info['load_before']:.2f}; torch {info['torch']}, transformers {info['transformers']}; device {args.device}")
     f = {}
+    if args.only:   # a few rows alone: printed, RESULTS.md left as it is
+        with tempfile.TemporaryDirectory(prefix="bench_eval_") as work:
+            rows = set(args.only.split(","))
+            if "j" in rows:
+                paths, _, _ = build_pair(args, args.workdir or work)
+                b = measure_b(paths, args, work, ("--anchors", "all"), warm_up=False, runs=1)[0]
+                report_depths(measure_depths(paths, args, work, b))
+            if "k" in rows:
+                f["k"] = measure_speedup(args, work)
+                report_speedup(f["k"])
+                speedup_verdict(f["k"])
+        return
     with contextlib.ExitStack() as stack:
         work = args.workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_eval_"))
         os.makedirs(work, exist_ok=True)
@@ -1130,6 +1208,11 @@ def main(argv=None):
         with watch("i"):
             f["i"] = hybrid_references(args)
         report_hybrid(f["i"])
+        with watch("j"):
+            report_depths(measure_depths(paths, args, work, b))
+        with watch("k"):
+            f["k"] = measure_speedup(args, work)
+        report_speedup(f["k"])
         with watch("process"):
             f["proc"] = demo_process(args, work)
         report_process(f["proc"])
