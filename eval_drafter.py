@@ -99,9 +99,10 @@ def build_parser():
                                     "decoder-only model whose layers and final norm transformers exposes")
     g.add_argument("--ckpt", action="append", default=[], metavar="[NAME=]PATH",
                    help="a DFlash or DFlash 2 drafter, repeated to compare several on one target pass; NAME= labels "
-                        "it. A z-lab, transformers-native, speculators or SpecForge directory, a .safetensors or "
-                        "training .pt/.pth/.bin file (weights_only), or a training run's directory of steps (--steps); "
-                        "README, Checkpoints from training")
+                        "it. Forms: a directory with config.json + model.safetensors (or model.safetensors.index.json) "
+                        "in z-lab's, transformers' native or speculators' layout; a .safetensors file; a training "
+                        ".pt/.pth/.bin state dict, read with torch.load(weights_only=True), nesting and prefixes "
+                        "unwrapped; a SpecForge step directory; a training run's directory of steps (--steps)")
     g.add_argument("--steps", default="all",
                    help="with --ckpt NAME=RUN_DIR (a training run's directory of step checkpoints: SpecForge's "
                         "<run>-step<N>, checkpoint-<N>, step_<N>.pt, ...): which steps, e.g. 400,800 or last:5 "
@@ -2844,7 +2845,7 @@ def print_report(report, out=None):
     sampling = sampling_of(report["config"])
     if sampling:
         print(f"sampled decoding at {describe_sampling(sampling)}, {report['config']['draft_policy']} proposals: tau is "
-              "the expected acceptance given each sampled reference, pooled, with a 95% interval over references",
+              "the expected acceptance given each sampled reference, pooled, with a 95% interval over prompts",
               file=out)
     if target.get("self_check") and not target["self_check"]["passed"]:
         print(f"WARNING: self-check failed: {target['self_check']['message']}", file=out)
