@@ -2700,49 +2700,63 @@ def by_context(sums_per_prompt):
             for _, label in CONTEXT_BUCKETS if label in total for c, r, f, n in [total[label]] if r}
 
 
-COST_REPEATS = 5   # timed runs per forward: the fastest counts (interference on a shared box only adds time)
+COST_REPEATS = 10   # timed runs per forward: the fastest counts (interference on a shared box only adds time)
 
 
 @torch.inference_mode()
 def measure_costs(model, drafters, settings, items):
-    """Seconds of the forwards a speculative loop makes, at the prompts' typical context L (the median of the
-    prompt plus half the reference): the target over n new tokens after L cached ones, its head included (n = 1
-    for plain decoding, 1 + K for every depth, 1 + budget for every DDTree budget), and each drafter's round at
-    depth K: its new context rows (K + 1 of them at most), the context cache grown, the block of 1 + K through
-    backbone, head and selector. The fastest of COST_REPEATS runs after a warm-up."""
+    """Seconds of what the tool's own decoding loops do, at the prompts' typical context L (the median of the
+    prompt plus half the reference): a plain decoding step (the target over one token, its argmax); a verify
+    pass over n = 1 + K tokens (1 + budget for a DDTree tree) with the drafters' feature layers captured, the
+    head over every row and the verdict; each drafter's round at depth K: its new context rows (K + 1 at most),
+    its context cache grown, the block of 1 + K through backbone, head and selector. Each the fastest of
+    COST_REPEATS rounds that take every size in turn (interference on a shared box only adds time)."""
     _, _, embed, head = target_parts(model)
     depths = {d.block_size - 1 for d in drafters} | {k for d in drafters for k in served_depths(d, settings)}
-    sizes = sorted({1} | {1 + k for k in depths} | {1 + b for b in settings["ddtree_budgets"]})
+    sizes = sorted({1 + k for k in depths} | {1 + b for b in settings["ddtree_budgets"]})
     L = sorted(len(it["prompt_ids"]) + len(it["completion_ids"]) // 2 for it in items)[len(items) // 2] if items else 64
     ids = [t for it in items for t in it["prompt_ids"] + it["completion_ids"]] or [0]
     ids = (ids * ((L + sizes[-1]) // len(ids) + 1))[:L + sizes[-1]]   # real tokens, repeated as far as needed
-    cache = rewindable_cache(model)
+    cache, layers = rewindable_cache(model), sorted({L for d in drafters for L in d.layers})
     if cache is None:
         fail("--costs measure needs a target cache that rolls back: a hybrid target needs transformers 5.x")
     _, _, cache = target_pass(model, ids[:L], [], cache)
     if is_hybrid(model.config):
         cache.activate_past_recording()
 
-    def target(n):   # n tokens after the cache, then the cache as it was (recurrent states put back)
-        saved = [(layer, i, layer.recurrent_states[i].clone()) for layer, i in recurrent_states(cache)]
-        start = time.perf_counter()
-        head(target_pass(model, ids[L:L + n], [], cache)[1])
-        elapsed = seconds_since(start)
+    def undo(n, saved):   # the cache as it was: n positions dropped, recurrent states put back
         for layer, i, state in saved:
             layer.recurrent_states[i].copy_(state)
         cache.crop(-n)
+
+    def plain():
+        saved = [(layer, i, layer.recurrent_states[i].clone()) for layer, i in recurrent_states(cache)]
+        start = time.perf_counter()
+        out = model(input_ids=torch.tensor([ids[L:L + 1]], device=model.device), use_cache=True,
+                    **cache_kwarg(model, cache))
+        next_token(out.logits[0, -1:], None, None)
+        elapsed = seconds_since(start)
+        undo(1, saved)
         return elapsed
 
-    costs = {"context": L, "repeats": COST_REPEATS, "device": settings["device"], "dtype": settings["dtype"],
-             "target": {str(n): fastest(lambda: target(n)) for n in sizes}, "draft": {}}
+    def verify_round(n):
+        saved = [(layer, i, layer.recurrent_states[i].clone()) for layer, i in recurrent_states(cache)]
+        start = time.perf_counter()
+        features, last, _ = target_pass(model, ids[L:L + n], layers, cache)
+        check_finite(features, "cost")
+        verify(ids[L:L + n], head(last), None, None)
+        elapsed = seconds_since(start)
+        undo(n, saved)
+        return elapsed
+
+    timings = {"1": [plain], **{str(n): [lambda n=n: verify_round(n)] for n in sizes}}
     for d in drafters:
         d = d if d.weights is not None else replace(d, weights=d.reload())
         g = torch.Generator().manual_seed(0)
         feats = torch.randn(L + sizes[-1], len(d.layers) * d.cfg["hidden_size"], generator=g).to(embed.weight)
-        context_kv = drafter_context(d, feats[:L])
-        first = torch.tensor([ids[L]], device=embed.weight.device)
+        context_kv, first = drafter_context(d, feats[:L]), torch.tensor([ids[L]], device=embed.weight.device)
 
-        def draft(k):
+        def draft(k, d=d, feats=feats, context_kv=context_kv, first=first):
             start = time.perf_counter()
             new_kv = drafter_context(d, feats[L:L + k + 1], L)
             grown = [(torch.cat([kc, kn], 1), torch.cat([vc, vn], 1)) for (kc, vc), (kn, vn) in zip(context_kv, new_kv)]
@@ -2750,7 +2764,20 @@ def measure_costs(model, drafters, settings, items):
                               embed.weight, head)
             return seconds_since(start)
 
-        costs["draft"][d.name] = {str(k): fastest(lambda: draft(k)) for k in [d.block_size - 1, *served_depths(d, settings)]}
+        for k in [d.block_size - 1, *served_depths(d, settings)]:
+            timings[(d.name, str(k))] = [lambda k=k, draft=draft: draft(k)]
+    for run in (runs[0] for runs in timings.values()):   # warm-up
+        run()
+    for _ in range(COST_REPEATS):   # every size in turn, so that a slow moment does not fall on one of them
+        for runs in timings.values():
+            runs.append(runs[0]())
+    costs = {"context": L, "repeats": COST_REPEATS, "device": settings["device"], "dtype": settings["dtype"],
+             "target": {}, "draft": {}}
+    for key, runs in timings.items():
+        if isinstance(key, tuple):
+            costs["draft"].setdefault(key[0], {})[key[1]] = min(runs[1:])
+        else:
+            costs["target"][key] = min(runs[1:])
     return costs
 
 
@@ -2815,11 +2842,6 @@ def seconds_since(start):
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     return time.perf_counter() - start
-
-
-def fastest(run):
-    run()   # warm-up
-    return min(run() for _ in range(COST_REPEATS))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1058,7 +1058,8 @@ def describe_pair(mem, tcfg, dcfg, lengths):
 def measure_depths(paths, args, work, b):
     """j. The bench pair with --depths all (every depth 1 .. B-1) against b's drafter time: a drafter pass per
     depth, each over a shorter block, so the sweep should cost about B-1 of b's passes at most."""
-    report = run_tool(tool_argv(paths, args, os.path.join(work, "j.json"), "--depths", "all"))
+    report = run_tool(tool_argv(paths, args, os.path.join(work, "j.json"), "--prompts", paths["prompts"], "--depths",
+                                "all"))
     depths = len(report["drafters"][0]["depths"])
     return {"drafter_s": report["timing"]["drafter_s"], "depths": depths, "b_drafter_s": b["drafter_s"]}
 
@@ -1089,14 +1090,17 @@ def measure_speedup(args, work):
     drafter = ed.load_drafter(os.path.join(demo, "drafter"), target.config, settings)
     prompts = [it["prompt_ids"] for it in tool_prompts(os.path.join(demo, "prompts.jsonl"), os.path.join(demo, "target"))]
 
-    def best(run):
-        run()
-        return min(timed_run(run) for _ in range(args.repeats))
-
-    plain = best(lambda: [ed.plain_generate(target, p, 128, set()) for p in prompts])
-    measured = {k: plain / best(lambda: [ed.speculative_generate(target, ed.replace(drafter, block_size=k + 1), p, 128,
-                                                                  set()) for p in prompts]) for k in SPEEDUP_DEPTHS}
-    return {"predicted": predicted, "measured": measured, "plain_s": plain}
+    runs = {"plain": lambda: [ed.plain_generate(target, p, 128, set()) for p in prompts],
+            **{k: lambda k=k: [ed.speculative_generate(target, ed.replace(drafter, block_size=k + 1), p, 128, set())
+                               for p in prompts] for k in SPEEDUP_DEPTHS}}
+    times = {name: [] for name in runs}
+    for rep in range(args.repeats + 1):   # in turn, so that a slow moment of the shared box hits them alike
+        for name, run in runs.items():
+            elapsed = timed_run(run)
+            if rep:   # the first round warms up
+                times[name].append(elapsed)
+    plain = min(times["plain"])
+    return {"predicted": predicted, "measured": {k: plain / min(times[k]) for k in SPEEDUP_DEPTHS}, "plain_s": plain}
 
 
 def timed_run(run):
