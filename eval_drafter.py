@@ -5,10 +5,11 @@ Greedy speculative decoding commits exactly the target's greedy text, so one tea
 over prompt + reference completion gives every hidden state the drafter would ever see. From it this
 script drafts a block at every anchor of the completion, scores each draft against the reference, and
 replays the greedy speculative walk. The rounds equal those of a real decoding loop when the reference is
-the target's own greedy output (the "target agreement" line says how close yours is). Drafters: DFlash and
-DFlash 2 (conv taps, candidate path selector) in z-lab's, transformers' native, speculators' (reduced draft
-vocabularies, sample_from_anchor) or SpecForge's layout, and a training run's steps as a series; targets: any
-decoder-only transformers model (Qwen3, hybrid Qwen3.5/3.6, Llama, gpt-oss, ...).
+the target's own greedy output (the "target agreement" line says how close yours is). Drafters: DFlash,
+DFlash 2 (conv taps, candidate path selector), DSpark (a Markov head over the previous draft) and Domino (a GRU
+over the drafted prefix), in z-lab's, transformers' native, speculators' (reduced draft vocabularies,
+sample_from_anchor) or SpecForge's layout, and a training run's steps as a series; targets: any decoder-only
+transformers model (Qwen3, hybrid Qwen3.5/3.6, Llama, gpt-oss, ...).
 
     python eval_drafter.py --target QWEN_DIR --ckpt DRAFTER --prompts prompts.jsonl
     python eval_drafter.py --target QWEN_DIR --ckpt mine=ckpt_a --ckpt ref=ckpt_b --prompts p.jsonl \
@@ -19,9 +20,10 @@ decoder-only transformers model (Qwen3, hybrid Qwen3.5/3.6, Llama, gpt-oss, ...)
 Data flows top to bottom: CLI -> prompts -> target -> hidden states -> drafter -> metrics -> report. The
 sections, in order: CLI and resolved settings; prompts; target; references from a serving engine; sampled
 decoding, target side; drafter loading and checking (every layout, training runs); the drafter's forward
-pass; DDTree; the mask check; metrics; serving (the engines' figures, costs, predicted speedup); report;
-main (the run, shards, torchrun); nothing lost (the partial file, resume, reference generation); the
-hidden-state cache. Only torch, transformers, safetensors, numpy, tqdm and the standard library are used.
+pass and its proposal rule (each slot's argmax, DFlash 2's selector, DSpark's and Domino's chained heads);
+DDTree; the mask check; metrics; serving (the engines' figures, costs, predicted speedup); report; main (the
+run, shards, torchrun); nothing lost (the partial file, resume, reference generation); the hidden-state
+cache. Only torch, transformers, safetensors, numpy, tqdm and the standard library are used.
 """
 import argparse
 import contextlib
@@ -124,6 +126,13 @@ def build_parser():
                    help="in-block attention; auto = checkpoint's is_causal, else per layer type")
     g.add_argument("--sliding-window", default="train", choices=["train", "ignore"],
                    help="train = window sliding layers as training did; ignore = public HF reference")
+    g.add_argument("--dspark-draft-topk", type=int, metavar="K",
+                   help="DSpark: each slot drafts among its K best base-logit tokens only, the Markov bias added to "
+                        "those (vLLM's dspark_draft_topk); default: the exact argmax over the whole draft vocabulary")
+    g.add_argument("--domino-candidate-pool", type=int, metavar="N",
+                   help="Domino: proposals after the first choose among one pool per block, the N tokens with the "
+                        "highest base logit over those proposals (SGLang's --speculative-domino-candidate-pool-size, "
+                        "2048 by default there); default: the exact argmax over the whole vocabulary")
 
     g = p.add_argument_group("evaluation")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
@@ -352,6 +361,8 @@ NUMBER_RULES = {
     "top_k": ("at least 0 (0 is off)", lambda v: v >= 0),
     "samples_per_prompt": ("at least 1", lambda v: v >= 1),
     "export_depth": ("at least 1", lambda v: v >= 1),
+    "dspark_draft_topk": ("at least 1", lambda v: v >= 1),
+    "domino_candidate_pool": ("at least 1", lambda v: v >= 1),
     "server_concurrency": ("at least 1", lambda v: v >= 1),
     "server_retries": ("at least 0", lambda v: v >= 0),
     "server_timeout": ("a finite number of seconds above 0", lambda v: 0 < v < math.inf),
@@ -1513,7 +1524,7 @@ class Drafter:
     rules: list                 # in-block attention per layer: (mode, window)
     rope: object                # transformers' rotary embedding for the config
     logit_rows: int             # rows per lm_head call
-    generation: str = "DFlash"  # or "DFlash 2": conv taps around every sublayer, the candidate path selector
+    generation: str = "DFlash"  # or "DFlash 2" (conv taps, the candidate path selector), "DSpark", "Domino"
     layout: str = "public"      # or "transformers-native assistant"
     embed_scale: float = 1.0    # block embeddings = raw rows of the target's embedding matrix x this
     logit_multiplier: float = 1.0
@@ -1527,6 +1538,7 @@ class Drafter:
     vocab: tuple = None         # a reduced draft vocabulary: (target id of each draft id, draft id of each target id)
     step: int = None            # one step of a training run (--ckpt NAME=RUN_DIR): loaded when its turn comes
     reload: object = None       # () -> its weights, for a step released between groups of prompts
+    head: dict = None           # DSpark's Markov head {kind, rank, topk}; Domino's {prefix, shift, pool}
 
 
 def dflash_value(cfg, name, default=None):
@@ -1544,7 +1556,9 @@ def recognize(cfg, state, name):
     """(generation, layout, config, state): the config under the public DFlash keys, the state under the public
     names. The transformers-native assistant names the context projection encoder.*; speculators nests the
     drafter's own config and keeps the DFlash keys at the top level; DFlash 2 adds conv and selector tensors, and
-    its codebooks are bare tensors (a `.weight` suffix, as torch would save an nn.Embedding, is dropped)."""
+    its codebooks are bare tensors (a `.weight` suffix, as torch would save an nn.Embedding, is dropped). DSpark
+    and Domino name themselves in architectures or dflash_config.projector_type; SpecForge's older DSpark states
+    keep their heads under logit_head.*."""
     native = (cfg or {}).get("model_type") == "muse_glimmer_assistant" or "encoder.fc.weight" in state
     layout = "speculators" if "speculators_model_type" in (cfg or {}) else \
         "transformers-native assistant" if native else "public"
@@ -1554,14 +1568,14 @@ def recognize(cfg, state, name):
         state = {NATIVE_NAMES.get(k, k): v for k, v in state.items()}
     state = {(k[:-len(".weight")] if k.startswith(SELECTOR) and k.endswith("_codebook.weight") else k): v
              for k, v in state.items()}
+    state = {(k[len("logit_head."):] if k.startswith("logit_head.") else k): v for k, v in state.items()}
     family = next((f for f in ("DSpark", "Domino") for a in (cfg or {}).get("architectures") or [] if f in a), None) \
-        or {"dspark": "DSpark", "domino": "Domino"}.get(str(dflash_value(cfg or {}, "projector_type")))
-    if family:
-        fail(f"drafter {name}: a {family} drafter (architectures {(cfg or {}).get('architectures')}, projector_type "
-             f"{dflash_value(cfg or {}, 'projector_type')!r}); this tool evaluates DFlash and DFlash 2 drafters")
+        or {"dspark": "DSpark", "domino": "Domino"}.get(str(dflash_value(cfg or {}, "projector_type"))) \
+        or ("DSpark" if "markov_head.markov_w1.weight" in state else "Domino" if "prefix_gru.weight_ih_l0" in state
+            else None)
     dflash2 = "DFlash2DraftModel" in ((cfg or {}).get("architectures") or []) or \
         any(k.startswith(SELECTOR) or "_conv." in k for k in state)
-    return ("DFlash 2" if dflash2 else "DFlash"), layout, cfg, state
+    return family or ("DFlash 2" if dflash2 else "DFlash"), layout, cfg, state
 
 
 # speculators 0.9.0 (the layout vLLM loads): the keys of its DFlash and DFlash 2 configs, and their defaults
@@ -1569,18 +1583,21 @@ SPECULATORS_KEYS = {"speculators_model_type", "architectures", "transformer_laye
                     "block_size", "target_hidden_size", "aux_hidden_state_layer_ids", "mask_token_id",
                     "sliding_window_non_causal", "sample_from_anchor", "speculators_version", "speculators_config",
                     "transformers_version", "dtype", "torch_dtype", "tie_word_embeddings", "auto_map", "_name_or_path",
-                    "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"}
-DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+                    "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "markov_rank",
+                    "markov_head_type", "enable_confidence_head", "confidence_head_with_markov"}
+FAMILY_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "markov_rank",
+               "markov_head_type")
 
 
 def speculators_config(cfg, name):
-    """A speculators DFlash / DFlash 2 config under the public keys: its transformer_layer_config, block size and
-    mask token, and its aux_hidden_state_layer_ids (indices into transformers' hidden_states: index L + 1 is the
-    output of layer L) as layer ids. What the tool cannot map is refused, naming the key."""
+    """A speculators DFlash / DFlash 2 / DSpark config under the public keys: its transformer_layer_config, block
+    size and mask token, and its aux_hidden_state_layer_ids (indices into transformers' hidden_states: index L + 1
+    is the output of layer L) as layer ids. What the tool cannot map is refused, naming the key. A DSpark
+    config's sample_from_anchor defaults to true, as speculators' own config class has it."""
     kind, layer = cfg.get("speculators_model_type"), cfg.get("transformer_layer_config")
     where = f"drafter {name}: its speculators config"
-    if kind not in ("dflash", "dflash2"):
-        fail(f"{where} says speculators_model_type {kind!r}; this tool evaluates dflash and dflash2")
+    if kind not in ("dflash", "dflash2", "dspark"):
+        fail(f"{where} says speculators_model_type {kind!r}; this tool evaluates dflash, dflash2 and dspark")
     unknown = sorted(set(cfg) - SPECULATORS_KEYS)
     if unknown:
         fail(f"{where} has the key {unknown[0]!r}, which this tool cannot map (speculators 0.9.0 has no such key)")
@@ -1596,9 +1613,9 @@ def speculators_config(cfg, name):
     return {**layer, "architectures": cfg.get("architectures"), "block_size": cfg["block_size"],
             "target_hidden_size": cfg.get("target_hidden_size"),
             "dflash_config": {"mask_token_id": cfg["mask_token_id"], "target_layer_ids": [i - 1 for i in aux],
-                              **{k: cfg[k] for k in DFLASH2_KEYS if k in cfg}},
+                              **{k: cfg[k] for k in FAMILY_KEYS if k in cfg}},
             "speculators": {"aux_hidden_state_layer_ids": aux, "draft_vocab_size": cfg.get("draft_vocab_size"),
-                            "sample_from_anchor": bool(cfg.get("sample_from_anchor", False)),
+                            "sample_from_anchor": bool(cfg.get("sample_from_anchor", kind == "dspark")),
                             "sliding_window_non_causal": bool(cfg.get("sliding_window_non_causal", kind == "dflash2"))}}
 
 
@@ -1631,7 +1648,8 @@ def load_drafter(spec, target_cfg, settings, identify=True):
         fail(f"drafter {name}: its config has no {missing[0]}" +
              (" in transformer_layer_config" if layout == "speculators" else ""))
     spec_cfg = cfg.get("speculators") or {}
-    from_anchor = spec_cfg.get("sample_from_anchor", False)
+    # DSpark drafts from the anchor's slot too: SpecForge trains it so, speculators and the engines default to it
+    from_anchor = spec_cfg.get("sample_from_anchor", generation == "DSpark" and cfg.get("sample_from_anchor", True))
 
     hidden = cfg.get("hidden_size")
     if hidden != target_cfg.hidden_size:
@@ -1647,14 +1665,22 @@ def load_drafter(spec, target_cfg, settings, identify=True):
         fail(f"drafter {name}: block size {block_size} is too small (needs at least {2 - from_anchor})")
     carried = {k: state.pop(k) for k in CARRIED if k in state}
     vocab = draft_vocabulary(carried, cfg, target_cfg, name)
-    if vocab is not None and generation == "DFlash 2":
-        fail(f"drafter {name}: a DFlash 2 drafter with a reduced draft vocabulary (d2t, t2d): its selector scores "
-             "target-vocabulary candidates, and speculators trains DFlash 2 on the full vocabulary only")
+    if vocab is not None and generation in ("DFlash 2", "Domino"):
+        fail(f"drafter {name}: a {generation} drafter with a reduced draft vocabulary (d2t, t2d): its "
+             + ("selector scores" if generation == "DFlash 2" else "correction scores") + " target-vocabulary "
+             "tokens, and no trainer makes one with a reduced vocabulary")
     rules = layer_rules(cfg, settings, layout)
-    log(settings, f"drafter {name}: {generation}, {layout} layout" + layout_note(layout, spec_cfg, rules, vocab))
+    head = family_head(cfg, state, name, settings, generation)
+    log(settings, f"drafter {name}: {generation}, {layout} layout" + layout_note(layout, spec_cfg, rules, vocab)
+        + family_note(generation, head))
+    if generation == "Domino" and settings.get("temperature") and settings.get("draft_policy") == "sample":
+        fail(f"drafter {name}: a Domino drafter drafts greedily at every temperature (SGLang serves it so); "
+             "use --draft-policy argmax")
+    for k in [k for k in state if k.startswith("confidence_head.")]:
+        state.pop(k)   # DSpark's confidence head sizes SGLang's verify windows in its non-default modes, no draft
     conv, top_k = dflash2_settings(cfg, state, name, settings) if generation == "DFlash 2" else ((), 0)
-    check_drafter_tensors(state, expected_tensors(cfg, conv, generation, state, target_cfg.vocab_size), name,
-                          generation)
+    check_drafter_tensors(state, expected_tensors(cfg, conv, generation, state, target_cfg.vocab_size, head,
+                                                  len(vocab[0]) if vocab is not None else None), name, generation)
     if vocab is not None:
         state["lm_head.weight"] = carried["lm_head.weight"]
     dtype = getattr(torch, settings["dtype"])
@@ -1669,10 +1695,10 @@ def load_drafter(spec, target_cfg, settings, identify=True):
                 logit_multiplier=float(dflash_value(cfg, "output_multiplier", 1.0)),
                 softcap=float(dflash_value(cfg, "final_logit_softcapping", 0.0)), conv=conv, selector_top_k=top_k,
                 from_anchor=from_anchor, vocab=None if vocab is None else tuple(v.to(settings["device"]) for v in vocab),
-                warnings=config_warnings(cfg, target_cfg))
+                warnings=config_warnings(cfg, target_cfg), head=head)
     if identify:   # the identity and what the drafter carries of the target: once, not at every reload
         d.hash = content_hash({**state, **{k: carried[k] for k in ("d2t", "t2d") if k in carried}}, cfg, d.layers,
-                              d.block_size, d.mask_token_id, d.rules, d.generation, d.conv, top_k)
+                              d.block_size, d.mask_token_id, d.rules, d.generation, d.conv, top_k, head)
         d.warnings += carried_copies(carried, vocab, settings.get("target"))
     return d
 
@@ -1693,6 +1719,58 @@ def layout_note(layout, spec_cfg, rules, vocab):
     if vocab is not None:
         notes.append(f"a draft vocabulary of {len(vocab[0])} tokens (its own lm_head; ids mapped by d2t)")
     return " (" + "; ".join(notes) + ")"
+
+
+MARKOV_HEADS = ("vanilla", "gated", "rnn")
+
+
+def family_head(cfg, state, name, settings, generation):
+    """What DSpark's and Domino's proposal step needs, from the config (dflash_config first, where SpecForge
+    writes it, then the top level, where the engines read it). DSpark: the Markov head's kind and rank (rank 0,
+    SpecForge's default, is no head: each slot's argmax), --dspark-draft-topk. Domino: the pure-draft prefix P,
+    shift_label, --domino-candidate-pool."""
+    where = f"drafter {name}: a {generation} drafter"
+    if generation == "DSpark":
+        w1 = state.get("markov_head.markov_w1.weight")
+        rank = dflash_value(cfg, "markov_rank", w1.shape[-1] if w1 is not None and w1.dim() == 2 else 0)
+        kind = dflash_value(cfg, "markov_head_type", "vanilla")
+        if kind not in MARKOV_HEADS:
+            fail(f"{where} with markov_head_type {kind!r}: DSpark's heads are {', '.join(MARKOV_HEADS)}")
+        if not isinstance(rank, int) or rank < 0:
+            fail(f"{where} with markov_rank {rank!r}: it must be an integer >= 0 (0: no Markov head)")
+        return {"kind": kind if rank else None, "rank": rank, "topk": settings.get("dspark_draft_topk") or 0}
+    if generation == "Domino":
+        for key in ("emb_dim", "gru_hidden_dim"):
+            if dflash_value(cfg, key) is None:
+                fail(f"{where} needs {key} in its dflash_config (SpecForge writes it); it is missing")
+        prefix, shift = dflash_value(cfg, "pure_draft_prefix_len", 0), dflash_value(cfg, "shift_label", False)
+        if not isinstance(prefix, int) or prefix < 0 or not isinstance(shift, bool):
+            fail(f"{where} with pure_draft_prefix_len {prefix!r} and shift_label {shift!r}: they must be an integer "
+                 ">= 0 and true or false")
+        return {"prefix": prefix, "shift": shift, "pool": settings.get("domino_candidate_pool") or 0}
+    for flag in ("dspark_draft_topk", "domino_candidate_pool"):
+        if settings.get(flag):
+            log(settings, f"drafter {name}: --{flag.replace('_', '-')} applies to its family's drafters only")
+    return None
+
+
+def family_note(generation, head):
+    """What the load line says of a DSpark or Domino drafter: its head, and which engines serve it how."""
+    if generation == "DSpark":
+        if not head["rank"]:
+            return "; no Markov head (markov_rank 0): each slot's argmax; vLLM and SGLang need markov_rank > 0"
+        vllm = "vLLM 0.33 (greedy drafts by default)" if head["kind"] == "vanilla" else \
+            "not vLLM 0.33 (its Qwen3 DSpark has the vanilla head only)"
+        return (f"; {head['kind']} Markov head of rank {head['rank']}" +
+                (f", drafts among each slot's top {head['topk']} (vLLM's dspark_draft_topk)" if head["topk"] else "")
+                + f"; served by SGLang 0.5.23 (samples drafts at the request temperature by default) and {vllm}")
+    if generation == "Domino":
+        return (f"; GRU over the drafted prefix, pure-draft prefix P = {head['prefix']}, shift_label "
+                f"{'on' if head['shift'] else 'off'}" +
+                (f", a candidate pool of {head['pool']}" if head["pool"] else ", exact argmax (no candidate pool)")
+                + "; served by SGLang 0.5.23 only, greedy, with P = 1" + ("" if head["prefix"] == 1 else
+                f" (it refuses P = {head['prefix']})") + " and a pool of 2048 by default")
+    return ""
 
 
 def draft_vocabulary(carried, cfg, target_cfg, name):
@@ -1807,7 +1885,7 @@ def dflash2_settings(cfg, state, name, settings):
     return (int(K), int(group)), int(top_k)
 
 
-def expected_tensors(cfg, conv, generation, state, vocab):
+def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab=None):
     """{name: shape} of every tensor a drafter of this config holds (None: a dimension checked elsewhere)."""
     H, I, hd = cfg["hidden_size"], cfg.get("intermediate_size"), head_dim_of(cfg)
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
@@ -1829,6 +1907,17 @@ def expected_tensors(cfg, conv, generation, state, vocab):
             rank = getattr(state.get(SELECTOR + "hidden_projection.weight"), "shape", (None,))[0]
         shapes.update({SELECTOR + "hidden_projection.weight": (rank, H), SELECTOR + "predecessor_codebook": (vocab, rank),
                        SELECTOR + "successor_codebook": (vocab, rank)})
+    if generation == "DSpark" and head["rank"]:   # W1 reads the previous token (target ids), W2 writes draft logits
+        r, m = head["rank"], "markov_head."
+        shapes.update({m + "markov_w1.weight": (vocab, r), m + "markov_w2.weight": (draft_vocab or vocab, r)})
+        if head["kind"] == "gated":
+            shapes.update({m + "gate_proj.weight": (r, H + r), m + "gate_proj.bias": (r,)})
+        if head["kind"] == "rnn":
+            shapes.update({m + "joint_proj.weight": (3 * r, 2 * r + H), m + "joint_proj.bias": (3 * r,)})
+    if generation == "Domino":
+        G, E = dflash_value(cfg, "gru_hidden_dim"), dflash_value(cfg, "emb_dim")
+        shapes.update({"prefix_gru.weight_ih_l0": (3 * G, H), "prefix_gru.weight_hh_l0": (3 * G, G),
+                       "embed_proj.0.weight": (E, H + G), "embed_proj.2.weight": (vocab, E)})
     for i in range(cfg.get("num_hidden_layers", 0)):
         shapes.update({f"layers.{i}.{k}": shape for k, shape in per_layer.items()})
     return shapes
@@ -1944,7 +2033,7 @@ def build_rope(cfg, device):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Drafter: forward pass with SDPA and an explicit context-plus-block mask
+# Drafter: forward pass with SDPA and an explicit context-plus-block mask, then the proposal rule
 
 
 def rms_norm(x, weight, eps):
@@ -2093,11 +2182,16 @@ def prompt_context(drafter, features):
     return drafter_context(drafter, torch.cat([features[L] for L in drafter.layers], dim=-1))
 
 
-def drafter_logits(drafter, head, rows, prompt_id):
-    """Logits of drafter hidden rows through the target's head (a reduced draft vocabulary: through the
-    drafter's own), then the config's multiplier and softcap (c * tanh(m * z / c)), and each row's argmax as a
-    target token id. NaN or Inf anywhere stops the run, naming the prompt."""
-    logits = head(rows) if drafter.vocab is None else F.linear(rows, drafter.weights["lm_head.weight"])
+def base_logits(drafter, head, rows):
+    """Logits of drafter hidden rows through the target's head (a reduced draft vocabulary: the drafter's own)."""
+    return head(rows) if drafter.vocab is None else F.linear(rows, drafter.weights["lm_head.weight"])
+
+
+def drafter_logits(drafter, head, rows, prompt_id, logits=None):
+    """Logits of drafter hidden rows (or the given raw `logits`, a family's correction added), then the config's
+    multiplier and softcap (c * tanh(m * z / c)), and each row's argmax as a target token id. NaN or Inf
+    anywhere stops the run, naming the prompt."""
+    logits = base_logits(drafter, head, rows) if logits is None else logits
     if drafter.logit_multiplier != 1.0:
         logits = logits * drafter.logit_multiplier
     if drafter.softcap > 0:
@@ -2128,7 +2222,7 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
     (sample_from_anchor). With top_k > 0, also what DDTree builds from (see tree_top_k). Given `reference`
     tokens (n_anchors, B-1), `sampling` and a `proposal` tensor of that shape, fills it with the probability
     that a drafter sampling at those settings proposes each reference token (--draft-policy sample)."""
-    B, n = drafter.block_size, anchors.shape[0]
+    B, n, chained = drafter.block_size, anchors.shape[0], drafter.generation in ("DSpark", "Domino")
     if n == 0:
         empty = torch.zeros(0, B - 1, max(top_k, 1))
         return torch.zeros(0, B - 1, dtype=torch.long), (empty, empty.long())
@@ -2142,8 +2236,16 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
         part = slice(lo, lo + per_call)
         block = torch.full((anchors[part].shape[0], B - drafter.from_anchor), drafter.mask_token_id, device=dev)
         block[:, 0] = first[part]
-        hidden = drafter_forward(drafter, context_kv, anchors[part], block, embed_w,
-                                 None if starts is None else starts[part])[:, 1 - drafter.from_anchor:]
+        hidden = proposal_rows(drafter, drafter_forward(drafter, context_kv, anchors[part], block, embed_w,
+                                                        None if starts is None else starts[part]))
+        if chained:   # slot by slot, each draft corrected by the ones before it
+            at = slice(done, done + hidden.shape[0] * (B - 1))
+            drafts[at] = chain_drafts(drafter, head, hidden, first[part], embed_w, prompt_id).view(-1)
+            if proposal is not None:
+                proposal[part] = chain_drafts(drafter, head, hidden, first[part], embed_w, prompt_id,
+                                              reference[part].to(dev), sampling).to(proposal.device)
+            done = at.stop
+            continue
         for rows in hidden.reshape(-1, hidden.shape[-1]).split(drafter.logit_rows):
             at = slice(done, done + rows.shape[0])
             logits, drafts[at] = drafter_logits(drafter, head, rows, prompt_id)
@@ -2164,6 +2266,97 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
     shape = (n, B - 1, -1)
     top = (top[0].view(shape).cpu(), to_target(drafter, top[1]).view(shape).cpu()) if top_k else None
     return drafts.view(n, B - 1).cpu(), top
+
+
+def proposal_rows(drafter, hidden):
+    """The block's hidden rows (n, B-1, H) that propose the round's drafts, one each: slots 1.. (slot k drafts
+    the token after anchor + k - 1); every slot where the anchor's slot drafts too (sample_from_anchor, DSpark);
+    slots 0..B-2 for a Domino drafter trained with shift_label."""
+    start = 0 if drafter.from_anchor or (drafter.head or {}).get("shift") else 1
+    return hidden[:, start:start + drafter.block_size - 1]
+
+
+def chain_drafts(drafter, head, hidden, first, embed_w, prompt_id, given=None, sampling=None):
+    """DSpark and Domino, as the engines draft: slot by slot, each slot's logits corrected by the drafts before
+    it (DSpark: the Markov bias of the previous token, the anchor's for the first; Domino: past its pure-draft
+    prefix, the correction from a GRU run over the anchor's and the drafted tokens' embeddings), then the argmax
+    among the allowed tokens (--dspark-draft-topk, --domino-candidate-pool). Returns the drafts (n, B-1) as
+    target ids. Given tokens `given` (n, B-1), the chain follows them instead of its own drafts and returns the
+    probability (float64) that a drafter sampling at temperature T (SGLang's draft sampling, no top-p or top-k)
+    proposes each."""
+    n, S, _ = hidden.shape
+    h = drafter.head
+    out = torch.empty(n, S, dtype=torch.long if given is None else torch.float64, device=hidden.device)
+    prev, state, allowed = first, None, None
+    # The base logits in one lm_head call where they fit the logits budget: the sequential part is the heads alone
+    every = base_logits(drafter, head, hidden.reshape(n * S, -1)).view(n, S, -1) if n * S <= drafter.logit_rows else None
+
+    def base(k):
+        return every[:, k] if every is not None else base_logits(drafter, head, hidden[:, k])
+
+    if drafter.generation == "Domino" and h["pool"] and S > 1:   # one pool per block, ranked by the best base logit
+        best = torch.stack([base(k) for k in range(1, S)]).amax(0)
+        pool = best.topk(min(h["pool"], best.shape[-1]), dim=-1).indices
+        allowed = torch.zeros_like(best, dtype=torch.bool).scatter_(1, pool, True)
+    for k in range(S):
+        rows, keep = hidden[:, k], allowed if k else None
+        raw = base(k)
+        if drafter.generation == "DSpark" and h["topk"]:   # vLLM: the Markov bias for each slot's best base logits only
+            keep = torch.zeros_like(raw, dtype=torch.bool).scatter_(1, raw.topk(min(h["topk"], raw.shape[-1]),
+                                                                                 dim=-1).indices, True)
+        raw, state = corrected(drafter, raw, rows, prev, state, k, embed_w)
+        logits, drafted = drafter_logits(drafter, head, rows, prompt_id, raw)
+        if keep is not None:
+            logits = logits.masked_fill(~keep, -math.inf)
+            drafted = to_target(drafter, logits.argmax(-1))
+        if given is None:
+            out[:, k] = prev = drafted
+        else:
+            prev, tokens = given[:, k], to_draft(drafter, given[:, k])
+            out[:, k] = sampled_prob(logits, tokens.clamp(min=0), (sampling[0], 1.0, 0)) * (tokens >= 0)
+    return out
+
+
+def corrected(drafter, raw, rows, prev, state, k, embed_w):
+    """Slot k's raw logits with its family's correction, given the token before it `prev` (target ids) and the
+    chain's state: (logits, state). Training code calls this too, with the reference tokens as prev."""
+    h, w = drafter.head, drafter.weights
+    if drafter.generation == "DSpark":
+        if not h["rank"]:
+            return raw, state
+        bias, state = markov_bias(w, h["kind"], prev, rows, state)
+        return raw + bias, state
+    state = gru_step(w, embed_w[prev], state)   # Domino: the GRU has read the anchor and the drafts up to prev
+    if k + 1 <= h["prefix"]:
+        return raw, state
+    return raw + F.linear(F.silu(F.linear(torch.cat([rows, state], -1), w["embed_proj.0.weight"])),
+                          w["embed_proj.2.weight"]), state
+
+
+def markov_bias(w, kind, prev, rows, state):
+    """DSpark's Markov bias over the draft vocabulary for the slot rows (n, H) given the previous tokens (target
+    ids): W2 e with e = W1[prev] (vanilla), gated by sigmoid(Wg [h; e] + b) (gated), or, rnn, the tanh of the
+    output third of Wj [s; e; h] + b whose other thirds update the block's state s (zero at the block's start)."""
+    m = "markov_head."
+    e = F.embedding(prev, w[m + "markov_w1.weight"])
+    if kind == "gated":
+        e = torch.sigmoid(F.linear(torch.cat([rows, e], -1), w[m + "gate_proj.weight"], w[m + "gate_proj.bias"])) * e
+    elif kind == "rnn":
+        state = e.new_zeros(e.shape) if state is None else state
+        a, c, o = F.linear(torch.cat([state, e, rows], -1), w[m + "joint_proj.weight"], w[m + "joint_proj.bias"]).chunk(3, -1)
+        keep = torch.sigmoid(a)
+        state, e = keep * state + (1 - keep) * torch.tanh(c), torch.tanh(o)
+    return F.linear(e, w[m + "markov_w2.weight"]), state
+
+
+def gru_step(w, x, g):
+    """Domino's bias-free GRU, one step from state g (zero before the anchor) on input rows x (PyTorch's gate
+    order: reset, update, new)."""
+    g = x.new_zeros(x.shape[0], w["prefix_gru.weight_hh_l0"].shape[1]) if g is None else g
+    xr, xz, xn = F.linear(x, w["prefix_gru.weight_ih_l0"]).chunk(3, -1)
+    hr, hz, hn = F.linear(g, w["prefix_gru.weight_hh_l0"]).chunk(3, -1)
+    reset, update = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
+    return (1 - update) * torch.tanh(xn + reset * hn) + update * g
 
 
 def tree_top_k(top, logits, done, B, top_k, after, n):
@@ -3302,7 +3495,7 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
     results = [[] for _ in group]
     for stub in drafters:
         d = stub if stub.weights is not None else replace(stub, weights=stub.reload())   # a step: for this group
-        budgets = [] if d.selector_top_k else settings["ddtree_budgets"]   # no tree verifier for DFlash 2's paths
+        budgets = settings["ddtree_budgets"] if d.generation == "DFlash" else []   # chains: no tree verifier
         scored = score_drafter(d, prompts, group, embed_w, head, settings, budgets)
         for depth in served_depths(d, settings):   # the engines' shorter blocks: 1 + K slots, chain only
             for res, other in zip(scored, score_drafter(replace(d, block_size=depth + 1), prompts, group, embed_w,
@@ -3336,7 +3529,7 @@ RESUME_KEYS = ("target_hash", "prompts_hash", "hidden_hashes", "anchors", "max_n
                "dtype", "layers", "block_size", "block_mask", "sliding_window", "no_chat_template", "enable_thinking",
                "ddtree_budgets", "check_mask", "mask_token_id", "head_dim", "num_heads", "num_kv_heads", "temperature",
                "top_p", "top_k", "draft_policy", "samples_per_prompt", "seed", "turns", "reference_generation",
-               "depths")
+               "depths", "dspark_draft_topk", "domino_candidate_pool")
 SLICE_KEYS = ("shard", "ranks")   # a resumed run must take the same slice of the prompts
 KEY_WORDS = {"target_hash": "the target (its config or weights)", "prompts_hash": "the prompts (file content)",
              "hidden_hashes": "the saved features (--load-hidden files)"}
@@ -3932,15 +4125,20 @@ def reference_support(items):
             "reference_mean_logprob": logp / inside if inside else None}
 
 
-DDTREE_NOTE_DFLASH2 = ("DFlash 2 drafts a chain: its selector couples each slot's choice to the previous one, and no "
-                       "public tree verifier exists for those paths, so no DDTree rows (a tree from the unary logits "
-                       "alone is not what any engine runs)")
+DDTREE_NOTES = {
+    "DFlash 2": "DFlash 2 drafts a chain: its selector couples each slot's choice to the previous one, and no public "
+                "tree verifier exists for those paths, so no DDTree rows (a tree from the unary logits alone is not "
+                "what any engine runs)",
+    "DSpark": "DSpark drafts a chain: each slot's Markov bias depends on the token drafted before it, and neither vLLM "
+              "nor SGLang verifies DSpark trees, so no DDTree rows",
+    "Domino": "Domino drafts a chain: each proposal reads a GRU state over the tokens drafted before it, and SGLang "
+              "serves it as a chain only, so no DDTree rows"}
 
 
 def drafter_facts(d):
     """What the report says of a drafter apart from its results (a shard's output carries it for --merge)."""
     return {"name": d.name, "checkpoint": d.checkpoint, "hash": d.hash, "warnings": d.warnings or [],
-            "generation": d.generation, "layout": d.layout,
+            "generation": d.generation, "layout": d.layout, **({"head": d.head} if d.head else {}),
             "block_size": d.block_size - d.from_anchor, "drafts_per_round": d.block_size - 1,
             **({"series": d.name.rpartition("@")[0], "step": d.step} if d.step is not None else {}),
             "layers": d.layers, "mask_token_id": d.mask_token_id,
@@ -3952,7 +4150,7 @@ def drafter_facts(d):
 def drafter_report(d, results, items):
     """The report of one drafter (its facts d) over some prompts' results."""
     B = d["drafts_per_round"] + 1   # the longest round: every draft and the target's own token
-    no_trees = {"ddtree": None, "ddtree_note": DDTREE_NOTE_DFLASH2} if d["generation"] == "DFlash 2" else {}
+    no_trees = {"ddtree": None, "ddtree_note": DDTREE_NOTES[d["generation"]]} if d["generation"] in DDTREE_NOTES else {}
     sampled = bool(results) and "expected" in results[0]
     stats = summarize_expected if sampled else summarize
 

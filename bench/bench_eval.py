@@ -30,6 +30,9 @@ target's own greedy output (given as completion_ids, so no generation is timed i
      0.95, top-k 20), argmax and sampled proposals, against b's greedy evaluation of the same references (goals
      ~1.1x and <= 1.5x); and top-p without top-k, sampled proposals: the random drafter's flat rows are the
      worst case of the top-p cut (each row sorted).
+  l. DSpark (vanilla and rnn heads, rank 256) and Domino (GRU 256, bottleneck 256, P = 1) drafters of the same
+     backbone shape: drafter time per anchor against DFlash's, and the sequential part's share (the slot-by-slot
+     head against the same rows through one batched argmax).
   i. local references for a hybrid target (the bundled hybrid demo pair, Qwen3.5 layers): plain greedy
      decoding against speculative decoding with the state snapshot (goal: >= 2x at tau >= 4); equal tokens.
   Also: whole-process time of `eval_drafter.py --demo --limit 2 --quiet` split into imports and the rest;
@@ -141,7 +144,8 @@ def parse_args(argv=None):
                    help="profile one extra b run and print its top functions (default on)")
     p.add_argument("--quick", action="store_true", help="2 prompts, 1 run each, no RESULTS.md")
     p.add_argument("--only", help="run only these rows, e.g. j,k (no RESULTS.md): j = the --depths sweep's cost, "
-                                  "k = predicted against measured speedup on the demo pair")
+                                  "k = predicted against measured speedup on the demo pair, l = DSpark and Domino "
+                                  "against DFlash")
     p.add_argument("--write-results", action=argparse.BooleanOptionalAction,
                    help="write bench/RESULTS.md (default on, off with --quick)")
     args = p.parse_args(argv)
@@ -457,18 +461,28 @@ def measure_dflash2(paths, args, work, dcfg):
     weights = dr.dflash2_weights(cfg, md.random_drafter_weights(dcfg, 3, seed=0, scale=0.05), DFLASH2_BENCH)
     md.save_drafter(path, cfg, weights)
     model, one = load_for_loop(paths, args)
-    settings = {**ed.resolve_settings(ed.parse_args(tool_argv(paths, args, os.devnull, "--prompts", paths["prompts"]))),
-                "quiet": True}
-    two = ed.load_drafter("dflash2=" + path, ed.read_target_config(paths["target"]), settings)
+    two = ed.load_drafter("dflash2=" + path, ed.read_target_config(paths["target"]), bench_settings(paths, args))
     no_taps = replace(two, conv=(), weights={k: v for k, v in two.weights.items() if "_conv." not in k})
-    item = max(tool_prompts(paths["prompts"], paths["target"]), key=lambda it: len(it["prompt_ids"]))
-    ids = item["prompt_ids"] + item["completion_ids"]
-    features = ed.extract_hidden(model, ids, one.layers, len(item["prompt_ids"])).features
-    anchors = ed.fitting_anchors(len(item["prompt_ids"]), len(ids), one.block_size).to(args.device)
-    ids_t = torch.tensor(ids, device=args.device)
-    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings()
     variants = {"DFlash": one, "DFlash 2": two, "DFlash 2 without selector": replace(two, selector_top_k=0),
                 "DFlash 2 without conv taps": no_taps}
+    return time_per_anchor(paths, args, model, variants, one.block_size)
+
+
+def bench_settings(paths, args):
+    return {**ed.resolve_settings(ed.parse_args(tool_argv(paths, args, os.devnull, "--prompts", paths["prompts"]))),
+            "quiet": True}
+
+
+def time_per_anchor(paths, args, model, variants, span):
+    """Each drafter's draft_all_anchors time per anchor on the longest prompt's features, at the anchors where a
+    round of `span` tokens fits (best of --repeats after a warm-up)."""
+    item = max(tool_prompts(paths["prompts"], paths["target"]), key=lambda it: len(it["prompt_ids"]))
+    ids = item["prompt_ids"] + item["completion_ids"]
+    layers = sorted({L for d in variants.values() for L in d.layers})
+    features = ed.extract_hidden(model, ids, layers, len(item["prompt_ids"])).features
+    anchors = ed.fitting_anchors(len(item["prompt_ids"]), len(ids), span).to(args.device)
+    ids_t = torch.tensor(ids, device=args.device)
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings()
     contexts = {name: ed.prompt_context(d, features) for name, d in variants.items()}
     times = {name: [] for name in variants}
     for i in range(2 * args.repeats + 1):   # the variants in turn, so that a slow spell of the machine hits all
@@ -480,6 +494,47 @@ def measure_dflash2(paths, args, work, dcfg):
             if i:
                 times[name].append(time.perf_counter() - start)
     return {"per_anchor": {name: best(t) / len(anchors) for name, t in times.items()}, "anchors": len(anchors)}
+
+
+# ----------------------------------------------------------------------------------------------------
+# l. DSpark and Domino against DFlash, drafter only
+
+FAMILY_BENCH = {   # name: (generation, head, dflash_config keys); rank 256 is speculators' default, Domino alike
+    "DSpark vanilla": ("DSpark", {"kind": "vanilla", "rank": 256, "topk": 0},
+                       {"markov_rank": 256, "markov_head_type": "vanilla"}),
+    "DSpark rnn": ("DSpark", {"kind": "rnn", "rank": 256, "topk": 0}, {"markov_rank": 256, "markov_head_type": "rnn"}),
+    "Domino": ("Domino", {"prefix": 1, "shift": False, "pool": 0},
+               {"emb_dim": 256, "gru_hidden_dim": 256, "pure_draft_prefix_len": 1, "shift_label": False}),
+}
+
+
+def measure_families(paths, args, work, dcfg):
+    """Per anchor: DFlash, then each family drafter of the same backbone shape with its head and without it (the
+    same block's rows through one batched argmax): the difference is the sequential part, slot by slot."""
+    from dataclasses import replace
+    model, one = load_for_loop(paths, args)
+    settings = bench_settings(paths, args)
+    variants = {"DFlash": one}
+    for name, (generation, head, dflash) in FAMILY_BENCH.items():
+        path = os.path.join(work, name.replace(" ", "_"))
+        cfg = {**dcfg, "architectures": [generation + "DraftModel"], "dflash_config": {**dcfg["dflash_config"], **dflash}}
+        weights = md.random_drafter_weights(dcfg, 3, seed=0, scale=0.05)
+        weights.update(md.head_weights(generation, head, dflash, dcfg["hidden_size"], dcfg["vocab_size"],
+                                       torch.Generator().manual_seed(1)))
+        md.save_drafter(path, cfg, weights)
+        d = ed.load_drafter(f"{name}={path}", ed.read_target_config(paths["target"]), settings)
+        variants[name], variants[name + " without its head"] = d, replace(d, generation="DFlash")
+    return time_per_anchor(paths, args, model, variants, one.block_size + 1)   # DSpark's rounds are one longer
+
+
+def report_families(f):
+    t = f["per_anchor"]
+    one = t["DFlash"]
+    parts = [f"{name} {t[name] * 1e3:.3f} ms (x{t[name] / one:.2f}; sequential part "
+             f"{(t[name] - t[name + ' without its head']) / t[name]:.1%})" for name in FAMILY_BENCH]
+    say(f"l. DSpark and Domino against DFlash of the same shape, drafter only, {f['anchors']} anchors, per anchor: "
+        f"DFlash {one * 1e3:.3f} ms; " + "; ".join(parts) + " (DSpark drafts one more token a round: its anchor's "
+        "slot drafts too)")
 
 
 def report_dflash2(g):
@@ -1164,6 +1219,9 @@ def main(argv=None):
                 paths, _, _ = build_pair(args, args.workdir or work)
                 b = measure_b(paths, args, work, ("--anchors", "all"), warm_up=False, runs=1)[0]
                 report_depths(measure_depths(paths, args, work, b))
+            if "l" in rows:
+                paths, _, dcfg = build_pair(args, args.workdir or work)
+                report_families(measure_families(paths, args, work, dcfg))
             if "k" in rows:
                 f["k"] = measure_speedup(args, work)
                 report_speedup(f["k"])
@@ -1206,6 +1264,9 @@ def main(argv=None):
         with watch("g"):
             f["g"] = measure_dflash2(paths, args, work, dcfg)
         report_dflash2(f["g"])
+        with watch("l"):
+            f["l"] = measure_families(paths, args, work, dcfg)
+        report_families(f["l"])
         with watch("h"):
             f["h"] = measure_sampled(paths, args, work)
         report_sampled(f["h"], b)

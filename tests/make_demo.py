@@ -5,6 +5,8 @@ DFlash drafter trained on that target's greedy output. Deterministic; about two 
     python tests/make_demo.py --hybrid [OUT_DIR]     # the hybrid demo pair (Qwen3.5 target; transformers 5.x)
     python tests/make_demo.py --from-anchor [OUT_DIR]   # a drafter for the demo target trained with
                                                         # speculators' sample_from_anchor, in its layout
+    python tests/make_demo.py --families [OUT_DIR]      # DSpark (vanilla, rnn) and Domino (shift_label off,
+                                                        # on) drafters for the demo target, one layer each
 
 The language: 60 words. Most words are followed by a fixed successor (a permutation); a quarter of them
 ("twist" words) are followed by a word chosen by a table over (previous word, current word). Training text
@@ -193,22 +195,39 @@ def save_speculators(out_dir, cfg, weights, kind="dflash", **top):
     return out_dir
 
 
-def train_drafter(out_dir, target, lang, steps=1500, anchors_per_step=48, n_sequences=160, completion=128,
-                  from_anchor=False, **config_overrides):
-    """Train a drafter on the target's greedy text; config_overrides (e.g. is_causal=True, layer_types=...)
-    change what is trained, so tests can make drafters trained with another mask. from_anchor: every slot of
-    the block drafts, the anchor's too (slot k predicts the token after position a + k), as speculators'
-    sample_from_anchor trains it; saved in speculators' layout."""
-    cfg = drafter_config(target.config, **config_overrides)
-    layer_ids = cfg["dflash_config"]["target_layer_ids"]
-    weights = {k: v.requires_grad_() for k, v in random_drafter_weights(cfg, len(layer_ids)).items()}
-    settings = {"sliding_window": "train", "block_mask": "auto"}
-    drafter = ed.Drafter(name="training", checkpoint=out_dir, cfg=cfg, weights=weights, layers=layer_ids,
-                         block_size=cfg["block_size"], mask_token_id=MASK_ID, rules=ed.layer_rules(cfg, settings),
-                         rope=ed.build_rope(cfg, "cpu"), logit_rows=ed.LOGIT_ROWS_PER_CHUNK)
-    B = cfg["block_size"]
-    rng = random.Random(1)
-    # Training data: the target's own greedy continuations of short noisy prompts (as DFlash is trained).
+# The family fixtures (tests/fixtures/families): one-layer drafters, so the backbone alone misses twists that
+# the heads, which see the drafts before them, can catch. {name: (generation, head, dflash_config keys, layout)}
+FAMILIES = {
+    "dspark_vanilla": ("DSpark", {"kind": "vanilla", "rank": 16, "topk": 0},
+                       {"markov_rank": 16, "markov_head_type": "vanilla"}, "speculators"),
+    "dspark_rnn": ("DSpark", {"kind": "rnn", "rank": 16, "topk": 0},
+                   {"markov_rank": 16, "markov_head_type": "rnn", "projector_type": "dspark"}, "specforge"),
+    "domino": ("Domino", {"prefix": 1, "shift": False, "pool": 0},
+               {"projector_type": "domino", "emb_dim": 32, "gru_hidden_dim": 16, "pure_draft_prefix_len": 1,
+                "shift_label": False}, "specforge"),
+    "domino_shift": ("Domino", {"prefix": 0, "shift": True, "pool": 0},
+                     {"projector_type": "domino", "emb_dim": 32, "gru_hidden_dim": 16, "pure_draft_prefix_len": 0,
+                      "shift_label": True}, "specforge"),
+}
+
+
+def head_weights(generation, head, dflash, H, V, g, scale=0.08):
+    """A family's head tensors, randomly initialised, named as SpecForge saves them."""
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g) * scale
+    if generation == "DSpark":
+        r, m = head["rank"], "markov_head."
+        w = {m + "markov_w1.weight": rnd(V, r), m + "markov_w2.weight": rnd(V, r)}
+        if head["kind"] == "rnn":
+            w.update({m + "joint_proj.weight": rnd(3 * r, 2 * r + H), m + "joint_proj.bias": torch.zeros(3 * r)})
+        return w
+    G, E = dflash["gru_hidden_dim"], dflash["emb_dim"]
+    return {"prefix_gru.weight_ih_l0": rnd(3 * G, H), "prefix_gru.weight_hh_l0": rnd(3 * G, G),
+            "embed_proj.0.weight": rnd(E, H + G), "embed_proj.2.weight": rnd(V, E)}
+
+
+def training_data(target, lang, layer_ids, rng, n_sequences=160, completion=128):
+    """The target's own greedy continuations of short noisy prompts (as DFlash is trained), with their features."""
     data = []
     for _ in range(n_sequences):
         prompt = [len(SPECIALS) + w for w in sample_text(lang, rng, rng.randrange(4, 12), 0.5)]
@@ -216,6 +235,37 @@ def train_drafter(out_dir, target, lang, steps=1500, anchors_per_step=48, n_sequ
         feats = ed.extract_hidden(target, ids, layer_ids, len(prompt)).features
         data.append((ids, len(prompt), torch.cat([feats[L] for L in layer_ids], -1).clone()))
     print("drafter data ready", flush=True)
+    return data
+
+
+def train_drafter(out_dir, target, lang, steps=1500, anchors_per_step=48, n_sequences=160, completion=128,
+                  from_anchor=False, family=None, data=None, **config_overrides):
+    """Train a drafter on the target's greedy text; config_overrides (e.g. is_causal=True, layer_types=...)
+    change what is trained, so tests can make drafters trained with another mask. from_anchor: every slot of
+    the block drafts, the anchor's too (slot k predicts the token after position a + k), as speculators'
+    sample_from_anchor trains it; saved in speculators' layout. family: a FAMILIES name, its head trained with
+    the backbone, every slot's correction given the reference tokens before it (teacher forcing, as SpecForge
+    trains them)."""
+    generation, head, dflash, layout = FAMILIES[family] if family else ("DFlash", None, {}, "public")
+    from_anchor = from_anchor or generation == "DSpark"
+    cfg = drafter_config(target.config, **config_overrides)
+    cfg["dflash_config"].update(dflash)
+    if family:
+        cfg["architectures"] = [generation + "DraftModel"]
+    layer_ids = cfg["dflash_config"]["target_layer_ids"]
+    weights = random_drafter_weights(cfg, len(layer_ids))
+    if family:
+        weights.update(head_weights(generation, head, dflash, cfg["hidden_size"], cfg["vocab_size"],
+                                    torch.Generator().manual_seed(2)))
+    weights = {k: v.requires_grad_() for k, v in weights.items()}
+    settings = {"sliding_window": "train", "block_mask": "auto"}
+    drafter = ed.Drafter(name="training", checkpoint=out_dir, cfg=cfg, weights=weights, layers=layer_ids,
+                         block_size=cfg["block_size"] + from_anchor, mask_token_id=MASK_ID,
+                         rules=ed.layer_rules(cfg, settings), rope=ed.build_rope(cfg, "cpu"),
+                         logit_rows=ed.LOGIT_ROWS_PER_CHUNK, generation=generation, from_anchor=from_anchor, head=head)
+    B = cfg["block_size"]
+    rng = random.Random(1)   # drafts the data (unless given), then the anchors of every step
+    data = data or training_data(target, lang, layer_ids, rng, n_sequences, completion)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     for p in target.parameters():
         p.requires_grad_(False)
@@ -231,8 +281,16 @@ def train_drafter(out_dir, target, lang, steps=1500, anchors_per_step=48, n_sequ
         block = torch.full((len(anchors), B), MASK_ID)
         block[:, 0] = ids_t[anchors]
         hidden = ed.drafter_forward(drafter, ed.drafter_context(drafter, feats), anchors, block, embed.weight)
-        logits = head(hidden[:, first:])
         labels = ids_t[anchors[:, None] + torch.arange(1, B + 1 - first)]
+        if family:
+            rows, prev, state, logits = ed.proposal_rows(drafter, hidden), ids_t[anchors], None, []
+            for k in range(rows.shape[1]):
+                raw, state = ed.corrected(drafter, head(rows[:, k]), rows[:, k], prev, state, k, embed.weight)
+                logits.append(raw)
+                prev = labels[:, k]
+            logits = torch.stack(logits, 1)
+        else:
+            logits = head(hidden[:, first:])
         loss = (torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none").mean(0)
                 * decay).sum() / decay.sum()
         opt.zero_grad()
@@ -241,13 +299,31 @@ def train_drafter(out_dir, target, lang, steps=1500, anchors_per_step=48, n_sequ
         sched.step()
         if step % 100 == 0:
             print(f"drafter step {step} loss {loss.item():.3f}", flush=True)
-    if from_anchor:
+    if family and layout == "speculators":
+        save_speculators(out_dir, cfg, {k: v.detach() for k, v in weights.items()}, kind="dspark",
+                         architectures=["DSparkSpeculator"], sample_from_anchor=True,
+                         markov_rank=dflash["markov_rank"], markov_head_type=dflash["markov_head_type"])
+    elif from_anchor and not family:
         save_speculators(out_dir, cfg, {k: v.detach() for k, v in weights.items()}, sample_from_anchor=True)
     else:
         save_drafter(out_dir, cfg, {k: v.detach() for k, v in weights.items()})
 
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+
+
+def make_families(out=None):
+    """The family fixtures for the demo target as it is committed: about five minutes."""
+    from transformers import AutoModelForCausalLM
+    out = out or os.path.join(FIXTURES, "families")
+    torch.set_num_threads(2)
+    lang = language()
+    target = AutoModelForCausalLM.from_pretrained(os.path.join(FIXTURES, "demo", "target"), dtype=torch.float32).eval()
+    data = training_data(target, lang, [1, 3, 4], random.Random(1))
+    for name in FAMILIES:
+        train_drafter(os.path.join(out, name), target, lang, steps=600, family=name, data=data, num_hidden_layers=1,
+                      layer_types=["full_attention"])
+        print(f"wrote {os.path.join(out, name)}", flush=True)
 
 
 def main(out=None, hybrid=False, from_anchor=False):
@@ -277,4 +353,7 @@ def main(out=None, hybrid=False, from_anchor=False):
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    main(*[a for a in args if not a.startswith("--")], hybrid="--hybrid" in args, from_anchor="--from-anchor" in args)
+    if "--families" in args:
+        make_families(*[a for a in args if not a.startswith("--")])
+    else:
+        main(*[a for a in args if not a.startswith("--")], hybrid="--hybrid" in args, from_anchor="--from-anchor" in args)

@@ -277,11 +277,11 @@ def test_carried_target_tensors_are_compared(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("top,fragment", [
-    ({"speculators_model_type": "eagle3"}, "says speculators_model_type 'eagle3'; this tool evaluates dflash and dflash2"),
+    ({"speculators_model_type": "eagle3"}, "says speculators_model_type 'eagle3'; this tool evaluates dflash, dflash2 and dspark"),
     ({"transformer_layer_config": None}, "has no transformer_layer_config"),
     ({"aux_hidden_state_layer_ids": [0, 2, 3]}, "aux_hidden_state_layer_ids [0, 2, 3]: they must be indices >= 1"),
     ({"mask_token_id": None}, "has no mask_token_id"),
-    ({"markov_rank": 8}, "has the key 'markov_rank', which this tool cannot map"),
+    ({"confidence_head_alpha": 0.5}, "has the key 'confidence_head_alpha', which this tool cannot map"),
 ])
 def test_speculators_configs_it_cannot_map_are_one_line(tmp_path, capsys, top, fragment):
     cfg, weights = demo_drafter_files()
@@ -456,10 +456,13 @@ def test_steps_flag_refusals(tmp_path, run_dir, capsys):
 
 
 def test_specforge_export_of_another_family_is_named(tmp_path, capsys):
+    """A DSpark export whose config asks for a Markov head its weights lack: recognized as DSpark, and the missing
+    head tensor named in one line."""
     cfg, weights = demo_drafter_files()
     cfg["architectures"] = ["DSparkDraftModel"]
-    cfg["dflash_config"]["projector_type"] = "dspark"
+    cfg["dflash_config"].update(projector_type="dspark", markov_rank=8)
     path = save(tmp_path / "dspark", cfg, weights)
     assert ed.main(["--demo", "--ckpt", path, "--quiet", "--limit", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "a DSpark drafter (architectures ['DSparkDraftModel'], projector_type 'dspark')" in err[0]
+    assert len(err) == 1 and "does not match a DSpark drafter of its config: 2 missing (markov_head.markov_w1.weight" \
+        in err[0], err

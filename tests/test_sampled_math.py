@@ -33,12 +33,15 @@ def target_p(prefix):
     return table((0,) + tuple(prefix), zero_some=True)
 
 
-def proposal(kind, prefix, j, previous):
+def proposal(kind, prefix, j, previous, before=()):
     """The drafter's slot-j distribution at the anchor ending `prefix`: 'sample' (DFlash: depends on the
-    anchor's context and the slot), 'argmax' (one-hot at that distribution's argmax) or 'selector' (DFlash 2:
-    also on the previous slot's token)."""
+    anchor's context and the slot), 'argmax' (one-hot at that distribution's argmax), 'selector' (DFlash 2:
+    also on the previous slot's token) or 'chain' (DSpark's rnn head, Domino: on every draft `before` it in
+    the block)."""
     if kind == "selector":
         return table((2,) + tuple(prefix) + (j, previous))
+    if kind == "chain":
+        return table((3,) + tuple(prefix) + (j,) + tuple(before))
     q = table((1,) + tuple(prefix) + (j,))
     return torch.nn.functional.one_hot(q.argmax(), V).double() if kind == "argmax" else q
 
@@ -62,7 +65,7 @@ def enumerate_loop(kind):
             return finish(prefix, lengths, prob)
         for drafts in itertools.product(range(V), repeat=B - 1):
             # the drafts: independent per slot (DFlash), or each given the one before (DFlash 2)
-            qs = [proposal(kind, prefix, j, drafts[j - 1] if j else prefix[-1]) for j in range(B - 1)]
+            qs = [proposal(kind, prefix, j, drafts[j - 1] if j else prefix[-1], drafts[:j]) for j in range(B - 1)]
             p_drafts = 1.0
             for q, x in zip(qs, drafts):
                 p_drafts *= float(q[x])
@@ -101,12 +104,12 @@ def tool_accept(kind, text):
         for j in range(B - 1):
             r = text[a + 1 + j]
             p = float(target_p(list(text[:a + 1 + j]))[r])
-            q = float(proposal(kind, list(text[:a + 1]), j, text[a + j])[r])
+            q = float(proposal(kind, list(text[:a + 1]), j, text[a + j], text[a + 1:a + 1 + j])[r])
             c[i, j] = min(1.0, q / p)
     return c
 
 
-@pytest.mark.parametrize("kind", ["sample", "argmax", "selector"])
+@pytest.mark.parametrize("kind", ["sample", "argmax", "selector", "chain"])
 def test_expected_walk_equals_enumeration(kind):
     """For every text: E[rounds | text], E[committed | text] and the expected histogram of round lengths."""
     texts = enumerate_loop(kind)
