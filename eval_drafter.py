@@ -1742,7 +1742,8 @@ def family_head(cfg, state, name, settings, generation):
     if generation == "Domino":
         for key in ("emb_dim", "gru_hidden_dim"):
             if dflash_value(cfg, key) is None:
-                fail(f"{where} needs {key} in its dflash_config (SpecForge writes it); it is missing")
+                fail(f"{where} needs {key} in its dflash_config, where SpecForge writes it; it is missing (pass the "
+                     "config it was trained with: --drafter-config FILE)")
         prefix, shift = dflash_value(cfg, "pure_draft_prefix_len", 0), dflash_value(cfg, "shift_label", False)
         if not isinstance(prefix, int) or prefix < 0 or not isinstance(shift, bool):
             fail(f"{where} with pure_draft_prefix_len {prefix!r} and shift_label {shift!r}: they must be an integer "
@@ -2810,26 +2811,6 @@ def paired_delta(mine, ref):
     return delta, ci95(delta, [a - b for a, b in zip(terms_m, terms_r)])
 
 
-def summarize_expected(results, block_size):
-    """Temperature > 0: tau = pooled E[committed] / E[rounds] with its 95% interval over references, the expected
-    histogram, and per-position acceptance / accuracy from the acceptance probabilities of every drafted anchor."""
-    e = [res["expected"] for res in results]
-    committed, rounds = [x["committed"] for x in e], [x["rounds"] for x in e]
-    reach = [sum(x["reach"][j] for x in e) for j in range(block_size)]
-    hits = [sum(x["hits"][j] for x in e) for j in range(block_size - 1)]
-    anchors = sum(x["anchors"] for x in e)
-    per_ref = [c / r for c, r in zip(committed, rounds) if r]
-    ddtree = {str(b): round_stats([res["ddtree_rounds"][b] for res in results], block_size)
-              for b in (results[0].get("ddtree_rounds", {}) if results else {})}
-    return {"tau": sum(committed) / sum(rounds) if sum(rounds) else None,
-            "tau_prompt_mean": sum(per_ref) / len(per_ref) if per_ref else None, "rounds": sum(rounds),
-            "histogram": [sum(x["histogram"][k] for x in e) for k in range(block_size)],
-            "tau_all_anchors": 1 + sum(reach[1:]) / anchors if anchors else None, "anchors": anchors,
-            "per_position": {"acceptance": [reach[j + 1] / reach[j] if reach[j] else None for j in range(block_size - 1)],
-                             "accuracy": [h / anchors if anchors else None for h in hits]},
-            "ddtree": ddtree}
-
-
 def round_stats(round_lists, block_size):
     """tau pooled over all rounds, tau_prompt_mean over prompts, and the histogram of round lengths."""
     rounds = [r for rs in round_lists for r in rs]
@@ -2842,21 +2823,39 @@ def round_stats(round_lists, block_size):
             "rounds": len(rounds), "histogram": histogram}
 
 
+def sums(res, block_size):
+    """One result's counts: tokens committed, rounds, the histogram of round lengths, how many anchors' drafts
+    reach each slot (all accepted before it: reach[0] = anchors), the drafts equal to the reference per slot.
+    Greedy: counted (integers); temperature > 0: their expectations (add_expectations)."""
+    if "expected" in res:
+        return res["expected"]
+    rounds, matched = res["rounds"], res["matched"]
+    return {"committed": sum(rounds), "rounds": len(rounds),
+            "histogram": [rounds.count(n) for n in range(1, block_size + 1)],
+            "reach": [int((matched >= j).sum()) for j in range(block_size)],
+            "hits": [int(h) for h in res["equal"].sum(0)] if matched.numel() else [0] * (block_size - 1),
+            "anchors": matched.numel()}
+
+
 def summarize(results, block_size):
-    """τ values, per-position acceptance / accuracy and the round histogram over some prompts' results."""
-    matched = torch.cat([res["matched"] for res in results]) if results else torch.zeros(0)
-    equal = torch.cat([res["equal"] for res in results]) if results else torch.zeros(0, block_size - 1)
-    acceptance, accuracy = [], []
-    for k in range(1, block_size):
-        reached = int((matched >= k - 1).sum())
-        # counts divided in Python (float64): a float32 mean would carry noise into the 7th digit
-        acceptance.append(int((matched >= k).sum()) / reached if reached else None)
-        accuracy.append(int(equal[:, k - 1].sum()) / equal.shape[0] if equal.shape[0] else None)
-    chain = round_stats([res["rounds"] for res in results], block_size)
+    """tau pooled (tokens committed / rounds, exact or expected), tau_prompt_mean, the histogram, and per-position
+    acceptance (conditional: of the anchors whose drafts reach a slot, the share accepted there) and accuracy
+    over every drafted anchor; counts are divided in Python (float64): a float32 mean would carry noise into the
+    7th digit."""
+    e = [sums(res, block_size) for res in results]
+    committed, rounds = [x["committed"] for x in e], [x["rounds"] for x in e]
+    reach = [sum(x["reach"][j] for x in e) for j in range(block_size)]
+    hits = [sum(x["hits"][j] for x in e) for j in range(block_size - 1)]
+    anchors = sum(x["anchors"] for x in e)
+    per_prompt = [c / r for c, r in zip(committed, rounds) if r]
     ddtree = {str(b): round_stats([res["ddtree_rounds"][b] for res in results], block_size)
               for b in (results[0].get("ddtree_rounds", {}) if results else {})}
-    return {**chain, "tau_all_anchors": 1 + int(matched.sum()) / matched.numel() if matched.numel() else None,
-            "anchors": int(matched.numel()), "per_position": {"acceptance": acceptance, "accuracy": accuracy},
+    return {"tau": sum(committed) / sum(rounds) if sum(rounds) else None,
+            "tau_prompt_mean": sum(per_prompt) / len(per_prompt) if per_prompt else None, "rounds": sum(rounds),
+            "histogram": [sum(x["histogram"][k] for x in e) for k in range(block_size)],
+            "tau_all_anchors": 1 + sum(reach[1:]) / anchors if anchors else None, "anchors": anchors,
+            "per_position": {"acceptance": [reach[j + 1] / reach[j] if reach[j] else None for j in range(block_size - 1)],
+                             "accuracy": [h / anchors if anchors else None for h in hits]},
             "ddtree": ddtree}
 
 
@@ -2917,32 +2916,24 @@ def measure_costs(model, drafters, settings, items):
     if is_hybrid(model.config):
         cache.activate_past_recording()
 
-    def undo(n, saved):   # the cache as it was: n positions dropped, recurrent states put back
+    def target_step(n, verifying):   # a plain step (n = 1) or a verify pass; then the cache as it was
+        saved = [(layer, i, layer.recurrent_states[i].clone()) for layer, i in recurrent_states(cache)]
+        start = time.perf_counter()
+        if verifying:
+            features, last, _ = target_pass(model, ids[L:L + n], layers, cache)
+            check_finite(features, "cost")
+            verify(ids[L:L + n], head(last), None, None)
+        else:
+            out = model(input_ids=torch.tensor([ids[L:L + 1]], device=model.device), use_cache=True,
+                        **cache_kwarg(model, cache))
+            next_token(out.logits[0, -1:], None, None)
+        elapsed = seconds_since(start)
         for layer, i, state in saved:
             layer.recurrent_states[i].copy_(state)
         cache.crop(-n)
-
-    def plain():
-        saved = [(layer, i, layer.recurrent_states[i].clone()) for layer, i in recurrent_states(cache)]
-        start = time.perf_counter()
-        out = model(input_ids=torch.tensor([ids[L:L + 1]], device=model.device), use_cache=True,
-                    **cache_kwarg(model, cache))
-        next_token(out.logits[0, -1:], None, None)
-        elapsed = seconds_since(start)
-        undo(1, saved)
         return elapsed
 
-    def verify_round(n):
-        saved = [(layer, i, layer.recurrent_states[i].clone()) for layer, i in recurrent_states(cache)]
-        start = time.perf_counter()
-        features, last, _ = target_pass(model, ids[L:L + n], layers, cache)
-        check_finite(features, "cost")
-        verify(ids[L:L + n], head(last), None, None)
-        elapsed = seconds_since(start)
-        undo(n, saved)
-        return elapsed
-
-    timings = {"1": [plain], **{str(n): [lambda n=n: verify_round(n)] for n in sizes}}
+    timings = {"1": [lambda: target_step(1, False)], **{str(n): [lambda n=n: target_step(n, True)] for n in sizes}}
     for d in drafters:
         d = d if d.weights is not None else replace(d, weights=d.reload())
         g = torch.Generator().manual_seed(0)
@@ -4152,7 +4143,6 @@ def drafter_report(d, results, items):
     B = d["drafts_per_round"] + 1   # the longest round: every draft and the target's own token
     no_trees = {"ddtree": None, "ddtree_note": DDTREE_NOTES[d["generation"]]} if d["generation"] in DDTREE_NOTES else {}
     sampled = bool(results) and "expected" in results[0]
-    stats = summarize_expected if sampled else summarize
 
     def check(chosen):   # greedy: target agreement; sampled: how the references sit in the target's support
         return reference_support(chosen) if sampled else {"target_agreement": target_agreement(chosen)}
@@ -4160,7 +4150,7 @@ def drafter_report(d, results, items):
     def section(keep, depth=None):
         chosen = [(res if depth is None else res["depths"][depth], it) for res, it in zip(results, items) if keep(it)]
         totals = list(prompt_totals(*zip(*chosen)).values()) if chosen else []
-        return {**stats([res for res, _ in chosen], B if depth is None else depth + 1),
+        return {**summarize([res for res, _ in chosen], B if depth is None else depth + 1),
                 "tau_ci95": ratio_ci95([c for c, _ in totals], [r for _, r in totals]),
                 **check([it for _, it in chosen]), **(no_trees if depth is None else {})}
 
