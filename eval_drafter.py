@@ -126,6 +126,10 @@ def build_parser():
                    help="in-block attention; auto = checkpoint's is_causal, else per layer type")
     g.add_argument("--sliding-window", default="train", choices=["train", "ignore"],
                    help="train = window sliding layers as training did; ignore = public HF reference")
+    g.add_argument("--engine", default="vllm", choices=["vllm", "sglang"],
+                   help="whose convention decides where they differ (EAGLE-3's captured layer ids: vLLM reads "
+                        "eagle_aux_hidden_state_layer_ids as hidden_states indices and ignores a nested eagle_config, "
+                        "SGLang reads eagle_config's ids as layer outputs); default vllm")
     g.add_argument("--dspark-draft-topk", type=int, metavar="K",
                    help="DSpark: each slot drafts among its K best base-logit tokens only, the Markov bias added to "
                         "those (vLLM's dspark_draft_topk); default: the exact argmax over the whole draft vocabulary")
@@ -1559,6 +1563,11 @@ def recognize(cfg, state, name):
     its codebooks are bare tensors (a `.weight` suffix, as torch would save an nn.Embedding, is dropped). DSpark
     and Domino name themselves in architectures or dflash_config.projector_type; SpecForge's older DSpark states
     keep their heads under logit_head.*."""
+    if (cfg or {}).get("speculators_model_type") == "eagle3" or any(
+            "Eagle3" in a for a in (cfg or {}).get("architectures") or []) or any(k.startswith("midlayer.") for k in state):
+        layout = "speculators" if "speculators_model_type" in (cfg or {}) else "SpecForge"
+        return "EAGLE-3", layout, eagle3_config(cfg or {}, name, layout), \
+            {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()}
     native = (cfg or {}).get("model_type") == "muse_glimmer_assistant" or "encoder.fc.weight" in state
     layout = "speculators" if "speculators_model_type" in (cfg or {}) else \
         "transformers-native assistant" if native else "public"
@@ -1634,6 +1643,8 @@ def load_drafter(spec, target_cfg, settings, identify=True):
         else:
             log(settings, f"drafter {name}: --drafter-config ignored, the checkpoint has its own config.json")
     generation, layout, cfg, state = recognize(cfg, unwrap_state_dict(raw, name, settings), name)
+    if generation == "EAGLE-3":
+        return load_eagle3(name, path, cfg, state, layout, target_cfg, settings, identify)
     if cfg is None:
         cfg = infer_config(state, target_cfg, settings, name, trained_values(raw))
     if layout == "transformers-native assistant":
@@ -1772,6 +1783,99 @@ def family_note(generation, head):
                 + "; served by SGLang 0.5.23 only, greedy, with P = 1" + ("" if head["prefix"] == 1 else
                 f" (it refuses P = {head['prefix']})") + " and a pool of 2048 by default")
     return ""
+
+
+def eagle3_config(cfg, name, layout):
+    """An EAGLE-3 config: the drafter's layer config at the top level, and under "eagle" what the engines read.
+    speculators keeps its layers in transformer_layer_config, its captured ids as hidden_states indices at the
+    top level, and vLLM fills norm_before_residual true where that layout omits it; SpecForge's
+    LlamaForCausalLMEagle3 is a Llama config, its ids (if any) in eagle_config as layer outputs."""
+    where = f"drafter {name}: its EAGLE-3 config"
+    layer = cfg.get("transformer_layer_config") if layout == "speculators" else cfg
+    if not isinstance(layer, dict) or not layer.get("hidden_size"):
+        fail(f"{where} has no {'transformer_layer_config' if layout == 'speculators' else 'hidden_size'}")
+    nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    proposals = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    return {**layer, "architectures": cfg.get("architectures"), "eagle": {
+        "hf_ids": cfg.get("eagle_aux_hidden_state_layer_ids"), "nested_ids": nested,
+        "norm_before_residual": bool(cfg.get("norm_before_residual", layout == "speculators")),
+        "norm_before_fc": bool(cfg.get("norm_before_fc", False)), "fc_norm": bool(cfg.get("fc_norm", False)),
+        "norm_output": bool(cfg.get("norm_output", False)), "norm_output_given": "norm_output" in cfg,
+        "draft_vocab_size": cfg.get("draft_vocab_size"), "steps": int(proposals[0].get("speculative_tokens", 3))}}
+
+
+def eagle3_layers(e, target_cfg, settings, name, n_fc):
+    """The target layers (as layer outputs, this tool's ids) an EAGLE-3 drafter reads, by --engine's rule."""
+    L = target_cfg.num_hidden_layers
+    if settings.get("layers") is not None:
+        ids, source = settings["layers"], "--layers"
+    elif e["hf_ids"] is not None:   # top level (speculators, vLLM): hidden_states index i is layer i - 1's output
+        ids, source = [int(i) - 1 for i in e["hf_ids"]], "eagle_aux_hidden_state_layer_ids (hidden_states indices)"
+    elif e["nested_ids"] is not None and settings.get("engine") == "sglang":
+        ids, source = [int(i) for i in e["nested_ids"]], "eagle_config's ids, layer outputs (SGLang)"
+    else:   # both engines' default: hidden_states indices 2, L // 2, L - 3
+        ids, source = [1, L // 2 - 1, L - 4], "the engines' default"
+        if e["nested_ids"] is not None:
+            source += " (vLLM ignores eagle_config's ids; --engine sglang reads them)"
+    if len(ids) != n_fc:
+        fail(f"drafter {name}: fc expects {n_fc} captured layers, {source} gives {ids}")
+    if any(not 0 <= i < L - 1 for i in ids):
+        fail(f"drafter {name}: captured layer ids {ids} ({source}) must lie in 0..{L - 2} for this {L}-layer target")
+    return sorted(ids), source
+
+
+def load_eagle3(name, path, cfg, state, layout, target_cfg, settings, identify):
+    """An EAGLE-3 drafter: one decoder layer over [embedding; fused target features], chained K steps."""
+    e, H = cfg["eagle"], cfg["hidden_size"]
+    if H != target_cfg.hidden_size:
+        fail(f"drafter {name} has hidden size {H} but the target has {target_cfg.hidden_size}: it was trained for "
+             "another target")
+    if "fc.weight" not in state or "layers.0.hidden_norm.weight" not in state:
+        fail(f"drafter {name}: an EAGLE-3 drafter needs fc.weight and layers.0.hidden_norm.weight (or midlayer.*)")
+    n_fc = state["fc.weight"].shape[1] // target_cfg.hidden_size
+    layers, source = eagle3_layers(e, target_cfg, settings, name, n_fc)
+    carried = {k: state.pop(k) for k in CARRIED if k in state}
+    vocab = draft_vocabulary(carried, {**cfg, "speculators": {"draft_vocab_size": e["draft_vocab_size"]}}, target_cfg,
+                             name)
+    if vocab is None and "lm_head.weight" in carried:   # its own head over the target's vocabulary
+        vocab = (torch.arange(target_cfg.vocab_size), torch.arange(target_cfg.vocab_size))
+    steps = (settings.get("block_size") or e["steps"] + 1) - 1
+    head = {k: e[k] for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")}
+    head["engine"] = settings.get("engine", "vllm")
+    log(settings, f"drafter {name}: EAGLE-3, {layout} layout; captured layers {layers} from {source}; "
+                  f"{steps} steps a round; norm_before_residual {head['norm_before_residual']}, feeds back the "
+                  f"{'post' if head['norm_output'] else 'pre'}-norm hidden" +
+                  ("; SpecForge's norm_output means the norm before lm_head, the engines read it as the hidden fed "
+                   "back: the engines' reading is used" if e["norm_output_given"] and layout == "SpecForge" else ""))
+    p, hd = "layers.0.", head_dim_of(cfg)
+    q, kv, I = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd, cfg["intermediate_size"]
+    shapes = {"fc.weight": (H, n_fc * target_cfg.hidden_size), "norm.weight": (H,), p + "hidden_norm.weight": (H,),
+              p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+              p + "self_attn.q_proj.weight": (q, 2 * H), p + "self_attn.k_proj.weight": (kv, 2 * H),
+              p + "self_attn.v_proj.weight": (kv, 2 * H), p + "self_attn.o_proj.weight": (H, q),
+              p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H), p + "mlp.down_proj.weight": (H, I)}
+    if p + "self_attn.q_norm.weight" in state:   # a Qwen3 layer
+        shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    if head["norm_before_fc"]:
+        shapes["input_norm.weight"] = (n_fc * target_cfg.hidden_size,)
+    if head["fc_norm"]:
+        shapes.update({f"fc_norm.{i}.weight": (target_cfg.hidden_size,) for i in range(n_fc)})
+    check_drafter_tensors(state, shapes, name, "EAGLE-3")
+    if vocab is not None:
+        state["lm_head.weight"] = carried["lm_head.weight"]
+    dtype = getattr(torch, settings["dtype"])
+    logit_rows = min(2048, max(16, int(settings["max_memory_gb"] * 2**30 / (8 * target_cfg.vocab_size))))
+    d = Drafter(name=name, checkpoint=os.path.abspath(path), cfg=cfg, layers=layers, block_size=steps + 1,
+                weights={k: v.to(device=settings["device"], dtype=dtype) for k, v in state.items()},
+                mask_token_id=-1, rules=[], rope=build_rope(cfg, settings["device"]), logit_rows=logit_rows,
+                generation="EAGLE-3", layout=layout, head=head, warnings=[],
+                vocab=None if vocab is None else tuple(v.to(settings["device"]) for v in vocab))
+    if identify:
+        d.hash = content_hash({**state, **{k: carried[k] for k in ("d2t", "t2d") if k in carried}}, cfg, d.layers,
+                              d.block_size, d.generation, head)
+        d.warnings += carried_copies({k: v for k, v in carried.items() if k != "lm_head.weight"}, vocab,
+                                     settings.get("target"))
+    return d
 
 
 def draft_vocabulary(carried, cfg, target_cfg, name):
@@ -2179,8 +2283,12 @@ def block_conv(x, taps, base, group):
     return out.view(n * B, -1)
 
 
-def prompt_context(drafter, features):
-    return drafter_context(drafter, torch.cat([features[L] for L in drafter.layers], dim=-1))
+def prompt_context(drafter, features, ids=None, embed_w=None):
+    """What the drafter's blocks attend to: DFlash-family context K/V per layer; EAGLE-3's pass over the text."""
+    features = torch.cat([features[L] for L in drafter.layers], dim=-1)
+    if drafter.generation == "EAGLE-3":
+        return eagle_context(drafter, features, ids, embed_w)
+    return drafter_context(drafter, features)
 
 
 def base_logits(drafter, head, rows):
@@ -2223,7 +2331,7 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
     (sample_from_anchor). With top_k > 0, also what DDTree builds from (see tree_top_k). Given `reference`
     tokens (n_anchors, B-1), `sampling` and a `proposal` tensor of that shape, fills it with the probability
     that a drafter sampling at those settings proposes each reference token (--draft-policy sample)."""
-    B, n, chained = drafter.block_size, anchors.shape[0], drafter.generation in ("DSpark", "Domino")
+    B, n, chained = drafter.block_size, anchors.shape[0], drafter.generation in ("DSpark", "Domino", "EAGLE-3")
     if n == 0:
         empty = torch.zeros(0, B - 1, max(top_k, 1))
         return torch.zeros(0, B - 1, dtype=torch.long), (empty, empty.long())
@@ -2235,6 +2343,15 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
     per_call = max(1, ANCHOR_TOKENS_PER_CHUNK // B)
     for lo in range(0, n, per_call):
         part = slice(lo, lo + per_call)
+        if drafter.generation == "EAGLE-3":   # no block: K one-layer steps from the pass over the text
+            at = slice(done, done + first[part].shape[0] * (B - 1))
+            step = lambda given=None: eagle_chain(drafter, context_kv, anchors[part], None if starts is None  # noqa
+                                                  else starts[part], embed_w, head, prompt_id, given, sampling)
+            drafts[at] = step().view(-1)
+            if proposal is not None:
+                proposal[part] = step(reference[part].to(dev)).to(proposal.device)
+            done = at.stop
+            continue
         block = torch.full((anchors[part].shape[0], B - drafter.from_anchor), drafter.mask_token_id, device=dev)
         block[:, 0] = first[part]
         hidden = proposal_rows(drafter, drafter_forward(drafter, context_kv, anchors[part], block, embed_w,
@@ -2348,6 +2465,88 @@ def markov_bias(w, kind, prev, rows, state):
         keep = torch.sigmoid(a)
         state, e = keep * state + (1 - keep) * torch.tanh(c), torch.tanh(o)
     return F.linear(e, w[m + "markov_w2.weight"]), state
+
+
+def eagle_context(d, features, ids, embed_w):
+    """EAGLE-3's first step over the whole text, causal, as the engines' window prefill leaves their draft cache:
+    row j reads token j + 1's embedding and the target's fused features at j, at position j. [(K, V, outputs)]."""
+    ids_t = torch.tensor(ids[1:], device=features.device)
+    g = eagle_fuse(d, features[:len(ids) - 1])
+    positions = torch.arange(len(ids) - 1, device=features.device)
+    h, k, v = eagle_layer(d, embed_w[ids_t], g, positions, lambda q, k, v: F.scaled_dot_product_attention(
+        q[None], *(t.repeat_interleave(q.shape[0] // t.shape[0], 0)[None] for t in (k, v)), is_causal=True)[0])
+    return [(k, v, h[None])]
+
+
+def eagle_fuse(d, features):
+    """fc over the captured layers' features (ascending), after their norms where the config asks for them."""
+    w, eps = d.weights, d.cfg.get("rms_norm_eps", 1e-6)
+    if d.head["norm_before_fc"]:
+        features = rms_norm(features, w["input_norm.weight"], eps)
+    if d.head["fc_norm"]:
+        features = torch.cat([rms_norm(x, w[f"fc_norm.{i}.weight"], eps)
+                              for i, x in enumerate(features.chunk(len(d.layers), -1))], -1)
+    return F.linear(features, w["fc.weight"])
+
+
+def eagle_layer(d, emb, g, positions, attend):
+    """EAGLE-3's decoder layer on rows: q/k/v from [input_layernorm(embedding); hidden_norm(g)] (2H), the residual
+    g (its norm with norm_before_residual); attend(q, k, v) gives the attention (heads, n, head dim). Returns the
+    output before the final norm, and the rows' rotated keys and values."""
+    w, cfg, p = d.weights, d.cfg, "layers.0."
+    eps, hd = cfg.get("rms_norm_eps", 1e-6), head_dim_of(cfg)
+    normed = rms_norm(g, w[p + "hidden_norm.weight"], eps)
+    x = torch.cat([rms_norm(emb, w[p + "input_layernorm.weight"], eps), normed], -1)
+    q, k = (heads(linear(x, w, p + f"self_attn.{n}_proj"), cfg[c], hd)
+            for n, c in (("q", "num_attention_heads"), ("k", "num_key_value_heads")))
+    v = heads(linear(x, w, p + "self_attn.v_proj"), cfg["num_key_value_heads"], hd)
+    if p + "self_attn.q_norm.weight" in w:
+        q, k = rms_norm(q, w[p + "self_attn.q_norm.weight"], eps), rms_norm(k, w[p + "self_attn.k_norm.weight"], eps)
+    cos, sin = rope_cos_sin(d, positions, x.dtype)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    attn = attend(q, k, v).transpose(0, 1).reshape(x.shape[0], -1)
+    h = (normed if d.head["norm_before_residual"] else g) + linear(attn, w, p + "self_attn.o_proj")
+    y = rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)
+    return h + linear(F.silu(linear(y, w, p + "mlp.gate_proj")) * linear(y, w, p + "mlp.up_proj"), w,
+                      p + "mlp.down_proj"), k, v
+
+
+def eagle_chain(d, context, anchors, starts, embed_w, head, prompt_id, given=None, sampling=None):
+    """EAGLE-3's drafts (n, K), as the engines draft a chain: draft 1 from the text pass's row before the anchor;
+    each further step one layer pass over the previous draft's embedding and the hidden fed back (before the
+    final norm, or after it with norm_output), one position on, attending to the text pass's rows before the
+    anchor and to its own chain. With `given` tokens the chain follows them and returns their probability under
+    softmax(logits / T) (vLLM's probabilistic drafts), or without `sampling` every step's logits (n, K, V), as
+    training's test-time steps see them."""
+    (k_ctx, v_ctx, h_ctx), = context
+    w, eps, S, n = d.weights, d.cfg.get("rms_norm_eps", 1e-6), d.block_size - 1, anchors.shape[0]
+    start = torch.zeros_like(anchors) if starts is None else starts
+    n_ctx, groups = int((anchors + start).max()), d.cfg["num_attention_heads"] // d.cfg["num_key_value_heads"]
+    out = torch.empty(n, S, dtype=torch.long if given is None else torch.float64, device=anchors.device)
+    h, chain_k, chain_v, steps = h_ctx[0, start + anchors - 1], [], [], []
+    for s in range(S):
+        if s:
+            mask = block_mask(anchors, n_ctx, s, ("causal", None), starts)[torch.arange(n, device=anchors.device) * s + s - 1]
+
+            def attend(q, k, v):
+                chain_k.append(k), chain_v.append(v)
+                keys, values = (torch.cat([c[:, :n_ctx], torch.stack(rows, 2).flatten(1, 2)], 1)
+                                for c, rows in ((k_ctx, chain_k), (v_ctx, chain_v)))
+                return F.scaled_dot_product_attention(q[None], keys.repeat_interleave(groups, 0)[None],
+                                                      values.repeat_interleave(groups, 0)[None], attn_mask=mask)[0]
+            h = eagle_layer(d, embed_w[prev], fed, anchors - 1 + s, attend)[0]
+        normed = rms_norm(h, w["norm.weight"], eps)
+        fed = normed if d.head["norm_output"] else h
+        logits, drafted = drafter_logits(d, head, normed, prompt_id)
+        if given is None:
+            out[:, s] = prev = drafted
+        elif sampling is None:
+            steps.append(logits)
+            prev = given[:, s]
+        else:
+            prev, tokens = given[:, s], to_draft(d, given[:, s])
+            out[:, s] = sampled_prob(logits, tokens.clamp(min=0), (sampling[0], 1.0, 0)) * (tokens >= 0)
+    return torch.stack(steps, 1) if steps else out
 
 
 def gru_step(w, x, g):
@@ -2510,7 +2709,7 @@ def check_mask_prompt(drafter, variants, features, ids, anchors, embed_w, head):
         return {name: [0] * 6 for name in variants}
     sample = anchors[torch.linspace(0, anchors.numel() - 1, min(MASK_CHECK_ANCHORS, anchors.numel())).long()]
     reference = torch.tensor(ids)[sample.cpu()[:, None] + torch.arange(1, drafter.block_size)]
-    context_kv, first = prompt_context(drafter, features), torch.tensor(ids, device=sample.device)[sample]
+    context_kv, first = prompt_context(drafter, features, ids, embed_w), torch.tensor(ids, device=sample.device)[sample]
     counts, base = {}, None
     for name, rules in variants.items():   # "configured" comes first
         drafts, _ = draft_all_anchors(replace(drafter, rules=rules), context_kv, sample, first, embed_w, head)
@@ -2592,7 +2791,7 @@ def score_drafter(d, prompts, group, embed_w, head, settings, budgets):
                 ids_t = torch.tensor(ids, device=anchors.device)
                 reference = ids_t[anchors[:, None] + torch.arange(1, d.block_size, device=anchors.device)]
                 q = torch.zeros(reference.shape, dtype=torch.float64) if sample_policy else None
-                drafts, top = draft_all_anchors(d, prompt_context(d, features), anchors, ids_t[anchors], embed_w,
+                drafts, top = draft_all_anchors(d, prompt_context(d, features, ids, embed_w), anchors, ids_t[anchors], embed_w,
                                                 head, max(budgets, default=0), prompt_id, after=ids_t[anchors + 1],
                                                 reference=reference, sampling=sampling, proposal=q)
             res = score_prompt(drafts, ids, n_prompt, d.block_size, top, budgets)
@@ -2654,8 +2853,9 @@ def score_walks_only(d, prompts, embed_w, head, budgets):
     walks share visited blocks. Rounds equal those of --anchors all; per-position statistics cover the
     visited anchors."""
     B, top_k, kinds = d.block_size, max(budgets, default=0), [None, *budgets]   # None: the chain walk
-    contexts = [prompt_context(d, features) for features, *_ in prompts]
-    context_kv = [tuple(torch.cat([c[i][j] for c in contexts], 1) for j in (0, 1)) for i in range(len(contexts[0]))]
+    contexts = [prompt_context(d, features, ids, embed_w) for features, ids, *_ in prompts]
+    context_kv = [tuple(torch.cat([c[i][j] for c in contexts], 1) for j in range(len(contexts[0][i])))
+                  for i in range(len(contexts[0]))]
     starts = [sum(c[0][0].shape[1] for c in contexts[:p]) for p in range(len(prompts))]
     ids_t, dev = [torch.tensor(ids) for _, ids, _, _ in prompts], context_kv[0][0].device
     seen = [{} for _ in prompts]   # per prompt: anchor -> (drafts, [top-k, join positions] for DDTree)
@@ -3244,7 +3444,7 @@ def evaluate(settings):
     for d in drafters:
         log(settings, f"drafter {d.name}: block {d.block_size - d.from_anchor}, layers {d.layers}, in-block mask per "
                       f"layer: {', '.join(rule_label(r) for r in d.rules)}")
-        d.mask_variants = mask_variants(d, settings) if settings["check_mask"] else None
+        d.mask_variants = mask_variants(d, settings) if settings["check_mask"] and d.rules else None
     settings["target_hash"] = target_hash(settings["target"])
     check_depths(drafters, settings)
     facts = [drafter_facts(d) for d in drafters]
@@ -3520,7 +3720,7 @@ RESUME_KEYS = ("target_hash", "prompts_hash", "hidden_hashes", "anchors", "max_n
                "dtype", "layers", "block_size", "block_mask", "sliding_window", "no_chat_template", "enable_thinking",
                "ddtree_budgets", "check_mask", "mask_token_id", "head_dim", "num_heads", "num_kv_heads", "temperature",
                "top_p", "top_k", "draft_policy", "samples_per_prompt", "seed", "turns", "reference_generation",
-               "depths", "dspark_draft_topk", "domino_candidate_pool")
+               "depths", "dspark_draft_topk", "domino_candidate_pool", "engine")
 SLICE_KEYS = ("shard", "ranks")   # a resumed run must take the same slice of the prompts
 KEY_WORDS = {"target_hash": "the target (its config or weights)", "prompts_hash": "the prompts (file content)",
              "hidden_hashes": "the saved features (--load-hidden files)"}
@@ -3682,6 +3882,10 @@ def extract_from_target(items, settings, target_cfg, layer_union, done, drafter,
         speculative = False
         log(settings, f"note: transformers {settings['transformers_version']} cannot roll back a hybrid target's "
                       "linear-attention cache: references are generated by plain decoding")
+    if speculative and drafter.generation == "EAGLE-3":
+        speculative = False
+        log(settings, f"note: references are generated by plain decoding (the speculative loop drafts with DFlash-family "
+                      f"drafters; {drafter.name} is EAGLE-3)")
     settings["reference_generation_used"] = "speculative" if speculative else "plain"
     by_index, saved = {it["index"]: it for it in items}, saved_references(settings)
     todo = [it for it in items if it["index"] not in done]
@@ -4123,7 +4327,9 @@ DDTREE_NOTES = {
     "DSpark": "DSpark drafts a chain: each slot's Markov bias depends on the token drafted before it, and neither vLLM "
               "nor SGLang verifies DSpark trees, so no DDTree rows",
     "Domino": "Domino drafts a chain: each proposal reads a GRU state over the tokens drafted before it, and SGLang "
-              "serves it as a chain only, so no DDTree rows"}
+              "serves it as a chain only, so no DDTree rows",
+    "EAGLE-3": "EAGLE-3 drafts a chain here, as vLLM serves it (SGLang's token trees are out of scope), so no DDTree "
+               "rows"}
 
 
 def drafter_facts(d):

@@ -312,7 +312,65 @@ def train_drafter(out_dir, target, lang, steps=1500, anchors_per_step=48, n_sequ
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 
 
-def make_families(out=None):
+def train_eagle3(out_dir, target, data, steps=600, ttt=3, anchors_per_step=48, layer_ids=(1, 3, 4)):
+    """An EAGLE-3 drafter (one Qwen3 layer over [embedding; fc(3 captured layers)]) trained with the test-time
+    steps SpecForge and speculators use: step 1 teacher-forced over the text, then ttt - 1 steps each fed the
+    previous step's hidden and the reference token, every step's prediction in the loss. Saved in speculators'
+    layout (captured layers as hidden_states indices, norm_before_residual true, its lm_head the target's)."""
+    H, V = target.config.hidden_size, target.config.vocab_size
+    layer = {"model_type": "qwen3", "hidden_size": H, "intermediate_size": 192, "num_hidden_layers": 1,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+             "max_position_embeddings": 512, "rope_theta": 10000.0, "vocab_size": V, "attention_bias": False}
+    g = torch.Generator().manual_seed(3)
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=g) * 0.08).requires_grad_()
+    p, ones = "layers.0.", lambda n: torch.ones(n).requires_grad_()
+    weights = {"fc.weight": rnd(H, len(layer_ids) * H), "norm.weight": ones(H), p + "hidden_norm.weight": ones(H),
+               p + "input_layernorm.weight": ones(H), p + "post_attention_layernorm.weight": ones(H),
+               p + "self_attn.q_proj.weight": rnd(64, 2 * H), p + "self_attn.k_proj.weight": rnd(32, 2 * H),
+               p + "self_attn.v_proj.weight": rnd(32, 2 * H), p + "self_attn.o_proj.weight": rnd(H, 64),
+               p + "self_attn.q_norm.weight": ones(16), p + "self_attn.k_norm.weight": ones(16),
+               p + "mlp.gate_proj.weight": rnd(192, H), p + "mlp.up_proj.weight": rnd(192, H),
+               p + "mlp.down_proj.weight": rnd(H, 192)}
+    drafter = ed.Drafter(name="training", checkpoint=out_dir, cfg=layer, weights=weights, layers=list(layer_ids),
+                         block_size=ttt + 1, mask_token_id=-1, rules=[], rope=ed.build_rope(layer, "cpu"),
+                         logit_rows=ed.LOGIT_ROWS_PER_CHUNK, generation="EAGLE-3",
+                         head={"norm_before_residual": True, "norm_before_fc": False, "fc_norm": False,
+                               "norm_output": False})
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    for prm in target.parameters():
+        prm.requires_grad_(False)
+    rng = random.Random(4)
+    opt = torch.optim.AdamW(weights.values(), lr=3e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
+    for step in range(steps):
+        ids, n_prompt, feats = data[rng.randrange(len(data))]
+        anchors = torch.tensor(sorted(rng.sample(range(n_prompt, len(ids) - ttt), anchors_per_step)))
+        ids_t = torch.tensor(ids)
+        context = ed.eagle_context(drafter, feats, ids, embed.weight)
+        labels = ids_t[anchors[:, None] + torch.arange(1, ttt + 1)]
+        logits = ed.eagle_chain(drafter, context, anchors, None, embed.weight, head, "training", labels)
+        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % 100 == 0:
+            print(f"eagle3 step {step} loss {loss.item():.3f}", flush=True)
+    spec = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"], "transformer_layer_config": layer,
+            "draft_vocab_size": V, "norm_before_residual": True, "target_hidden_size": None,
+            "eagle_aux_hidden_state_layer_ids": [i + 1 for i in layer_ids], "norm_before_fc": False, "fc_norm": False,
+            "norm_output": False, "speculators_version": "0.9.0",
+            "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                   "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": ttt,
+                                                         "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                                   "verifier": {"name_or_path": None, "architectures": ["Qwen3ForCausalLM"]}}}
+    save_drafter(out_dir, spec, {**{k: v.detach() for k, v in weights.items()},
+                                 "lm_head.weight": head.weight.detach().clone()})
+
+
+def make_families(out=None, only=None):
     """The family fixtures for the demo target as it is committed: about five minutes."""
     from transformers import AutoModelForCausalLM
     out = out or os.path.join(FIXTURES, "families")
@@ -320,6 +378,9 @@ def make_families(out=None):
     lang = language()
     target = AutoModelForCausalLM.from_pretrained(os.path.join(FIXTURES, "demo", "target"), dtype=torch.float32).eval()
     data = training_data(target, lang, [1, 3, 4], random.Random(1))
+    if only == "eagle3":
+        train_eagle3(os.path.join(out, "eagle3"), target, data)
+        return
     for name in FAMILIES:
         train_drafter(os.path.join(out, name), target, lang, steps=600, family=name, data=data, num_hidden_layers=1,
                       layer_types=["full_attention"])
@@ -353,7 +414,7 @@ def main(out=None, hybrid=False, from_anchor=False):
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if "--families" in args:
-        make_families(*[a for a in args if not a.startswith("--")])
+    if "--families" in args or "--eagle3" in args:
+        make_families(*[a for a in args if not a.startswith("--")], only="eagle3" if "--eagle3" in args else None)
     else:
         main(*[a for a in args if not a.startswith("--")], hybrid="--hybrid" in args, from_anchor="--from-anchor" in args)
