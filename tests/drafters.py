@@ -8,6 +8,8 @@ These builders start from the trained demo drafter and change what is being test
 - `native_from_demo`: the same weights in the transformers-native assistant layout (muse_glimmer_assistant).
 
 `public_rounds` runs z-lab's dflash 0.1.0 `dflash_generate` and returns its tokens and acceptance lengths.
+`online_rounds` (greedy) and `speculative_sampling_runs` (sampled) are online speculative loops around any
+proposer a test writes from an engine's source; `run_tool` runs the tool into a JSON report.
 """
 import json
 import math
@@ -145,3 +147,70 @@ def public_rounds(public, drafter_dir, target, prompt_ids, n_new):
     model = cls.from_pretrained(drafter_dir, config=config, dtype=torch.float32).eval()
     out = public.dflash_generate(model, target, torch.tensor([prompt_ids]), n_new, None, return_stats=True)
     return out.output_ids[0, len(prompt_ids):].tolist(), out.acceptance_lengths
+
+
+@torch.no_grad()
+def speculative_sampling_runs(target, prompts, sampling, runs, n_new, n_drafts, new_proposer, seed):
+    """`runs` runs of speculative sampling (prompts in turn), each with a proposer made by new_proposer():
+    propose(seq, generator) -> (drafts, the distribution each was drawn from). Accept draft x with
+    min(1, p(x) / q(x)), else a token from max(0, p - q) renormalized; all accepted: a bonus token from p, p the
+    target's distribution at `sampling`. [(prompt index, the first n_new completion tokens, the rounds whose
+    block lies inside them, as the tool counts rounds)]."""
+    def p_of(logits):
+        return ed.sampling_probs(logits, sampling).double()
+
+    out = []
+    for i in range(runs):
+        g, ids, propose = torch.Generator().manual_seed(seed + i), prompts[i % len(prompts)], new_proposer()
+        seq = list(ids)
+        seq.append(int(torch.multinomial(p_of(target(torch.tensor([seq])).logits[0, -1:])[0], 1, generator=g)))
+        rounds = []
+        while len(seq) - len(ids) < n_new + n_drafts:
+            anchor = len(seq) - 1
+            drafts, qs = propose(seq, g)
+            ps = p_of(target(torch.tensor([seq + drafts])).logits[0, anchor:])
+            accepted, token = 0, None
+            for j, x in enumerate(drafts):
+                if torch.rand(1, generator=g).item() < min(1.0, float(ps[j, x] / qs[j][x])):
+                    accepted += 1
+                    continue
+                residual = (ps[j] - qs[j]).clamp_min(0)
+                token = int(torch.multinomial(residual / residual.sum(), 1, generator=g))
+                break
+            if token is None:
+                token = int(torch.multinomial(ps[n_drafts], 1, generator=g))
+            seq += drafts[:accepted] + [token]
+            rounds.append(accepted + 1)
+        counted, at = [], 0
+        for length in rounds:
+            if at + n_drafts > n_new - 1:
+                break
+            counted.append(length)
+            at += length
+        out.append((i % len(prompts), seq[len(ids):len(ids) + n_new], counted))
+    return out
+
+
+def run_tool(tmp_path, name, *argv):
+    """eval_drafter.main quietly into tmp_path/<name>.json (it must succeed); the report."""
+    out = tmp_path / f"{name}.json"
+    assert ed.main([*argv, "--quiet", "--output", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+@torch.no_grad()
+def online_rounds(target, propose, prompt_ids, n_new, n_drafts):
+    """Greedy speculative decoding: every round, draft from the committed tokens, verify with a fresh target
+    pass, keep the accepted drafts and the target's token; until the next block would pass n_new tokens."""
+    seq = list(prompt_ids)
+    seq.append(int(target(torch.tensor([seq])).logits[0, -1].argmax()))
+    rounds = []
+    while len(seq) - len(prompt_ids) + n_drafts <= n_new:
+        anchor, drafts = len(seq) - 1, propose(seq)
+        verify = target(torch.tensor([seq + drafts])).logits[0, anchor:].argmax(-1).tolist()
+        accepted = 0
+        while accepted < n_drafts and drafts[accepted] == verify[accepted]:
+            accepted += 1
+        seq += drafts[:accepted] + [verify[accepted]]
+        rounds.append(accepted + 1)
+    return rounds

@@ -139,6 +139,20 @@ def sample_text(lang, rng, length, noise):
     return words
 
 
+def optimize(params, steps, loss_of, what):
+    """AdamW under a one-cycle schedule, as every demo model is trained: loss_of(step) gives the step's loss."""
+    opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
+    for step in range(steps):
+        loss = loss_of(step)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % 100 == 0:
+            print(f"{what} step {step} loss {loss.item():.3f}", flush=True)
+
+
 def train_target(out_dir, lang, steps=1500, batch=32, hybrid=False, seq_len=SEQ_LEN):
     vocab = save_tokenizer(out_dir)
     torch.manual_seed(0)
@@ -148,17 +162,11 @@ def train_target(out_dir, lang, steps=1500, batch=32, hybrid=False, seq_len=SEQ_
         from transformers import Qwen3ForCausalLM as model_class
     model = model_class(target_config(vocab, hybrid))
     rng = random.Random(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
-    for step in range(steps):
+
+    def loss_of(step):
         ids = torch.tensor([[len(SPECIALS) + w for w in sample_text(lang, rng, seq_len, 0.15)] for _ in range(batch)])
-        loss = model(input_ids=ids, labels=ids).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-        if step % 100 == 0:
-            print(f"target step {step} loss {loss.item():.3f}", flush=True)
+        return model(input_ids=ids, labels=ids).loss
+    optimize(model.parameters(), steps, loss_of, "target")
     model.generation_config.eos_token_id = 1
     model.save_pretrained(out_dir)
     return model.eval()
@@ -270,11 +278,10 @@ def train_drafter(out_dir, target, lang, steps=1500, anchors_per_step=48, n_sequ
     for p in target.parameters():
         p.requires_grad_(False)
     torch.manual_seed(1)
-    opt = torch.optim.AdamW(weights.values(), lr=3e-3, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
     first = 0 if from_anchor else 1   # the first slot that drafts
     decay = torch.exp(-(torch.arange(first, B).float() - first) / 4)  # earlier slots matter more, as in DFlash training
-    for step in range(steps):
+
+    def loss_of(step):
         ids, n_prompt, feats = data[rng.randrange(len(data))]
         anchors = torch.tensor(sorted(rng.sample(range(n_prompt, len(ids) - B + 1 - (1 - first)), anchors_per_step)))
         ids_t = torch.tensor(ids)
@@ -291,14 +298,9 @@ def train_drafter(out_dir, target, lang, steps=1500, anchors_per_step=48, n_sequ
             logits = torch.stack(logits, 1)
         else:
             logits = head(hidden[:, first:])
-        loss = (torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none").mean(0)
+        return (torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none").mean(0)
                 * decay).sum() / decay.sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-        if step % 100 == 0:
-            print(f"drafter step {step} loss {loss.item():.3f}", flush=True)
+    optimize(weights.values(), steps, loss_of, "drafter")
     if family and layout == "speculators":
         save_speculators(out_dir, cfg, {k: v.detach() for k, v in weights.items()}, kind="dspark",
                          architectures=["DSparkSpeculator"], sample_from_anchor=True,
@@ -342,22 +344,16 @@ def train_eagle3(out_dir, target, data, steps=600, ttt=3, anchors_per_step=48, l
     for prm in target.parameters():
         prm.requires_grad_(False)
     rng = random.Random(4)
-    opt = torch.optim.AdamW(weights.values(), lr=3e-3, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
-    for step in range(steps):
+
+    def loss_of(step):
         ids, n_prompt, feats = data[rng.randrange(len(data))]
         anchors = torch.tensor(sorted(rng.sample(range(n_prompt, len(ids) - ttt), anchors_per_step)))
         ids_t = torch.tensor(ids)
         context = ed.eagle_context(drafter, feats, ids, embed.weight)
         labels = ids_t[anchors[:, None] + torch.arange(1, ttt + 1)]
         logits = ed.eagle_chain(drafter, context, anchors, None, embed.weight, head, "training", labels)
-        loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-        if step % 100 == 0:
-            print(f"eagle3 step {step} loss {loss.item():.3f}", flush=True)
+        return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels)
+    optimize(weights.values(), steps, loss_of, "eagle3")
     spec = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"], "transformer_layer_config": layer,
             "draft_vocab_size": V, "norm_before_residual": True, "target_hidden_size": None,
             "eagle_aux_hidden_state_layer_ids": [i + 1 for i in layer_ids], "norm_before_fc": False, "fc_norm": False,

@@ -174,9 +174,9 @@ def test_load_feeds_drafters_identical_tensors(tiny, monkeypatch):
     bit-identical features from the cache, and the embedding / head read by name give the model's own outputs."""
     real_context, real_draft, calls = ed.prompt_context, ed.draft_all_anchors, []
 
-    def context_spy(drafter, features):
+    def context_spy(drafter, features, *args):
         calls.append([drafter.name, {L: features[L].clone() for L in drafter.layers}])
-        return real_context(drafter, features)
+        return real_context(drafter, features, *args)
 
     def spy(drafter, context_kv, anchors, first, embed, head, *args, **kwargs):
         calls[-1] += [anchors.tolist(), first.tolist(), embed, head]

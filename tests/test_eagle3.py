@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import eval_drafter as ed
 from conftest import drafter_settings
-from drafters import DEMO, demo_pair
+from drafters import DEMO, demo_pair, online_rounds, run_tool, speculative_sampling_runs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EAGLE = os.path.join(HERE, "fixtures", "families", "eagle3")
@@ -31,12 +31,6 @@ N_PROMPTS = 5
 @pytest.fixture(scope="module")
 def demo():
     return demo_pair()
-
-
-def run_tool(tmp_path, name, *argv):
-    out = tmp_path / f"{name}.json"
-    assert ed.main([*argv, "--quiet", "--output", str(out)]) == 0
-    return json.loads(out.read_text())
 
 
 def specforge_copy(tmp_path, nested_ids=None):
@@ -107,36 +101,36 @@ class OnlineEagle:
             self.head @ rms(h, self.w["norm.weight"])
 
 
-@torch.no_grad()
-def online_rounds(target, drafter, prompt_ids, n_new):
-    K, layers = drafter.block_size - 1, drafter.layers
-    e, fc = OnlineEagle(drafter, target), drafter.weights["fc.weight"].float()
+def eagle_proposer(target, drafter, sampling=None):
+    """The engines' EAGLE-3 round: the drafter's cache re-prefilled over the newly committed window (token j + 1
+    with the target's captured features at j, at position j); draft 1 from the window's last row; each further
+    step feeds back the hidden with the previous draft, one position on, its chain entries dropped after the
+    round. Greedy: argmax drafts; with `sampling`: each step drawn from softmax(logits / T). (drafts, q)."""
+    K, fc, e, done = drafter.block_size - 1, drafter.weights["fc.weight"].float(), OnlineEagle(drafter, target), [0]
 
-    def features(seq):   # the target's captured layers at every position, concatenated in ascending order
-        hs = target(torch.tensor([seq]), output_hidden_states=True).hidden_states
-        return torch.cat([hs[L + 1][0] for L in sorted(layers)], -1)
-
-    seq = list(prompt_ids)
-    seq.append(int(target(torch.tensor([seq])).logits[0, -1].argmax()))
-    rounds, done = [], 0   # done: rows of the drafter's cache written from the target (positions < done)
-    while len(seq) - len(prompt_ids) + K <= n_new:
-        feats = features(seq[:-1])
-        for j in range(done, len(seq) - 1):   # the window re-prefill: token j + 1 with the features at j
+    def propose(seq, g=None):
+        hs = target(torch.tensor([seq[:-1]]), output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[L + 1][0] for L in sorted(drafter.layers)], -1)
+        for j in range(done[0], len(seq) - 1):
             h = e.layer(seq[j + 1], fc @ feats[j], j)
-        done = len(seq) - 1
-        drafts, chain, pos = [], [], len(seq) - 2
+        done[0] = len(seq) - 1
+        drafts, qs, chain, pos = [], [], [], len(seq) - 2
         for s in range(K):
             if s:
                 pos += 1
                 h = e.layer(drafts[-1], h, pos, chain)
-            drafts.append(int(e.logits(h).argmax()))
-        verify = target(torch.tensor([seq + drafts])).logits[0, len(seq) - 1:].argmax(-1).tolist()
-        accepted = 0
-        while accepted < K and drafts[accepted] == verify[accepted]:
-            accepted += 1
-        seq += drafts[:accepted] + [verify[accepted]]
-        rounds.append(accepted + 1)
-    return rounds
+            if sampling is None:
+                drafts.append(int(e.logits(h).argmax()))
+                continue
+            qs.append((e.logits(h).double() / sampling[0]).softmax(-1))
+            drafts.append(int(torch.multinomial(qs[-1], 1, generator=g)))
+        return drafts, qs
+    return propose
+
+
+def online_eagle_rounds(target, drafter, prompt_ids, n_new):
+    propose = eagle_proposer(target, drafter)
+    return online_rounds(target, lambda seq: propose(seq)[0], prompt_ids, n_new, drafter.block_size - 1)
 
 
 @pytest.mark.parametrize("layout,engine", [("speculators", "vllm"), ("specforge", "sglang"), ("specforge", "vllm")])
@@ -152,9 +146,157 @@ def test_rounds_equal_an_online_loop_with_the_engines_cache(tmp_path, demo, layo
     want = [1, 2, 2] if (layout, engine) == ("specforge", "vllm") else [1, 3, 4]
     assert d["layers"] == want
     drafter = ed.load_drafter(path, target.config, drafter_settings(engine=engine, block_size=8))
-    online = [online_rounds(target, drafter, ids, N_NEW) for ids in prompts[:N_PROMPTS]]
+    online = [online_eagle_rounds(target, drafter, ids, N_NEW) for ids in prompts[:N_PROMPTS]]
     assert [p["rounds"] for p in d["prompts"]] == online
     flat = [r for rounds in online for r in rounds]
     assert len(set(flat)) >= 3   # rounds vary: the comparison has teeth
     if layout == "speculators":   # as trained: norm_before_residual (SGLang and SpecForge's layout have none)
         assert max(flat) == drafter.block_size
+
+
+# ----------------------------------------------------------------------------------------------------
+# Every promise: walk mode, depths, saved features, shards, an interruption inside the chain
+
+
+ARGV = ("--demo", "--ckpt", f"e={EAGLE}", "--ckpt", f"d={os.path.join(DEMO, 'drafter')}", "--block-size", "8",
+        "--max-new-tokens", "40", "--ignore-eos", "--limit", "4")
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    return run_tool(tmp_path_factory.mktemp("whole"), "whole", *ARGV, "--depths", "3,5")
+
+
+def results(report):
+    return [{k: v for k, v in d.items() if k != "checkpoint"} for d in report["drafters"]]
+
+
+def test_walk_mode_gives_the_same_rounds(tmp_path, whole):
+    walked = run_tool(tmp_path, "walk", *ARGV, "--anchors", "walk")
+    for got, want in zip(walked["drafters"], whole["drafters"]):
+        assert [p["rounds"] for p in got["prompts"]] == [p["rounds"] for p in want["prompts"]]
+
+
+def test_depths_are_shorter_chains(tmp_path, demo, whole):
+    target, _, prompts = demo
+    e = whole["drafters"][0]
+    drafter = ed.load_drafter(EAGLE, target.config, drafter_settings(block_size=8))
+    for depth in (3, 5):
+        short = ed.replace(drafter, block_size=depth + 1)
+        assert [p["depth_rounds"][str(depth)] for p in e["prompts"]] == \
+            [online_eagle_rounds(target, short, ids, 40) for ids in prompts[:4]]
+
+
+def test_saved_features_and_shards_give_the_same_results(tmp_path, whole):
+    saved = tmp_path / "h.safetensors"
+    assert results(run_tool(tmp_path, "save", *ARGV, "--depths", "3,5", "--save-hidden", str(saved))) == results(whole)
+    argv = [a for a in ARGV if a not in ("--max-new-tokens", "40", "--ignore-eos")]
+    assert results(run_tool(tmp_path, "load", *argv, "--depths", "3,5", "--load-hidden", str(saved))) == results(whole)
+    for k in (1, 2):
+        run_tool(tmp_path, f"s{k}", *ARGV, "--depths", "3,5", "--shard", f"{k}/2")
+    merged = run_tool(tmp_path, "merged", "--merge", str(tmp_path / "s1.json"), str(tmp_path / "s2.json"))
+    assert results(merged) == results(whole)
+
+
+def test_an_interruption_inside_the_chain_loses_nothing(tmp_path, monkeypatch, whole):
+    out, real, calls = tmp_path / "cut.json", ed.eagle_chain, []
+
+    def stopping(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 7:   # the third prompt's trained depth (each prompt: trained depth, depths 3 and 5)
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ed, "eagle_chain", stopping)
+    argv = [*ARGV, "--depths", "3,5", "--quiet", "--output", str(out)]
+    assert ed.main(argv) == 130
+    with open(str(out) + ".partial.jsonl") as f:
+        assert sum("results" in json.loads(line) for line in f) == 2
+    monkeypatch.setattr(ed, "eagle_chain", real)
+    assert ed.main([*argv, "--resume"]) == 0
+    assert results(json.loads(out.read_text())) == results(whole)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sampled proposals (vLLM's probabilistic drafts)
+
+
+def test_sampled_expected_rounds_match_an_online_sampled_loop(tmp_path, demo):
+    from conftest import write_jsonl
+    from test_sampled import mc_check, sampling_argv
+    target, rows, prompts = demo
+    drafter = ed.load_drafter(EAGLE, target.config, drafter_settings(block_size=6))
+    sampling = (0.9, 1.0, 0)
+    runs = speculative_sampling_runs(target, prompts, sampling, 150, 32, drafter.block_size - 1,
+                                     lambda: eagle_proposer(target, drafter, sampling), seed=3000)
+    refs = [{"id": f"run{i}", "prompt": rows[p]["prompt"], "completion_ids": text} for i, (p, text, _) in enumerate(runs)]
+    report = run_tool(tmp_path, "sampled", "--target", os.path.join(DEMO, "target"), "--ckpt", f"e={EAGLE}",
+                      "--block-size", "6", "--prompts", write_jsonl(tmp_path / "refs.jsonl", refs), "--draft-policy",
+                      "sample", *sampling_argv(sampling))
+    _, _, sd = mc_check(runs, report)
+    assert sd > 0.3   # the runs do vary: the check has power
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading
+
+
+def test_load_line_and_json_say_the_conventions(tmp_path, capsys):
+    sf = specforge_copy(tmp_path, [1, 3, 4])
+    assert ed.main(["--demo", "--ckpt", f"s={EAGLE}", "--ckpt", f"f={sf}", "--limit", "1", "--max-new-tokens", "16",
+                    "--output", str(tmp_path / "o.json")]) == 0
+    err = capsys.readouterr().err
+    assert "drafter s: EAGLE-3, speculators layout; captured layers [1, 3, 4] from eagle_aux_hidden_state_layer_ids " \
+           "(hidden_states indices); 3 steps a round; norm_before_residual True" in err
+    assert "drafter f: EAGLE-3, SpecForge layout; captured layers [1, 2, 2] from the engines' default (vLLM ignores " \
+           "eagle_config's ids; --engine sglang reads them)" in err
+    assert "references are generated by plain decoding" in err
+    report = json.loads((tmp_path / "o.json").read_text())
+    s, f = report["drafters"]
+    assert s["head"] == {"norm_before_residual": True, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+                         "engine": "vllm"}
+    assert f["head"]["norm_before_residual"] is False and report["config"]["engine"] == "vllm"
+    assert s["drafts_per_round"] == 3 and s["ddtree"] is None and "EAGLE-3 drafts a chain" in s["ddtree_note"]
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--layers", "1,3"], "fc expects 3 captured layers, --layers gives [1, 3]"),
+    (["--layers", "1,3,5"], "captured layer ids [1, 3, 5] (--layers) must lie in 0..4"),
+])
+def test_refusals_are_one_line(capsys, argv, fragment):
+    assert ed.main(["--demo", "--ckpt", EAGLE, "--quiet", "--limit", "1", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0], err
+
+
+def test_a_missing_layer_tensor_is_named(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+    out = tmp_path / "broken"
+    shutil.copytree(EAGLE, out)
+    state = load_file(str(out / "model.safetensors"))
+    state.pop("layers.0.post_attention_layernorm.weight")
+    save_file(state, str(out / "model.safetensors"))
+    assert ed.main(["--demo", "--ckpt", str(out), "--quiet", "--limit", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "1 missing (layers.0.post_attention_layernorm.weight)" in err[0], err
+
+
+def test_a_specforge_training_state_equals_its_export(tmp_path):
+    from safetensors.torch import load_file
+    from test_layouts import training_state
+    export = specforge_copy(tmp_path, [1, 3, 4])
+    weights = load_file(os.path.join(export, "model.safetensors"))
+    weights.pop("lm_head.weight")   # SpecForge's state keeps lm_head, d2t, t2d; here its head is the target's
+    step = training_state(str(tmp_path / "run" / "specforge-run-step600" / "training_state.pt"),
+                          {**weights, "lm_head.weight": load_file(os.path.join(EAGLE, "model.safetensors"))["lm_head.weight"]})
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(export, bf16)
+    from safetensors.torch import save_file
+    save_file({k: v.to(torch.bfloat16).float().contiguous() for k, v in load_file(str(bf16 / "model.safetensors")).items()},
+              str(bf16 / "model.safetensors"))
+    report = run_tool(tmp_path, "sf", "--demo", "--limit", "3", "--max-new-tokens", "32", "--engine", "sglang",
+                      "--ckpt", f"export={bf16}", "--ckpt", f"state={os.path.dirname(step)}", "--drafter-config",
+                      os.path.join(export, "config.json"))
+    a, b = report["drafters"]
+    assert b["generation"] == "EAGLE-3" and b["layers"] == a["layers"] == [1, 3, 4]
+    assert [p["rounds"] for p in b["prompts"]] == [p["rounds"] for p in a["prompts"]]

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import eval_drafter as ed
 from conftest import drafter_settings, online_draft_hidden, write_jsonl
-from drafters import DEMO, demo_pair
+from drafters import DEMO, demo_pair, online_rounds, run_tool, speculative_sampling_runs
 from test_sampled import mc_check, sampling_argv
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -63,12 +63,6 @@ def family_dir(tmp_path, fixture, dflash=None, weights=None):
         state = load_file(str(out / "model.safetensors"))
         save_file({k: v.contiguous() for k, v in weights(state).items()}, str(out / "model.safetensors"))
     return str(out)
-
-
-def run_tool(tmp_path, name, *argv):
-    out = tmp_path / f"{name}.json"
-    assert ed.main([*argv, "--quiet", "--output", str(out)]) == 0
-    return json.loads(out.read_text())
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -139,24 +133,6 @@ def engine_propose(target, drafter, seq, topk=0, pool=0):
         return dspark_drafts(hidden, seq[-1], lm_head, drafter.weights, head["kind"], topk)[0]
     rows = hidden[:-1] if head["shift"] else hidden[1:]
     return domino_drafts(rows, seq[-1], lm_head, embed_w, drafter.weights, head["prefix"], pool)
-
-
-@torch.no_grad()
-def online_rounds(target, propose, prompt_ids, n_new, n_drafts):
-    """Greedy speculative decoding: every round, draft from the committed tokens, verify with a fresh target
-    pass, keep the accepted drafts and the target's token; until the next block would pass n_new tokens."""
-    seq = list(prompt_ids)
-    seq.append(int(target(torch.tensor([seq])).logits[0, -1].argmax()))
-    rounds = []
-    while len(seq) - len(prompt_ids) + n_drafts <= n_new:
-        anchor, drafts = len(seq) - 1, propose(seq)
-        verify = target(torch.tensor([seq + drafts])).logits[0, anchor:].argmax(-1).tolist()
-        accepted = 0
-        while accepted < n_drafts and drafts[accepted] == verify[accepted]:
-            accepted += 1
-        seq += drafts[:accepted] + [verify[accepted]]
-        rounds.append(accepted + 1)
-    return rounds
 
 
 def tool_and_online(tmp_path, demo, path, *argv, topk=0, pool=0):
@@ -291,49 +267,13 @@ def test_drafts_equal_specforge_classes(tmp_path, demo, case):
 # Sampled DSpark
 
 
-@torch.no_grad()
-def online_sampled_runs(target, drafter, prompts, sampling, runs, n_new, seed=2000):
-    """`runs` runs of speculative sampling with drafts sampled slot by slot from the DSpark drafter at the
-    target's temperature: accept draft x with min(1, p(x) / q(x)), else a token from max(0, p - q) renormalized;
-    all accepted: a bonus token from p. [(prompt index, the first n_new completion tokens, counted rounds)]."""
-    N, out = drafter.block_size - 1, []
-    lm_head = target.get_output_embeddings()
-
-    def p_of(logits):
-        return ed.sampling_probs(logits, sampling).double()
-
-    for i in range(runs):
-        g = torch.Generator().manual_seed(seed + i)
-        ids = prompts[i % len(prompts)]
-        seq = list(ids)
-        seq.append(int(torch.multinomial(p_of(target(torch.tensor([seq])).logits[0, -1:])[0], 1, generator=g)))
-        rounds = []
-        while len(seq) - len(ids) < n_new + N:
-            anchor = len(seq) - 1
-            hidden = online_draft_hidden(target, drafter, seq, N)
-            drafts, qs = dspark_drafts(hidden, seq[-1], lm_head, drafter.weights, drafter.head["kind"],
-                                       temperature=sampling[0], generator=g)
-            ps = p_of(target(torch.tensor([seq + drafts])).logits[0, anchor:])
-            accepted, token = 0, None
-            for j, x in enumerate(drafts):
-                if torch.rand(1, generator=g).item() < min(1.0, float(ps[j, x] / qs[j][x])):
-                    accepted += 1
-                    continue
-                residual = (ps[j] - qs[j]).clamp_min(0)
-                token = int(torch.multinomial(residual / residual.sum(), 1, generator=g))
-                break
-            if token is None:
-                token = int(torch.multinomial(ps[N], 1, generator=g))
-            seq += drafts[:accepted] + [token]
-            rounds.append(accepted + 1)
-        counted, at = [], 0
-        for length in rounds:   # the rounds whose block lies inside the first n_new tokens (the tool's rule)
-            if at + N > n_new - 1:
-                break
-            counted.append(length)
-            at += length
-        out.append((i % len(prompts), seq[len(ids):len(ids) + n_new], counted))
-    return out
+def dspark_proposer(target, drafter, sampling):
+    """Drafts sampled slot by slot from the DSpark drafter at the target's temperature."""
+    def propose(seq, g):
+        hidden = online_draft_hidden(target, drafter, seq, drafter.block_size - 1)
+        return dspark_drafts(hidden, seq[-1], target.get_output_embeddings(), drafter.weights, drafter.head["kind"],
+                             temperature=sampling[0], generator=g)
+    return propose
 
 
 def test_sampled_dspark_expected_rounds_match_an_online_sampled_loop(tmp_path, demo):
@@ -341,7 +281,8 @@ def test_sampled_dspark_expected_rounds_match_an_online_sampled_loop(tmp_path, d
     path = family_dir(tmp_path, "dspark_rnn")
     drafter = ed.load_drafter(path, target.config, drafter_settings())
     sampling = (0.8, 1.0, 0)
-    runs = online_sampled_runs(target, drafter, prompts, sampling, 150, 32)
+    runs = speculative_sampling_runs(target, prompts, sampling, 150, 32, drafter.block_size - 1,
+                                     lambda: dspark_proposer(target, drafter, sampling), seed=2000)
     refs = [{"id": f"run{i}", "prompt": rows[p]["prompt"], "completion_ids": text} for i, (p, text, _) in enumerate(runs)]
     report = run_tool(tmp_path, "sampled", "--target", os.path.join(DEMO, "target"), "--ckpt", f"d={path}",
                       "--prompts", write_jsonl(tmp_path / "refs.jsonl", refs), "--draft-policy", "sample",
