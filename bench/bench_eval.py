@@ -32,7 +32,8 @@ target's own greedy output (given as completion_ids, so no generation is timed i
      worst case of the top-p cut (each row sorted).
   l. DSpark (vanilla and rnn heads, rank 256) and Domino (GRU 256, bottleneck 256, P = 1) drafters of the same
      backbone shape: drafter time per anchor against DFlash's, and the sequential part's share (the slot-by-slot
-     head against the same rows through one batched argmax).
+     head against the same rows through one batched argmax); an EAGLE-3 drafter of the same hidden size drafting
+     as many tokens (its causal pass over the text and its chained steps).
   i. local references for a hybrid target (the bundled hybrid demo pair, Qwen3.5 layers): plain greedy
      decoding against speculative decoding with the state snapshot (goal: >= 2x at tau >= 4); equal tokens.
   Also: whole-process time of `eval_drafter.py --demo --limit 2 --quiet` split into imports and the rest;
@@ -474,8 +475,9 @@ def bench_settings(paths, args):
 
 
 def time_per_anchor(paths, args, model, variants, span):
-    """Each drafter's draft_all_anchors time per anchor on the longest prompt's features, at the anchors where a
-    round of `span` tokens fits (best of --repeats after a warm-up)."""
+    """Each drafter's time per anchor on the longest prompt's features, at the anchors where a round of `span`
+    tokens fits: its context (DFlash's projected K/V; EAGLE-3's causal pass over the text) and draft_all_anchors
+    (best of --repeats after a warm-up)."""
     item = max(tool_prompts(paths["prompts"], paths["target"]), key=lambda it: len(it["prompt_ids"]))
     ids = item["prompt_ids"] + item["completion_ids"]
     layers = sorted({L for d in variants.values() for L in d.layers})
@@ -483,13 +485,12 @@ def time_per_anchor(paths, args, model, variants, span):
     anchors = ed.fitting_anchors(len(item["prompt_ids"]), len(ids), span).to(args.device)
     ids_t = torch.tensor(ids, device=args.device)
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings()
-    contexts = {name: ed.prompt_context(d, features) for name, d in variants.items()}
     times = {name: [] for name in variants}
     for i in range(2 * args.repeats + 1):   # the variants in turn, so that a slow spell of the machine hits all
         for name, d in variants.items():
             sync(args.device)
             start = time.perf_counter()
-            ed.draft_all_anchors(d, contexts[name], anchors, ids_t[anchors], embed, head)
+            ed.draft_all_anchors(d, ed.prompt_context(d, features, ids, embed), anchors, ids_t[anchors], embed, head)
             sync(args.device)
             if i:
                 times[name].append(time.perf_counter() - start)
@@ -524,6 +525,14 @@ def measure_families(paths, args, work, dcfg):
         md.save_drafter(path, cfg, weights)
         d = ed.load_drafter(f"{name}={path}", ed.read_target_config(paths["target"]), settings)
         variants[name], variants[name + " without its head"] = d, replace(d, generation="DFlash")
+    # EAGLE-3 of the same hidden size: one layer (the DFlash drafter's widths), one step per DFlash draft
+    layer = {k: dcfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                  "head_dim", "rms_norm_eps", "max_position_embeddings", "rope_theta", "vocab_size")}
+    layer.update(model_type="qwen3", num_hidden_layers=1, attention_bias=False)
+    path = os.path.join(work, "eagle3")
+    md.save_drafter(path, md.eagle3_config(layer, one.layers, one.block_size - 1),
+                    md.eagle3_weights(layer, len(one.layers), 0, scale=0.05))
+    variants["EAGLE-3"] = ed.load_drafter(f"eagle3={path}", ed.read_target_config(paths["target"]), settings)
     return time_per_anchor(paths, args, model, variants, one.block_size + 1)   # DSpark's rounds are one longer
 
 
@@ -532,7 +541,9 @@ def report_families(f):
     one = t["DFlash"]
     parts = [f"{name} {t[name] * 1e3:.3f} ms (x{t[name] / one:.2f}; sequential part "
              f"{(t[name] - t[name + ' without its head']) / t[name]:.1%})" for name in FAMILY_BENCH]
-    say(f"l. DSpark and Domino against DFlash of the same shape, drafter only, {f['anchors']} anchors, per anchor: "
+    parts.append(f"EAGLE-3 {t['EAGLE-3'] * 1e3:.3f} ms (x{t['EAGLE-3'] / one:.2f})")
+    say(f"l. DSpark, Domino and EAGLE-3 against DFlash of the same shape, drafter only (its context included), "
+        f"{f['anchors']} anchors, per anchor: "
         f"DFlash {one * 1e3:.3f} ms; " + "; ".join(parts) + " (DSpark drafts one more token a round: its anchor's "
         "slot drafts too)")
 

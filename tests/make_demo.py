@@ -323,18 +323,7 @@ def train_eagle3(out_dir, target, data, steps=600, ttt=3, anchors_per_step=48, l
     layer = {"model_type": "qwen3", "hidden_size": H, "intermediate_size": 192, "num_hidden_layers": 1,
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
              "max_position_embeddings": 512, "rope_theta": 10000.0, "vocab_size": V, "attention_bias": False}
-    g = torch.Generator().manual_seed(3)
-
-    def rnd(*shape):
-        return (torch.randn(*shape, generator=g) * 0.08).requires_grad_()
-    p, ones = "layers.0.", lambda n: torch.ones(n).requires_grad_()
-    weights = {"fc.weight": rnd(H, len(layer_ids) * H), "norm.weight": ones(H), p + "hidden_norm.weight": ones(H),
-               p + "input_layernorm.weight": ones(H), p + "post_attention_layernorm.weight": ones(H),
-               p + "self_attn.q_proj.weight": rnd(64, 2 * H), p + "self_attn.k_proj.weight": rnd(32, 2 * H),
-               p + "self_attn.v_proj.weight": rnd(32, 2 * H), p + "self_attn.o_proj.weight": rnd(H, 64),
-               p + "self_attn.q_norm.weight": ones(16), p + "self_attn.k_norm.weight": ones(16),
-               p + "mlp.gate_proj.weight": rnd(192, H), p + "mlp.up_proj.weight": rnd(192, H),
-               p + "mlp.down_proj.weight": rnd(H, 192)}
+    weights = {k: v.requires_grad_() for k, v in eagle3_weights(layer, len(layer_ids), 3).items()}
     drafter = ed.Drafter(name="training", checkpoint=out_dir, cfg=layer, weights=weights, layers=list(layer_ids),
                          block_size=ttt + 1, mask_token_id=-1, rules=[], rope=ed.build_rope(layer, "cpu"),
                          logit_rows=ed.LOGIT_ROWS_PER_CHUNK, generation="EAGLE-3",
@@ -354,16 +343,38 @@ def train_eagle3(out_dir, target, data, steps=600, ttt=3, anchors_per_step=48, l
         logits = ed.eagle_chain(drafter, context, anchors, None, embed.weight, head, "training", labels)
         return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels)
     optimize(weights.values(), steps, loss_of, "eagle3")
-    spec = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"], "transformer_layer_config": layer,
-            "draft_vocab_size": V, "norm_before_residual": True, "target_hidden_size": None,
+    save_drafter(out_dir, eagle3_config(layer, layer_ids, ttt), {**{k: v.detach() for k, v in weights.items()},
+                                                                  "lm_head.weight": head.weight.detach().clone()})
+
+
+def eagle3_weights(layer, n_aux, seed, scale=0.08):
+    """An EAGLE-3 drafter's tensors for a Qwen3-like layer config, randomly initialised (norm weights = 1)."""
+    g = torch.Generator().manual_seed(seed)
+    H, I, hd = layer["hidden_size"], layer["intermediate_size"], layer["head_dim"]
+    q, kv = layer["num_attention_heads"] * hd, layer["num_key_value_heads"] * hd
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g) * scale
+    p = "layers.0."
+    return {"fc.weight": rnd(H, n_aux * H), "norm.weight": torch.ones(H), p + "hidden_norm.weight": torch.ones(H),
+            p + "input_layernorm.weight": torch.ones(H), p + "post_attention_layernorm.weight": torch.ones(H),
+            p + "self_attn.q_proj.weight": rnd(q, 2 * H), p + "self_attn.k_proj.weight": rnd(kv, 2 * H),
+            p + "self_attn.v_proj.weight": rnd(kv, 2 * H), p + "self_attn.o_proj.weight": rnd(H, q),
+            p + "self_attn.q_norm.weight": torch.ones(hd), p + "self_attn.k_norm.weight": torch.ones(hd),
+            p + "mlp.gate_proj.weight": rnd(I, H), p + "mlp.up_proj.weight": rnd(I, H), p + "mlp.down_proj.weight": rnd(H, I)}
+
+
+def eagle3_config(layer, layer_ids, steps):
+    """speculators' eagle3 config: the layer under transformer_layer_config, the captured layers (this tool's layer
+    ids, layer outputs) as hidden_states indices, norm_before_residual as speculators' trainer sets it."""
+    return {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"], "transformer_layer_config": layer,
+            "draft_vocab_size": layer["vocab_size"], "norm_before_residual": True, "target_hidden_size": None,
             "eagle_aux_hidden_state_layer_ids": [i + 1 for i in layer_ids], "norm_before_fc": False, "fc_norm": False,
             "norm_output": False, "speculators_version": "0.9.0",
             "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
-                                   "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": ttt,
+                                   "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": steps,
                                                          "verifier_accept_k": 1, "accept_tolerance": 0.0}],
                                    "verifier": {"name_or_path": None, "architectures": ["Qwen3ForCausalLM"]}}}
-    save_drafter(out_dir, spec, {**{k: v.detach() for k, v in weights.items()},
-                                 "lm_head.weight": head.weight.detach().clone()})
 
 
 def make_families(out=None, only=None):
