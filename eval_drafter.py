@@ -22,10 +22,9 @@ Data flows top to bottom: CLI -> prompts -> target -> hidden states -> drafter -
 sections, in order: CLI and resolved settings; prompts; target; references from a serving engine; sampled
 decoding, target side; drafter loading and checking (every layout, training runs); the drafter's forward
 pass and its proposal rule (each slot's argmax, DFlash 2's selector, DSpark's and Domino's chained heads,
-EAGLE-3's chain);
-DDTree; the mask check; metrics; serving (the engines' figures, costs, predicted speedup); report; main (the
-run, shards, torchrun); nothing lost (the partial file, resume, reference generation); the hidden-state
-cache. Only torch, transformers, safetensors, numpy, tqdm and the standard library are used.
+EAGLE-3's chain); DDTree; the mask check; metrics; serving (the engines' figures, costs, predicted speedup);
+report; main (the run, shards, torchrun); nothing lost (the partial file, resume, reference generation); the
+hidden-state cache. Only torch, transformers, safetensors, numpy, tqdm and the standard library are used.
 """
 import argparse
 import contextlib
@@ -1530,7 +1529,7 @@ class Drafter:
     rules: list                 # in-block attention per layer: (mode, window)
     rope: object                # transformers' rotary embedding for the config
     logit_rows: int             # rows per lm_head call
-    generation: str = "DFlash"  # or "DFlash 2" (conv taps, the candidate path selector), "DSpark", "Domino"
+    generation: str = "DFlash"  # or "DFlash 2" (conv taps, candidate path selector), "DSpark", "Domino", "EAGLE-3"
     layout: str = "public"      # or "transformers-native assistant"
     embed_scale: float = 1.0    # block embeddings = raw rows of the target's embedding matrix x this
     logit_multiplier: float = 1.0
@@ -1544,7 +1543,7 @@ class Drafter:
     vocab: tuple = None         # a reduced draft vocabulary: (target id of each draft id, draft id of each target id)
     step: int = None            # one step of a training run (--ckpt NAME=RUN_DIR): loaded when its turn comes
     reload: object = None       # () -> its weights, for a step released between groups of prompts
-    head: dict = None           # DSpark's Markov head {kind, rank, topk}; Domino's {prefix, shift, pool}
+    head: dict = None           # DSpark's Markov head {kind, rank, topk}; Domino's {prefix, shift, pool}; EAGLE-3's norms
 
 
 def dflash_value(cfg, name, default=None):
@@ -1664,10 +1663,7 @@ def load_drafter(spec, target_cfg, settings, identify=True):
     # DSpark drafts from the anchor's slot too: SpecForge trains it so, speculators and the engines default to it
     from_anchor = spec_cfg.get("sample_from_anchor", generation == "DSpark" and cfg.get("sample_from_anchor", True))
 
-    hidden = cfg.get("hidden_size")
-    if hidden != target_cfg.hidden_size:
-        fail(f"drafter {name} has hidden size {hidden} but the target has {target_cfg.hidden_size}: "
-             "it was trained for another target")
+    check_hidden(cfg, target_cfg, name)
     layer_ids = drafter_layer_ids(cfg, state, target_cfg, settings, name)
     mask_id = settings.get("mask_token_id")
     mask_id = dflash_value(cfg, "mask_token_id") if mask_id is None else mask_id
@@ -1694,24 +1690,38 @@ def load_drafter(spec, target_cfg, settings, identify=True):
     conv, top_k = dflash2_settings(cfg, state, name, settings) if generation == "DFlash 2" else ((), 0)
     check_drafter_tensors(state, expected_tensors(cfg, conv, generation, state, target_cfg.vocab_size, head,
                                                   len(vocab[0]) if vocab is not None else None), name, generation)
+    facts = (cfg, layer_ids, block_size + from_anchor, int(mask_id), rules, generation, conv, top_k, head)
+    return drafter_record(state, carried, vocab, target_cfg, settings, identify, facts, name=name,
+                          checkpoint=os.path.abspath(path), cfg=cfg, layers=layer_ids, block_size=block_size + from_anchor,
+                          mask_token_id=int(mask_id), rules=rules, generation=generation, layout=layout,
+                          embed_scale=float(dflash_value(cfg, "input_embedding_scale", 1.0)),
+                          logit_multiplier=float(dflash_value(cfg, "output_multiplier", 1.0)),
+                          softcap=float(dflash_value(cfg, "final_logit_softcapping", 0.0)), conv=conv,
+                          selector_top_k=top_k, from_anchor=from_anchor, warnings=config_warnings(cfg, target_cfg),
+                          head=head)
+
+
+def check_hidden(cfg, target_cfg, name):
+    if cfg.get("hidden_size") != target_cfg.hidden_size:
+        fail(f"drafter {name} has hidden size {cfg.get('hidden_size')} but the target has {target_cfg.hidden_size}: "
+             "it was trained for another target")
+
+
+def drafter_record(state, carried, vocab, target_cfg, settings, identify, facts, **fields):
+    """The Drafter: its tensors (with its own lm_head where it drafts over a vocabulary of its own) on the run's
+    device and dtype, its rows per lm_head call, and, when identified (once, not at every reload of a training
+    run's step), its hash over the tensors and `facts` and the warnings for copies of the target's tensors."""
     if vocab is not None:
         state["lm_head.weight"] = carried["lm_head.weight"]
-    dtype = getattr(torch, settings["dtype"])
-    weights = {k: v.to(device=settings["device"], dtype=dtype) for k, v in state.items()}
+    dtype, dev = getattr(torch, settings["dtype"]), settings["device"]
     # Logits plus their log-softmax, float32: below ~256 rows the lm_head matmul loses speed, above it gains
     # little; a 248k vocab at the default budget gets 256.
     logit_rows = min(2048, max(16, int(settings["max_memory_gb"] * 2**30 / (8 * target_cfg.vocab_size))))
-    d = Drafter(name=name, checkpoint=os.path.abspath(path), cfg=cfg, weights=weights, layers=layer_ids,
-                block_size=block_size + from_anchor, mask_token_id=int(mask_id), rules=rules,
-                rope=build_rope(cfg, settings["device"]), logit_rows=logit_rows, generation=generation,
-                layout=layout, embed_scale=float(dflash_value(cfg, "input_embedding_scale", 1.0)),
-                logit_multiplier=float(dflash_value(cfg, "output_multiplier", 1.0)),
-                softcap=float(dflash_value(cfg, "final_logit_softcapping", 0.0)), conv=conv, selector_top_k=top_k,
-                from_anchor=from_anchor, vocab=None if vocab is None else tuple(v.to(settings["device"]) for v in vocab),
-                warnings=config_warnings(cfg, target_cfg), head=head)
-    if identify:   # the identity and what the drafter carries of the target: once, not at every reload
-        d.hash = content_hash({**state, **{k: carried[k] for k in ("d2t", "t2d") if k in carried}}, cfg, d.layers,
-                              d.block_size, d.mask_token_id, d.rules, d.generation, d.conv, top_k, head)
+    d = Drafter(weights={k: v.to(device=dev, dtype=dtype) for k, v in state.items()}, logit_rows=logit_rows,
+                rope=build_rope(fields["cfg"], dev), vocab=None if vocab is None else tuple(v.to(dev) for v in vocab),
+                **fields)
+    if identify:
+        d.hash = content_hash({**state, **{k: carried[k] for k in ("d2t", "t2d") if k in carried}}, *facts)
         d.warnings += carried_copies(carried, vocab, settings.get("target"))
     return d
 
@@ -1830,9 +1840,7 @@ def eagle3_layers(e, target_cfg, settings, name, n_fc):
 def load_eagle3(name, path, cfg, state, layout, target_cfg, settings, identify):
     """An EAGLE-3 drafter: one decoder layer over [embedding; fused target features], chained K steps."""
     e, H = cfg["eagle"], cfg["hidden_size"]
-    if H != target_cfg.hidden_size:
-        fail(f"drafter {name} has hidden size {H} but the target has {target_cfg.hidden_size}: it was trained for "
-             "another target")
+    check_hidden(cfg, target_cfg, name)
     if "fc.weight" not in state or "layers.0.hidden_norm.weight" not in state:
         fail(f"drafter {name}: an EAGLE-3 drafter needs fc.weight and layers.0.hidden_norm.weight (or midlayer.*)")
     n_fc = state["fc.weight"].shape[1] // target_cfg.hidden_size
@@ -1850,35 +1858,18 @@ def load_eagle3(name, path, cfg, state, layout, target_cfg, settings, identify):
                   f"{'post' if head['norm_output'] else 'pre'}-norm hidden" +
                   ("; SpecForge's norm_output means the norm before lm_head, the engines read it as the hidden fed "
                    "back: the engines' reading is used" if e["norm_output_given"] and layout == "SpecForge" else ""))
-    p, hd = "layers.0.", head_dim_of(cfg)
-    q, kv, I = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd, cfg["intermediate_size"]
-    shapes = {"fc.weight": (H, n_fc * target_cfg.hidden_size), "norm.weight": (H,), p + "hidden_norm.weight": (H,),
-              p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
-              p + "self_attn.q_proj.weight": (q, 2 * H), p + "self_attn.k_proj.weight": (kv, 2 * H),
-              p + "self_attn.v_proj.weight": (kv, 2 * H), p + "self_attn.o_proj.weight": (H, q),
-              p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H), p + "mlp.down_proj.weight": (H, I)}
-    if p + "self_attn.q_norm.weight" in state:   # a Qwen3 layer
-        shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    shapes = expected_tensors(cfg, (), "EAGLE-3", state, target_cfg.vocab_size)
+    shapes["fc.weight"] = (H, n_fc * target_cfg.hidden_size)
     if head["norm_before_fc"]:
         shapes["input_norm.weight"] = (n_fc * target_cfg.hidden_size,)
     if head["fc_norm"]:
         shapes.update({f"fc_norm.{i}.weight": (target_cfg.hidden_size,) for i in range(n_fc)})
     check_drafter_tensors(state, shapes, name, "EAGLE-3")
-    if vocab is not None:
-        state["lm_head.weight"] = carried["lm_head.weight"]
-    dtype = getattr(torch, settings["dtype"])
-    logit_rows = min(2048, max(16, int(settings["max_memory_gb"] * 2**30 / (8 * target_cfg.vocab_size))))
-    d = Drafter(name=name, checkpoint=os.path.abspath(path), cfg=cfg, layers=layers, block_size=steps + 1,
-                weights={k: v.to(device=settings["device"], dtype=dtype) for k, v in state.items()},
-                mask_token_id=-1, rules=[], rope=build_rope(cfg, settings["device"]), logit_rows=logit_rows,
-                generation="EAGLE-3", layout=layout, head=head, warnings=[],
-                vocab=None if vocab is None else tuple(v.to(settings["device"]) for v in vocab))
-    if identify:
-        d.hash = content_hash({**state, **{k: carried[k] for k in ("d2t", "t2d") if k in carried}}, cfg, d.layers,
-                              d.block_size, d.generation, head)
-        d.warnings += carried_copies({k: v for k, v in carried.items() if k != "lm_head.weight"}, vocab,
-                                     settings.get("target"))
-    return d
+    # its own lm_head is never the target's to warn about: vocab holds it (an identity mapping at full vocabulary)
+    return drafter_record(state, carried, vocab, target_cfg, settings, identify,
+                          (cfg, layers, steps + 1, "EAGLE-3", head), name=name, checkpoint=os.path.abspath(path),
+                          cfg=cfg, layers=layers, block_size=steps + 1, mask_token_id=-1, rules=[],
+                          generation="EAGLE-3", layout=layout, head=head, warnings=[])
 
 
 def draft_vocabulary(carried, cfg, target_cfg, name):
@@ -1997,15 +1988,20 @@ def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab
     """{name: shape} of every tensor a drafter of this config holds (None: a dimension checked elsewhere)."""
     H, I, hd = cfg["hidden_size"], cfg.get("intermediate_size"), head_dim_of(cfg)
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    eagle = generation == "EAGLE-3"   # one layer, q/k/v over [embedding; features] (2H); Llama's has no q/k norm
+    width = 2 * H if eagle else H
     per_layer = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
                  "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I),
-                 "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
-                 "self_attn.v_proj.weight": (kv, H), "self_attn.o_proj.weight": (H, q),
-                 "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)}
+                 "self_attn.q_proj.weight": (q, width), "self_attn.k_proj.weight": (kv, width),
+                 "self_attn.v_proj.weight": (kv, width), "self_attn.o_proj.weight": (H, q)}
+    if not eagle or "layers.0.self_attn.q_norm.weight" in state:
+        per_layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+    if eagle:
+        per_layer["hidden_norm.weight"] = (H,)
     if cfg.get("attention_bias"):
         per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
                           "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.bias": (H,)})
-    shapes = {"fc.weight": (H, None), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+    shapes = {"fc.weight": (H, None), "norm.weight": (H,), **({} if eagle else {"hidden_norm.weight": (H,)})}
     if generation == "DFlash 2":
         K, groups = conv[0], H // conv[1]
         for sub in ("attention_conv", "mlp_conv"):
@@ -2026,7 +2022,7 @@ def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab
         G, E = dflash_value(cfg, "gru_hidden_dim"), dflash_value(cfg, "emb_dim")
         shapes.update({"prefix_gru.weight_ih_l0": (3 * G, H), "prefix_gru.weight_hh_l0": (3 * G, G),
                        "embed_proj.0.weight": (E, H + G), "embed_proj.2.weight": (vocab, E)})
-    for i in range(cfg.get("num_hidden_layers", 0)):
+    for i in range(1 if eagle else cfg.get("num_hidden_layers", 0)):
         shapes.update({f"layers.{i}.{k}": shape for k, shape in per_layer.items()})
     return shapes
 
@@ -2430,12 +2426,20 @@ def chain_drafts(drafter, head, hidden, first, embed_w, prompt_id, given=None, s
         if keep is not None:
             logits = logits.masked_fill(~keep, -math.inf)
             drafted = to_target(drafter, logits.argmax(-1))
-        if given is None:
-            out[:, k] = prev = drafted
-        else:
-            prev, tokens = given[:, k], to_draft(drafter, given[:, k])
-            out[:, k] = sampled_prob(logits, tokens.clamp(min=0), (sampling[0], 1.0, 0)) * (tokens >= 0)
+        prev = chain_step(drafter, out, k, logits, drafted, given, sampling)
     return out
+
+
+def chain_step(drafter, out, k, logits, drafted, given, sampling):
+    """Slot k of a chained proposal: out[:, k] = its draft, or with `given` tokens their probability under
+    softmax(logits / T) (the engines sample drafts at the temperature alone). Returns the token the next slot
+    follows."""
+    if given is None:
+        out[:, k] = drafted
+        return drafted
+    tokens = to_draft(drafter, given[:, k])
+    out[:, k] = sampled_prob(logits, tokens.clamp(min=0), (sampling[0], 1.0, 0)) * (tokens >= 0)
+    return given[:, k]
 
 
 def corrected(drafter, raw, rows, prev, state, k, embed_w):
@@ -2541,14 +2545,11 @@ def eagle_chain(d, context, anchors, starts, embed_w, head, prompt_id, given=Non
         normed = rms_norm(h, w["norm.weight"], eps)
         fed = normed if d.head["norm_output"] else h
         logits, drafted = drafter_logits(d, head, normed, prompt_id)
-        if given is None:
-            out[:, s] = prev = drafted
-        elif sampling is None:
+        if given is not None and sampling is None:   # training: every step's logits
             steps.append(logits)
             prev = given[:, s]
         else:
-            prev, tokens = given[:, s], to_draft(d, given[:, s])
-            out[:, s] = sampled_prob(logits, tokens.clamp(min=0), (sampling[0], 1.0, 0)) * (tokens >= 0)
+            prev = chain_step(d, out, s, logits, drafted, given, sampling)
     return torch.stack(steps, 1) if steps else out
 
 

@@ -184,7 +184,7 @@ def test_the_engines_narrowing_equals_an_online_loop(tmp_path, demo, case, flag,
 # SpecForge's own classes
 
 
-def specforge_model(path, cfg):
+def specforge_model(path, cfg, tmp_path):
     """SpecForge's DSparkDraftModel / DominoDraftModel for a drafter's config (SpecForge's export form) with the
     fixture's tensors."""
     if os.environ.get("EVAL_DRAFTER_REQUIRE_SPECFORGE"):   # CI: the reference must be there, not skipped
@@ -193,7 +193,7 @@ def specforge_model(path, cfg):
         draft = pytest.importorskip("specforge.modeling.auto",
                                     reason="specforge 0.2.0 does not import here: pip install --no-deps specforge==0.2.0")
     from safetensors.torch import load_file
-    config_path = os.path.join(os.path.dirname(path) if path.endswith(".json") else path, "sf_config.json")
+    config_path = str(tmp_path / "sf_config.json")   # beside the test's files, never in the committed fixture
     with open(config_path, "w") as f:
         json.dump(cfg, f)
     model = draft.AutoDraftModel.from_config(draft.AutoDraftModelConfig.from_file(config_path), torch_dtype=torch.float32)
@@ -232,7 +232,7 @@ def gated_from_rnn(tmp_path):
 def test_drafts_equal_specforge_classes(tmp_path, demo, case):
     target, rows, prompts = demo
     path = gated_from_rnn(tmp_path) if case == "dspark_gated" else family_dir(tmp_path, *CASES[case])
-    model = specforge_model(path, specforge_config(path))
+    model = specforge_model(path, specforge_config(path), tmp_path)
     drafter = ed.load_drafter(path, target.config, drafter_settings())
     ids = prompts[0] + ed.plain_generate(target, prompts[0], 40, set())
     n_prompt, slots = len(prompts[0]), drafter.block_size - drafter.from_anchor
