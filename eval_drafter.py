@@ -8,23 +8,24 @@ replays the greedy speculative walk. The rounds equal those of a real decoding l
 the target's own greedy output (the "target agreement" line says how close yours is). Drafters: DFlash,
 DFlash 2 (conv taps, candidate path selector), DSpark (a Markov head over the previous draft) and Domino (a GRU
 over the drafted prefix), in z-lab's, transformers' native, speculators' (reduced draft vocabularies,
-sample_from_anchor) or SpecForge's layout, a training run's steps as a series, and the EAGLE-3 baseline (a
-causal pass over the text, then K chained steps); targets: any decoder-only transformers model (Qwen3, hybrid
-Qwen3.5/3.6, Llama, gpt-oss, ...).
+sample_from_anchor) or SpecForge's layout, a training run's steps as a series, and the baselines they must beat:
+EAGLE-3 and the target's own MTP layer (a causal pass over the text, then K chained steps); targets: any
+decoder-only transformers model (Qwen3, hybrid Qwen3.5/3.6, Llama, gpt-oss, ...).
 
     python eval_drafter.py --target QWEN_DIR --ckpt DRAFTER --prompts prompts.jsonl
     python eval_drafter.py --target QWEN_DIR --ckpt mine=ckpt_a --ckpt ref=ckpt_b --prompts p.jsonl \
         --output result.json
     python eval_drafter.py --target QWEN_DIR --ckpt run5=RUN_DIR --steps last:5 --prompts p.jsonl
+    python eval_drafter.py --target QWEN_DIR --ckpt mine=DRAFTER --mtp --depths 3,7 --prompts p.jsonl
     python eval_drafter.py --demo             # the whole pipeline on the tiny bundled pair
 
 Data flows top to bottom: CLI -> prompts -> target -> hidden states -> drafter -> metrics -> report. The
 sections, in order: CLI and resolved settings; prompts; target; references from a serving engine; sampled
-decoding, target side; drafter loading and checking (every layout, training runs); the drafter's forward
-pass and its proposal rule (each slot's argmax, DFlash 2's selector, DSpark's and Domino's chained heads,
-EAGLE-3's chain); DDTree; the mask check; metrics; serving (the engines' figures, costs, predicted speedup);
-report; main (the run, shards, torchrun); nothing lost (the partial file, resume, reference generation); the
-hidden-state cache. Only torch, transformers, safetensors, numpy, tqdm and the standard library are used.
+decoding, target side; drafter loading and checking (every layout, training runs, a target's MTP layer); the
+drafter's forward pass and its proposal rule (each slot's argmax, DFlash 2's selector, DSpark's and Domino's
+chained heads, EAGLE-3's and MTP's chain); DDTree; the mask check; metrics; serving (the engines' figures, costs,
+predicted speedup); report; main (the run, shards, torchrun); nothing lost (the partial file, resume, reference
+generation); the hidden-state cache. Only torch, transformers, safetensors, numpy, tqdm and the standard library are used.
 """
 import argparse
 import contextlib
@@ -106,6 +107,9 @@ def build_parser():
                         "in z-lab's, transformers' native or speculators' layout; a .safetensors file; a training "
                         ".pt/.pth/.bin state dict, read with torch.load(weights_only=True), nesting and prefixes "
                         "unwrapped; a SpecForge step directory; a training run's directory of steps (--steps)")
+    g.add_argument("--mtp", action="store_true",
+                   help="also evaluate the target's own MTP layer (Qwen3.5/3.6, Qwen3-Next: mtp.* in its safetensors) "
+                        "as drafter mtp, the baseline a drafter must beat; the same as --ckpt mtp=TARGET_DIR")
     g.add_argument("--steps", default="all",
                    help="with --ckpt NAME=RUN_DIR (a training run's directory of step checkpoints: SpecForge's "
                         "<run>-step<N>, checkpoint-<N>, step_<N>.pt, ...): which steps, e.g. 400,800 or last:5 "
@@ -266,10 +270,12 @@ def resolve_settings(args):
     comparing, from_file = bool(args.compare_hidden), bool(args.load_hidden or args.compare_hidden)
     if not args.target and (args.ckpt or not comparing):
         fail("--target is required (or run --demo for the bundled example)")
-    if not args.ckpt and not comparing:
-        fail("--ckpt is required: give at least one drafter checkpoint")
+    if not args.ckpt and not args.mtp and not comparing:
+        fail("--ckpt is required: give at least one drafter checkpoint (or --mtp for the target's own MTP layer)")
     if args.target and not os.path.isdir(args.target):
         fail(f"target directory not found: {args.target} (pass a local model directory to --target)")
+    if args.mtp:
+        args.ckpt = [*args.ckpt, "mtp=" + args.target]
     if sum(map(bool, (args.save_hidden, args.load_hidden, args.compare_hidden))) > 1:
         fail("--save-hidden, --load-hidden and --compare-hidden go in separate runs")
     if not from_file and not args.prompts:
@@ -1529,8 +1535,9 @@ class Drafter:
     rules: list                 # in-block attention per layer: (mode, window)
     rope: object                # transformers' rotary embedding for the config
     logit_rows: int             # rows per lm_head call
-    generation: str = "DFlash"  # or "DFlash 2" (conv taps, candidate path selector), "DSpark", "Domino", "EAGLE-3"
-    layout: str = "public"      # or "transformers-native assistant"
+    generation: str = "DFlash"  # or "DFlash 2" (conv taps, candidate path selector), "DSpark", "Domino", "EAGLE-3",
+                                # "MTP" (the target's own multi-token-prediction layer)
+    layout: str = "public"      # or "transformers-native assistant", "speculators", "SpecForge", "target" (MTP)
     embed_scale: float = 1.0    # block embeddings = raw rows of the target's embedding matrix x this
     logit_multiplier: float = 1.0
     softcap: float = 0.0        # drafter logits = c * tanh(m * z / c) when c > 0
@@ -1544,6 +1551,9 @@ class Drafter:
     step: int = None            # one step of a training run (--ckpt NAME=RUN_DIR): loaded when its turn comes
     reload: object = None       # () -> its weights, for a step released between groups of prompts
     head: dict = None           # DSpark's Markov head {kind, rank, topk}; Domino's {prefix, shift, pool}; EAGLE-3's norms
+
+
+CAUSAL = ("EAGLE-3", "MTP")   # one causal pass over the text, then K - 1 chained one-layer steps: no block, no mask
 
 
 def dflash_value(cfg, name, default=None):
@@ -1637,6 +1647,8 @@ def load_drafter(spec, target_cfg, settings, identify=True):
     name, path = split_ckpt_spec(spec)
     if not os.path.exists(path):
         fail(f"drafter checkpoint not found: {path} (pass a drafter directory or file to --ckpt)")
+    if target_directory(path) is not None:
+        return load_mtp(name, path, target_cfg, settings, identify)
     cfg, raw = read_checkpoint(path, name)
     if settings.get("drafter_config"):
         if cfg is None:
@@ -1717,9 +1729,9 @@ def drafter_record(state, carried, vocab, target_cfg, settings, identify, facts,
     # Logits plus their log-softmax, float32: below ~256 rows the lm_head matmul loses speed, above it gains
     # little; a 248k vocab at the default budget gets 256.
     logit_rows = min(2048, max(16, int(settings["max_memory_gb"] * 2**30 / (8 * target_cfg.vocab_size))))
-    d = Drafter(weights={k: v.to(device=dev, dtype=dtype) for k, v in state.items()}, logit_rows=logit_rows,
-                rope=build_rope(fields["cfg"], dev), vocab=None if vocab is None else tuple(v.to(dev) for v in vocab),
-                **fields)
+    rope = fields.pop("rope", None) or build_rope(fields["cfg"], dev)
+    d = Drafter(weights={k: v.to(device=dev, dtype=dtype) for k, v in state.items()}, logit_rows=logit_rows, rope=rope,
+                vocab=None if vocab is None else tuple(v.to(dev) for v in vocab), **fields)
     if identify:
         d.hash = content_hash({**state, **{k: carried[k] for k in ("d2t", "t2d") if k in carried}}, *facts)
         d.warnings += carried_copies(carried, vocab, settings.get("target"))
@@ -1872,6 +1884,82 @@ def load_eagle3(name, path, cfg, state, layout, target_cfg, settings, identify):
                           generation="EAGLE-3", layout=layout, head=head, warnings=[])
 
 
+MTP_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")   # text model types whose MTP layer this tool runs
+
+
+def target_directory(path):
+    """The config of a directory that holds a target model (a ...ForCausalLM or ...ForConditionalGeneration
+    checkpoint, not a drafter) for its MTP layer, else None."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isdir(path) or not os.path.isfile(file):
+        return None
+    cfg = read_json(file)
+    if any(k in cfg for k in ("dflash_config", "speculators_model_type", "block_size")):
+        return None
+    return cfg if any(str(a).endswith(("ForCausalLM", "ForConditionalGeneration"))
+                      for a in cfg.get("architectures") or []) else None
+
+
+def load_mtp(name, path, target_cfg, settings, identify):
+    """A target's own MTP layer (Qwen3.5/3.6, Qwen3-Next): mtp.* in its safetensors, which transformers does not
+    load. x = fc([norm(embedding of token j + 1); norm(the last hidden state at j, after the final norm)]), one
+    full-attention layer of the target's kind, mtp.norm and the target's lm_head; the same layer drafts every step,
+    fed its own post-norm output back, as vLLM (method mtp) and SGLang (NEXTN) both draft it."""
+    config, _ = target_config(path)
+    text = getattr(config, "text_config", None) or config
+    files = target_tensor_files(path)
+    names = sorted(k for k in files if k.startswith("mtp."))
+    where = f"drafter {name}: {path} is a {text.model_type} target"
+    if not names:
+        deepseek = any(re.search(r"\.(eh_proj|enorm|hnorm)\.weight$", k) for k in files)
+        fail(f"{where} whose checkpoint has " + ("a DeepSeek-style MTP layer (eh_proj, enorm, hnorm, shared_head), "
+             "which this tool does not run yet" if deepseek else "no MTP layer (no mtp.* tensors)") +
+             f"; it runs the MTP layers of {', '.join(MTP_TYPES)} targets")
+    if text.model_type not in MTP_TYPES:
+        fail(f"{where}: this tool runs the MTP layers of {', '.join(MTP_TYPES)} targets only")
+    if {k.split(".")[2] for k in names if k.startswith("mtp.layers.")} != {"0"}:
+        fail(f"{where} whose MTP has several layers (mtp.layers.1.*): the engines' step-by-step rotation over "
+             "them is not modelled; this tool runs a single MTP layer")
+    from safetensors import safe_open
+    state = {}
+    for file in sorted({files[k] for k in names}):
+        with safe_open(file, "pt") as f:
+            state.update({k[len("mtp."):]: f.get_tensor(k).float() for k in names if files[k] == file})
+    # Qwen3.5's and Qwen3-Next's norms scale by 1 + weight (zero-centred): stored here as the plain scale
+    state = {k: (1.0 + v if "norm" in k.split(".")[-2] else v) for k, v in state.items()}
+    for fused in [k for k in state if k.endswith("mlp.experts.gate_up_proj")]:   # transformers 5.x's fused experts
+        p, gate_up, down = fused[:-len("gate_up_proj")], state.pop(fused), state.pop(fused[:-len("gate_up_proj")] + "down_proj")
+        for e in range(gate_up.shape[0]):
+            g, u = gate_up[e].chunk(2, 0)
+            state.update({f"{p}{e}.gate_proj.weight": g, f"{p}{e}.up_proj.weight": u, f"{p}{e}.down_proj.weight": down[e]})
+    cfg = text.to_dict()
+    check_hidden(cfg, target_cfg, name)
+    steps = (settings.get("block_size") or 4) - 1   # SGLang's default for Qwen: 3 steps, top-1
+    head = {"norm_output": True, "gate": bool(cfg.get("attn_output_gate", True))}
+    moe = "layers.0.mlp.gate.weight" in state
+    if settings.get("layers") is not None:
+        log(settings, f"drafter {name}: --layers does not apply to an MTP layer (it reads the last hidden state)")
+    log(settings, f"drafter {name}: MTP, the target's own layer (mtp.* in its safetensors; transformers does not "
+                  f"load it); {steps} steps a round, the one layer reused; reads the last hidden state after the final "
+                  f"norm and feeds its own post-norm output back, as vLLM and SGLang draft it; " +
+                  (f"{cfg['num_experts']} experts, top {cfg['num_experts_per_tok']}, and a shared expert" if moe
+                   else "a dense MLP"))
+    check_drafter_tensors(state, expected_tensors(cfg, (), "MTP", state, target_cfg.vocab_size, head), name, "MTP")
+    layers = [target_cfg.num_hidden_layers - 1]   # this tool's id of the post-norm last hidden state
+    return drafter_record(state, {}, None, target_cfg, settings, identify, (cfg, layers, steps + 1, "MTP", head),
+                          name=name, checkpoint=os.path.abspath(path), cfg=cfg, layers=layers, block_size=steps + 1,
+                          mask_token_id=-1, rules=[], generation="MTP", layout="target", head=head, warnings=[],
+                          rope=target_rope(text, settings["device"]))
+
+
+def target_rope(config, device):
+    """The target's own rotary embedding class on its text config (partial rotary, mrope sections and scaling as
+    transformers reads them); text positions are the same on every mrope axis, so it is a plain rotary there."""
+    import importlib
+    module = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
+    return getattr(module, type(config).__name__.replace("Config", "RotaryEmbedding"))(config).to(device)
+
+
 def draft_vocabulary(carried, cfg, target_cfg, name):
     """A reduced draft vocabulary, checked: (target id of each draft id: d + d2t[d], draft id of each target
     token or -1). None when the drafter drafts over the target's vocabulary."""
@@ -1991,9 +2079,14 @@ def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab
     eagle = generation == "EAGLE-3"   # one layer, q/k/v over [embedding; features] (2H); Llama's has no q/k norm
     width = 2 * H if eagle else H
     per_layer = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
-                 "mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I),
                  "self_attn.q_proj.weight": (q, width), "self_attn.k_proj.weight": (kv, width),
-                 "self_attn.v_proj.weight": (kv, width), "self_attn.o_proj.weight": (H, q)}
+                 "self_attn.v_proj.weight": (kv, width), "self_attn.o_proj.weight": (H, q),
+                 **mlp_tensors(cfg, "layers.0.mlp.gate.weight" in state)}
+    if generation == "MTP":   # one layer over fc([embedding; hidden]); q_proj gives each head's query and gate
+        per_layer["self_attn.q_proj.weight"] = (2 * q if head["gate"] else q, H)
+        return {"fc.weight": (H, 2 * H), "norm.weight": (H,), "pre_fc_norm_embedding.weight": (H,),
+                "pre_fc_norm_hidden.weight": (H,), "layers.0.self_attn.q_norm.weight": (hd,),
+                "layers.0.self_attn.k_norm.weight": (hd,), **{"layers.0." + k: s for k, s in per_layer.items()}}
     if not eagle or "layers.0.self_attn.q_norm.weight" in state:
         per_layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
     if eagle:
@@ -2025,6 +2118,17 @@ def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab
     for i in range(1 if eagle else cfg.get("num_hidden_layers", 0)):
         shapes.update({f"layers.{i}.{k}": shape for k, shape in per_layer.items()})
     return shapes
+
+
+def mlp_tensors(cfg, moe):
+    """{name: shape} of a layer's MLP: SwiGLU, or a router, its experts and a gated shared expert."""
+    H, I = cfg["hidden_size"], cfg.get("intermediate_size")
+    if not moe:
+        return {"mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I)}
+    E, I, S = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
+    return {"mlp.gate.weight": (E, H), "mlp.shared_expert_gate.weight": (1, H),
+            **{f"mlp.{e}.{k}_proj.weight": ((H, n) if k == "down" else (n, H))
+               for e, n in [*((f"experts.{i}", I) for i in range(E)), ("shared_expert", S)] for k in ("gate", "up", "down")}}
 
 
 def check_drafter_tensors(weights, shapes, name, generation):
@@ -2156,9 +2260,12 @@ def rope_cos_sin(drafter, positions, dtype):
 
 
 def apply_rope(x, cos, sin):
-    # x: (heads, T, head_dim); rotate pairs (i, i + d/2) as Qwen3 does.
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    # x: (heads, T, head_dim); rotate pairs (i, i + r/2) of the first r = cos's width dims as Qwen3 does (the rest
+    # pass unrotated: a partial rotary, as Qwen3.5's r = head_dim / 4).
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+    rotated = torch.cat((-x[..., r // 2:], x[..., :r // 2]), dim=-1)
     return x * cos + rotated * sin
 
 
@@ -2248,8 +2355,7 @@ def drafter_forward(drafter, context_kv, anchors, block_ids, embed_w, starts=Non
         attn = linear(attn[0].transpose(0, 1).reshape(n * B, n_heads * hd), w, p + "self_attn.o_proj")
         x = x + conv_out(drafter, p + "attention_conv.", attn, taps)
         h, taps = conv_in(drafter, p + "mlp_conv.", rms_norm(x, w[p + "post_attention_layernorm.weight"], eps), n)
-        mlp = linear(F.silu(linear(h, w, p + "mlp.gate_proj")) * linear(h, w, p + "mlp.up_proj"), w, p + "mlp.down_proj")
-        x = x + conv_out(drafter, p + "mlp_conv.", mlp, taps)
+        x = x + conv_out(drafter, p + "mlp_conv.", swiglu(w, p + "mlp.", h), taps)
     return rms_norm(x, w["norm.weight"], eps).view(n, B, -1)
 
 
@@ -2283,10 +2389,11 @@ def block_conv(x, taps, base, group):
 
 
 def prompt_context(drafter, features, ids=None, embed_w=None):
-    """What the drafter's blocks attend to: DFlash-family context K/V per layer; EAGLE-3's pass over the text."""
+    """What the drafter's blocks attend to: DFlash-family context K/V per layer; EAGLE-3's and MTP's pass over the
+    text."""
     features = torch.cat([features[L] for L in drafter.layers], dim=-1)
-    if drafter.generation == "EAGLE-3":
-        return eagle_context(drafter, features, ids, embed_w)
+    if drafter.generation in CAUSAL:
+        return causal_pass(drafter, features, ids, embed_w)
     return drafter_context(drafter, features)
 
 
@@ -2330,7 +2437,7 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
     (sample_from_anchor). With top_k > 0, also what DDTree builds from (see tree_top_k). Given `reference`
     tokens (n_anchors, B-1), `sampling` and a `proposal` tensor of that shape, fills it with the probability
     that a drafter sampling at those settings proposes each reference token (--draft-policy sample)."""
-    B, n, chained = drafter.block_size, anchors.shape[0], drafter.generation in ("DSpark", "Domino", "EAGLE-3")
+    B, n, chained = drafter.block_size, anchors.shape[0], drafter.generation in ("DSpark", "Domino")
     if n == 0:
         empty = torch.zeros(0, B - 1, max(top_k, 1))
         return torch.zeros(0, B - 1, dtype=torch.long), (empty, empty.long())
@@ -2342,9 +2449,9 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
     per_call = max(1, ANCHOR_TOKENS_PER_CHUNK // B)
     for lo in range(0, n, per_call):
         part = slice(lo, lo + per_call)
-        if drafter.generation == "EAGLE-3":   # no block: K one-layer steps from the pass over the text
+        if drafter.generation in CAUSAL:   # no block: K one-layer steps from the pass over the text
             at = slice(done, done + first[part].shape[0] * (B - 1))
-            step = lambda given=None: eagle_chain(drafter, context_kv, anchors[part], None if starts is None  # noqa
+            step = lambda given=None: causal_chain(drafter, context_kv, anchors[part], None if starts is None  # noqa
                                                   else starts[part], embed_w, head, prompt_id, given, sampling)
             drafts[at] = step().view(-1)
             if proposal is not None:
@@ -2474,14 +2581,27 @@ def markov_bias(w, kind, prev, rows, state):
     return F.linear(e, w[m + "markov_w2.weight"]), state
 
 
-def eagle_context(d, features, ids, embed_w):
-    """EAGLE-3's first step over the whole text, causal, as the engines' window prefill leaves their draft cache:
-    row j reads token j + 1's embedding and the target's fused features at j, at position j. [(K, V, outputs)]."""
-    ids_t = torch.tensor(ids[1:], device=features.device)
-    g = eagle_fuse(d, features[:len(ids) - 1])
-    positions = torch.arange(len(ids) - 1, device=features.device)
-    h, k, v = eagle_layer(d, embed_w[ids_t], g, positions, lambda q, k, v: F.scaled_dot_product_attention(
-        q[None], *(t.repeat_interleave(q.shape[0] // t.shape[0], 0)[None] for t in (k, v)), is_causal=True)[0])
+def causal_pass(d, features, ids, embed_w, cache=None):
+    """EAGLE-3's and MTP's first step over the whole text, causal, as the engines' window prefill leaves their
+    draft cache: row j reads token j + 1's embedding and the target's features at j (EAGLE-3: the captured layers
+    fused by fc; MTP: the last hidden state, after the final norm), at position j. [(K, V, outputs)]. Given the
+    `cache` of a pass over the first rows, only the rows after it, attending to its rows too: one round's prefill."""
+    n0 = 0 if cache is None else cache[0][0].shape[1]
+    ids_t = torch.tensor(ids[n0 + 1:], device=features.device)
+    g = features[n0:len(ids) - 1]
+    g = eagle_fuse(d, g) if d.generation == "EAGLE-3" else g
+    positions = torch.arange(n0, len(ids) - 1, device=features.device)
+
+    def attend(q, k, v):
+        if cache is not None:
+            k, v = torch.cat([cache[0][0], k], 1), torch.cat([cache[0][1], v], 1)
+        k, v = (t.repeat_interleave(q.shape[0] // t.shape[0], 0)[None] for t in (k, v))
+        mask = None if cache is None else torch.ones(q.shape[1], k.shape[2], dtype=torch.bool, device=q.device).tril(n0)
+        return F.scaled_dot_product_attention(q[None], k, v, attn_mask=mask, is_causal=cache is None)[0]
+    h, k, v = causal_layer(d, embed_w[ids_t], g, positions, attend)
+    if cache is not None:
+        (k0, v0, h0), = cache
+        k, v, h = torch.cat([k0, k], 1), torch.cat([v0, v], 1), torch.cat([h0[0], h])
     return [(k, v, h[None])]
 
 
@@ -2496,35 +2616,65 @@ def eagle_fuse(d, features):
     return F.linear(features, w["fc.weight"])
 
 
-def eagle_layer(d, emb, g, positions, attend):
-    """EAGLE-3's decoder layer on rows: q/k/v from [input_layernorm(embedding); hidden_norm(g)] (2H), the residual
-    g (its norm with norm_before_residual); attend(q, k, v) gives the attention (heads, n, head dim). Returns the
-    output before the final norm, and the rows' rotated keys and values."""
+def causal_layer(d, emb, g, positions, attend):
+    """The one decoder layer of EAGLE-3 or MTP on rows of (token embedding, hidden g); attend(q, k, v) gives the
+    attention (heads, n, head dim). EAGLE-3: q/k/v from [input_layernorm(embedding); hidden_norm(g)] (2H), the
+    residual g (its norm with norm_before_residual). MTP: x = fc([norm(embedding); norm(g)]), then the target's
+    own pre-norm layer over x: its attention gated per head (q_proj gives each head's query and gate), its MLP
+    dense or a mixture of experts. Returns the output before the final norm, and the rows' rotated keys and
+    values."""
     w, cfg, p = d.weights, d.cfg, "layers.0."
-    eps, hd = cfg.get("rms_norm_eps", 1e-6), head_dim_of(cfg)
-    normed = rms_norm(g, w[p + "hidden_norm.weight"], eps)
-    x = torch.cat([rms_norm(emb, w[p + "input_layernorm.weight"], eps), normed], -1)
-    q, k = (heads(linear(x, w, p + f"self_attn.{n}_proj"), cfg[c], hd)
-            for n, c in (("q", "num_attention_heads"), ("k", "num_key_value_heads")))
+    eps, hd, n_heads = cfg.get("rms_norm_eps", 1e-6), head_dim_of(cfg), cfg["num_attention_heads"]
+    if d.generation == "EAGLE-3":
+        normed = rms_norm(g, w[p + "hidden_norm.weight"], eps)
+        x = torch.cat([rms_norm(emb, w[p + "input_layernorm.weight"], eps), normed], -1)
+        residual = normed if d.head["norm_before_residual"] else g
+    else:
+        residual = F.linear(torch.cat([rms_norm(emb, w["pre_fc_norm_embedding.weight"], eps),
+                                       rms_norm(g, w["pre_fc_norm_hidden.weight"], eps)], -1), w["fc.weight"])
+        x = rms_norm(residual, w[p + "input_layernorm.weight"], eps)
+    q, gate = linear(x, w, p + "self_attn.q_proj"), None
+    if d.head.get("gate"):
+        q, gate = q.view(x.shape[0], n_heads, 2, hd).unbind(2)
+        q, gate = q.reshape(x.shape[0], -1), gate.reshape(x.shape[0], -1)
+    q, k = heads(q, n_heads, hd), heads(linear(x, w, p + "self_attn.k_proj"), cfg["num_key_value_heads"], hd)
     v = heads(linear(x, w, p + "self_attn.v_proj"), cfg["num_key_value_heads"], hd)
     if p + "self_attn.q_norm.weight" in w:
         q, k = rms_norm(q, w[p + "self_attn.q_norm.weight"], eps), rms_norm(k, w[p + "self_attn.k_norm.weight"], eps)
     cos, sin = rope_cos_sin(d, positions, x.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     attn = attend(q, k, v).transpose(0, 1).reshape(x.shape[0], -1)
-    h = (normed if d.head["norm_before_residual"] else g) + linear(attn, w, p + "self_attn.o_proj")
-    y = rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)
-    return h + linear(F.silu(linear(y, w, p + "mlp.gate_proj")) * linear(y, w, p + "mlp.up_proj"), w,
-                      p + "mlp.down_proj"), k, v
+    h = residual + linear(attn if gate is None else attn * torch.sigmoid(gate), w, p + "self_attn.o_proj")
+    return h + mlp(d, p, rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)), k, v
 
 
-def eagle_chain(d, context, anchors, starts, embed_w, head, prompt_id, given=None, sampling=None):
-    """EAGLE-3's drafts (n, K), as the engines draft a chain: draft 1 from the text pass's row before the anchor;
-    each further step one layer pass over the previous draft's embedding and the hidden fed back (before the
-    final norm, or after it with norm_output), one position on, attending to the text pass's rows before the
-    anchor and to its own chain. With `given` tokens the chain follows them and returns their probability under
-    softmax(logits / T) (vLLM's probabilistic drafts), or without `sampling` every step's logits (n, K, V), as
-    training's test-time steps see them."""
+def swiglu(w, p, y):
+    return linear(F.silu(linear(y, w, p + "gate_proj")) * linear(y, w, p + "up_proj"), w, p + "down_proj")
+
+
+def mlp(d, p, y):
+    """Layer p's MLP on rows y: SwiGLU, or (Qwen3-Next, Qwen3.5-MoE) a softmax router's top-k experts, their
+    weights renormalized with norm_topk_prob, plus a shared expert scaled by sigmoid(shared_expert_gate y)."""
+    w = d.weights
+    if p + "mlp.gate.weight" not in w:
+        return swiglu(w, p + "mlp.", y)
+    top, experts = F.linear(y, w[p + "mlp.gate.weight"]).float().softmax(-1).topk(d.cfg["num_experts_per_tok"], dim=-1)
+    if d.cfg.get("norm_topk_prob", True):
+        top = top / top.sum(-1, keepdim=True)
+    out = torch.zeros_like(y)
+    for e in experts.unique().tolist():
+        rows, slot = (experts == e).nonzero(as_tuple=True)
+        out.index_add_(0, rows, swiglu(w, p + f"mlp.experts.{e}.", y[rows]) * top[rows, slot, None].to(y.dtype))
+    return out + torch.sigmoid(linear(y, w, p + "mlp.shared_expert_gate")) * swiglu(w, p + "mlp.shared_expert.", y)
+
+
+def causal_chain(d, context, anchors, starts, embed_w, head, prompt_id, given=None, sampling=None):
+    """EAGLE-3's and MTP's drafts (n, K), as the engines draft a chain: draft 1 from the text pass's row before
+    the anchor; each further step one layer pass over the previous draft's embedding and the hidden fed back
+    (EAGLE-3: before the final norm, or after it with norm_output; MTP: after mtp.norm), one position on,
+    attending to the text pass's rows before the anchor and to its own chain. With `given` tokens the chain
+    follows them and returns their probability under softmax(logits / T) (vLLM's probabilistic drafts), or
+    without `sampling` every step's logits (n, K, V), as training's test-time steps see them."""
     (k_ctx, v_ctx, h_ctx), = context
     w, eps, S, n = d.weights, d.cfg.get("rms_norm_eps", 1e-6), d.block_size - 1, anchors.shape[0]
     start = torch.zeros_like(anchors) if starts is None else starts
@@ -2541,7 +2691,7 @@ def eagle_chain(d, context, anchors, starts, embed_w, head, prompt_id, given=Non
                                 for c, rows in ((k_ctx, chain_k), (v_ctx, chain_v)))
                 return F.scaled_dot_product_attention(q[None], keys.repeat_interleave(groups, 0)[None],
                                                       values.repeat_interleave(groups, 0)[None], attn_mask=mask)[0]
-            h = eagle_layer(d, embed_w[prev], fed, anchors - 1 + s, attend)[0]
+            h = causal_layer(d, embed_w[prev], fed, anchors - 1 + s, attend)[0]
         normed = rms_norm(h, w["norm.weight"], eps)
         fed = normed if d.head["norm_output"] else h
         logits, drafted = drafter_logits(d, head, normed, prompt_id)
@@ -2758,8 +2908,9 @@ def fitting_anchors(n_prompt, total_len, block_size):
 
 def check_depths(drafters, settings):
     """--depths and --export-depth within what each drafter drafts a round (a deeper block was never trained)."""
-    for d in drafters:
-        deep = [k for k in (settings["depths"] if isinstance(settings["depths"], list) else []) if k > d.block_size - 1]
+    for d in drafters:   # EAGLE-3 and MTP chain their one layer as many steps as asked
+        deep = [k for k in (settings["depths"] if isinstance(settings["depths"], list) else [])
+                if k > d.block_size - 1 and d.generation not in CAUSAL]
         if deep:
             fail(f"--depths {deep[0]}: drafter {d.name} drafts {d.block_size - 1} tokens a round; a served depth "
                  "cannot exceed what it was trained for")
@@ -3139,19 +3290,22 @@ def measure_costs(model, drafters, settings, items):
 
     timings = {"1": [lambda: target_step(1, False)], **{str(n): [lambda n=n: target_step(n, True)] for n in sizes}}
     for d in drafters:
-        if d.generation == "EAGLE-3":   # its round (window re-prefill, K one-row steps) is not timed yet
-            continue
         d = d if d.weights is not None else replace(d, weights=d.reload())
         g = torch.Generator().manual_seed(0)
         feats = torch.randn(L + sizes[-1], len(d.layers) * d.cfg["hidden_size"], generator=g).to(embed.weight)
-        context_kv, first = drafter_context(d, feats[:L]), torch.tensor([ids[L]], device=embed.weight.device)
+        first = torch.tensor([ids[L]], device=embed.weight.device)
+        context = causal_pass(d, feats, ids[:L], embed.weight) if d.generation in CAUSAL else drafter_context(d, feats[:L])
 
-        def draft(k, d=d, feats=feats, context_kv=context_kv, first=first):
+        def draft(k, d=d, feats=feats, context=context, first=first):
             start = time.perf_counter()
-            new_kv = drafter_context(d, feats[L:L + k + 1], L)
-            grown = [(torch.cat([kc, kn], 1), torch.cat([vc, vn], 1)) for (kc, vc), (kn, vn) in zip(context_kv, new_kv)]
-            draft_all_anchors(replace(d, block_size=k + 1), grown, torch.tensor([L], device=first.device), first,
-                              embed.weight, head)
+            if d.generation in CAUSAL:   # the window's k + 1 new rows through the layer, then K steps
+                grown = causal_pass(d, feats, ids[:L + k + 1], embed.weight, context)
+                at = torch.tensor([L + k], device=first.device)
+            else:
+                new_kv = drafter_context(d, feats[L:L + k + 1], L)
+                grown = [(torch.cat([kc, kn], 1), torch.cat([vc, vn], 1)) for (kc, vc), (kn, vn) in zip(context, new_kv)]
+                at = torch.tensor([L], device=first.device)
+            draft_all_anchors(replace(d, block_size=k + 1), grown, at, first, embed.weight, head)
             return seconds_since(start)
 
         for k in [d.block_size - 1, *served_depths(d, settings)]:
@@ -3266,11 +3420,14 @@ def print_report(report, out=None):
               f"transformers {cache['transformers_version']})", file=out)
     walk = report["config"].get("anchors") == "walk"
     for d in report["drafters"]:
-        print(f"\n== drafter {d['name']}: {d.get('generation', 'DFlash')} ({d.get('layout', 'public')} layout), "
-              f"block {d['block_size']}" + (f" ({d['drafts_per_round']} drafts a round: the anchor's slot drafts too)"
-                                            if d["drafts_per_round"] == d["block_size"] else "")
+        chain = d.get("generation") in CAUSAL
+        print(f"\n== drafter {d['name']}: {d.get('generation', 'DFlash')} ({d.get('layout', 'public')} layout), " +
+              (f"{d['drafts_per_round']} steps a round" if chain else f"block {d['block_size']}") +
+              (f" ({d['drafts_per_round']} drafts a round: the anchor's slot drafts too)"
+               if d["drafts_per_round"] == d["block_size"] else "")
               + f", layers {d['layers']}" + (f", step {d['step']}" if d.get("step") is not None else ""), file=out)
-        print("   in-block mask per layer: " + "; ".join(f"{i}: {r}" for i, r in enumerate(d["block_mask"])), file=out)
+        if not chain:
+            print("   in-block mask per layer: " + "; ".join(f"{i}: {r}" for i, r in enumerate(d["block_mask"])), file=out)
         for warning in d.get("warnings", []):
             print(f"   WARNING: {warning}", file=out)
         sections = [("all", d)] + (sorted(d["splits"].items()) if len(d["splits"]) > 1 else []) + \
@@ -3366,11 +3523,21 @@ def print_comparison_table(c, out):
             and len([r for r in c["drafters"] if r.get("series") == row.get("series")]) > 1 else ""
         print(f"   {row['name']:<{width}}  {fmt(row['tau']):>5}  {interval:<16}  {fmt(row['first_position_acceptance']):>8}"
               + "".join(f"  {fmt(row['ddtree'].get(b)):>11}" for b in budgets) + best, file=out)
-    for row in c["drafters"][1:]:
-        ci = row["delta_tau_ci95"]
-        delta = "n/a" if row["delta_tau"] is None else f"{row['delta_tau']:+.2f}"
-        print(f"   {row['name']} − {c['reference']}: Δτ {delta}" + (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else ""),
-              file=out)
+    def deltas(rows, where=""):
+        for row in rows[1:]:
+            ci = row["delta_tau_ci95"]
+            delta = "n/a" if row["delta_tau"] is None else f"{row['delta_tau']:+.2f}"
+            print(f"   {row['name']} − {c['reference']}{where}: Δτ {delta}" +
+                  (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else ""), file=out)
+    deltas(c["drafters"])
+    if "at_depth" in c:
+        print("   the drafters draft different numbers of tokens a round (" + ", ".join(
+            f"{n} {k}" for n, k in c["drafts_per_round"].items()) + "): their taus compare only at the same depth" +
+            ("" if c["at_depth"] else "; add it to --depths (e.g. --depths " + str(min(c["drafts_per_round"].values()))
+             + ")"), file=out)
+        for K, rows in c["at_depth"].items():
+            print(f"   at depth {K}: " + ", ".join(f"{r['name']} {fmt(r['tau'])}" for r in rows), file=out)
+            deltas(rows, f" at depth {K}")
 
 
 def reference_line(stats):
@@ -3449,8 +3616,9 @@ def evaluate(settings):
         if seen[d.name] > 1:
             d.name += f"#{seen[d.name]}"
     for d in drafters:
-        log(settings, f"drafter {d.name}: block {d.block_size - d.from_anchor}, layers {d.layers}, in-block mask per "
-                      f"layer: {', '.join(rule_label(r) for r in d.rules)}")
+        log(settings, f"drafter {d.name}: " + (f"{d.block_size - 1} steps a round, layers {d.layers}, no block (a "
+                      "causal chain)" if d.generation in CAUSAL else f"block {d.block_size - d.from_anchor}, layers "
+                      f"{d.layers}, in-block mask per layer: {', '.join(rule_label(r) for r in d.rules)}"))
         d.mask_variants = mask_variants(d, settings) if settings["check_mask"] and d.rules else None
     settings["target_hash"] = target_hash(settings["target"])
     check_depths(drafters, settings)
@@ -3889,10 +4057,10 @@ def extract_from_target(items, settings, target_cfg, layer_union, done, drafter,
         speculative = False
         log(settings, f"note: transformers {settings['transformers_version']} cannot roll back a hybrid target's "
                       "linear-attention cache: references are generated by plain decoding")
-    if speculative and drafter.generation == "EAGLE-3":
+    if speculative and drafter.generation in CAUSAL:
         speculative = False
         log(settings, f"note: references are generated by plain decoding (the speculative loop drafts with DFlash-family "
-                      f"drafters; {drafter.name} is EAGLE-3)")
+                      f"drafters; {drafter.name} is {drafter.generation})")
     settings["reference_generation_used"] = "speculative" if speculative else "plain"
     by_index, saved = {it["index"]: it for it in items}, saved_references(settings)
     todo = [it for it in items if it["index"] not in done]
@@ -4336,7 +4504,9 @@ DDTREE_NOTES = {
     "Domino": "Domino drafts a chain: each proposal reads a GRU state over the tokens drafted before it, and SGLang "
               "serves it as a chain only, so no DDTree rows",
     "EAGLE-3": "EAGLE-3 drafts a chain here, as vLLM serves it (SGLang's token trees are out of scope), so no DDTree "
-               "rows"}
+               "rows",
+    "MTP": "the MTP layer drafts a chain here, as vLLM serves it and SGLang by default (top-1; its token trees are out "
+           "of scope), so no DDTree rows"}
 
 
 def drafter_facts(d):
@@ -4422,7 +4592,24 @@ def side_by_side(drafters, results, items):
             best = series.setdefault(row["series"], row)
             series[row["series"]] = row if row["tau"] > best["tau"] else best
     return {"reference": drafters[0]["name"], "prompts": len(totals[0]), "drafters": rows,
-            "best_steps": {name: row["step"] for name, row in series.items()}}
+            "best_steps": {name: row["step"] for name, row in series.items()}, **same_depths(drafters, results, items)}
+
+
+def same_depths(drafters, results, items):
+    """Where the drafters draft different numbers of tokens a round (an MTP layer's 3 against a DFlash block's 15),
+    their taus are no comparison: {"at_depth": {K: rows as side_by_side's}} at every depth K that all of them were
+    evaluated at (--depths), each paired against the first drafter's tau at K."""
+    trained = [d["drafts_per_round"] for d in drafters]
+    if len(set(trained)) == 1:
+        return {}
+    shared = set.intersection(*({k, *(res[0].get("depths", {}) if res else {})} for k, res in zip(trained, results)))
+    at_depth = {}
+    for K in sorted(shared):
+        totals = [prompt_totals([r if K == k else r["depths"][K] for r in res], items) for k, res in zip(trained, results)]
+        at_depth[str(K)] = [{"name": d["name"], "tau": sum(c for c, _ in t.values()) / max(1, sum(r for _, r in t.values())),
+                             **dict(zip(("delta_tau", "delta_tau_ci95"), paired_delta(t, totals[0]) if i else (None, None)))}
+                            for i, (d, t) in enumerate(zip(drafters, totals))]
+    return {"drafts_per_round": dict(zip((d["name"] for d in drafters), trained)), "at_depth": at_depth}
 
 
 def join_ranks(settings):

@@ -32,8 +32,8 @@ target's own greedy output (given as completion_ids, so no generation is timed i
      worst case of the top-p cut (each row sorted).
   l. DSpark (vanilla and rnn heads, rank 256) and Domino (GRU 256, bottleneck 256, P = 1) drafters of the same
      backbone shape: drafter time per anchor against DFlash's, and the sequential part's share (the slot-by-slot
-     head against the same rows through one batched argmax); an EAGLE-3 drafter of the same hidden size drafting
-     as many tokens (its causal pass over the text and its chained steps).
+     head against the same rows through one batched argmax); an EAGLE-3 drafter and a Qwen3.5-style MTP layer of
+     the same hidden size drafting as many tokens (their causal pass over the text and their chained steps).
   i. local references for a hybrid target (the bundled hybrid demo pair, Qwen3.5 layers): plain greedy
      decoding against speculative decoding with the state snapshot (goal: >= 2x at tau >= 4); equal tokens.
   Also: whole-process time of `eval_drafter.py --demo --limit 2 --quiet` split into imports and the rest;
@@ -498,7 +498,7 @@ def time_per_anchor(paths, args, model, variants, span):
 
 
 # ----------------------------------------------------------------------------------------------------
-# l. DSpark and Domino against DFlash, drafter only
+# l. DSpark, Domino, EAGLE-3 and MTP against DFlash, drafter only
 
 FAMILY_BENCH = {   # name: (generation, head, dflash_config keys); rank 256 is speculators' default, Domino alike
     "DSpark vanilla": ("DSpark", {"kind": "vanilla", "rank": 256, "topk": 0},
@@ -533,6 +533,11 @@ def measure_families(paths, args, work, dcfg):
     md.save_drafter(path, md.eagle3_config(layer, one.layers, one.block_size - 1),
                     md.eagle3_weights(layer, len(one.layers), 0, scale=0.05))
     variants["EAGLE-3"] = ed.load_drafter(f"eagle3={path}", ed.read_target_config(paths["target"]), settings)
+    # The target's MTP layer of the same widths (Qwen3.5's: gated attention, fc over [embedding; last hidden])
+    weights = {k: v.to(device=args.device, dtype=one.weights["fc.weight"].dtype)
+               for k, v in md.mtp_weights(layer, 0, scale=0.05).items()}
+    variants["MTP"] = replace(md.mtp_drafter(layer, weights, one.block_size - 1, ed.build_rope(layer, args.device),
+                                             model.config.num_hidden_layers - 1), logit_rows=one.logit_rows)
     return time_per_anchor(paths, args, model, variants, one.block_size + 1)   # DSpark's rounds are one longer
 
 
@@ -541,8 +546,8 @@ def report_families(f):
     one = t["DFlash"]
     parts = [f"{name} {t[name] * 1e3:.3f} ms (x{t[name] / one:.2f}; sequential part "
              f"{(t[name] - t[name + ' without its head']) / t[name]:.1%})" for name in FAMILY_BENCH]
-    parts.append(f"EAGLE-3 {t['EAGLE-3'] * 1e3:.3f} ms (x{t['EAGLE-3'] / one:.2f})")
-    say(f"l. DSpark, Domino and EAGLE-3 against DFlash of the same shape, drafter only (its context included), "
+    parts += [f"{name} {t[name] * 1e3:.3f} ms (x{t[name] / one:.2f})" for name in ("EAGLE-3", "MTP")]
+    say(f"l. DSpark, Domino, EAGLE-3 and MTP against DFlash of the same shape, drafter only (its context included), "
         f"{f['anchors']} anchors, per anchor: "
         f"DFlash {one * 1e3:.3f} ms; " + "; ".join(parts) + " (DSpark drafts one more token a round: its anchor's "
         "slot drafts too)")

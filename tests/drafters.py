@@ -214,3 +214,89 @@ def online_rounds(target, propose, prompt_ids, n_new, n_drafts):
         seq += drafts[:accepted] + [verify[accepted]]
         rounds.append(accepted + 1)
     return rounds
+
+
+# ----------------------------------------------------------------------------------------------------
+# A target's MTP layer, online
+
+
+class RowCache:
+    """An engine's draft KV cache for one attention layer, a slot per position: update() writes the query row's
+    keys and values at position `at` and returns the rows at positions <= at, which the query attends to. A
+    round's chain rows are overwritten by the next round's prefill, as the engines' slots are."""
+
+    def __init__(self):
+        self.rows, self.at = {}, 0
+
+    def update(self, k, v, *args, **kwargs):
+        self.rows[self.at] = (k, v)
+        seen = [self.rows[j] for j in sorted(self.rows) if j <= self.at]
+        return torch.cat([r[0] for r in seen], 2), torch.cat([r[1] for r in seen], 2)
+
+
+class OnlineMTP:
+    """A target's MTP layer built from transformers' own modules of the target's kind (its decoder layer as a
+    full-attention layer, its zero-centred RMSNorm, its rotary embedding), the weights read from the checkpoint's
+    mtp.* tensors by name: fc over [norm(embedding); norm(hidden)], the layer, mtp.norm, the target's lm_head.
+    One row at a time, with an engine's KV cache."""
+
+    def __init__(self, target, path):
+        import copy
+        import importlib
+        from safetensors import safe_open
+        cfg = copy.deepcopy(target.config)
+        cfg.layer_types, cfg._attn_implementation = ["full_attention"], "eager"
+        module, kind = importlib.import_module(type(target).__module__), type(target).__name__[:-len("ForCausalLM")]
+        tensors = {}
+        for name in sorted(os.listdir(path)):
+            if name.endswith(".safetensors"):
+                with safe_open(os.path.join(path, name), "pt") as f:
+                    tensors.update({k[len("mtp."):]: f.get_tensor(k) for k in f.keys() if k.startswith("mtp.")})
+        self.layer = getattr(module, kind + "DecoderLayer")(cfg, 0).eval()
+        self.layer.load_state_dict({k[len("layers.0."):]: v for k, v in tensors.items() if k.startswith("layers.0.")})
+        H = cfg.hidden_size
+        self.norms = {}
+        for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            self.norms[n] = getattr(module, kind + "RMSNorm")(H, eps=cfg.rms_norm_eps)
+            self.norms[n].load_state_dict({"weight": tensors[n + ".weight"]})
+        self.fc = tensors["fc.weight"]
+        self.embed, self.lm_head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+        self.rotary, self.cache = target.get_decoder().rotary_emb, RowCache()
+
+    @torch.no_grad()
+    def row(self, token, g, pos):
+        """The post-norm output of the row for `token` (the next one) and hidden g, at position pos."""
+        x = self.fc @ torch.cat([self.norms["pre_fc_norm_embedding"](self.embed[token]), self.norms["pre_fc_norm_hidden"](g)])
+        self.cache.at = pos
+        out = self.layer(x[None, None], position_embeddings=self.rotary(x[None, None], torch.tensor([[pos]])),
+                         attention_mask=None, **ed.cache_kwarg(self.layer, self.cache))
+        return self.norms["norm"]((out[0] if isinstance(out, tuple) else out)[0, 0])
+
+
+def mtp_proposer(target, path, K, sampling=None):
+    """The engines' MTP round (vLLM's target_dependent_ar speculator, SGLang's NEXTN): the layer's cache
+    re-prefilled over the newly committed window (token j + 1 with the target's last hidden state at j, after
+    the final norm, at position j); draft 1 from the window's last row; each further step feeds the layer's own
+    post-norm output back with the previous draft, one position on. Greedy: argmax drafts; with `sampling`: each
+    step drawn from softmax(logits / T). propose(seq[, generator]) -> (drafts, q)."""
+    m, done = OnlineMTP(target, path), [0]
+
+    def propose(seq, g=None):
+        with torch.no_grad():
+            h = target.get_decoder()(input_ids=torch.tensor([seq[:-1]])).last_hidden_state[0]
+        for j in range(done[0], len(seq) - 1):
+            out = m.row(seq[j + 1], h[j], j)
+        done[0] = len(seq) - 1
+        drafts, qs, pos = [], [], len(seq) - 2
+        for s in range(K):
+            if s:
+                pos += 1
+                out = m.row(drafts[-1], out, pos)
+            logits = m.lm_head @ out
+            if sampling is None:
+                drafts.append(int(logits.argmax()))
+                continue
+            qs.append((logits.double() / sampling[0]).softmax(-1))
+            drafts.append(int(torch.multinomial(qs[-1], 1, generator=g)))
+        return drafts, qs
+    return propose

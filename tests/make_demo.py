@@ -7,6 +7,8 @@ DFlash drafter trained on that target's greedy output. Deterministic; about two 
                                                         # speculators' sample_from_anchor, in its layout
     python tests/make_demo.py --families [OUT_DIR]      # DSpark (vanilla, rnn) and Domino (shift_label off,
                                                         # on) drafters for the demo target, one layer each
+    python tests/make_demo.py --mtp [TARGET_DIR]        # a trained MTP layer written into the hybrid demo
+                                                        # target's checkpoint (mtp.*), as Qwen3.5 ships one
 
 The language: 60 words. Most words are followed by a fixed successor (a permutation); a quarter of them
 ("twist" words) are followed by a word chosen by a table over (previous word, current word). Training text
@@ -338,9 +340,9 @@ def train_eagle3(out_dir, target, data, steps=600, ttt=3, anchors_per_step=48, l
         ids, n_prompt, feats = data[rng.randrange(len(data))]
         anchors = torch.tensor(sorted(rng.sample(range(n_prompt, len(ids) - ttt), anchors_per_step)))
         ids_t = torch.tensor(ids)
-        context = ed.eagle_context(drafter, feats, ids, embed.weight)
+        context = ed.causal_pass(drafter, feats, ids, embed.weight)
         labels = ids_t[anchors[:, None] + torch.arange(1, ttt + 1)]
-        logits = ed.eagle_chain(drafter, context, anchors, None, embed.weight, head, "training", labels)
+        logits = ed.causal_chain(drafter, context, anchors, None, embed.weight, head, "training", labels)
         return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels)
     optimize(weights.values(), steps, loss_of, "eagle3")
     save_drafter(out_dir, eagle3_config(layer, layer_ids, ttt), {**{k: v.detach() for k, v in weights.items()},
@@ -375,6 +377,72 @@ def eagle3_config(layer, layer_ids, steps):
                                    "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": steps,
                                                          "verifier_accept_k": 1, "accept_tolerance": 0.0}],
                                    "verifier": {"name_or_path": None, "architectures": ["Qwen3ForCausalLM"]}}}
+
+
+def mtp_weights(cfg, seed, scale=0.08):
+    """An MTP layer's tensors for a target config (a dict), randomly initialised: fc over [embedding; hidden], a
+    full-attention layer whose q_proj gives each head's query and gate, norm weights at the plain scale 1."""
+    H, I, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv, g = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd, torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g) * scale
+    p = "layers.0."
+    return {"fc.weight": rnd(H, 2 * H), "pre_fc_norm_embedding.weight": torch.ones(H),
+            "pre_fc_norm_hidden.weight": torch.ones(H), "norm.weight": torch.ones(H),
+            p + "input_layernorm.weight": torch.ones(H), p + "post_attention_layernorm.weight": torch.ones(H),
+            p + "self_attn.q_proj.weight": rnd(2 * q, H), p + "self_attn.k_proj.weight": rnd(kv, H),
+            p + "self_attn.v_proj.weight": rnd(kv, H), p + "self_attn.o_proj.weight": rnd(H, q),
+            p + "self_attn.q_norm.weight": torch.ones(hd), p + "self_attn.k_norm.weight": torch.ones(hd),
+            p + "mlp.gate_proj.weight": rnd(I, H), p + "mlp.up_proj.weight": rnd(I, H), p + "mlp.down_proj.weight": rnd(H, I)}
+
+
+def mtp_drafter(cfg, weights, steps, rope, last_layer):
+    """The Drafter record of an MTP layer, built here for training (or timing), not loaded from a checkpoint."""
+    return ed.Drafter(name="mtp", checkpoint="", cfg=cfg, weights=weights, layers=[last_layer], block_size=steps + 1,
+                      mask_token_id=-1, rules=[], rope=rope, logit_rows=ed.LOGIT_ROWS_PER_CHUNK, generation="MTP",
+                      head={"norm_output": True, "gate": True})
+
+
+def train_mtp(target_dir, steps=300, ttt=1, anchors_per_step=48):
+    """A trained MTP layer for the hybrid demo target, written into its checkpoint as Qwen3.5 ships one: mtp.* tensors
+    in its model.safetensors (norms zero-centred: the stored weight w scales by 1 + w) and mtp_num_hidden_layers in
+    its config. Trained as Qwen trains it, one step: position j's output predicts token j + 2; the engines then
+    run it for K steps, fed its own post-norm output."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(2)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    weights = {k: v.requires_grad_() for k, v in mtp_weights(target.config.to_dict(), 5).items()}
+    last = target.config.num_hidden_layers - 1
+    drafter = mtp_drafter(target.config.to_dict(), weights, ttt, ed.target_rope(target.config, "cpu"), last)
+    data = training_data(target, language(), [last], random.Random(6))
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    for prm in target.parameters():
+        prm.requires_grad_(False)
+    rng = random.Random(7)
+
+    def loss_of(step):
+        ids, n_prompt, feats = data[rng.randrange(len(data))]
+        anchors = torch.tensor(sorted(rng.sample(range(n_prompt, len(ids) - ttt), anchors_per_step)))
+        ids_t = torch.tensor(ids)
+        labels = ids_t[anchors[:, None] + torch.arange(1, ttt + 1)]
+        logits = ed.causal_chain(drafter, ed.causal_pass(drafter, feats, ids, embed.weight), anchors, None,
+                                 embed.weight, head, "training", labels)
+        return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels)
+    optimize(weights.values(), steps, loss_of, "mtp")
+    path = os.path.join(target_dir, "model.safetensors")
+    state = {k: v for k, v in load_file(path).items() if not k.startswith("mtp.")}
+    state.update({"mtp." + k: (v.detach() - 1.0 if "norm" in k.split(".")[-2] else v.detach()).contiguous()
+                  for k, v in weights.items()})
+    save_file(state, path, metadata={"format": "pt"})
+    os.chmod(path, 0o644)
+    with open(os.path.join(target_dir, "config.json")) as f:
+        config = json.load(f)
+    config["mtp_num_hidden_layers"] = 1
+    with open(os.path.join(target_dir, "config.json"), "w") as f:
+        f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    print(f"wrote the MTP layer into {target_dir}", flush=True)
 
 
 def make_families(out=None, only=None):
@@ -421,7 +489,9 @@ def main(out=None, hybrid=False, from_anchor=False):
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if "--families" in args or "--eagle3" in args:
+    if "--mtp" in args:
+        train_mtp(next((a for a in args if not a.startswith("--")), os.path.join(FIXTURES, "demo_hybrid", "target")))
+    elif "--families" in args or "--eagle3" in args:
         make_families(*[a for a in args if not a.startswith("--")], only="eagle3" if "--eagle3" in args else None)
     else:
         main(*[a for a in args if not a.startswith("--")], hybrid="--hybrid" in args, from_anchor="--from-anchor" in args)

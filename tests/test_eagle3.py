@@ -199,7 +199,7 @@ def test_saved_features_and_shards_give_the_same_results(tmp_path, whole):
 
 
 def test_an_interruption_inside_the_chain_loses_nothing(tmp_path, monkeypatch, whole):
-    out, real, calls = tmp_path / "cut.json", ed.eagle_chain, []
+    out, real, calls = tmp_path / "cut.json", ed.causal_chain, []
 
     def stopping(*args, **kwargs):
         calls.append(1)
@@ -207,12 +207,12 @@ def test_an_interruption_inside_the_chain_loses_nothing(tmp_path, monkeypatch, w
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ed, "eagle_chain", stopping)
+    monkeypatch.setattr(ed, "causal_chain", stopping)
     argv = [*ARGV, "--depths", "3,5", "--quiet", "--output", str(out)]
     assert ed.main(argv) == 130
     with open(str(out) + ".partial.jsonl") as f:
         assert sum("results" in json.loads(line) for line in f) == 2
-    monkeypatch.setattr(ed, "eagle_chain", real)
+    monkeypatch.setattr(ed, "causal_chain", real)
     assert ed.main([*argv, "--resume"]) == 0
     assert results(json.loads(out.read_text())) == results(whole)
 
