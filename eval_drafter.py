@@ -1912,9 +1912,10 @@ def load_mtp(name, path, target_cfg, settings, identify):
     where = f"drafter {name}: {path} is a {text.model_type} target"
     if not names:
         deepseek = any(re.search(r"\.(eh_proj|enorm|hnorm)\.weight$", k) for k in files)
-        fail(f"{where} whose checkpoint has " + ("a DeepSeek-style MTP layer (eh_proj, enorm, hnorm, shared_head), "
-             "which this tool does not run yet" if deepseek else "no MTP layer (no mtp.* tensors)") +
-             f"; it runs the MTP layers of {', '.join(MTP_TYPES)} targets")
+        fail(f"{where} model, not a drafter, and its checkpoint has " + (
+             "a DeepSeek-style MTP layer (eh_proj, enorm, hnorm, shared_head), which this tool does not run yet"
+             if deepseek else "no MTP layer (no mtp.* tensors)") + f" to evaluate; give --ckpt a drafter (the tool "
+             f"runs the MTP layers of {', '.join(MTP_TYPES)} targets)")
     if text.model_type not in MTP_TYPES:
         fail(f"{where}: this tool runs the MTP layers of {', '.join(MTP_TYPES)} targets only")
     if {k.split(".")[2] for k in names if k.startswith("mtp.layers.")} != {"0"}:
@@ -2079,9 +2080,9 @@ def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab
     eagle = generation == "EAGLE-3"   # one layer, q/k/v over [embedding; features] (2H); Llama's has no q/k norm
     width = 2 * H if eagle else H
     per_layer = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+                 **mlp_tensors(cfg, "layers.0.mlp.gate.weight" in state),
                  "self_attn.q_proj.weight": (q, width), "self_attn.k_proj.weight": (kv, width),
-                 "self_attn.v_proj.weight": (kv, width), "self_attn.o_proj.weight": (H, q),
-                 **mlp_tensors(cfg, "layers.0.mlp.gate.weight" in state)}
+                 "self_attn.v_proj.weight": (kv, width), "self_attn.o_proj.weight": (H, q)}
     if generation == "MTP":   # one layer over fc([embedding; hidden]); q_proj gives each head's query and gate
         per_layer["self_attn.q_proj.weight"] = (2 * q if head["gate"] else q, H)
         return {"fc.weight": (H, 2 * H), "norm.weight": (H,), "pre_fc_norm_embedding.weight": (H,),
@@ -3374,7 +3375,8 @@ def export_vllm_synthetic(report, path, depth):
         fail(f"--export-vllm-synthetic: drafter {d['name']} has no rounds at depth {depth}; evaluate that depth "
              f"(--depths {depth}) or pick another with --export-depth")
     rates = stats["engine_metrics"]["vllm"]["per_position_acceptance_rate"]
-    config = {"method": "dflash", "model": d["checkpoint"], "num_speculative_tokens": depth,
+    method = {"DSpark": "dspark", "EAGLE-3": "eagle3", "MTP": "mtp"}.get(d["generation"], "dflash")
+    config = {"method": method, **({} if method == "mtp" else {"model": d["checkpoint"]}), "num_speculative_tokens": depth,
               "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [round(r, 6) for r in rates],
               "draft_sample_method": "greedy"}
     with open(path, "w", encoding="utf-8") as f:

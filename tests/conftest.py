@@ -45,6 +45,13 @@ def interrupt_at(monkeypatch, name, n):
     return real, calls
 
 
+def refused_in_one_line(capsys, argv, fragment):
+    """eval_drafter.main(argv) exits 2 with one line on stderr that holds `fragment`."""
+    assert ed.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0], err
+
+
 def drafter_settings(**overrides):
     """The settings keys load_drafter / layer_rules read, with the CLI defaults on CPU."""
     s = {"layers": None, "block_size": None, "block_mask": "auto", "sliding_window": "train",

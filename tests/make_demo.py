@@ -331,10 +331,18 @@ def train_eagle3(out_dir, target, data, steps=600, ttt=3, anchors_per_step=48, l
                          logit_rows=ed.LOGIT_ROWS_PER_CHUNK, generation="EAGLE-3",
                          head={"norm_before_residual": True, "norm_before_fc": False, "fc_norm": False,
                                "norm_output": False})
+    head = train_chain(drafter, target, data, steps, ttt, anchors_per_step, random.Random(4), "eagle3")
+    save_drafter(out_dir, eagle3_config(layer, layer_ids, ttt), {**{k: v.detach() for k, v in weights.items()},
+                                                                  "lm_head.weight": head.weight.detach().clone()})
+
+
+def train_chain(drafter, target, data, steps, ttt, anchors_per_step, rng, what):
+    """EAGLE-3's and MTP's training, as SpecForge and speculators train EAGLE-3: step 1 teacher-forced over the
+    text, then ttt - 1 steps each fed the previous step's hidden and the reference token, every step's prediction
+    in the loss (ttt = 1: one step, as Qwen trains its MTP layer). Returns the target's head."""
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     for prm in target.parameters():
         prm.requires_grad_(False)
-    rng = random.Random(4)
 
     def loss_of(step):
         ids, n_prompt, feats = data[rng.randrange(len(data))]
@@ -344,9 +352,8 @@ def train_eagle3(out_dir, target, data, steps=600, ttt=3, anchors_per_step=48, l
         labels = ids_t[anchors[:, None] + torch.arange(1, ttt + 1)]
         logits = ed.causal_chain(drafter, context, anchors, None, embed.weight, head, "training", labels)
         return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels)
-    optimize(weights.values(), steps, loss_of, "eagle3")
-    save_drafter(out_dir, eagle3_config(layer, layer_ids, ttt), {**{k: v.detach() for k, v in weights.items()},
-                                                                  "lm_head.weight": head.weight.detach().clone()})
+    optimize(drafter.weights.values(), steps, loss_of, what)
+    return head
 
 
 def eagle3_weights(layer, n_aux, seed, scale=0.08):
@@ -417,20 +424,7 @@ def train_mtp(target_dir, steps=300, ttt=1, anchors_per_step=48):
     last = target.config.num_hidden_layers - 1
     drafter = mtp_drafter(target.config.to_dict(), weights, ttt, ed.target_rope(target.config, "cpu"), last)
     data = training_data(target, language(), [last], random.Random(6))
-    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    for prm in target.parameters():
-        prm.requires_grad_(False)
-    rng = random.Random(7)
-
-    def loss_of(step):
-        ids, n_prompt, feats = data[rng.randrange(len(data))]
-        anchors = torch.tensor(sorted(rng.sample(range(n_prompt, len(ids) - ttt), anchors_per_step)))
-        ids_t = torch.tensor(ids)
-        labels = ids_t[anchors[:, None] + torch.arange(1, ttt + 1)]
-        logits = ed.causal_chain(drafter, ed.causal_pass(drafter, feats, ids, embed.weight), anchors, None,
-                                 embed.weight, head, "training", labels)
-        return torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels)
-    optimize(weights.values(), steps, loss_of, "mtp")
+    train_chain(drafter, target, data, steps, ttt, anchors_per_step, random.Random(7), "mtp")
     path = os.path.join(target_dir, "model.safetensors")
     state = {k: v for k, v in load_file(path).items() if not k.startswith("mtp.")}
     state.update({"mtp." + k: (v.detach() - 1.0 if "norm" in k.split(".")[-2] else v.detach()).contiguous()

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import eval_drafter as ed
-from conftest import drafter_settings
+from conftest import drafter_settings, refused_in_one_line
 from drafters import DEMO, demo_pair, online_rounds, run_tool, speculative_sampling_runs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -264,9 +264,7 @@ def test_load_line_and_json_say_the_conventions(tmp_path, capsys):
     (["--layers", "1,3,5"], "captured layer ids [1, 3, 5] (--layers) must lie in 0..4"),
 ])
 def test_refusals_are_one_line(capsys, argv, fragment):
-    assert ed.main(["--demo", "--ckpt", EAGLE, "--quiet", "--limit", "1", *argv]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and fragment in err[0], err
+    refused_in_one_line(capsys, ["--demo", "--ckpt", EAGLE, "--quiet", "--limit", "1", *argv], fragment)
 
 
 def test_a_missing_layer_tensor_is_named(tmp_path, capsys):
@@ -276,9 +274,8 @@ def test_a_missing_layer_tensor_is_named(tmp_path, capsys):
     state = load_file(str(out / "model.safetensors"))
     state.pop("layers.0.post_attention_layernorm.weight")
     save_file(state, str(out / "model.safetensors"))
-    assert ed.main(["--demo", "--ckpt", str(out), "--quiet", "--limit", "1"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "1 missing (layers.0.post_attention_layernorm.weight)" in err[0], err
+    refused_in_one_line(capsys, ["--demo", "--ckpt", str(out), "--quiet", "--limit", "1"],
+                        "1 missing (layers.0.post_attention_layernorm.weight)")
 
 
 def test_a_specforge_training_state_equals_its_export(tmp_path):

@@ -17,7 +17,7 @@ import torch
 import transformers
 
 import eval_drafter as ed
-from conftest import drafter_settings, interrupt_at, scale_weights, write_jsonl
+from conftest import drafter_settings, interrupt_at, refused_in_one_line, scale_weights, write_jsonl
 from drafters import mtp_proposer, online_rounds, run_tool, speculative_sampling_runs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -278,7 +278,8 @@ def test_the_multimodal_layout_gives_the_text_only_drafts(tmp_path, demo):
 def test_load_line_and_json(tmp_path, capsys):
     out = tmp_path / "o.json"
     assert ed.main(["--target", TARGET, "--ckpt", "head=" + TARGET, "--prompts", PROMPTS, "--limit", "1",
-                    "--max-new-tokens", "16", "--output", str(out)]) == 0
+                    "--max-new-tokens", "16", "--output", str(out), "--export-vllm-synthetic",
+                    str(tmp_path / "vllm.json")]) == 0
     err = capsys.readouterr().err
     assert "drafter head: MTP, the target's own layer (mtp.* in its safetensors; transformers does not load it); 3 " \
            "steps a round, the one layer reused; reads the last hidden state after the final norm and feeds its own " \
@@ -288,12 +289,12 @@ def test_load_line_and_json(tmp_path, capsys):
     (d,) = json.loads(out.read_text())["drafters"]
     assert d["head"] == {"norm_output": True, "gate": True} and d["layout"] == "target"
     assert d["ddtree"] is None and "the MTP layer drafts a chain here" in d["ddtree_note"]
+    exported = json.loads((tmp_path / "vllm.json").read_text())   # vLLM's MTP reads the target's own checkpoint
+    assert exported["method"] == "mtp" and "model" not in exported and exported["num_speculative_tokens"] == 3
 
 
 def one_line_refusal(capsys, argv, fragment):
-    assert ed.main([*argv, "--quiet", "--limit", "1", "--max-new-tokens", "8"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and fragment in err[0], err
+    refused_in_one_line(capsys, [*argv, "--quiet", "--limit", "1", "--max-new-tokens", "8"], fragment)
 
 
 def edited_target(tmp_path, edit):
@@ -308,8 +309,8 @@ def edited_target(tmp_path, edit):
 
 
 def test_a_target_without_an_mtp_layer_is_refused(capsys):
-    one_line_refusal(capsys, ["--demo", "--mtp"], "is a qwen3 target whose checkpoint has no MTP layer (no mtp.* "
-                                                  "tensors); it runs the MTP layers of qwen3_5_text")
+    one_line_refusal(capsys, ["--demo", "--mtp"], "is a qwen3 target model, not a drafter, and its checkpoint has no "
+                                                  "MTP layer (no mtp.* tensors) to evaluate; give --ckpt a drafter")
 
 
 def test_deepseek_style_mtp_is_named(tmp_path, capsys):
