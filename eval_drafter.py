@@ -102,11 +102,12 @@ def build_parser():
                                     "tokenizer): Qwen3, Qwen3.5/3.6 hybrid (transformers 5.x), Llama, gpt-oss, or any "
                                     "decoder-only model whose layers and final norm transformers exposes")
     g.add_argument("--ckpt", action="append", default=[], metavar="[NAME=]PATH",
-                   help="a DFlash or DFlash 2 drafter, repeated to compare several on one target pass; NAME= labels "
-                        "it. Forms: a directory with config.json + model.safetensors (or model.safetensors.index.json) "
-                        "in z-lab's, transformers' native or speculators' layout; a .safetensors file; a training "
-                        ".pt/.pth/.bin state dict, read with torch.load(weights_only=True), nesting and prefixes "
-                        "unwrapped; a SpecForge step directory; a training run's directory of steps (--steps)")
+                   help="a drafter (DFlash, DFlash 2, DSpark, Domino, EAGLE-3), repeated to compare several on one "
+                        "target pass; NAME= labels it. Forms: a directory with config.json + model.safetensors (or "
+                        "model.safetensors.index.json) in z-lab's, transformers' native, speculators' or SpecForge's "
+                        "layout; a .safetensors file; a training .pt/.pth/.bin state dict, read with "
+                        "torch.load(weights_only=True), nesting and prefixes unwrapped; a SpecForge step directory; a "
+                        "training run's directory of steps (--steps); a target directory: its MTP layer (as --mtp)")
     g.add_argument("--mtp", action="store_true",
                    help="also evaluate the target's own MTP layer (Qwen3.5/3.6, Qwen3-Next: mtp.* in its safetensors) "
                         "as drafter mtp, the baseline a drafter must beat; the same as --ckpt mtp=TARGET_DIR")
@@ -122,7 +123,8 @@ def build_parser():
     g.add_argument("--drafter-config", metavar="FILE", help="config.json for checkpoint files that have none beside")
     g.add_argument("--layers", help="target layer ids feeding the drafter, e.g. 1,16,31,46,61 "
                                     "(default: the checkpoint's dflash_config.target_layer_ids)")
-    g.add_argument("--block-size", type=int, help="block size (default: the checkpoint's block_size)")
+    g.add_argument("--block-size", type=int, help="block size (default: the checkpoint's block_size); EAGLE-3 and "
+                                                  "MTP: K + 1 for K steps a round (default 3 steps)")
     g.add_argument("--mask-token-id", type=int, help="mask token id (default: the checkpoint config's)")
     g.add_argument("--head-dim", type=int, help="drafter head dim, for checkpoints without a config")
     g.add_argument("--num-heads", type=int, help="drafter attention heads, for checkpoints without a config")
@@ -1647,7 +1649,7 @@ def load_drafter(spec, target_cfg, settings, identify=True):
     name, path = split_ckpt_spec(spec)
     if not os.path.exists(path):
         fail(f"drafter checkpoint not found: {path} (pass a drafter directory or file to --ckpt)")
-    if target_directory(path) is not None:
+    if is_target_directory(path):
         return load_mtp(name, path, target_cfg, settings, identify)
     cfg, raw = read_checkpoint(path, name)
     if settings.get("drafter_config"):
@@ -1885,19 +1887,25 @@ def load_eagle3(name, path, cfg, state, layout, target_cfg, settings, identify):
 
 
 MTP_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")   # text model types whose MTP layer this tool runs
+MTP_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "rms_norm_eps", "attention_bias", "attn_output_gate", "num_experts", "num_experts_per_tok",
+            "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "max_position_embeddings",
+            "rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor")
 
 
-def target_directory(path):
-    """The config of a directory that holds a target model (a ...ForCausalLM or ...ForConditionalGeneration
-    checkpoint, not a drafter) for its MTP layer, else None."""
+DRAFTER_KEYS = ("dflash_config", "speculators_model_type", "block_size", "target_layer_ids", "mask_token_id",
+                "draft_vocab_size", "eagle_config", "eagle_aux_hidden_state_layer_ids")   # in no target's config
+
+
+def is_target_directory(path):
+    """Whether `path` holds a target model (a ...ForCausalLM or ...ForConditionalGeneration checkpoint whose config
+    has none of the drafters' keys), whose MTP layer is then the drafter."""
     file = os.path.join(path, "config.json")
     if not os.path.isdir(path) or not os.path.isfile(file):
-        return None
+        return False
     cfg = read_json(file)
-    if any(k in cfg for k in ("dflash_config", "speculators_model_type", "block_size")):
-        return None
-    return cfg if any(str(a).endswith(("ForCausalLM", "ForConditionalGeneration"))
-                      for a in cfg.get("architectures") or []) else None
+    return not any(k in cfg for k in DRAFTER_KEYS) and any(
+        str(a).endswith(("ForCausalLM", "ForConditionalGeneration")) for a in cfg.get("architectures") or [])
 
 
 def load_mtp(name, path, target_cfg, settings, identify):
@@ -1933,7 +1941,7 @@ def load_mtp(name, path, target_cfg, settings, identify):
         for e in range(gate_up.shape[0]):
             g, u = gate_up[e].chunk(2, 0)
             state.update({f"{p}{e}.gate_proj.weight": g, f"{p}{e}.up_proj.weight": u, f"{p}{e}.down_proj.weight": down[e]})
-    cfg = text.to_dict()
+    cfg = {k: v for k, v in text.to_dict().items() if k in MTP_KEYS}   # no path: its identity is its content
     check_hidden(cfg, target_cfg, name)
     steps = (settings.get("block_size") or 4) - 1   # SGLang's default for Qwen: 3 steps, top-1
     head = {"norm_output": True, "gate": bool(cfg.get("attn_output_gate", True))}

@@ -161,6 +161,19 @@ def test_transformers_does_not_load_the_mtp_layer_and_the_tool_reads_it(demo):
     assert all(v.abs().max() > 0.01 for k, v in stored.items() if "norm" in k)   # trained: none left at 0
 
 
+@needs_qwen35
+def test_the_mtp_layer_is_identified_by_content(tmp_path):
+    """A copy of the target elsewhere, sharded in three files with the mtp.* tensors spread over them, is the same
+    drafter (its hash: --resume and --merge compare it); another MTP layer is not."""
+    from test_hybrid import clone_checkpoint
+    config = ed.read_target_config(TARGET)
+    same = ed.load_drafter(f"m={clone_checkpoint(TARGET, str(tmp_path / 'sharded'), shards=3)}", config,
+                           drafter_settings())
+    assert same.hash == ed.load_drafter(f"m={TARGET}", config, drafter_settings()).hash
+    other = edited_target(tmp_path, lambda s: s["mtp.fc.weight"].mul_(1.01))
+    assert ed.load_drafter(f"m={other}", config, drafter_settings()).hash != same.hash
+
+
 # ----------------------------------------------------------------------------------------------------
 # Every promise, beside a DFlash drafter: walk mode, depths, saved features, shards, an interruption in the chain
 
