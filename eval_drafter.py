@@ -223,7 +223,8 @@ def build_parser():
     g = p.add_argument_group("deployment (see README, Choosing what to serve)")
     g.add_argument("--depths", help="also evaluate every drafter at these served depths K (drafts a round: vLLM's "
                                     "num_speculative_tokens, SGLang's --speculative-num-draft-tokens minus 1), e.g. 3,5 "
-                                    "or all (1 .. the trained depth): the drafter re-run with a block of 1 + K")
+                                    "or all (1 .. the trained depth): the drafter re-run with a block of 1 + K "
+                                    "(EAGLE-3 and MTP: K chained steps, any K)")
     g.add_argument("--costs", metavar="measure|FILE",
                    help="predicted speedup per depth and DDTree budget: measure = time the target's and the drafters' "
                         "forwards here, on the run's device and dtype; FILE = a JSON table of your own (see README)")
@@ -3265,7 +3266,8 @@ def measure_costs(model, drafters, settings, items):
     prompt plus half the reference): a plain decoding step (the target over one token, its argmax); a verify
     pass over n = 1 + K tokens (1 + budget for a DDTree tree) with the drafters' feature layers captured, the
     head over every row and the verdict; each drafter's round at depth K: its new context rows (K + 1 at most),
-    its context cache grown, the block of 1 + K through backbone, head and selector. Each the fastest of
+    its context cache grown, the block of 1 + K through backbone, head and selector (EAGLE-3, MTP: the window's
+    K + 1 new rows through their layer over its cache, then K chained steps). Each the fastest of
     COST_REPEATS rounds that take every size in turn (interference on a shared box only adds time)."""
     _, _, embed, head = target_parts(model)
     depths = {d.block_size - 1 for d in drafters} | {k for d in drafters for k in served_depths(d, settings)}

@@ -297,3 +297,12 @@ def test_a_specforge_training_state_equals_its_export(tmp_path):
     a, b = report["drafters"]
     assert b["generation"] == "EAGLE-3" and b["layers"] == a["layers"] == [1, 3, 4]
     assert [p["rounds"] for p in b["prompts"]] == [p["rounds"] for p in a["prompts"]]
+
+
+def test_costs_measured_for_the_eagle3_round(tmp_path):
+    """--costs measure times EAGLE-3's round as the engines run it (the window's new rows, then K steps)."""
+    report = run_tool(tmp_path, "c", "--demo", "--ckpt", f"e={EAGLE}", "--limit", "2", "--max-new-tokens", "24",
+                      "--depths", "2", "--ddtree-budgets", "none", "--costs", "measure")
+    assert set(report["config"]["costs_used"]["draft"]["e"]) == {"3", "2"}
+    rows = report["drafters"][0]["predicted_speedup"]["1"]["rows"]
+    assert set(rows) == {"K=3", "K=2"} and all(r["speedup"] > 0 for r in rows.values())

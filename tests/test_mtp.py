@@ -8,6 +8,7 @@ The fixture is the hybrid demo target (tests/fixtures/demo_hybrid/target), into 
 `python tests/make_demo.py --mtp` wrote a trained MTP layer, as Qwen3.5 checkpoints ship one. Qwen3.5 needs
 transformers 5.x; the Qwen3-Next checks (a mixture-of-experts MTP layer) run under 4.x too.
 """
+import io
 import json
 import os
 import shutil
@@ -206,6 +207,24 @@ def test_walk_mode_and_depths(tmp_path, demo, whole):
     for depth in (2, 5):
         assert [p["depth_rounds"][str(depth)] for p in mtp["prompts"]] == \
             [online_mtp_rounds(target, ids, 32, depth) for ids in prompts[:3]]
+
+
+@needs_qwen35
+def test_side_by_side_pairs_the_drafters_at_the_same_depth(whole):
+    """7 drafts a round against 3 is no comparison: the drafters are also paired at the depths both were
+    evaluated at (--depths 2,5), each tau the drafter's own at that depth."""
+    c = whole["comparison"]
+    assert c["drafts_per_round"] == {"mine": 7, "mtp": 3} and sorted(c["at_depth"]) == ["2", "5"]
+    for K, (mine, mtp) in c["at_depth"].items():
+        assert [mine["name"], mtp["name"]] == ["mine", "mtp"] and mine["delta_tau"] is None
+        assert mine["tau"] == pytest.approx(whole["drafters"][0]["depths"][K]["tau"])
+        assert mtp["tau"] == pytest.approx(whole["drafters"][1]["depths"][K]["tau"])
+        assert mtp["delta_tau"] == pytest.approx(mtp["tau"] - mine["tau"])
+        assert mtp["delta_tau_ci95"][0] <= mtp["delta_tau"] <= mtp["delta_tau_ci95"][1]
+    out = io.StringIO()
+    ed.print_report(whole, out)
+    assert "the drafters draft different numbers of tokens a round (mine 7, mtp 3)" in out.getvalue()
+    assert "mtp − mine at depth 5: Δτ" in out.getvalue()
 
 
 @needs_qwen35
