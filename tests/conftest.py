@@ -45,6 +45,18 @@ def interrupt_at(monkeypatch, name, n):
     return real, calls
 
 
+def interrupted_then_resumed(monkeypatch, argv, out, name, n, kept):
+    """eval_drafter.main(argv), writing `out`, with eval_drafter.<name>'s n-th call raising KeyboardInterrupt: exit
+    130 with `kept` prompts' results in the partial file; then the same run with --resume: its report."""
+    real, _ = interrupt_at(monkeypatch, name, n)
+    assert ed.main(argv) == 130
+    with open(str(out) + ".partial.jsonl") as f:
+        assert sum("results" in json.loads(line) for line in f) == kept
+    monkeypatch.setattr(ed, name, real)
+    assert ed.main([*argv, "--resume"]) == 0
+    return json.loads(out.read_text())
+
+
 def refused_in_one_line(capsys, argv, fragment):
     """eval_drafter.main(argv) exits 2 with one line on stderr that holds `fragment`."""
     assert ed.main(argv) == 2

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import eval_drafter as ed
-from conftest import drafter_settings, refused_in_one_line
+from conftest import drafter_settings, interrupted_then_resumed, refused_in_one_line
 from drafters import DEMO, demo_pair, online_rounds, run_tool, speculative_sampling_runs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -199,22 +199,9 @@ def test_saved_features_and_shards_give_the_same_results(tmp_path, whole):
 
 
 def test_an_interruption_inside_the_chain_loses_nothing(tmp_path, monkeypatch, whole):
-    out, real, calls = tmp_path / "cut.json", ed.causal_chain, []
-
-    def stopping(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 7:   # the third prompt's trained depth (each prompt: trained depth, depths 3 and 5)
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(ed, "causal_chain", stopping)
+    out = tmp_path / "cut.json"   # cut in the third prompt's trained depth (each prompt: trained depth, depths 3, 5)
     argv = [*ARGV, "--depths", "3,5", "--quiet", "--output", str(out)]
-    assert ed.main(argv) == 130
-    with open(str(out) + ".partial.jsonl") as f:
-        assert sum("results" in json.loads(line) for line in f) == 2
-    monkeypatch.setattr(ed, "causal_chain", real)
-    assert ed.main([*argv, "--resume"]) == 0
-    assert results(json.loads(out.read_text())) == results(whole)
+    assert results(interrupted_then_resumed(monkeypatch, argv, out, "causal_chain", 7, 2)) == results(whole)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 import transformers
 
 import eval_drafter as ed
-from conftest import drafter_settings, interrupt_at, refused_in_one_line, scale_weights, write_jsonl
+from conftest import drafter_settings, interrupted_then_resumed, refused_in_one_line, scale_weights, write_jsonl
 from drafters import mtp_proposer, online_rounds, run_tool, speculative_sampling_runs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -241,15 +241,9 @@ def test_saved_features_and_shards_give_the_same_results(tmp_path, whole):
 
 @needs_qwen35
 def test_an_interruption_inside_the_chain_loses_nothing(tmp_path, monkeypatch, whole):
-    out = tmp_path / "cut.json"
-    real, _ = interrupt_at(monkeypatch, "causal_chain", 7)   # the third prompt's MTP (per prompt: depths 3, 2, 5)
-    argv = [*ARGV, "--quiet", "--output", str(out)]
-    assert ed.main(argv) == 130
-    with open(str(out) + ".partial.jsonl") as f:
-        assert sum("results" in json.loads(line) for line in f) == 2
-    monkeypatch.setattr(ed, "causal_chain", real)
-    assert ed.main([*argv, "--resume"]) == 0
-    assert results(json.loads(out.read_text())) == results(whole)
+    out = tmp_path / "cut.json"   # cut in the third prompt's MTP chain (per prompt: depths 3, 2, 5)
+    resumed = interrupted_then_resumed(monkeypatch, [*ARGV, "--quiet", "--output", str(out)], out, "causal_chain", 7, 2)
+    assert results(resumed) == results(whole)
 
 
 # ----------------------------------------------------------------------------------------------------
