@@ -244,13 +244,18 @@ def parse_args(argv):
     return build_parser().parse_args(argv)
 
 
+def int_list(text):
+    """The distinct integers of a comma list, sorted; [] where it is not one."""
+    try:
+        return sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        return []
+
+
 def parse_budgets(text):
     if text.strip().lower() == "none":
         return []
-    try:
-        budgets = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        fail(f"--ddtree-budgets must be positive integers like 8,32,128 (or none), got {text!r}")
+    budgets = int_list(text)
     if not budgets or budgets[0] < 1:
         fail(f"--ddtree-budgets must be positive integers like 8,32,128 (or none), got {text!r}")
     return budgets
@@ -422,10 +427,7 @@ def parse_depths(text):
     """--depths: None, "all" or a sorted list of depths >= 1."""
     if text is None or text.strip().lower() == "all":
         return text and "all"
-    try:
-        depths = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        depths = []
+    depths = int_list(text)
     if not depths or depths[0] < 1:
         fail(f"--depths takes all or depths >= 1 like 3,5,7; got {text!r}")
     return depths
@@ -729,6 +731,16 @@ def target_tensor_files(path):
             with safe_open(os.path.join(path, name), "pt") as f:
                 names.update(dict.fromkeys(f.keys(), os.path.join(path, name)))
     return names
+
+
+def target_tensors(files, names, device="cpu"):
+    """The named tensors of a checkpoint ({name: file}, as target_tensor_files gives), each file opened once."""
+    from safetensors import safe_open
+    out = {}
+    for file in sorted({files[n] for n in names}):
+        with safe_open(file, "pt", device=device) as f:
+            out.update({n: f.get_tensor(n) for n in names if files[n] == file})
+    return out
 
 
 def load_target(settings):
@@ -1914,9 +1926,7 @@ def load_mtp(name, path, target_cfg, settings, identify):
     load. x = fc([norm(embedding of token j + 1); norm(the last hidden state at j, after the final norm)]), one
     full-attention layer of the target's kind, mtp.norm and the target's lm_head; the same layer drafts every step,
     fed its own post-norm output back, as vLLM (method mtp) and SGLang (NEXTN) both draft it."""
-    config, _ = target_config(path)
-    text = getattr(config, "text_config", None) or config
-    files = target_tensor_files(path)
+    text, files = read_target_config(path), target_tensor_files(path)
     names = sorted(k for k in files if k.startswith("mtp."))
     where = f"drafter {name}: {path} is a {text.model_type} target"
     if not names:
@@ -1930,13 +1940,9 @@ def load_mtp(name, path, target_cfg, settings, identify):
     if {k.split(".")[2] for k in names if k.startswith("mtp.layers.")} != {"0"}:
         fail(f"{where} whose MTP has several layers (mtp.layers.1.*): the engines' step-by-step rotation over "
              "them is not modelled; this tool runs a single MTP layer")
-    from safetensors import safe_open
-    state = {}
-    for file in sorted({files[k] for k in names}):
-        with safe_open(file, "pt") as f:
-            state.update({k[len("mtp."):]: f.get_tensor(k).float() for k in names if files[k] == file})
-    # Qwen3.5's and Qwen3-Next's norms scale by 1 + weight (zero-centred): stored here as the plain scale
-    state = {k: (1.0 + v if "norm" in k.split(".")[-2] else v) for k, v in state.items()}
+    # Qwen3.5's and Qwen3-Next's norms scale by 1 + weight (zero-centred): kept here as the plain scale
+    state = {k[len("mtp."):]: (1.0 + v.float() if "norm" in k.split(".")[-2] else v.float())
+             for k, v in target_tensors(files, names).items()}
     for fused in [k for k in state if k.endswith("mlp.experts.gate_up_proj")]:   # transformers 5.x's fused experts
         p, gate_up, down = fused[:-len("gate_up_proj")], state.pop(fused), state.pop(fused[:-len("gate_up_proj")] + "down_proj")
         for e in range(gate_up.shape[0]):
@@ -2008,7 +2014,6 @@ def carried_copies(carried, vocab, target_dir):
     """Warnings for copies of the target's tensors that a drafter carries (speculators may keep the verifier's
     embedding, head and final norm in the file) and that are not the target's: the tool always uses the
     target's, and a drafter trained with other ones was trained for another target."""
-    from safetensors import safe_open
     copies = {"embed_tokens.weight": EMBED_NAMES, "verifier_norm.weight": TARGET_NORM_NAMES,
               "verifier_lm_head.weight": ("lm_head.weight",) + EMBED_NAMES}
     if vocab is None:
@@ -2020,8 +2025,7 @@ def carried_copies(carried, vocab, target_dir):
         name = next((n for n in copies[key] if n in files), None)
         if name is None:
             continue
-        with safe_open(files[name], "pt") as f:
-            theirs = f.get_tensor(name).float()
+        theirs = target_tensors(files, [name])[name].float()
         if key != "verifier_norm.weight" and vocab is not None:
             theirs = theirs[vocab[0]]   # the head rows of the draft vocabulary
         ours = carried[key].float()
@@ -3408,6 +3412,10 @@ def fmt(x, digits=3):
     return "n/a" if x is None else f"{x:.{digits}f}"
 
 
+def interval(ci):
+    return f"[{fmt(ci[0])}, {fmt(ci[1])}]" if ci else "n/a"
+
+
 def print_report(report, out=None):
     out = out or sys.stdout
     if not any(d["prompts"] for d in report["drafters"]):
@@ -3445,7 +3453,7 @@ def print_report(report, out=None):
         sections = [("all", d)] + (sorted(d["splits"].items()) if len(d["splits"]) > 1 else []) + \
             [(f"turn {t}", s) for t, s in d.get("turns", {}).items()]
         for name, s in sections:
-            ci = "" if not s.get("tau_ci95") else f" [{fmt(s['tau_ci95'][0])}, {fmt(s['tau_ci95'][1])}]"
+            ci = f" {interval(s.get('tau_ci95'))}" if s.get("tau_ci95") else ""
             rounds = f"{s['rounds']:.1f} expected" if sampling else f"{s['rounds']}"
             print(f"-- {name}: tau {fmt(s['tau'])}{ci} (pooled, {rounds} rounds)  tau_prompt_mean "
                   f"{fmt(s['tau_prompt_mean'])}  tau_all_anchors {fmt(s['tau_all_anchors'])}  {reference_line(s)}",
@@ -3502,7 +3510,7 @@ def print_serving(d, out):
             continue
         v, g = s["engine_metrics"]["vllm"], s["engine_metrics"]["sglang"]
         if len(depths) > 1:
-            ci = "" if not s.get("tau_ci95") else f" [{fmt(s['tau_ci95'][0])}, {fmt(s['tau_ci95'][1])}]"
+            ci = f" {interval(s.get('tau_ci95'))}" if s.get("tau_ci95") else ""
             print(f"   depth {k}: tau {fmt(s['tau'])}{ci}, {s['rounds']:.0f} rounds", file=out)
         print(f"     vLLM (num_speculative_tokens {k}): Mean acceptance length {v['mean_acceptance_length']:.2f}, "
               f"Per-position acceptance rate {', '.join(f'{x:.3f}' for x in v['per_position_acceptance_rate'])}, "
@@ -3529,12 +3537,12 @@ def print_comparison_table(c, out):
     print(f"   {'drafter':<{width}}    tau  95% interval      accept@1" + "".join(f"  DDTree {b:>4}" for b in budgets),
           file=out)
     for row in c["drafters"]:
-        ci = row["tau_ci95"]
-        interval = f"[{fmt(ci[0])}, {fmt(ci[1])}]" if ci else "n/a"
         best = "  <- best of " + row["series"] if "series" in row and c["best_steps"].get(row["series"]) == row["step"] \
             and len([r for r in c["drafters"] if r.get("series") == row.get("series")]) > 1 else ""
-        print(f"   {row['name']:<{width}}  {fmt(row['tau']):>5}  {interval:<16}  {fmt(row['first_position_acceptance']):>8}"
-              + "".join(f"  {fmt(row['ddtree'].get(b)):>11}" for b in budgets) + best, file=out)
+        print(f"   {row['name']:<{width}}  {fmt(row['tau']):>5}  {interval(row['tau_ci95']):<16}  "
+              f"{fmt(row['first_position_acceptance']):>8}" + "".join(f"  {fmt(row['ddtree'].get(b)):>11}" for b in budgets)
+              + best, file=out)
+
     def deltas(rows, where=""):
         for row in rows[1:]:
             ci = row["delta_tau_ci95"]
@@ -4398,23 +4406,14 @@ EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.w
 
 def read_embed_head(path, target_cfg, settings):
     """The target's embedding matrix and lm_head read by name from its safetensors: the model is never built."""
-    from safetensors import safe_open
-    files = target_tensor_files(path)
-    dtype = getattr(torch, settings["dtype"])
-
-    def tensor(*names):
-        for name in names:
-            if name in files:
-                with safe_open(files[name], "pt", device=settings["device"]) as f:
-                    return f.get_tensor(name).to(dtype)
-        return None
-
-    embed_w = tensor(*EMBED_NAMES)
-    if embed_w is None:
+    files, dtype = target_tensor_files(path), getattr(torch, settings["dtype"])
+    embed = next((n for n in EMBED_NAMES if n in files), None)
+    if embed is None:
         fail(f"no embed_tokens weight found in the safetensors of {path}")
-    head_w = tensor("lm_head.weight")
-    head_w = embed_w if head_w is None else head_w
-    return embed_w, (lambda x: F.linear(x, head_w))
+    got = {k: v.to(dtype) for k, v in target_tensors(files, {embed, "lm_head.weight"} & set(files),
+                                                       settings["device"]).items()}
+    head_w = got.get("lm_head.weight", got[embed])
+    return got[embed], (lambda x: F.linear(x, head_w))
 
 
 def target_agreement(items):
@@ -4591,13 +4590,12 @@ def side_by_side(drafters, results, items):
     tau, and its paired difference from the first drafter."""
     totals = [prompt_totals(res, items) for res in results]
     rows = []
-    for d, mine in zip(drafters, totals):
-        delta, interval = paired_delta(mine, totals[0]) if rows else (None, None)
+    for d, (delta, ci) in zip(drafters, against_first(totals)):
         rows.append({"name": d["name"], **{k: d[k] for k in ("series", "step") if k in d},
                      "tau": d["tau"], "tau_ci95": d["tau_ci95"],
                      "first_position_acceptance": d["per_position"]["acceptance"][0],
                      "ddtree": {b: s["tau"] for b, s in (d["ddtree"] or {}).items()},
-                     "delta_tau": delta, "delta_tau_ci95": interval})
+                     "delta_tau": delta, "delta_tau_ci95": ci})
     series = {}
     for row in rows:
         if "series" in row and row["tau"] is not None:
@@ -4618,10 +4616,14 @@ def same_depths(drafters, results, items):
     at_depth = {}
     for K in sorted(shared):
         totals = [prompt_totals([r if K == k else r["depths"][K] for r in res], items) for k, res in zip(trained, results)]
-        at_depth[str(K)] = [{"name": d["name"], "tau": sum(c for c, _ in t.values()) / max(1, sum(r for _, r in t.values())),
-                             **dict(zip(("delta_tau", "delta_tau_ci95"), paired_delta(t, totals[0]) if i else (None, None)))}
-                            for i, (d, t) in enumerate(zip(drafters, totals))]
+        at_depth[str(K)] = [{"name": d["name"], "tau": (d.get("depths") or {}).get(str(K), d)["tau"], "delta_tau": delta,
+                             "delta_tau_ci95": ci} for d, (delta, ci) in zip(drafters, against_first(totals))]
     return {"drafts_per_round": dict(zip((d["name"] for d in drafters), trained)), "at_depth": at_depth}
+
+
+def against_first(totals):
+    """Each drafter's (delta tau, its paired 95% interval) against the first's, from their prompt totals."""
+    return [(None, None), *(paired_delta(t, totals[0]) for t in totals[1:])]
 
 
 def join_ranks(settings):

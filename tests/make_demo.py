@@ -339,7 +339,7 @@ def train_eagle3(out_dir, target, data, steps=600, ttt=3, anchors_per_step=48, l
 def train_chain(drafter, target, data, steps, ttt, anchors_per_step, rng, what):
     """EAGLE-3's and MTP's training, as SpecForge and speculators train EAGLE-3: step 1 teacher-forced over the
     text, then ttt - 1 steps each fed the previous step's hidden and the reference token, every step's prediction
-    in the loss (ttt = 1: one step, as Qwen trains its MTP layer). Returns the target's head."""
+    in the loss (ttt = 1: one step). Returns the target's head."""
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     for prm in target.parameters():
         prm.requires_grad_(False)
@@ -414,8 +414,8 @@ def mtp_drafter(cfg, weights, steps, rope, last_layer):
 def train_mtp(target_dir, steps=300, ttt=1, anchors_per_step=48):
     """A trained MTP layer for the hybrid demo target, written into its checkpoint as Qwen3.5 ships one: mtp.* tensors
     in its model.safetensors (norms zero-centred: the stored weight w scales by 1 + w) and mtp_num_hidden_layers in
-    its config. Trained as Qwen trains it, one step: position j's output predicts token j + 2; the engines then
-    run it for K steps, fed its own post-norm output."""
+    its config. Trained for one step (ttt = 1: position j's output predicts token j + 2); the engines then run it
+    for K steps, fed its own post-norm output."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(2)
