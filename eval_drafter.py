@@ -38,7 +38,8 @@ import re
 import signal
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -274,7 +275,7 @@ def resolve_settings(args):
     if args.max_new_tokens is None:
         args.max_new_tokens = 256
     if args.merge:
-        return resolve_merge(args)
+        return MappingProxyType(resolve_merge(args))
     comparing, from_file = bool(args.compare_hidden), bool(args.load_hidden or args.compare_hidden)
     if not args.target and (args.ckpt or not comparing):
         fail("--target is required (or run --demo for the bundled example)")
@@ -361,7 +362,60 @@ def resolve_settings(args):
                 "torch_version": torch.__version__, "transformers_version": transformers_version}
     for note in notes:
         log(settings, f"note: {note}")
-    return settings
+    settings.update(rank_setup(settings))
+    return MappingProxyType(settings)
+
+
+def quietly(settings):
+    """The same settings with the notes off (a training run's step reloaded, --compare-hidden's drafters)."""
+    return MappingProxyType({**settings, "quiet": True})
+
+
+@dataclass
+class Run:
+    """What a run learns as it goes, apart from its settings (fixed before it starts): the report's config echoes
+    it after them (run_config)."""
+    target_hash: str = None
+    chat_template: str = None         # what encoding the prompts did with it, or what the saved features say
+    reference_generation: str = None  # how missing references are generated here: speculative or plain
+    server_ids: str = None            # "logprobs": the server gives token ids only inside its logprobs
+    hidden_cache: dict = None         # --load-hidden: where and how the features were extracted
+    costs_used: dict = None           # --costs measure: what was measured
+    interrupted: bool = False         # Ctrl-C or SIGTERM in this process (under torchrun: in any rank)
+    model: object = None              # the target, kept for --costs measure after the prompts; never echoed
+
+
+def run_config(settings, learned):
+    """The settings as the report echoes them, then what the run learned."""
+    config = dict(settings)
+    config.update({k: v for k, v in (("chat_template", learned.chat_template), ("costs_used", learned.costs_used),
+                                     ("target_hash", learned.target_hash),
+                                     ("reference_generation_used", learned.reference_generation),
+                                     ("server_ids", learned.server_ids), ("hidden_cache", learned.hidden_cache))
+                   if v is not None})
+    return config
+
+
+def rank_setup(settings):
+    """Under torchrun (WORLD_SIZE > 1): join the process group (gloo on CPU, nccl on CUDA); this rank's device
+    (cuda:LOCAL_RANK) and, on CPU, its share of the cores. Returns what it decides of the settings."""
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if ranks < 2 or settings.get("compare_hidden"):
+        return {}
+    import torch.distributed as dist
+    if settings["shard"]:
+        fail("--shard and torchrun both slice the prompts: use one of them")
+    local, local_ranks = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
+    device = settings["device"]
+    if device == "cuda":
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    elif not settings["threads"]:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    rank = dist.get_rank()
+    return {"device": device, "rank": rank, "ranks": dist.get_world_size(), **({"quiet": True} if rank else {})}
 
 
 # Numeric flags: (rule, test). NaN fails every test; the float ones also refuse infinity where it means nothing.
@@ -656,14 +710,13 @@ def chat_turn(turn, where):
     return {"role": roles[role], "content": content}
 
 
-def encode_prompts(tokenizer, items, settings):
-    """Token ids of each prompt (chat template with generation prompt) and of its reference, if any."""
+def encode_prompts(tokenizer, items, settings, noted=False):
+    """Token ids of each prompt (chat template with generation prompt) and of its reference, if any. Returns what
+    was done with the chat template (a note says when the tokenizer has none, unless `noted` already)."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
     use_template = not settings["no_chat_template"] and has_template
-    if not settings["no_chat_template"] and not has_template and settings.get("chat_template") is None:
+    if not settings["no_chat_template"] and not has_template and not noted:
         log(settings, "note: the target's tokenizer has no chat template; prompts are tokenized as plain text")
-    settings["chat_template"] = "applied" if use_template else "off" if settings["no_chat_template"] else \
-        "none in the tokenizer: plain text"
     vocab = len(tokenizer)
     for item in items:
         if use_template:
@@ -678,7 +731,7 @@ def encode_prompts(tokenizer, items, settings):
             fail(f"prompt {item['id']}: completion_ids hold ids outside the tokenizer's vocab ({vocab})")
         if not item["prompt_ids"]:
             fail(f"prompt {item['id']}: the prompt tokenizes to nothing")
-    return items
+    return "applied" if use_template else "off" if settings["no_chat_template"] else "none in the tokenizer: plain text"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -890,19 +943,19 @@ def prompt_line(row):
     return {k: v for k, v in row.items() if k not in SAVED_REFERENCE_KEYS}
 
 
-def saved_line(it, settings):
+def saved_line(it, settings, learned):
     """A reference as --save-references keeps it: its prompt line, the reference and where it came from; it
     reads back as a --prompts line (a turn's line joins the others of its conversation)."""
     origin = {k: v for k, v in reference_origin(it, settings).items() if v is not None}
     origin.update({"server": settings["server"], "server_api": settings["server_api"],
                    "finish_reason": it.get("finish_reason")} if settings["server"] else
-                  {"reference_generation": settings.get("reference_generation_used")})
+                  {"reference_generation": learned.reference_generation})
     return {**prompt_line(it["row"]), "id": it["id"], "split": it["split"],
             **{k: it[k] for k in ("turn", "sample") if it.get(k) is not None},
             "completion_ids": it["completion_ids"], **origin}
 
 
-def fetch_references(items, settings, keep):
+def fetch_references(items, settings, learned, keep):
     """References for `items` from --server (greedy, or sampled at the run's settings), each handed to
     keep(item) as it arrives."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -912,7 +965,7 @@ def fetch_references(items, settings, keep):
     batches = [group[i:i + SERVER_BATCH] for group in by_room.values() for i in range(0, len(group), SERVER_BATCH)]
     error = None
     with ThreadPoolExecutor(settings["server_concurrency"]) as pool, progress(settings, len(items), "server") as bar:
-        futures = {pool.submit(server_batch, batch, settings): batch for batch in batches}
+        futures = {pool.submit(server_batch, batch, settings, learned): batch for batch in batches}
         for future in as_completed(futures):
             try:
                 replies = future.result()
@@ -927,7 +980,7 @@ def fetch_references(items, settings, keep):
         raise error
 
 
-def server_batch(batch, settings):
+def server_batch(batch, settings, learned):
     """One request for a batch of prompts: [(completion ids, finish reason)] in the batch's order."""
     api, url = settings["server_api"], settings["server"].rstrip("/")
     room = min(it["room"] for it in batch)
@@ -949,7 +1002,7 @@ def server_batch(batch, settings):
         body = {"model": settings["server_model"], "prompt": [it["prompt_ids"] for it in batch], "max_tokens": room,
                 "ignore_eos": settings["ignore_eos"], "skip_special_tokens": False, **neutral,
                 **({"seed": sample_seed(settings, "request", batch[0]["sample"]) % 2**31} if sampling else {})}
-        if settings.get("server_ids") == "logprobs":
+        if learned.server_ids == "logprobs":
             body.update(logprobs=0, return_tokens_as_token_ids=True)
         else:
             body["return_token_ids"] = True
@@ -958,9 +1011,9 @@ def server_batch(batch, settings):
         if not (isinstance(entries, list) and all(isinstance(c, dict) for c in entries)):
             fail(f"{what}: the server's reply has no list of choices")
         entries = sorted(entries, key=lambda c: c.get("index", 0))
-        if entries and settings.get("server_ids") != "logprobs" and "token_ids" not in entries[0]:
-            settings["server_ids"] = "logprobs"  # older vLLM: ids only as "token_id:N" strings in logprobs
-            return server_batch(batch, settings)
+        if entries and learned.server_ids != "logprobs" and "token_ids" not in entries[0]:
+            learned.server_ids = "logprobs"  # older vLLM: ids only as "token_id:N" strings in logprobs
+            return server_batch(batch, settings, learned)
     if len(entries) != len(batch):
         fail(f"{what}: the server answered for {len(entries)} prompts, {len(batch)} were sent")
     return [reply_ids(entry, api, what) for entry in entries]
@@ -1568,9 +1621,6 @@ class Drafter:
     head: dict = None           # DSpark's Markov head {kind, rank, topk}; Domino's {prefix, shift, pool}; EAGLE-3's norms
 
 
-CAUSAL = ("EAGLE-3", "MTP")   # one causal pass over the text, then K - 1 chained one-layer steps: no block, no mask
-
-
 def dflash_value(cfg, name, default=None):
     """A drafter setting where the public code looks for it: dflash_config first, then the top level."""
     value = (cfg.get("dflash_config") or {}).get(name, cfg.get(name))
@@ -1671,8 +1721,13 @@ def load_drafter(spec, target_cfg, settings, identify=True):
         else:
             log(settings, f"drafter {name}: --drafter-config ignored, the checkpoint has its own config.json")
     generation, layout, cfg, state = recognize(cfg, unwrap_state_dict(raw, name, settings), name)
-    if generation == "EAGLE-3":
-        return load_eagle3(name, path, cfg, state, layout, target_cfg, settings, identify)
+    return FAMILIES[generation].load(name, path, generation, cfg, state, layout, raw, target_cfg, settings, identify)
+
+
+def load_block(name, path, generation, cfg, state, layout, raw, target_cfg, settings, identify):
+    """A drafter of the DFlash block family (DFlash, DFlash 2, DSpark, Domino): a block of [anchor, MASK, ...]
+    through its layers over the context, each family's proposal step after it."""
+    fam = FAMILIES[generation]
     if cfg is None:
         cfg = infer_config(state, target_cfg, settings, name, trained_values(raw))
     if layout == "transformers-native assistant":
@@ -1688,7 +1743,7 @@ def load_drafter(spec, target_cfg, settings, identify=True):
              (" in transformer_layer_config" if layout == "speculators" else ""))
     spec_cfg = cfg.get("speculators") or {}
     # DSpark drafts from the anchor's slot too: SpecForge trains it so, speculators and the engines default to it
-    from_anchor = spec_cfg.get("sample_from_anchor", generation == "DSpark" and cfg.get("sample_from_anchor", True))
+    from_anchor = spec_cfg.get("sample_from_anchor", fam.from_anchor and cfg.get("sample_from_anchor", True))
 
     check_hidden(cfg, target_cfg, name)
     layer_ids = drafter_layer_ids(cfg, state, target_cfg, settings, name)
@@ -1701,20 +1756,21 @@ def load_drafter(spec, target_cfg, settings, identify=True):
         fail(f"drafter {name}: block size {block_size} is too small (needs at least {2 - from_anchor})")
     carried = {k: state.pop(k) for k in CARRIED if k in state}
     vocab = draft_vocabulary(carried, cfg, target_cfg, name)
-    if vocab is not None and generation in ("DFlash 2", "Domino"):
+    if vocab is not None and fam.full_vocabulary:
         fail(f"drafter {name}: a {generation} drafter with a reduced draft vocabulary (d2t, t2d): its "
-             + ("selector scores" if generation == "DFlash 2" else "correction scores") + " target-vocabulary "
-             "tokens, and no trainer makes one with a reduced vocabulary")
+             f"{fam.full_vocabulary} score target-vocabulary tokens, and no trainer makes one with a reduced vocabulary")
     rules = layer_rules(cfg, settings, layout)
-    head = family_head(cfg, state, name, settings, generation)
+    head = fam.head(cfg, state, f"drafter {name}: a {generation} drafter", settings) if fam.head else None
+    for flag in (f for f in ("dspark_draft_topk", "domino_candidate_pool") if not fam.head and settings.get(f)):
+        log(settings, f"drafter {name}: --{flag.replace('_', '-')} applies to its family's drafters only")
     log(settings, f"drafter {name}: {generation}, {layout} layout" + layout_note(layout, spec_cfg, rules, vocab)
-        + family_note(generation, head))
-    if generation == "Domino" and settings.get("temperature") and settings.get("draft_policy") == "sample":
-        fail(f"drafter {name}: a Domino drafter drafts greedily at every temperature (SGLang serves it so); "
+        + (fam.note(head) if fam.note else ""))
+    if fam.greedy and settings.get("temperature") and settings.get("draft_policy") == "sample":
+        fail(f"drafter {name}: a {generation} drafter drafts greedily at every temperature (SGLang serves it so); "
              "use --draft-policy argmax")
     for k in [k for k in state if k.startswith("confidence_head.")]:
         state.pop(k)   # DSpark's confidence head sizes SGLang's verify windows in its non-default modes, no draft
-    conv, top_k = dflash2_settings(cfg, state, name, settings) if generation == "DFlash 2" else ((), 0)
+    conv, top_k = fam.conv(cfg, state, name, settings) if fam.conv else ((), 0)
     check_drafter_tensors(state, expected_tensors(cfg, conv, generation, state, target_cfg.vocab_size, head,
                                                   len(vocab[0]) if vocab is not None else None), name, generation)
     facts = (cfg, layer_ids, block_size + from_anchor, int(mask_id), rules, generation, conv, top_k, head)
@@ -1774,54 +1830,51 @@ def layout_note(layout, spec_cfg, rules, vocab):
 MARKOV_HEADS = ("vanilla", "gated", "rnn")
 
 
-def family_head(cfg, state, name, settings, generation):
-    """What DSpark's and Domino's proposal step needs, from the config (dflash_config first, where SpecForge
-    writes it, then the top level, where the engines read it). DSpark: the Markov head's kind and rank (rank 0,
-    SpecForge's default, is no head: each slot's argmax), --dspark-draft-topk. Domino: the pure-draft prefix P,
-    shift_label, --domino-candidate-pool."""
-    where = f"drafter {name}: a {generation} drafter"
-    if generation == "DSpark":
-        w1 = state.get("markov_head.markov_w1.weight")
-        rank = dflash_value(cfg, "markov_rank", w1.shape[-1] if w1 is not None and w1.dim() == 2 else 0)
-        kind = dflash_value(cfg, "markov_head_type", "vanilla")
-        if kind not in MARKOV_HEADS:
-            fail(f"{where} with markov_head_type {kind!r}: DSpark's heads are {', '.join(MARKOV_HEADS)}")
-        if not isinstance(rank, int) or rank < 0:
-            fail(f"{where} with markov_rank {rank!r}: it must be an integer >= 0 (0: no Markov head)")
-        return {"kind": kind if rank else None, "rank": rank, "topk": settings.get("dspark_draft_topk") or 0}
-    if generation == "Domino":
-        for key in ("emb_dim", "gru_hidden_dim"):
-            if dflash_value(cfg, key) is None:
-                fail(f"{where} needs {key} in its dflash_config, where SpecForge writes it; it is missing (pass the "
-                     "config it was trained with: --drafter-config FILE)")
-        prefix, shift = dflash_value(cfg, "pure_draft_prefix_len", 0), dflash_value(cfg, "shift_label", False)
-        if not isinstance(prefix, int) or prefix < 0 or not isinstance(shift, bool):
-            fail(f"{where} with pure_draft_prefix_len {prefix!r} and shift_label {shift!r}: they must be an integer "
-                 ">= 0 and true or false")
-        return {"prefix": prefix, "shift": shift, "pool": settings.get("domino_candidate_pool") or 0}
-    for flag in ("dspark_draft_topk", "domino_candidate_pool"):
-        if settings.get(flag):
-            log(settings, f"drafter {name}: --{flag.replace('_', '-')} applies to its family's drafters only")
-    return None
+def dspark_head(cfg, state, where, settings):
+    """What DSpark's proposal step reads, from the config (dflash_config first, where SpecForge writes it, then the
+    top level, where the engines read it): the Markov head's kind and rank (rank 0, SpecForge's default, is no head:
+    each slot's argmax), and --dspark-draft-topk."""
+    w1 = state.get("markov_head.markov_w1.weight")
+    rank = dflash_value(cfg, "markov_rank", w1.shape[-1] if w1 is not None and w1.dim() == 2 else 0)
+    kind = dflash_value(cfg, "markov_head_type", "vanilla")
+    if kind not in MARKOV_HEADS:
+        fail(f"{where} with markov_head_type {kind!r}: DSpark's heads are {', '.join(MARKOV_HEADS)}")
+    if not isinstance(rank, int) or rank < 0:
+        fail(f"{where} with markov_rank {rank!r}: it must be an integer >= 0 (0: no Markov head)")
+    return {"kind": kind if rank else None, "rank": rank, "topk": settings.get("dspark_draft_topk") or 0}
 
 
-def family_note(generation, head):
-    """What the load line says of a DSpark or Domino drafter: its head, and which engines serve it how."""
-    if generation == "DSpark":
-        if not head["rank"]:
-            return "; no Markov head (markov_rank 0): each slot's argmax; vLLM and SGLang need markov_rank > 0"
-        vllm = "vLLM 0.33 (greedy drafts by default)" if head["kind"] == "vanilla" else \
-            "not vLLM 0.33 (its Qwen3 DSpark has the vanilla head only)"
-        return (f"; {head['kind']} Markov head of rank {head['rank']}" +
-                (f", drafts among each slot's top {head['topk']} (vLLM's dspark_draft_topk)" if head["topk"] else "")
-                + f"; served by SGLang 0.5.23 (samples drafts at the request temperature by default) and {vllm}")
-    if generation == "Domino":
-        return (f"; GRU over the drafted prefix, pure-draft prefix P = {head['prefix']}, shift_label "
-                f"{'on' if head['shift'] else 'off'}" +
-                (f", a candidate pool of {head['pool']}" if head["pool"] else ", exact argmax (no candidate pool)")
-                + "; served by SGLang 0.5.23 only, greedy, with P = 1" + ("" if head["prefix"] == 1 else
-                f" (it refuses P = {head['prefix']})") + " and a pool of 2048 by default")
-    return ""
+def domino_head(cfg, state, where, settings):
+    """What Domino's proposal step reads: the pure-draft prefix P, shift_label, --domino-candidate-pool."""
+    for key in ("emb_dim", "gru_hidden_dim"):
+        if dflash_value(cfg, key) is None:
+            fail(f"{where} needs {key} in its dflash_config, where SpecForge writes it; it is missing (pass the "
+                 "config it was trained with: --drafter-config FILE)")
+    prefix, shift = dflash_value(cfg, "pure_draft_prefix_len", 0), dflash_value(cfg, "shift_label", False)
+    if not isinstance(prefix, int) or prefix < 0 or not isinstance(shift, bool):
+        fail(f"{where} with pure_draft_prefix_len {prefix!r} and shift_label {shift!r}: they must be an integer "
+             ">= 0 and true or false")
+    return {"prefix": prefix, "shift": shift, "pool": settings.get("domino_candidate_pool") or 0}
+
+
+def dspark_note(head):
+    """What the load line says of a DSpark drafter: its head, and which engines serve it how."""
+    if not head["rank"]:
+        return "; no Markov head (markov_rank 0): each slot's argmax; vLLM and SGLang need markov_rank > 0"
+    vllm = "vLLM 0.33 (greedy drafts by default)" if head["kind"] == "vanilla" else \
+        "not vLLM 0.33 (its Qwen3 DSpark has the vanilla head only)"
+    return (f"; {head['kind']} Markov head of rank {head['rank']}" +
+            (f", drafts among each slot's top {head['topk']} (vLLM's dspark_draft_topk)" if head["topk"] else "")
+            + f"; served by SGLang 0.5.23 (samples drafts at the request temperature by default) and {vllm}")
+
+
+def domino_note(head):
+    """What the load line says of a Domino drafter: its GRU's settings, and how SGLang serves it."""
+    return (f"; GRU over the drafted prefix, pure-draft prefix P = {head['prefix']}, shift_label "
+            f"{'on' if head['shift'] else 'off'}" +
+            (f", a candidate pool of {head['pool']}" if head["pool"] else ", exact argmax (no candidate pool)")
+            + "; served by SGLang 0.5.23 only, greedy, with P = 1" + ("" if head["prefix"] == 1 else
+            f" (it refuses P = {head['prefix']})") + " and a pool of 2048 by default")
 
 
 def eagle3_config(cfg, name, layout):
@@ -1864,7 +1917,7 @@ def eagle3_layers(e, target_cfg, settings, name, n_fc):
     return sorted(ids), source
 
 
-def load_eagle3(name, path, cfg, state, layout, target_cfg, settings, identify):
+def load_eagle3(name, path, generation, cfg, state, layout, raw, target_cfg, settings, identify):
     """An EAGLE-3 drafter: one decoder layer over [embedding; fused target features], chained K steps."""
     e, H = cfg["eagle"], cfg["hidden_size"]
     check_hidden(cfg, target_cfg, name)
@@ -2406,7 +2459,7 @@ def prompt_context(drafter, features, ids=None, embed_w=None):
     """What the drafter's blocks attend to: DFlash-family context K/V per layer; EAGLE-3's and MTP's pass over the
     text."""
     features = torch.cat([features[L] for L in drafter.layers], dim=-1)
-    if drafter.generation in CAUSAL:
+    if family(drafter).causal:
         return causal_pass(drafter, features, ids, embed_w)
     return drafter_context(drafter, features)
 
@@ -2451,7 +2504,7 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
     (sample_from_anchor). With top_k > 0, also what DDTree builds from (see tree_top_k). Given `reference`
     tokens (n_anchors, B-1), `sampling` and a `proposal` tensor of that shape, fills it with the probability
     that a drafter sampling at those settings proposes each reference token (--draft-policy sample)."""
-    B, n, chained = drafter.block_size, anchors.shape[0], drafter.generation in ("DSpark", "Domino")
+    B, n, propose = drafter.block_size, anchors.shape[0], family(drafter).propose
     if n == 0:
         empty = torch.zeros(0, B - 1, max(top_k, 1))
         return torch.zeros(0, B - 1, dtype=torch.long), (empty, empty.long())
@@ -2463,27 +2516,18 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
     per_call = max(1, ANCHOR_TOKENS_PER_CHUNK // B)
     for lo in range(0, n, per_call):
         part = slice(lo, lo + per_call)
-        if drafter.generation in CAUSAL:   # no block: K one-layer steps from the pass over the text
+        starts_part = None if starts is None else starts[part]
+        if propose:   # a chain: each draft after the ones before it
             at = slice(done, done + first[part].shape[0] * (B - 1))
-            step = lambda given=None: causal_chain(drafter, context_kv, anchors[part], None if starts is None  # noqa
-                                                  else starts[part], embed_w, head, prompt_id, given, sampling)
-            drafts[at] = step().view(-1)
-            if proposal is not None:
-                proposal[part] = step(reference[part].to(dev)).to(proposal.device)
+            drafted, q = propose(drafter, context_kv, anchors[part], first[part], starts_part, embed_w, head, prompt_id,
+                                 None if proposal is None else reference[part].to(dev), sampling)
+            drafts[at] = drafted.view(-1)
+            if q is not None:
+                proposal[part] = q.to(proposal.device)
             done = at.stop
             continue
-        block = torch.full((anchors[part].shape[0], B - drafter.from_anchor), drafter.mask_token_id, device=dev)
-        block[:, 0] = first[part]
-        hidden = proposal_rows(drafter, drafter_forward(drafter, context_kv, anchors[part], block, embed_w,
-                                                        None if starts is None else starts[part]))
-        if chained:   # slot by slot, each draft corrected by the ones before it
-            at = slice(done, done + hidden.shape[0] * (B - 1))
-            drafts[at] = chain_drafts(drafter, head, hidden, first[part], embed_w, prompt_id).view(-1)
-            if proposal is not None:
-                proposal[part] = chain_drafts(drafter, head, hidden, first[part], embed_w, prompt_id,
-                                              reference[part].to(dev), sampling).to(proposal.device)
-            done = at.stop
-            continue
+        hidden = proposal_rows(drafter, drafter_forward(drafter, context_kv, anchors[part], mask_block(drafter, first[part]),
+                                                        embed_w, starts_part))
         for rows in hidden.reshape(-1, hidden.shape[-1]).split(drafter.logit_rows):
             at = slice(done, done + rows.shape[0])
             logits, drafts[at] = drafter_logits(drafter, head, rows, prompt_id)
@@ -2504,6 +2548,31 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
     shape = (n, B - 1, -1)
     top = (top[0].view(shape).cpu(), to_target(drafter, top[1]).view(shape).cpu()) if top_k else None
     return drafts.view(n, B - 1).cpu(), top
+
+
+def mask_block(drafter, first):
+    """The blocks [first token, MASK, ...] (n, block slots) of anchors whose tokens are `first`."""
+    block = torch.full((first.shape[0], drafter.block_size - drafter.from_anchor), drafter.mask_token_id,
+                       device=first.device)
+    block[:, 0] = first
+    return block
+
+
+def chained_round(d, context_kv, anchors, first, starts, embed_w, head, prompt_id, reference=None, sampling=None):
+    """DSpark's and Domino's round: the block through the backbone, then slot by slot, each draft corrected by the
+    ones before it; given `reference` tokens, also the probability that a sampling drafter proposes each."""
+    hidden = proposal_rows(d, drafter_forward(d, context_kv, anchors, mask_block(d, first), embed_w, starts))
+    drafts = chain_drafts(d, head, hidden, first, embed_w, prompt_id)
+    return drafts, None if reference is None else chain_drafts(d, head, hidden, first, embed_w, prompt_id, reference,
+                                                               sampling)
+
+
+def causal_round(d, context, anchors, first, starts, embed_w, head, prompt_id, reference=None, sampling=None):
+    """EAGLE-3's and MTP's round: K one-layer steps from the pass over the text (no block); given `reference`
+    tokens, also the probability that a sampling drafter proposes each."""
+    drafts = causal_chain(d, context, anchors, starts, embed_w, head, prompt_id)
+    return drafts, None if reference is None else causal_chain(d, context, anchors, starts, embed_w, head, prompt_id,
+                                                               reference, sampling)
 
 
 def proposal_rows(drafter, hidden):
@@ -2727,6 +2796,48 @@ def gru_step(w, x, g):
     return (1 - update) * torch.tanh(xn + reset * hn) + update * g
 
 
+@dataclass
+class Family:
+    """A drafter family as the rest of the tool sees it: how it loads and proposes, what the report says of it."""
+    load: object                # (name, path, generation, cfg, state, layout, raw, target_cfg, settings, identify)
+    propose: object = None      # a chained round: (drafts, proposal probabilities); None: each slot's argmax
+    causal: bool = False        # one causal pass over the text, then K chained one-layer steps: no block, no mask
+    head: object = None         # (cfg, state, where, settings) -> what its proposal step reads
+    note: object = None         # (head) -> what its load line adds
+    conv: object = None         # (cfg, state, name, settings) -> (conv taps, selector candidates): DFlash 2's
+    from_anchor: bool = False   # its anchor's slot drafts too, unless its config says otherwise
+    full_vocabulary: str = ""   # what scores target-vocabulary tokens (a reduced draft vocabulary is refused)
+    greedy: bool = False        # drafts greedily at every temperature (--draft-policy sample is refused)
+    ddtree_note: str = None     # why it has no DDTree rows (None: DDTree trees from the same drafter pass)
+    method: str = "dflash"      # vLLM's speculative method
+
+
+FAMILIES = {
+    "DFlash": Family(load_block),
+    "DFlash 2": Family(load_block, conv=dflash2_settings, full_vocabulary="selector scores", ddtree_note=(
+        "DFlash 2 drafts a chain: its selector couples each slot's choice to the previous one, and no public tree "
+        "verifier exists for those paths, so no DDTree rows (a tree from the unary logits alone is not what any "
+        "engine runs)")),
+    "DSpark": Family(load_block, chained_round, head=dspark_head, note=dspark_note, from_anchor=True, method="dspark",
+                     ddtree_note="DSpark drafts a chain: each slot's Markov bias depends on the token drafted before "
+                                 "it, and neither vLLM nor SGLang verifies DSpark trees, so no DDTree rows"),
+    "Domino": Family(load_block, chained_round, head=domino_head, note=domino_note, full_vocabulary="correction scores",
+                     greedy=True, ddtree_note="Domino drafts a chain: each proposal reads a GRU state over the tokens "
+                                              "drafted before it, and SGLang serves it as a chain only, so no DDTree "
+                                              "rows"),
+    "EAGLE-3": Family(load_eagle3, causal_round, causal=True, method="eagle3", ddtree_note=(
+        "EAGLE-3 drafts a chain here, as vLLM serves it (SGLang's token trees are out of scope), so no DDTree rows")),
+    # the MTP layer is read from a target directory: load_drafter takes it to load_mtp before any checkpoint is read
+    "MTP": Family(None, causal_round, causal=True, method="mtp", ddtree_note=(
+        "the MTP layer drafts a chain here, as vLLM serves it and SGLang by default (top-1; its token trees are out "
+        "of scope), so no DDTree rows")),
+}
+
+
+def family(d):
+    return FAMILIES[d.generation]
+
+
 def tree_top_k(top, logits, done, B, top_k, after, n):
     """The top_k float32 log-probs and token ids of these logit rows (rows done.. of the whole draft) that
     DDTree builds from, kept in top = [log-probs, ids, which anchors need them] (allocated on the first
@@ -2924,7 +3035,7 @@ def check_depths(drafters, settings):
     """--depths and --export-depth within what each drafter drafts a round (a deeper block was never trained)."""
     for d in drafters:   # EAGLE-3 and MTP chain their one layer as many steps as asked
         deep = [k for k in (settings["depths"] if isinstance(settings["depths"], list) else [])
-                if k > d.block_size - 1 and d.generation not in CAUSAL]
+                if k > d.block_size - 1 and not family(d).causal]
         if deep:
             fail(f"--depths {deep[0]}: drafter {d.name} drafts {d.block_size - 1} tokens a round; a served depth "
                  "cannot exceed what it was trained for")
@@ -3309,11 +3420,12 @@ def measure_costs(model, drafters, settings, items):
         g = torch.Generator().manual_seed(0)
         feats = torch.randn(L + sizes[-1], len(d.layers) * d.cfg["hidden_size"], generator=g).to(embed.weight)
         first = torch.tensor([ids[L]], device=embed.weight.device)
-        context = causal_pass(d, feats, ids[:L], embed.weight) if d.generation in CAUSAL else drafter_context(d, feats[:L])
+        causal = family(d).causal
+        context = causal_pass(d, feats, ids[:L], embed.weight) if causal else drafter_context(d, feats[:L])
 
-        def draft(k, d=d, feats=feats, context=context, first=first):
+        def draft(k, d=d, feats=feats, context=context, first=first, causal=causal):
             start = time.perf_counter()
-            if d.generation in CAUSAL:   # the window's k + 1 new rows through the layer, then K steps
+            if causal:   # the window's k + 1 new rows through the layer, then K steps
                 grown = causal_pass(d, feats, ids[:L + k + 1], embed.weight, context)
                 at = torch.tensor([L + k], device=first.device)
             else:
@@ -3389,7 +3501,7 @@ def export_vllm_synthetic(report, path, depth):
         fail(f"--export-vllm-synthetic: drafter {d['name']} has no rounds at depth {depth}; evaluate that depth "
              f"(--depths {depth}) or pick another with --export-depth")
     rates = stats["engine_metrics"]["vllm"]["per_position_acceptance_rate"]
-    method = {"DSpark": "dspark", "EAGLE-3": "eagle3", "MTP": "mtp"}.get(d["generation"], "dflash")
+    method = FAMILIES[d["generation"]].method
     config = {"method": method, **({} if method == "mtp" else {"model": d["checkpoint"]}), "num_speculative_tokens": depth,
               "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [round(r, 6) for r in rates],
               "draft_sample_method": "greedy"}
@@ -3440,7 +3552,7 @@ def print_report(report, out=None):
               f"transformers {cache['transformers_version']})", file=out)
     walk = report["config"].get("anchors") == "walk"
     for d in report["drafters"]:
-        chain = d.get("generation") in CAUSAL
+        chain = FAMILIES[d.get("generation", "DFlash")].causal
         print(f"\n== drafter {d['name']}: {d.get('generation', 'DFlash')} ({d.get('layout', 'public')} layout), " +
               (f"{d['drafts_per_round']} steps a round" if chain else f"block {d['block_size']}") +
               (f" ({d['drafts_per_round']} drafts a round: the anchor's slot drafts too)"
@@ -3595,11 +3707,12 @@ def run(settings):
         torch.backends.cuda.enable_cudnn_sdp(False)
     if settings["compare_hidden"]:
         return compare_hidden(settings)
-    report = merge_shards(settings) if settings.get("merge") else evaluate(settings)
+    learned = Run()
+    report = merge_shards(settings) if settings.get("merge") else evaluate(settings, learned)
     if report is None:   # a torchrun rank other than 0: rank 0 reports for all
-        if not settings["interrupted_here"] and settings["output"]:
+        if not learned.interrupted and settings["output"]:
             remove_partial(settings)
-        return {"interrupted": True} if settings["interrupted_here"] else {}
+        return {"interrupted": True} if learned.interrupted else {}
     if settings["output"]:   # before printing: a closed pipe on stdout must not cost the results
         write_json(settings["output"], report)
         if not report.get("interrupted") and not settings.get("merge"):
@@ -3613,22 +3726,29 @@ def run(settings):
     return report
 
 
-def evaluate(settings):
-    """Drafters and prompts in, report dict out: the whole pipeline below the CLI, over this process's slice
-    of the prompts (--shard, or this rank's under torchrun). Each reference the run generates and each
-    finished prompt is appended to the partial file; Ctrl-C or SIGTERM ends the loop with all of them kept. Under torchrun rank 0 gathers every
-    rank's records and reports them all; the other ranks return None."""
+def evaluate(settings, learned):
+    """Drafters and prompts in, report dict out, over this process's slice of the prompts (--shard, or this
+    rank's under torchrun): loading the run, drafting the prompts, finishing the run. Under torchrun rank 0
+    reports every rank's records; the other ranks return None."""
     items = expand(read_prompts(settings["prompts"], settings["limit"]), settings) \
         if not settings["load_hidden"] else None
+    target_cfg, drafters = load_run(settings, learned)
+    facts = [drafter_facts(d) for d in drafters]
+    items, records, started = draft_prompts(settings, learned, items, target_cfg, drafters, facts)
+    return finish_run(settings, learned, items, records, drafters, facts, started)
+
+
+def load_run(settings, learned):
+    """The target's config and every --ckpt drafter (a training run's steps wait on disk for their turn, the
+    first one excepted: it may generate the references), named apart, each with its load line."""
     target_cfg = read_target_config(settings["target"])
     drafters = []
     for spec, step in checkpoint_specs(settings):
         d = load_drafter(spec, target_cfg, settings)
         d.step = step
-        if step is not None and drafters:   # a training run's steps wait on disk for their turn (the first one
-            d.weights = None                # stays: it may generate the references)
-            d.reload = lambda spec=spec: load_drafter(spec, target_cfg, {**settings, "quiet": True},
-                                                      identify=False).weights
+        if step is not None and drafters:
+            d.weights = None
+            d.reload = lambda spec=spec: load_drafter(spec, target_cfg, quietly(settings), identify=False).weights
         drafters.append(d)
     seen = {}
     for d in drafters:  # run1/ckpt and run2/ckpt would both be "ckpt": keep names apart
@@ -3637,57 +3757,54 @@ def evaluate(settings):
             d.name += f"#{seen[d.name]}"
     for d in drafters:
         log(settings, f"drafter {d.name}: " + (f"{d.block_size - 1} steps a round, layers {d.layers}, no block (a "
-                      "causal chain)" if d.generation in CAUSAL else f"block {d.block_size - d.from_anchor}, layers "
+                      "causal chain)" if family(d).causal else f"block {d.block_size - d.from_anchor}, layers "
                       f"{d.layers}, in-block mask per layer: {', '.join(rule_label(r) for r in d.rules)}"))
         d.mask_variants = mask_variants(d, settings) if settings["check_mask"] and d.rules else None
-    settings["target_hash"] = target_hash(settings["target"])
+    learned.target_hash = target_hash(settings["target"])
     check_depths(drafters, settings)
-    facts = [drafter_facts(d) for d in drafters]
+    return target_cfg, drafters
+
+
+def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
+    """Every prompt of this slice through the target (or the saved features) and every drafter, each reference
+    the run makes and each finished prompt appended to the partial file as it comes; Ctrl-C or SIGTERM ends the
+    loop with all of them kept. Returns (items, {index: record}, start time)."""
     layer_union = sorted({L for d in drafters for L in d.layers})
-    records, references = resume_records(settings, facts) if settings["resume"] else ({}, {})
+    records, references = resume_records(settings, learned, facts) if settings["resume"] else ({}, {})
     for it in items or []:   # a finished turn's reply is the next turn's context
         if it["index"] in records:
             it.update({k: records[it["index"]]["item"][k] for k in ("prompt_ids", "completion_ids")})
         elif it["index"] in references:
             it.update({k: references[it["index"]][k] for k in ("completion_ids", "source", "finish_reason")})
     TIMING.clear()
-    partial = open_partial(settings, facts, records, references)
+    partial = open_partial(settings, learned, facts, records, references)
     save = open(settings["save_references"], "ab", buffering=0) if settings.get("save_references") else None
     made = []
 
     def keep(it):   # a reference the moment it exists: to the partial file (for --resume) and --save-references
         made.append(it["index"])
-        if partial:
-            partial.write(json.dumps({"reference": {k: it.get(k) for k in REFERENCE_KEYS}}) + "\n")
-            partial.flush()
+        write_row(partial, {"reference": {k: it.get(k) for k in REFERENCE_KEYS}})
         if save:   # one write per line: torchrun ranks may share the file
-            save.write((json.dumps(saved_line(it, settings)) + "\n").encode())
+            save.write((json.dumps(saved_line(it, settings, learned)) + "\n").encode())
 
-    t0, interrupted = time.time(), False
+    started = time.time()
     previous = signal.signal(signal.SIGTERM, raise_interrupt) if is_main_thread() else None
     try:
         if settings["load_hidden"]:
-            items, stream = open_hidden(settings["load_hidden"], settings, target_cfg, layer_union,
+            items, stream = open_hidden(settings["load_hidden"], settings, learned, target_cfg, layer_union,
                                         lambda it: not mine(it, settings) or it["index"] in records)
             embed_w, head = read_embed_head(settings["target"], target_cfg, settings)
         else:
-            stream, embed_w, head = extract_from_target([it for it in items if mine(it, settings)], settings,
+            stream, embed_w, head = extract_from_target([it for it in items if mine(it, settings)], settings, learned,
                                                       target_cfg, layer_union, set(records), drafters[0], keep)
         records = {i: r for i, r in records.items() if i < len(items)}  # resumed with a smaller --limit
-        # Steps of a training run are loaded once per group: a group holds as many prompts' features as fit
-        # in FEATURES_PER_GROUP; otherwise one prompt at a time (walk mode: WALK_GROUP, drafted together).
-        size = WALK_GROUP if settings["anchors"] == "walk" else 1
-        budget = FEATURES_PER_GROUP if any(d.reload for d in drafters) else 0
         with progress(settings, sum(mine(it, settings) for it in items) - len(records), "draft", 1) as bar:
-            for group in groups(stream, size, budget):
-                for record in evaluate_prompts(group, drafters, embed_w, head, settings):
-                    records[record["item"]["index"]] = record
-                    if partial:
-                        partial.write(json.dumps(record_json(record)) + "\n")
-                        partial.flush()
-                    bar.update()
+            for record in drafted(stream, drafters, embed_w, head, settings):
+                records[record["item"]["index"]] = record
+                write_row(partial, record_json(record))
+                bar.update()
     except KeyboardInterrupt:
-        interrupted = True
+        learned.interrupted = True
         print(interrupt_message(settings, len(records), len((set(made) | set(references)) - set(records))),
               file=sys.stderr)
     finally:
@@ -3696,24 +3813,39 @@ def evaluate(settings):
         for f in (partial, save):
             if f:
                 f.close()
-    skipped = [{"id": it["id"], "reason": it["skip"]} for it in items or [] if it.get("skip")]
-    settings["interrupted_here"] = interrupted
-    model = settings.pop("model", None)
-    if settings.get("costs") == "measure" and not interrupted:
+    return items or [], records, started
+
+
+def drafted(stream, drafters, embed_w, head, settings):
+    """The records of a stream of prompts' features. Steps of a training run are loaded once per group: a group
+    holds as many prompts' features as fit in FEATURES_PER_GROUP; otherwise one prompt at a time (walk mode:
+    WALK_GROUP, drafted together)."""
+    size = WALK_GROUP if settings["anchors"] == "walk" else 1
+    budget = FEATURES_PER_GROUP if any(d.reload for d in drafters) else 0
+    for group in prompt_groups(stream, size, budget):
+        yield from evaluate_prompts(group, drafters, embed_w, head, settings)
+
+
+def finish_run(settings, learned, items, records, drafters, facts, started):
+    """The run's costs (--costs measure), every rank's records gathered, the report."""
+    skipped = [{"id": it["id"], "reason": it["skip"]} for it in items if it.get("skip")]
+    model, learned.model = learned.model, None
+    if settings.get("costs") == "measure" and not learned.interrupted:
         with timed("costs_s"):
-            settings["costs_used"] = measure_costs(model, drafters, settings, [r["item"] for r in records.values()])
+            learned.costs_used = measure_costs(model, drafters, settings, [r["item"] for r in records.values()])
     del model
-    everything = [(it["index"], it["id"], it.get("sample"), it.get("turn")) for it in items or []]
+    interrupted = learned.interrupted
     if settings["ranks"] > 1:
-        gathered = gather_ranks(settings, facts, records, skipped, interrupted)
+        gathered = gather_ranks(settings, learned, facts, records, skipped)
         if gathered is None:
             return None
         records, skipped, interrupted = gathered
-    report = make_report(settings, facts, [records[i] for i in sorted(records)], skipped, time.time() - t0,
-                         interrupted)
+    report = make_report(run_config(settings, learned), facts, [records[i] for i in sorted(records)], skipped,
+                         time.time() - started, interrupted)
     if settings["shard"]:   # what --merge needs: every prompt's records, and the run's whole item list
-        report["shard"] = {"slice": settings["shard"], "items": everything, "facts": facts,
-                           "records": [record_json(records[i]) for i in sorted(records)]}
+        report["shard"] = {"slice": settings["shard"], "items": [(it["index"], it["id"], it.get("sample"),
+                                                                  it.get("turn")) for it in items],
+                           "facts": facts, "records": [record_json(records[i]) for i in sorted(records)]}
     return report
 
 
@@ -3743,11 +3875,11 @@ def merge_shards(settings):
             fail(f"--merge: {path} and {first_path} hold other prompt lists (another prompts file or --limit)")
     records, owner = {}, {}
     for path, report in shards:
-        for row in report["shard"]["records"]:
-            index = row["item"]["index"]
+        for index, record in collect(report["shard"]["records"], facts).items():
             if index in owner:
-                fail(f"--merge: prompt {row['item']['id']} is in both {owner[index]} and {path}: merge each shard once")
-            records[index], owner[index] = record_from_json(row, facts), path
+                fail(f"--merge: prompt {record['item']['id']} is in both {owner[index]} and {path}: merge each shard "
+                     "once")
+            records[index], owner[index] = record, path
     skipped = [s for _, report in shards for s in report["skipped"]]
     missing = [entry[1] for entry in first["shard"]["items"]
                if entry[0] not in records and entry[1] not in {s["id"] for s in skipped}]
@@ -3756,13 +3888,18 @@ def merge_shards(settings):
              f"{' ...' if len(missing) > 5 else ''}: merge every shard of the run (1/N to N/N)")
     TIMING.clear()
     for _, report in shards:
-        for stage, seconds in report["timing"].items():
-            if stage != "total_s":
-                TIMING[stage] = TIMING.get(stage, 0.0) + seconds
+        add_timing(report["timing"])
     config = {**first["config"], "shard": None, "merge": settings["merge"], "output": settings["output"],
               "quiet": settings["quiet"]}
     return make_report(config, facts, [records[i] for i in sorted(records)], skipped,
                        sum(report["timing"]["total_s"] for _, report in shards), False)
+
+
+def add_timing(timing):
+    """Another process's stage times (a shard's, a rank's) added to this run's."""
+    for stage, seconds in timing.items():
+        if stage != "total_s":
+            TIMING[stage] = TIMING.get(stage, 0.0) + seconds
 
 
 def mine(it, settings):
@@ -3772,7 +3909,7 @@ def mine(it, settings):
     return it.get("line", it["index"]) % n == k - 1
 
 
-def gather_ranks(settings, facts, records, skipped, interrupted):
+def gather_ranks(settings, learned, facts, records, skipped):
     """torchrun: every rank's records to rank 0 ((records, skipped, interrupted) there, None elsewhere);
     the stages' time is summed over the ranks."""
     import torch.distributed as dist
@@ -3782,36 +3919,35 @@ def gather_ranks(settings, facts, records, skipped, interrupted):
     held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)} \
         if is_main_thread() else {}
     try:
-        dist.all_gather_object(everyone, ({i: record_json(r) for i, r in records.items()}, skipped, interrupted,
+        dist.all_gather_object(everyone, ([record_json(r) for r in records.values()], skipped, learned.interrupted,
                                           dict(TIMING)))
     finally:
         for sig, handler in held.items():
             signal.signal(sig, handler)
-    settings["interrupted_here"] = any(cut for _, _, cut, _ in everyone)   # every rank keeps its partial file
+    learned.interrupted = any(cut for _, _, cut, _ in everyone)   # every rank keeps its partial file
     if settings["rank"] != 0:
         return None
-    merged, all_skipped, any_interrupted = {}, [], False
-    for rank, (rows, skip, cut, timing) in enumerate(everyone):
-        merged.update({int(i): record_from_json(row, facts) for i, row in rows.items()})
+    merged, all_skipped = {}, []
+    for rank, (rows, skip, _, timing) in enumerate(everyone):
+        merged.update(collect(rows, facts))
         all_skipped += skip
-        any_interrupted |= cut
-        for stage, seconds in timing.items() if rank else ():   # rank 0's own time is in TIMING already
-            TIMING[stage] = TIMING.get(stage, 0.0) + seconds
-    return merged, all_skipped, any_interrupted
+        if rank:   # rank 0's own time is in TIMING already
+            add_timing(timing)
+    return merged, all_skipped, learned.interrupted
 
 
-def make_report(settings, facts, done, skipped, seconds, interrupted):
+def make_report(config, facts, done, skipped, seconds, interrupted):
     """The report of finished prompts' records (in item order): the target's reference check and self-check,
     every drafter's statistics, what was skipped, timing."""
     finished = [r["item"] for r in done]
-    check, given = self_check(finished, settings), [it for it in finished if it["source"] != "target"]
-    if sampling_of(settings):
+    check, given = self_check(finished, config), [it for it in finished if it["source"] != "target"]
+    if sampling_of(config):
         reference_check = reference_support(finished)
         outside = [it for it in given if it["support"][3] is not None]
         if outside:
             print(f"warning: {sum(it['support'][1] - it['support'][0] for it in outside)} reference tokens of "
                   f"{len(outside)} prompts lie outside the target's sampling support at "
-                  f"{describe_sampling(sampling_of(settings))} (first: prompt {outside[0]['id']}, completion position "
+                  f"{describe_sampling(sampling_of(config))} (first: prompt {outside[0]['id']}, completion position "
                   f"{outside[0]['support'][3]}): those references were not sampled at these settings; their rounds "
                   "there count as rejected", file=sys.stderr)
     else:
@@ -3832,8 +3968,8 @@ def make_report(settings, facts, done, skipped, seconds, interrupted):
         for warning in d["warnings"]:
             print(f"warning: drafter {d['name']}: {warning}", file=sys.stderr)
     report = {
-        "config": {k: v for k, v in settings.items() if k != "interrupted_here"},
-        "target": {"path": settings["target"], "device": settings["device"], "dtype": settings["dtype"],
+        "config": config,
+        "target": {"path": config["target"], "device": config["device"], "dtype": config["dtype"],
                    **reference_check, "self_check": check},
         "drafters": drafters,
         **({"comparison": side_by_side(drafters, results, finished)} if len(drafters) > 1 and done else {}),
@@ -3841,8 +3977,8 @@ def make_report(settings, facts, done, skipped, seconds, interrupted):
         "timing": {**{k: round(v, 4) for k, v in sorted(TIMING.items())}, "total_s": round(seconds, 4)},
         "elapsed_s": seconds,
     }
-    if settings.get("costs_used"):
-        predicted_speedups(report, settings["costs_used"])
+    if config.get("costs_used"):
+        predicted_speedups(report, config["costs_used"])
     if interrupted:
         report["interrupted"] = True
     return report
@@ -3854,7 +3990,7 @@ WALK_GROUP = 16   # prompts whose walks --anchors walk drafts together
 FEATURES_PER_GROUP = 4 << 30   # bytes of features held for one group of prompts when steps are loaded per group
 
 
-def groups(stream, size, budget=0):
+def prompt_groups(stream, size, budget=0):
     """Lists of `size` stream items [(item, features, argmax)], or with a byte budget as many as keep their
     features within it (at least one)."""
     stream, group, held = iter(stream), [], 0
@@ -3881,7 +4017,7 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
     results = [[] for _ in group]
     for stub in drafters:
         d = stub if stub.weights is not None else replace(stub, weights=stub.reload())   # a step: for this group
-        budgets = settings["ddtree_budgets"] if d.generation == "DFlash" else []   # chains: no tree verifier
+        budgets = [] if family(d).ddtree_note else settings["ddtree_budgets"]   # chains: no tree verifier
         scored = score_drafter(d, prompts, group, embed_w, head, settings, budgets)
         for depth in served_depths(d, settings):   # the engines' shorter blocks: 1 + K slots, chain only
             for res, other in zip(scored, score_drafter(replace(d, block_size=depth + 1), prompts, group, embed_w,
@@ -3985,8 +4121,8 @@ def result_from_json(r, drafts):
             **({"depths": {int(k): result_from_json(v, int(k)) for k, v in r["depths"].items()}} if "depths" in r else {})}
 
 
-def fingerprint(settings, facts):
-    return {**{k: settings.get(k) for k in RESUME_KEYS + SLICE_KEYS}, "drafters": facts}
+def fingerprint(config, facts):
+    return {**{k: config.get(k) for k in RESUME_KEYS + SLICE_KEYS}, "drafters": facts}
 
 
 def partial_path(settings):
@@ -3999,7 +4135,7 @@ def remove_partial(settings):
         os.remove(partial_path(settings))
 
 
-def resume_records(settings, facts):
+def resume_records(settings, learned, facts):
     """Finished prompts ({index: record}) and references not yet scored ({index: reference fields}) from
     <output>.partial.jsonl, if it was written with the same settings."""
     path = partial_path(settings)
@@ -4017,32 +4153,44 @@ def resume_records(settings, facts):
     header, rows = (rows[0] if rows and isinstance(rows[0], dict) else None), rows[1:]
     if not header or "fingerprint" not in header:
         fail(f"{path} is not a partial-results file of this tool; remove it or drop --resume")
-    differ = differences(header["fingerprint"], fingerprint(settings, facts), RESUME_KEYS + SLICE_KEYS)
+    differ = differences(header["fingerprint"], fingerprint(run_config(settings, learned), facts),
+                         RESUME_KEYS + SLICE_KEYS)
     if differ:
         fail(f"--resume: {path} was written with other settings ({', '.join(differ)} differ); rerun with the "
              "same settings, or without --resume to start over")
-    records = {row["item"]["index"]: record_from_json(row, facts) for row in rows if "item" in row}
+    records = collect([row for row in rows if "item" in row], facts)
     references = {row["reference"]["index"]: row["reference"] for row in rows if "reference" in row}
     log(settings, f"resuming: {len(records)} prompts already finished in {path}" +
         (f", {len(set(references) - set(records))} more references generated" if references else ""))
     return records, references
 
 
-def open_partial(settings, facts, records, references):
-    """The partial file, begun again with what a resumed run already has."""
+def open_partial(settings, learned, facts, records, references):
+    """The partial file, begun again with what a resumed run already has (None without --output)."""
     if not settings["output"]:
         return None
     f = open(partial_path(settings), "w", encoding="utf-8")
-    f.write(json.dumps({"fingerprint": fingerprint(settings, facts)}) + "\n")
+    write_row(f, {"fingerprint": fingerprint(run_config(settings, learned), facts)})
     for index in sorted(set(references) - set(records)):
-        f.write(json.dumps({"reference": references[index]}) + "\n")
+        write_row(f, {"reference": references[index]})
     for index in sorted(records):
-        f.write(json.dumps(record_json(records[index])) + "\n")
-    f.flush()
+        write_row(f, record_json(records[index]))
     return f
 
 
-def generate_reference(model, it, settings, drafter, stops):
+def write_row(f, row):
+    """One line of the partial file, on disk before the next is made (nothing when there is no file)."""
+    if f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+
+
+def collect(rows, facts):
+    """{index: record} of record lines (a partial file's, a shard's, a rank's)."""
+    return {row["item"]["index"]: record_from_json(row, facts) for row in rows}
+
+
+def generate_reference(model, it, settings, speculative, drafter, stops):
     """The target's own reference for one prompt: greedy, or sampled at the run's settings (seeded per prompt and
     sample); by speculative decoding with the first drafter where the cache can roll back (lossless: the same
     text as plain greedy decoding, the same distribution as plain sampling)."""
@@ -4051,14 +4199,14 @@ def generate_reference(model, it, settings, drafter, stops):
         generator = torch.Generator(device=model.device)
         generator.manual_seed(sample_seed(settings, it["id"], it["sample"]))
     with timed("generate_s"):
-        if settings["reference_generation_used"] == "speculative":
+        if speculative:
             ids = speculative_generate(model, drafter, it["prompt_ids"], it["room"], stops, it["id"], sampling, generator)
         else:
             ids = plain_generate(model, it["prompt_ids"], it["room"], stops, sampling, generator)
     it.update(completion_ids=ids, source="target")
 
 
-def extract_from_target(items, settings, target_cfg, layer_union, done, drafter, keep):
+def extract_from_target(items, settings, learned, target_cfg, layer_union, done, drafter, keep):
     """Load the target; then a stream of (item, features, argmax) per prompt, in order: its prompt tokenized
     (a later turn after the replies before it), its reference generated if it has none (handed to keep(item)
     the moment it exists: a reference is a result), one teacher-forced pass. With --server the references of
@@ -4077,11 +4225,11 @@ def extract_from_target(items, settings, target_cfg, layer_union, done, drafter,
         speculative = False
         log(settings, f"note: transformers {settings['transformers_version']} cannot roll back a hybrid target's "
                       "linear-attention cache: references are generated by plain decoding")
-    if speculative and drafter.generation in CAUSAL:
+    if speculative and family(drafter).causal:
         speculative = False
         log(settings, f"note: references are generated by plain decoding (the speculative loop drafts with DFlash-family "
                       f"drafters; {drafter.name} is {drafter.generation})")
-    settings["reference_generation_used"] = "speculative" if speculative else "plain"
+    learned.reference_generation = "speculative" if speculative else "plain"
     by_index, saved = {it["index"]: it for it in items}, saved_references(settings)
     todo = [it for it in items if it["index"] not in done]
 
@@ -4094,7 +4242,7 @@ def extract_from_target(items, settings, target_cfg, layer_union, done, drafter,
             return False
         if it.get("previous") is not None:
             it["messages"] = conversation(it, by_index, tokenizer)
-        encode_prompts(tokenizer, [it], settings)
+        learned.chat_template = encode_prompts(tokenizer, [it], settings, learned.chat_template is not None)
         total = len(it["prompt_ids"]) + len(it["completion_ids"] or [])
         if len(it["prompt_ids"]) >= limit or total > limit:
             it["skip"] = f"prompt + completion ({total} tokens) exceed the target's {limit} positions"
@@ -4107,7 +4255,8 @@ def extract_from_target(items, settings, target_cfg, layer_union, done, drafter,
     if settings["server"]:
         for turn in sorted({it.get("turn", 1) for it in todo}):   # a turn's context holds the replies before it
             with timed("generate_s"):
-                fetch_references([it for it in todo if it.get("turn", 1) == turn and prepare(it)], settings, keep)
+                fetch_references([it for it in todo if it.get("turn", 1) == turn and prepare(it)], settings, learned,
+                                 keep)
 
     def stream():
         kept = {"tensors": {}, "bytes": 0, "shards": [], "run": f"{os.getpid()}-{time.time_ns()}"} \
@@ -4116,7 +4265,7 @@ def extract_from_target(items, settings, target_cfg, layer_union, done, drafter,
         with progress(settings, len(todo), "target", 0) as bar:
             for it in todo:
                 if prepare(it):
-                    generate_reference(model, it, settings, drafter, stops)
+                    generate_reference(model, it, settings, speculative, drafter, stops)
                     keep(it)
                 bar.update()
                 if it.get("skip"):
@@ -4130,10 +4279,10 @@ def extract_from_target(items, settings, target_cfg, layer_union, done, drafter,
                 extracted.append(it)
                 yield it, x.features, x.argmax
         if kept is not None:
-            save_hidden(settings, target_cfg, layer_union, extracted, kept)
+            save_hidden(settings, learned, layer_union, extracted, kept)
 
     _, _, embed, head = target_parts(model)
-    settings["model"] = model   # for --costs measure, after the prompts; not echoed (run drops it)
+    learned.model = model   # for --costs measure, after the prompts
     return stream(), embed.weight, head
 
 
@@ -4218,13 +4367,13 @@ def hidden_path(settings):
     return f"{stem}.rank{settings['rank']}-of-{settings['ranks']}{ext or '.safetensors'}"
 
 
-def save_hidden(settings, target_cfg, layer_union, items, saved):
+def save_hidden(settings, learned, layer_union, items, saved):
     """The main file: the last tensors and the run metadata (naming any shards written before it)."""
-    meta = {"format": "eval_drafter.hidden/3", "target_hash": settings["target_hash"],
+    meta = {"format": "eval_drafter.hidden/3", "target_hash": learned.target_hash,
             "layers": layer_union, "dtype": settings["dtype"], "device": settings["device"],
             "torch_version": torch.__version__, "transformers_version": settings["transformers_version"],
             "prompts_file": settings["prompts"], "prompts_hash": file_hash(settings["prompts"]),
-            "chat_template": settings["chat_template"] == "applied", "enable_thinking": settings["enable_thinking"],
+            "chat_template": learned.chat_template == "applied", "enable_thinking": settings["enable_thinking"],
             "sampling": sampling_of(settings),
             "prompts": [{"id": it["id"], "index": it["index"], "line": it.get("line", it["index"]), "split": it["split"],
                          "prompt_tokens": len(it["prompt_ids"]), "completion_tokens": len(it["completion_ids"]),
@@ -4273,7 +4422,7 @@ def hidden_tensors(path, meta, device="cpu"):
         yield lambda key: where[key].get_tensor(key)
 
 
-def open_hidden(paths, settings, target_cfg, layer_union, skip=lambda it: False):
+def open_hidden(paths, settings, learned, target_cfg, layer_union, skip=lambda it: False):
     """Prompts and a lazy stream of (item, features, argmax) from --save-hidden files, after checks; several
     files (the caches of a run's shards or ranks) are joined in the run's prompt order. Items for which
     skip(item) holds are not streamed."""
@@ -4282,7 +4431,7 @@ def open_hidden(paths, settings, target_cfg, layer_union, skip=lambda it: False)
     sampling = sampling_of(settings)
     for path, meta in zip(paths, metas):
         version = version_tuple(meta["format"].rpartition("/")[2])[0]
-        if meta["target_hash"] != (settings["target_hash"] if version == 3 else target_hash(settings["target"], version)):
+        if meta["target_hash"] != (learned.target_hash if version == 3 else target_hash(settings["target"], version)):
             fail(f"{path} was extracted from another target than {settings['target']} (the hash of its config and "
                  "weights differs); pass the target it was made with, or extract again")
         missing = sorted(set(layer_union) - set(meta["layers"]))
@@ -4329,8 +4478,8 @@ def open_hidden(paths, settings, target_cfg, layer_union, skip=lambda it: False)
                           "sample": row.get("sample"), "turn": row.get("turn"), "cache": (j, i),
                           "source": row.get("source", "target" if row.get("generated") else "file")})
     meta = metas[0]
-    settings["chat_template"] = "applied" if meta.get("chat_template") else "not applied"   # at extraction
-    settings["hidden_cache"] = {k: meta.get(k) for k in ("format", "dtype", "device", "torch_version",
+    learned.chat_template = "applied" if meta.get("chat_template") else "not applied"   # at extraction
+    learned.hidden_cache = {k: meta.get(k) for k in ("format", "dtype", "device", "torch_version",
                                                          "transformers_version", "prompts_file", "layers")}
     return items, stream()
 
@@ -4375,12 +4524,29 @@ def compare_hidden(settings):
                                                    "torch_version": m["torch_version"]} for p, m in zip(paths, metas)],
               "layers": per_layer, "argmax_agreement": same_argmax / total_argmax if total_argmax else None}
     if settings["ckpt"]:
-        quiet = {**settings, "quiet": True}
-        report["drafters"] = [evaluate({**quiet, "load_hidden": p, "output": None})["drafters"] for p in paths]
+        report["drafters"] = [hidden_drafters(settings, path) for path in paths]
     print_comparison(report)
     if settings["output"]:
         write_json(settings["output"], report)
     return report
+
+
+def hidden_drafters(settings, path):
+    """--compare-hidden with --ckpt: the drafters' reports from one saved-features file, as a --load-hidden run
+    of it gives them (its notes off)."""
+    quiet, learned = quietly(settings), Run()
+    target_cfg, drafters = load_run(quiet, learned)
+    layer_union = sorted({L for d in drafters for L in d.layers})
+    records = []
+    try:
+        items, stream = open_hidden([path], quiet, learned, target_cfg, layer_union)
+        embed_w, head = read_embed_head(settings["target"], target_cfg, quiet)
+        records += drafted(stream, drafters, embed_w, head, quiet)
+    except KeyboardInterrupt:
+        print(f"interrupted: the drafters' figures from {path} cover the {len(records)} prompts finished so far",
+              file=sys.stderr)
+    return make_report(run_config(quiet, learned), [drafter_facts(d) for d in drafters], records, [], 0.0,
+                       False)["drafters"]
 
 
 def print_comparison(report, out=None):
@@ -4425,7 +4591,7 @@ def target_agreement(items):
 SELF_CHECK_TOLERANCE = 0.01   # share of its own reference tokens that may flip on GPU or in a 16-bit dtype
 
 
-def self_check(items, settings):
+def self_check(items, config):
     """The references this tool generated itself must be what its own teacher-forced pass says the target
     produces: greedy (or speculative) ones equal to its argmax, sampled ones inside its sampling support.
     Exactly on CPU in float32; on GPU or in a 16-bit dtype, where the batch shape changes the rounding and can
@@ -4440,7 +4606,7 @@ def self_check(items, settings):
     if not tokens:
         return None
     agreement = sum(hits for hits, _, _ in counts) / tokens
-    where = settings.get("hidden_cache") or settings   # where the references were generated and extracted
+    where = config.get("hidden_cache") or config   # where the references were generated and extracted
     strict = where["device"] == "cpu" and where["dtype"] == "float32"
     tolerance = 0.0 if strict else SELF_CHECK_TOLERANCE
     check = {"tokens": tokens, "agreement": agreement, "tolerance": tolerance, "passed": agreement >= 1 - tolerance,
@@ -4463,7 +4629,7 @@ def self_check(items, settings):
     rule = "none on CPU in float32" if strict else \
         f"{tolerance:.0%} of tokens on {where['device']} in {where['dtype']}, where batch shapes can flip near-ties"
     if check["passed"]:
-        log(settings, f"note: self-check within tolerance ({rule}): {facts}")
+        log(config, f"note: self-check within tolerance ({rule}): {facts}")
     else:
         check["message"] = (f"the tool's own generation and evaluation disagree ({facts}; tolerance: {rule}). It "
                             f"generated these references itself as the target's {'samples' if sampled else 'greedy output'}, "
@@ -4506,20 +4672,6 @@ def reference_support(items):
             "reference_mean_logprob": logp / inside if inside else None}
 
 
-DDTREE_NOTES = {
-    "DFlash 2": "DFlash 2 drafts a chain: its selector couples each slot's choice to the previous one, and no public "
-                "tree verifier exists for those paths, so no DDTree rows (a tree from the unary logits alone is not "
-                "what any engine runs)",
-    "DSpark": "DSpark drafts a chain: each slot's Markov bias depends on the token drafted before it, and neither vLLM "
-              "nor SGLang verifies DSpark trees, so no DDTree rows",
-    "Domino": "Domino drafts a chain: each proposal reads a GRU state over the tokens drafted before it, and SGLang "
-              "serves it as a chain only, so no DDTree rows",
-    "EAGLE-3": "EAGLE-3 drafts a chain here, as vLLM serves it (SGLang's token trees are out of scope), so no DDTree "
-               "rows",
-    "MTP": "the MTP layer drafts a chain here, as vLLM serves it and SGLang by default (top-1; its token trees are out "
-           "of scope), so no DDTree rows"}
-
-
 def drafter_facts(d):
     """What the report says of a drafter apart from its results (a shard's output carries it for --merge)."""
     return {"name": d.name, "checkpoint": d.checkpoint, "hash": d.hash, "warnings": d.warnings or [],
@@ -4535,7 +4687,8 @@ def drafter_facts(d):
 def drafter_report(d, results, items):
     """The report of one drafter (its facts d) over some prompts' results."""
     B = d["drafts_per_round"] + 1   # the longest round: every draft and the target's own token
-    no_trees = {"ddtree": None, "ddtree_note": DDTREE_NOTES[d["generation"]]} if d["generation"] in DDTREE_NOTES else {}
+    note = FAMILIES[d["generation"]].ddtree_note
+    no_trees = {"ddtree": None, "ddtree_note": note} if note else {}
     sampled = bool(results) and "expected" in results[0]
 
     def check(chosen):   # greedy: target agreement; sampled: how the references sit in the target's support
@@ -4626,34 +4779,11 @@ def against_first(totals):
     return [(None, None), *(paired_delta(t, totals[0]) for t in totals[1:])]
 
 
-def join_ranks(settings):
-    """Under torchrun (WORLD_SIZE > 1): join the process group (gloo on CPU, nccl on CUDA) and take this rank's
-    device (cuda:LOCAL_RANK) and, on CPU, its share of the cores."""
-    ranks = int(os.environ.get("WORLD_SIZE", "1"))
-    if ranks < 2 or settings.get("merge") or settings.get("compare_hidden"):
-        return settings
-    import torch.distributed as dist
-    if settings["shard"]:
-        fail("--shard and torchrun both slice the prompts: use one of them")
-    local, local_ranks = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
-    if settings["device"] == "cuda":
-        torch.cuda.set_device(local)
-        settings["device"] = f"cuda:{local}"
-    elif not settings["threads"]:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if settings["device"].startswith("cuda") else "gloo")
-    settings.update(rank=dist.get_rank(), ranks=dist.get_world_size())
-    if settings["rank"]:
-        settings["quiet"] = True   # rank 0 speaks for the run
-    return settings
-
-
 def main(argv=None):
     with contextlib.suppress(AttributeError, ValueError):   # a report line holds Δτ: never die of the locale
         sys.stdout.reconfigure(errors="replace")
     try:
-        settings = join_ranks(resolve_settings(parse_args(argv)))
+        settings = resolve_settings(parse_args(argv))
         report = run(settings)
         leave_ranks()
     except UsageError as e:
