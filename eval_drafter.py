@@ -92,153 +92,179 @@ start here:
 """
 
 
+# Number rules: (what the value must be, test); NaN fails every test, and the float ones refuse infinity where it
+# means nothing.
+AT_LEAST_0, AT_LEAST_1 = ("at least 0", lambda v: v >= 0), ("at least 1", lambda v: v >= 1)
+BLOCK_RULE = ("at least 2 (a block needs the anchor and at least one draft)", lambda v: v >= 2)
+GROUPS = {  # --help's groups of flags
+    "inputs": "inputs",
+    "drafter": "drafter config (defaults come from the checkpoint's config.json)",
+    "evaluation": "evaluation",
+    "references": "references (prompts without a completion get the target's greedy one)",
+    "sampled": "sampled decoding (default: greedy)",
+    "cache": "hidden-state cache (extract once, evaluate anywhere)",
+    "long": "long runs (torchrun --nproc_per_node=N eval_drafter.py ... spreads the prompts over ranks)",
+    "deployment": "deployment (see README, Choosing what to serve)",
+    "output": "output",
+}
+# The flags, one row each: (group, flag, modes, number rule, argparse arguments). Modes, a letter each: R, --resume
+# and --merge must agree on it (it changes the numbers); H, a run from saved features (--load-hidden) refuses it,
+# its prompts and references having been fixed at extraction; C, --compare-hidden refuses it; S, it sets up
+# --server and is refused without it; M, --merge takes it (every other flag belongs to the shards).
+FLAGS = [
+    ("inputs", "--demo", "", None, dict(action="store_true", help="run on the tiny target + drafter pair bundled in "
+        "tests/fixtures/demo (no other flag needed)")),
+    ("inputs", "--target", "", None, dict(help="target model directory in the Hugging Face layout (config.json, "
+        "safetensors, tokenizer): Qwen3, Qwen3.5/3.6 hybrid (transformers 5.x), Llama, gpt-oss, or any decoder-only "
+        "model whose layers and final norm transformers exposes")),
+    ("inputs", "--ckpt", "", None, dict(action="append", default=[], metavar="[NAME=]PATH",
+        help="a drafter (DFlash, DFlash 2, DSpark, Domino, EAGLE-3), repeated to compare several on one target pass; "
+             "NAME= labels it. Forms: a directory with config.json + model.safetensors (or "
+             "model.safetensors.index.json) in z-lab's, transformers' native, speculators' or SpecForge's layout; a "
+             ".safetensors file; a training .pt/.pth/.bin state dict, read with torch.load(weights_only=True), "
+             "nesting and prefixes unwrapped; a SpecForge step directory; a training run's directory of steps "
+             "(--steps); a target directory: its MTP layer (as --mtp)")),
+    ("inputs", "--mtp", "", None, dict(action="store_true", help="also evaluate the target's own MTP layer "
+        "(Qwen3.5/3.6, Qwen3-Next: mtp.* in its safetensors) as drafter mtp, the baseline a drafter must beat; the "
+        "same as --ckpt mtp=TARGET_DIR")),
+    ("inputs", "--steps", "", None, dict(default="all", help="with --ckpt NAME=RUN_DIR (a training run's directory of "
+        "step checkpoints: SpecForge's <run>-step<N>, checkpoint-<N>, step_<N>.pt, ...): which steps, e.g. 400,800 or "
+        "last:5 (default all); every step is a drafter of the report, all from one target pass")),
+    ("inputs", "--prompts", "HC", None, dict(help="JSONL file of prompts: prompt / messages / turns / conversations "
+        "lines, optionally with completion or completion_ids references (see README)")),
+    ("inputs", "--limit", "", AT_LEAST_1, dict(type=int, help="evaluate only the first N "
+        "prompts")),
+    ("drafter", "--drafter-config", "", None, dict(metavar="FILE", help="config.json for checkpoint files that have "
+        "none beside")),
+    ("drafter", "--layers", "R", None, dict(help="target layer ids feeding the drafter, e.g. 1,16,31,46,61 (default: "
+        "the checkpoint's dflash_config.target_layer_ids)")),
+    ("drafter", "--block-size", "R", BLOCK_RULE, dict(type=int,
+        help="block size (default: the checkpoint's block_size); EAGLE-3 and MTP: K + 1 for K steps a round (default "
+             "3 steps)")),
+    ("drafter", "--mask-token-id", "R", AT_LEAST_0, dict(type=int,
+        help="mask token id (default: the checkpoint config's)")),
+    ("drafter", "--head-dim", "R", AT_LEAST_1, dict(type=int, help="drafter head dim, for "
+        "checkpoints without a config")),
+    ("drafter", "--num-heads", "R", AT_LEAST_1, dict(type=int, help="drafter attention heads, "
+        "for checkpoints without a config")),
+    ("drafter", "--num-kv-heads", "R", AT_LEAST_1, dict(type=int,
+        help="drafter KV heads, for checkpoints without a config")),
+    ("drafter", "--block-mask", "R", None, dict(default="auto", choices=["auto", "bidirectional", "causal"],
+        help="in-block attention; auto = checkpoint's is_causal, else per layer type")),
+    ("drafter", "--sliding-window", "R", None, dict(default="train", choices=["train", "ignore"],
+        help="train = window sliding layers as training did; ignore = public HF reference")),
+    ("drafter", "--engine", "R", None, dict(default="vllm", choices=["vllm", "sglang"],
+        help="whose convention decides where they differ (EAGLE-3's captured layer ids: vLLM reads "
+             "eagle_aux_hidden_state_layer_ids as hidden_states indices and ignores a nested eagle_config, SGLang "
+             "reads eagle_config's ids as layer outputs); default vllm")),
+    ("drafter", "--dspark-draft-topk", "R", AT_LEAST_1, dict(type=int, metavar="K",
+        help="DSpark: each slot drafts among its K best base-logit tokens only, the Markov bias added to those "
+             "(vLLM's dspark_draft_topk); default: the exact argmax over the whole draft vocabulary")),
+    ("drafter", "--domino-candidate-pool", "R", AT_LEAST_1, dict(type=int, metavar="N",
+        help="Domino: proposals after the first choose among one pool per block, the N tokens with the highest base "
+             "logit over those proposals (SGLang's --speculative-domino-candidate-pool-size, 2048 by default there); "
+             "default: the exact argmax over the whole vocabulary")),
+    ("evaluation", "--device", "R", None, dict(default="auto", choices=["auto", "cpu", "cuda"],
+        help="where the target and drafters run: auto (default) = cuda when torch sees a GPU, else cpu; cuda = the "
+             "current GPU (pick one with CUDA_VISIBLE_DEVICES)")),
+    ("evaluation", "--device-map", "HC", None, dict(choices=["auto"], help="auto = spread a target too big for one "
+        "GPU over this box's GPUs (transformers + accelerate); the drafters run on the first GPU, where the embedding "
+        "sits")),
+    ("evaluation", "--dtype", "R", None, dict(default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto = float32 on CPU (exact; bf16 CPU kernels of hybrid targets drift), bfloat16 on CUDA")),
+    ("evaluation", "--threads", "M", AT_LEAST_1, dict(type=int,
+        help="torch CPU threads")),
+    ("evaluation", "--anchors", "R", None, dict(default="all", choices=["all", "walk"],
+        help="all: draft every anchor (per-position statistics over every position); walk: only the anchors the walks "
+             "visit (same rounds and tau, drafter cost / ~tau)")),
+    ("evaluation", "--ddtree-budgets", "R", None, dict(default="8,32,128", help="DDTree node budgets, comma list "
+        "(default 8,32,128); 'none' for the chain only")),
+    ("evaluation", "--check-mask", "R", None, dict(action="store_true", help="also draft a sample of anchors under "
+        "the other in-block masks and flag a better one")),
+    ("evaluation", "--max-memory-gb", "", ("a finite number above 0", lambda v: 0 < v < math.inf),
+        dict(type=float, default=0.5, help="memory for the drafter's logits at a time (sets the rows per lm_head call; default 0.5)")),
+    ("references", "--max-new-tokens", "RHC", AT_LEAST_1, dict(type=int,
+        help="length of generated references (default 256; 128 with --demo)")),
+    ("references", "--ignore-eos", "RHC", None, dict(action="store_true", help="generate references past EOS")),
+    ("references", "--reference-generation", "RHC", None, dict(default="speculative", choices=["speculative", "plain"],
+        help="how missing references are generated locally: speculative decoding with the first --ckpt (same tokens "
+             "as plain greedy, faster; hybrid targets need transformers 5.x) or plain greedy")),
+    ("references", "--turns", "RHC", None, dict(default="all", choices=["all", "first"],
+        help="a \"turns\" line with several user turns: all (default) = every turn scored, each with the target's own "
+             "earlier replies in its context, as the public benchmark runs MT-bench; first = the first turn only")),
+    ("references", "--no-chat-template", "RHC", None, dict(action="store_true", help="tokenize prompts as plain text")),
+    ("references", "--enable-thinking", "RHC", None, dict(action="store_true", help="chat template with thinking on")),
+    ("references", "--server", "HC", None, dict(metavar="URL", help="take missing references from a serving engine at "
+        "URL")),
+    ("references", "--server-api", "HCS", None, dict(default="sglang", choices=["sglang", "openai"],
+        help="sglang: POST /generate; openai: POST /v1/completions (vLLM >= 0.10.2)")),
+    ("references", "--server-model", "HCS", None, dict(help="model name for --server-api openai")),
+    ("references", "--server-concurrency", "HCS", AT_LEAST_1, dict(type=int, default=4,
+        help="requests in flight (default 4)")),
+    ("references", "--server-timeout", "HCS", ("a finite number of seconds above 0", lambda v: 0 < v < math.inf),
+        dict(type=float, default=600, help="seconds per request (default 600)")),
+    ("references", "--server-retries", "HCS", AT_LEAST_0, dict(type=int, default=3,
+        help="retries for 5xx, timeouts, resets (default 3)")),
+    ("references", "--save-references", "HC", None, dict(metavar="FILE.jsonl", help="append every reference the run "
+        "generates or fetches (its prompt line + completion_ids) to this file as it is made; it works as --prompts "
+        "later, with no generation")),
+    ("sampled", "--temperature", "R", ("a finite number >= 0 (0 is greedy)", lambda v: 0 <= v < math.inf),
+        dict(type=float, default=0.0, help="the target's sampling temperature (default 0: greedy, exact rounds); > 0: exact expected acceptance "
+             "given references sampled at these settings")),
+    ("sampled", "--top-p", "R", ("in (0, 1] (1 is off)", lambda v: 0 < v <= 1), dict(type=float, default=1.0,
+        help="top-p of the sampling (default 1: off)")),
+    ("sampled", "--top-k", "R", ("at least 0 (0 is off)", lambda v: v >= 0), dict(type=int, default=0,
+        help="top-k of the sampling (default 0: off)")),
+    ("sampled", "--draft-policy", "R", None, dict(default="argmax", choices=["argmax", "sample"],
+        help="how the drafts are proposed at temperature > 0: argmax (vLLM, SGLang, TensorRT-LLM) or sample (the "
+             "public transformers loop: drafts sampled from the drafter)")),
+    ("sampled", "--samples-per-prompt", "RHC", AT_LEAST_1, dict(type=int, default=1,
+        help="sampled references per prompt (temperature > 0; default 1)")),
+    ("sampled", "--seed", "RHC", None, dict(type=int, default=0, help="seed of the sampled references (default 0)")),
+    ("cache", "--save-hidden", "", None, dict(metavar="FILE.safetensors", help="also save the extracted hidden "
+        "states, token ids and target argmax to this file")),
+    ("cache", "--load-hidden", "", None, dict(metavar="FILE.safetensors", nargs="+",
+        help="evaluate from --save-hidden files (several: the caches of shards or ranks, one run): the target model "
+             "is not built (only its embedding and lm_head are read); --prompts is not needed")),
+    ("cache", "--compare-hidden", "", None, dict(nargs=2, metavar=("A.safetensors", "B.safetensors"),
+        help="compare two --save-hidden files layer by layer (and drafters' tau from each with --ckpt)")),
+    ("long", "--resume", "C", None, dict(action="store_true", help="continue an interrupted run from "
+        "<output>.partial.jsonl (same settings required)")),
+    ("long", "--shard", "C", None, dict(metavar="K/N", help="evaluate the K-th of N deterministic slices of the "
+        "prompts (K = 1..N) into its own --output; --merge rebuilds one report from the N outputs")),
+    ("long", "--merge", "M", None, dict(nargs="+", metavar="SHARD.json", help="rebuild one report from --shard "
+        "outputs (their per-prompt records); with --output")),
+    ("deployment", "--depths", "R", None, dict(help="also evaluate every drafter at these served depths K (drafts a "
+        "round: vLLM's num_speculative_tokens, SGLang's --speculative-num-draft-tokens minus 1), e.g. 3,5 or all (1 "
+        ".. the trained depth): the drafter re-run with a block of 1 + K (EAGLE-3 and MTP: K chained steps, any K)")),
+    ("deployment", "--costs", "", None, dict(metavar="measure|FILE", help="predicted speedup per depth and DDTree "
+        "budget: measure = time the target's and the drafters' forwards here, on the run's device and dtype; FILE = a "
+        "JSON table of your own (see README)")),
+    ("deployment", "--export-vllm-synthetic", "", None, dict(metavar="FILE.json", help="write vLLM's speculative "
+        "config replaying the first drafter's measured acceptance profile (rejection_sample_method synthetic) at "
+        "--export-depth")),
+    ("deployment", "--export-depth", "", AT_LEAST_1, dict(type=int,
+        help="the depth K of --export-vllm-synthetic (default: the trained one)")),
+    ("output", "--output", "M", None, dict(help="write the full results as JSON to this file (atomically; finished "
+        "prompts go to <output>.partial.jsonl as the run goes)")),
+    ("output", "--quiet", "M", None, dict(action="store_true", help="no progress bars or notes on stderr")),
+
+]
+
+
 def build_parser():
     p = argparse.ArgumentParser(usage="%(prog)s --demo | --target DIR --ckpt [NAME=]PATH [--ckpt ...] --prompts FILE "
                                       "[options]", description=HELP_TOP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("inputs")
-    g.add_argument("--demo", action="store_true",
-                   help="run on the tiny target + drafter pair bundled in tests/fixtures/demo (no other flag needed)")
-    g.add_argument("--target", help="target model directory in the Hugging Face layout (config.json, safetensors, "
-                                    "tokenizer): Qwen3, Qwen3.5/3.6 hybrid (transformers 5.x), Llama, gpt-oss, or any "
-                                    "decoder-only model whose layers and final norm transformers exposes")
-    g.add_argument("--ckpt", action="append", default=[], metavar="[NAME=]PATH",
-                   help="a drafter (DFlash, DFlash 2, DSpark, Domino, EAGLE-3), repeated to compare several on one "
-                        "target pass; NAME= labels it. Forms: a directory with config.json + model.safetensors (or "
-                        "model.safetensors.index.json) in z-lab's, transformers' native, speculators' or SpecForge's "
-                        "layout; a .safetensors file; a training .pt/.pth/.bin state dict, read with "
-                        "torch.load(weights_only=True), nesting and prefixes unwrapped; a SpecForge step directory; a "
-                        "training run's directory of steps (--steps); a target directory: its MTP layer (as --mtp)")
-    g.add_argument("--mtp", action="store_true",
-                   help="also evaluate the target's own MTP layer (Qwen3.5/3.6, Qwen3-Next: mtp.* in its safetensors) "
-                        "as drafter mtp, the baseline a drafter must beat; the same as --ckpt mtp=TARGET_DIR")
-    g.add_argument("--steps", default="all",
-                   help="with --ckpt NAME=RUN_DIR (a training run's directory of step checkpoints: SpecForge's "
-                        "<run>-step<N>, checkpoint-<N>, step_<N>.pt, ...): which steps, e.g. 400,800 or last:5 "
-                        "(default all); every step is a drafter of the report, all from one target pass")
-    g.add_argument("--prompts", help="JSONL file of prompts: prompt / messages / turns / conversations lines, "
-                                     "optionally with completion or completion_ids references (see README)")
-    g.add_argument("--limit", type=int, help="evaluate only the first N prompts")
-
-    g = p.add_argument_group("drafter config (defaults come from the checkpoint's config.json)")
-    g.add_argument("--drafter-config", metavar="FILE", help="config.json for checkpoint files that have none beside")
-    g.add_argument("--layers", help="target layer ids feeding the drafter, e.g. 1,16,31,46,61 "
-                                    "(default: the checkpoint's dflash_config.target_layer_ids)")
-    g.add_argument("--block-size", type=int, help="block size (default: the checkpoint's block_size); EAGLE-3 and "
-                                                  "MTP: K + 1 for K steps a round (default 3 steps)")
-    g.add_argument("--mask-token-id", type=int, help="mask token id (default: the checkpoint config's)")
-    g.add_argument("--head-dim", type=int, help="drafter head dim, for checkpoints without a config")
-    g.add_argument("--num-heads", type=int, help="drafter attention heads, for checkpoints without a config")
-    g.add_argument("--num-kv-heads", type=int, help="drafter KV heads, for checkpoints without a config")
-    g.add_argument("--block-mask", default="auto", choices=["auto", "bidirectional", "causal"],
-                   help="in-block attention; auto = checkpoint's is_causal, else per layer type")
-    g.add_argument("--sliding-window", default="train", choices=["train", "ignore"],
-                   help="train = window sliding layers as training did; ignore = public HF reference")
-    g.add_argument("--engine", default="vllm", choices=["vllm", "sglang"],
-                   help="whose convention decides where they differ (EAGLE-3's captured layer ids: vLLM reads "
-                        "eagle_aux_hidden_state_layer_ids as hidden_states indices and ignores a nested eagle_config, "
-                        "SGLang reads eagle_config's ids as layer outputs); default vllm")
-    g.add_argument("--dspark-draft-topk", type=int, metavar="K",
-                   help="DSpark: each slot drafts among its K best base-logit tokens only, the Markov bias added to "
-                        "those (vLLM's dspark_draft_topk); default: the exact argmax over the whole draft vocabulary")
-    g.add_argument("--domino-candidate-pool", type=int, metavar="N",
-                   help="Domino: proposals after the first choose among one pool per block, the N tokens with the "
-                        "highest base logit over those proposals (SGLang's --speculative-domino-candidate-pool-size, "
-                        "2048 by default there); default: the exact argmax over the whole vocabulary")
-
-    g = p.add_argument_group("evaluation")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="where the target and drafters run: auto (default) = cuda when torch sees a GPU, else cpu; "
-                        "cuda = the current GPU (pick one with CUDA_VISIBLE_DEVICES)")
-    g.add_argument("--device-map", choices=["auto"],
-                   help="auto = spread a target too big for one GPU over this box's GPUs (transformers + accelerate); "
-                        "the drafters run on the first GPU, where the embedding sits")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto = float32 on CPU (exact; bf16 CPU kernels of hybrid targets drift), bfloat16 on CUDA")
-    g.add_argument("--threads", type=int, help="torch CPU threads")
-    g.add_argument("--anchors", default="all", choices=["all", "walk"],
-                   help="all: draft every anchor (per-position statistics over every position); walk: only the "
-                        "anchors the walks visit (same rounds and tau, drafter cost / ~tau)")
-    g.add_argument("--ddtree-budgets", default="8,32,128",
-                   help="DDTree node budgets, comma list (default 8,32,128); 'none' for the chain only")
-    g.add_argument("--check-mask", action="store_true",
-                   help="also draft a sample of anchors under the other in-block masks and flag a better one")
-    g.add_argument("--max-memory-gb", type=float, default=0.5,
-                   help="memory for the drafter's logits at a time (sets the rows per lm_head call; default 0.5)")
-
-    g = p.add_argument_group("references (prompts without a completion get the target's greedy one)")
-    g.add_argument("--max-new-tokens", type=int, help="length of generated references (default 256; 128 with --demo)")
-    g.add_argument("--ignore-eos", action="store_true", help="generate references past EOS")
-    g.add_argument("--reference-generation", default="speculative", choices=["speculative", "plain"],
-                   help="how missing references are generated locally: speculative decoding with the first "
-                        "--ckpt (same tokens as plain greedy, faster; hybrid targets need transformers 5.x) or "
-                        "plain greedy")
-    g.add_argument("--turns", default="all", choices=["all", "first"],
-                   help="a \"turns\" line with several user turns: all (default) = every turn scored, each with the "
-                        "target's own earlier replies in its context, as the public benchmark runs MT-bench; first = "
-                        "the first turn only")
-    g.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as plain text")
-    g.add_argument("--enable-thinking", action="store_true", help="chat template with thinking on")
-    g.add_argument("--server", metavar="URL", help="take missing references from a serving engine at URL")
-    g.add_argument("--server-api", default="sglang", choices=["sglang", "openai"],
-                   help="sglang: POST /generate; openai: POST /v1/completions (vLLM >= 0.10.2)")
-    g.add_argument("--server-model", help="model name for --server-api openai")
-    g.add_argument("--server-concurrency", type=int, default=4, help="requests in flight (default 4)")
-    g.add_argument("--server-timeout", type=float, default=600, help="seconds per request (default 600)")
-    g.add_argument("--server-retries", type=int, default=3, help="retries for 5xx, timeouts, resets (default 3)")
-    g.add_argument("--save-references", metavar="FILE.jsonl",
-                   help="append every reference the run generates or fetches (its prompt line + completion_ids) to "
-                        "this file as it is made; it works as --prompts later, with no generation")
-
-    g = p.add_argument_group("sampled decoding (default: greedy)")
-    g.add_argument("--temperature", type=float, default=0.0,
-                   help="the target's sampling temperature (default 0: greedy, exact rounds); > 0: exact expected "
-                        "acceptance given references sampled at these settings")
-    g.add_argument("--top-p", type=float, default=1.0, help="top-p of the sampling (default 1: off)")
-    g.add_argument("--top-k", type=int, default=0, help="top-k of the sampling (default 0: off)")
-    g.add_argument("--draft-policy", default="argmax", choices=["argmax", "sample"],
-                   help="how the drafts are proposed at temperature > 0: argmax (vLLM, SGLang, TensorRT-LLM) or "
-                        "sample (the public transformers loop: drafts sampled from the drafter)")
-    g.add_argument("--samples-per-prompt", type=int, default=1,
-                   help="sampled references per prompt (temperature > 0; default 1)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the sampled references (default 0)")
-
-    g = p.add_argument_group("hidden-state cache (extract once, evaluate anywhere)")
-    g.add_argument("--save-hidden", metavar="FILE.safetensors",
-                   help="also save the extracted hidden states, token ids and target argmax to this file")
-    g.add_argument("--load-hidden", metavar="FILE.safetensors", nargs="+",
-                   help="evaluate from --save-hidden files (several: the caches of shards or ranks, one run): the "
-                        "target model is not built (only its embedding and lm_head are read); --prompts is not needed")
-    g.add_argument("--compare-hidden", nargs=2, metavar=("A.safetensors", "B.safetensors"),
-                   help="compare two --save-hidden files layer by layer (and drafters' tau from each with --ckpt)")
-
-    g = p.add_argument_group("long runs (torchrun --nproc_per_node=N eval_drafter.py ... spreads the prompts over ranks)")
-    g.add_argument("--resume", action="store_true",
-                   help="continue an interrupted run from <output>.partial.jsonl (same settings required)")
-    g.add_argument("--shard", metavar="K/N",
-                   help="evaluate the K-th of N deterministic slices of the prompts (K = 1..N) into its own --output; "
-                        "--merge rebuilds one report from the N outputs")
-    g.add_argument("--merge", nargs="+", metavar="SHARD.json",
-                   help="rebuild one report from --shard outputs (their per-prompt records); with --output")
-
-    g = p.add_argument_group("deployment (see README, Choosing what to serve)")
-    g.add_argument("--depths", help="also evaluate every drafter at these served depths K (drafts a round: vLLM's "
-                                    "num_speculative_tokens, SGLang's --speculative-num-draft-tokens minus 1), e.g. 3,5 "
-                                    "or all (1 .. the trained depth): the drafter re-run with a block of 1 + K "
-                                    "(EAGLE-3 and MTP: K chained steps, any K)")
-    g.add_argument("--costs", metavar="measure|FILE",
-                   help="predicted speedup per depth and DDTree budget: measure = time the target's and the drafters' "
-                        "forwards here, on the run's device and dtype; FILE = a JSON table of your own (see README)")
-    g.add_argument("--export-vllm-synthetic", metavar="FILE.json",
-                   help="write vLLM's speculative config replaying the first drafter's measured acceptance profile "
-                        "(rejection_sample_method synthetic) at --export-depth")
-    g.add_argument("--export-depth", type=int, help="the depth K of --export-vllm-synthetic (default: the trained one)")
-
-    g = p.add_argument_group("output")
-    g.add_argument("--output", help="write the full results as JSON to this file (atomically; finished prompts "
-                                    "go to <output>.partial.jsonl as the run goes)")
-    g.add_argument("--quiet", action="store_true", help="no progress bars or notes on stderr")
+    groups = {key: p.add_argument_group(title) for key, title in GROUPS.items()}
+    for group, flag, _, _, arguments in FLAGS:
+        groups[group].add_argument(flag, **arguments)
     return p
+
+
+def flag_names(mode):
+    """The settings keys of the flags whose modes hold `mode` (R, H, C, S or M)."""
+    return [flag[2:].replace("-", "_") for _, flag, modes, _, _ in FLAGS if mode in modes]
 
 
 def parse_args(argv):
@@ -418,55 +444,26 @@ def rank_setup(settings):
     return {"device": device, "rank": rank, "ranks": dist.get_world_size(), **({"quiet": True} if rank else {})}
 
 
-# Numeric flags: (rule, test). NaN fails every test; the float ones also refuse infinity where it means nothing.
-NUMBER_RULES = {
-    "threads": ("at least 1", lambda v: v >= 1),
-    "limit": ("at least 1", lambda v: v >= 1),
-    "max_new_tokens": ("at least 1", lambda v: v >= 1),
-    "block_size": ("at least 2 (a block needs the anchor and at least one draft)", lambda v: v >= 2),
-    "mask_token_id": ("at least 0", lambda v: v >= 0),
-    "head_dim": ("at least 1", lambda v: v >= 1),
-    "num_heads": ("at least 1", lambda v: v >= 1),
-    "num_kv_heads": ("at least 1", lambda v: v >= 1),
-    "max_memory_gb": ("a finite number above 0", lambda v: 0 < v < math.inf),
-    "temperature": ("a finite number >= 0 (0 is greedy)", lambda v: 0 <= v < math.inf),
-    "top_p": ("in (0, 1] (1 is off)", lambda v: 0 < v <= 1),
-    "top_k": ("at least 0 (0 is off)", lambda v: v >= 0),
-    "samples_per_prompt": ("at least 1", lambda v: v >= 1),
-    "export_depth": ("at least 1", lambda v: v >= 1),
-    "dspark_draft_topk": ("at least 1", lambda v: v >= 1),
-    "domino_candidate_pool": ("at least 1", lambda v: v >= 1),
-    "server_concurrency": ("at least 1", lambda v: v >= 1),
-    "server_retries": ("at least 0", lambda v: v >= 0),
-    "server_timeout": ("a finite number of seconds above 0", lambda v: 0 < v < math.inf),
-}
-SERVER_FLAGS = {"server_api", "server_model", "server_concurrency", "server_timeout", "server_retries"}
-# What a run from saved features cannot use: its prompts and references were fixed at extraction.
-GENERATION_FLAGS = {"prompts", "max_new_tokens", "ignore_eos", "reference_generation", "turns", "no_chat_template",
-                    "enable_thinking", "server", "save_references", "samples_per_prompt", "seed",
-                    "device_map"} | SERVER_FLAGS
-
-
 def check_flags(args):
     """Numbers within their rules, and no flag the chosen mode would ignore: one line naming the flag, its value
     and the rule (exit 2). Returns the notes for flags that are harmless where they are ignored."""
-    for name, (rule, ok) in NUMBER_RULES.items():
-        value = getattr(args, name)
-        if value is not None and not ok(value):
-            fail(f"--{name.replace('_', '-')} {value}: must be {rule}")
+    for _, flag, _, number, _ in FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if number and value is not None and not number[1](value):
+            fail(f"{flag} {value}: must be {number[0]}")
     defaults = build_parser()
     given = {k for k, v in vars(args).items() if v != defaults.get_default(k)}
     if args.merge:
-        unused, why = given - {"merge", "output", "quiet", "threads"}, \
-            "--merge rebuilds a report from shard outputs alone"
+        unused, why = given - set(flag_names("M")), "--merge rebuilds a report from shard outputs alone"
     elif args.compare_hidden:
-        unused, why = given & (GENERATION_FLAGS | {"resume", "shard"}), \
+        unused, why = given & set(flag_names("C")), \
             "--compare-hidden reads the prompts and references of the two saved files"
     elif args.load_hidden:
-        unused, why = given & GENERATION_FLAGS, \
+        unused, why = given & set(flag_names("H")), \
             "--load-hidden takes the prompts and references from the saved file (they were fixed at extraction)"
     else:
-        unused, why = (given & SERVER_FLAGS if not args.server else set()), "these flags set up --server, not given"
+        unused, why = (given & set(flag_names("S")) if not args.server else set()), \
+            "these flags set up --server, not given"
     if unused:
         fail(f"{why}; drop {', '.join(sorted('--' + k.replace('_', '-') for k in unused))}")
     notes = []
@@ -4047,11 +4044,7 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
 # The settings that change a run's numbers: --resume and --merge refuse partial results or shards that differ in
 # any. The target, the drafters (by their facts, hash included), the prompts and saved features are compared by
 # content, never by path: the same files elsewhere, or named another way, are the same run.
-RESUME_KEYS = ("target_hash", "prompts_hash", "hidden_hashes", "anchors", "max_new_tokens", "ignore_eos", "device",
-               "dtype", "layers", "block_size", "block_mask", "sliding_window", "no_chat_template", "enable_thinking",
-               "ddtree_budgets", "check_mask", "mask_token_id", "head_dim", "num_heads", "num_kv_heads", "temperature",
-               "top_p", "top_k", "draft_policy", "samples_per_prompt", "seed", "turns", "reference_generation",
-               "depths", "dspark_draft_topk", "domino_candidate_pool", "engine")
+RESUME_KEYS = ("target_hash", "prompts_hash", "hidden_hashes", *flag_names("R"))
 SLICE_KEYS = ("shard", "ranks")   # a resumed run must take the same slice of the prompts
 KEY_WORDS = {"target_hash": "the target (its config or weights)", "prompts_hash": "the prompts (file content)",
              "hidden_hashes": "the saved features (--load-hidden files)"}
