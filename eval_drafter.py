@@ -44,11 +44,17 @@ from types import MappingProxyType
 import torch
 import torch.nn.functional as F
 
+
 HERE = os.path.dirname(os.path.abspath(__file__))
+
 DEMO_DIR = os.path.join(HERE, "tests", "fixtures", "demo")
+
 ANCHOR_TOKENS_PER_CHUNK = 512   # query tokens (anchors x block) per SDPA call: bounds the mask and scores
+
 LOGIT_ROWS_PER_CHUNK = 256      # rows per target lm_head call: a 248k vocab makes logits the big tensor
+
 AGREEMENT_WARN = 0.99
+
 MIN_TRANSFORMERS = "4.57.1"     # the oldest transformers the tests run under (.ci/run tests it and the newest)
 
 
@@ -79,8 +85,175 @@ def log(settings, message):
         print(message, file=sys.stderr)
 
 
+def progress(settings, total, desc, position=0):
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, position=position, leave=False,
+                disable=settings["quiet"] or not sys.stderr.isatty())
+
+
 # ----------------------------------------------------------------------------------------------------
-# CLI and resolved settings
+# Files: JSON, safetensors, and identities by content
+
+
+def read_json(path):
+    """A JSON object from a file, or one clear error."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        fail(f"cannot read {path} as JSON: {e}")
+    if not isinstance(value, dict):
+        fail(f"{path} holds a JSON {type(value).__name__}, not the object expected")
+    return value
+
+
+def write_json(path, report):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, path)
+
+
+def index_weight_map(path):
+    weight_map = read_json(path).get("weight_map")
+    if not isinstance(weight_map, dict):
+        fail(f"{path} has no weight_map: not a safetensors index")
+    return weight_map
+
+
+def load_safetensors(path):
+    from safetensors.torch import load_file
+    if not os.path.isfile(path):
+        fail(f"{path} is missing: the checkpoint's index names it")
+    try:
+        return load_file(path)
+    except Exception as e:  # noqa: BLE001 - SafetensorError and OSError: the file is damaged either way
+        fail(f"{path} is not a readable safetensors file ({str(e).splitlines()[0]})")
+
+
+def write_safetensors(path, tensors, metadata=None):
+    from safetensors.torch import save_file
+    tmp = f"{path}.tmp{os.getpid()}"
+    save_file({k: v.cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
+    os.replace(tmp, path)
+
+
+def target_tensor_files(path):
+    """{tensor name: safetensors file} of a checkpoint directory, sharded (index) or not."""
+    from safetensors import safe_open
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        return {k: os.path.join(path, v) for k, v in index_weight_map(index).items()}
+    names = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(path, name), "pt") as f:
+                names.update(dict.fromkeys(f.keys(), os.path.join(path, name)))
+    return names
+
+
+def target_tensors(files, names, device="cpu"):
+    """The named tensors of a checkpoint ({name: file}, as target_tensor_files gives), each file opened once."""
+    from safetensors import safe_open
+    out = {}
+    for file in sorted({files[n] for n in names}):
+        with safe_open(file, "pt", device=device) as f:
+            out.update({n: f.get_tensor(n) for n in names if files[n] == file})
+    return out
+
+
+EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+
+TARGET_NORM_NAMES = ("model.norm.weight", "model.language_model.norm.weight")
+
+
+def file_hash(path):
+    import hashlib
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def content_hash(tensors, *facts):
+    """sha256 of JSON facts and of tensors (name, dtype, shape, bytes): equal for copies of the same drafter
+    wherever they lie, different for any other weight or setting."""
+    import hashlib
+    digest = hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def target_hash(path, version=3):
+    """The target's identity by content: its config.json and the dtype, shape and first values (up to 256 of the
+    first row) of every tensor in its safetensors, which any fine-tune changes. Copies agree wherever they lie,
+    however sharded or named (tensors are taken as a set, not by name); hashing every byte of a 27B target would
+    take minutes. Caches of earlier formats hashed the config alone (version 1) or with a few rows of the
+    embedding and head (version 2)."""
+    import hashlib
+    from safetensors import safe_open
+    digest = hashlib.sha256(json.dumps(read_json(os.path.join(path, "config.json")), sort_keys=True).encode())
+    files = target_tensor_files(path) if version > 1 else {}
+    names = sorted(files) if version > 2 else [n for n in EMBED_NAMES + ("lm_head.weight",) if n in files]
+    entries = []
+    with contextlib.ExitStack() as stack:
+        opened = {file: stack.enter_context(safe_open(file, "pt")) for file in {files[n] for n in names}}
+        for name in names:
+            part = opened[files[name]].get_slice(name)
+            shape = part.get_shape()
+            if version == 2:
+                digest.update(part[:4].float().numpy().tobytes())
+                continue
+            first = part[tuple(slice(0, 1) for _ in shape[:-1]) + (slice(0, 256),)] if shape else \
+                opened[files[name]].get_tensor(name)
+            entries.append(f"{part.get_dtype()}:{shape}:".encode() + first.float().numpy().tobytes())
+    for entry in sorted(hashlib.sha256(e).digest() for e in entries):
+        digest.update(entry)
+    return digest.hexdigest()
+
+
+def read_hidden_meta(path):
+    from safetensors import safe_open
+    if not os.path.isfile(path):
+        fail(f"hidden-state file not found: {path}")
+    try:
+        with safe_open(path, "pt") as f:
+            meta = json.loads((f.metadata() or {})["eval_drafter"])
+    except Exception:  # noqa: BLE001 - unreadable or foreign file: same answer
+        fail(f"{path} is not a hidden-state file written by --save-hidden")
+    needed = ("target_hash", "layers", "dtype", "device", "prompts")
+    if not isinstance(meta, dict) or not str(meta.get("format", "")).startswith("eval_drafter.hidden/") or \
+            any(k not in meta for k in needed):
+        fail(f"{path} has incomplete hidden-state metadata (needs format and {', '.join(needed)}): extract again")
+    return meta
+
+
+def hidden_hash(path):
+    """A --save-hidden file's identity by content: its metadata (target hash, prompts hash, layers, dtype, every
+    prompt's lengths and source), not where it lies."""
+    import hashlib
+    meta = {k: v for k, v in read_hidden_meta(path).items() if k != "prompts_file"}
+    return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+
+
+@contextlib.contextmanager
+def hidden_tensors(path, meta, device="cpu"):
+    """get(name) over a --save-hidden file and its shards, which lie beside it."""
+    from safetensors import safe_open
+    files = [path] + [os.path.join(os.path.dirname(os.path.abspath(path)), s) for s in meta.get("shards", [])]
+    with contextlib.ExitStack() as stack:
+        where = {}
+        for name in files:
+            if not os.path.isfile(name):
+                fail(f"{path} names a shard {name} that is missing: copy the shards along with the file")
+            f = stack.enter_context(safe_open(name, "pt", device=device))
+            where.update(dict.fromkeys(f.keys(), f))
+        yield lambda key: where[key].get_tensor(key)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Settings: the flag table, resolved once and then only read
 
 
 HELP_TOP = """Measure a DFlash drafter's real speculative-decoding acceptance (tau), offline, on any box.
@@ -91,11 +264,12 @@ start here:
       --prompts prompts.jsonl --output result.json
 """
 
-
 # Number rules: (what the value must be, test); NaN fails every test, and the float ones refuse infinity where it
 # means nothing.
 AT_LEAST_0, AT_LEAST_1 = ("at least 0", lambda v: v >= 0), ("at least 1", lambda v: v >= 1)
+
 BLOCK_RULE = ("at least 2 (a block needs the anchor and at least one draft)", lambda v: v >= 2)
+
 GROUPS = {  # --help's groups of flags
     "inputs": "inputs",
     "drafter": "drafter config (defaults come from the checkpoint's config.json)",
@@ -107,6 +281,7 @@ GROUPS = {  # --help's groups of flags
     "deployment": "deployment (see README, Choosing what to serve)",
     "output": "output",
 }
+
 # The flags, one row each: (group, flag, modes, number rule, argparse arguments). Modes, a letter each: R, --resume
 # and --merge must agree on it (it changes the numbers); H, a run from saved features (--load-hidden) refuses it,
 # its prompts and references having been fixed at extraction; C, --compare-hidden refuses it; S, it sets up
@@ -288,6 +463,157 @@ def parse_budgets(text):
     return budgets
 
 
+def parse_depths(text):
+    """--depths: None, "all" or a sorted list of depths >= 1."""
+    if text is None or text.strip().lower() == "all":
+        return text and "all"
+    depths = int_list(text)
+    if not depths or depths[0] < 1:
+        fail(f"--depths takes all or depths >= 1 like 3,5,7; got {text!r}")
+    return depths
+
+
+def parse_steps(text):
+    """--steps: None (all), ("last", N) or a sorted list of step numbers."""
+    text = text.strip().lower()
+    if text == "all":
+        return None
+    if re.fullmatch(r"last:\d+", text) and int(text[5:]) >= 1:
+        return ("last", int(text[5:]))
+    if re.fullmatch(r"\d+(,\d+)*", text.replace(" ", "")):
+        return sorted({int(x) for x in text.replace(" ", "").split(",")})
+    fail(f"--steps takes all, last:N (N >= 1) or step numbers like 400,800; got {text!r}")
+
+
+def parse_shard(text):
+    """(K, N) from "K/N", 1 <= K <= N."""
+    k, sep, n = text.partition("/")
+    if not (sep and k.strip().isdigit() and n.strip().isdigit() and 1 <= int(k) <= int(n)):
+        fail(f"--shard takes K/N with 1 <= K <= N (the K-th of N slices), got {text!r}")
+    return [int(k), int(n)]
+
+
+def check_flags(args):
+    """Numbers within their rules, and no flag the chosen mode would ignore: one line naming the flag, its value
+    and the rule (exit 2). Returns the notes for flags that are harmless where they are ignored."""
+    for _, flag, _, number, _ in FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if number and value is not None and not number[1](value):
+            fail(f"{flag} {value}: must be {number[0]}")
+    defaults = build_parser()
+    given = {k for k, v in vars(args).items() if v != defaults.get_default(k)}
+    if args.merge:
+        unused, why = given - set(flag_names("M")), "--merge rebuilds a report from shard outputs alone"
+    elif args.compare_hidden:
+        unused, why = given & set(flag_names("C")), \
+            "--compare-hidden reads the prompts and references of the two saved files"
+    elif args.load_hidden:
+        unused, why = given & set(flag_names("H")), \
+            "--load-hidden takes the prompts and references from the saved file (they were fixed at extraction)"
+    else:
+        unused, why = (given & set(flag_names("S")) if not args.server else set()), \
+            "these flags set up --server, not given"
+    if unused:
+        fail(f"{why}; drop {', '.join(sorted('--' + k.replace('_', '-') for k in unused))}")
+    notes = []
+    if "seed" in given and not args.temperature:
+        notes.append(f"--seed {args.seed} does nothing at --temperature 0: greedy references need no seed")
+    if "reference_generation" in given and args.server:
+        notes.append("--reference-generation is for local generation: with --server the server generates")
+    return notes
+
+
+def check_sampling(args):
+    if args.temperature == 0 and (args.samples_per_prompt > 1 or args.draft_policy != "argmax"):
+        fail("--samples-per-prompt and --draft-policy sample need --temperature > 0: greedy decoding has one text "
+             "per prompt and argmax drafts")
+    if args.temperature == 0 and (args.top_p < 1 or args.top_k):
+        fail("--top-p and --top-k shape sampling; at --temperature 0 (greedy) they do nothing: give a temperature")
+    if args.draft_policy == "sample" and args.anchors == "walk":
+        fail("--anchors walk follows one walk; with --draft-policy sample every anchor can start a round: "
+             "use --anchors all")
+
+
+def version_tuple(text):
+    """(major, minor, patch) of a version string such as 4.57.1, 5.0.0rc1 or 4.58.0.dev0."""
+    numbers = re.match(r"(\d+)(?:\.(\d+))?(?:\.(\d+))?", text)
+    return tuple(int(x or 0) for x in numbers.groups()) if numbers else (0, 0, 0)
+
+
+def check_transformers():
+    """The installed transformers version, refused below the tested floor: older releases take other
+    loading arguments and cache semantics, and the numbers would be silently wrong."""
+    import transformers
+    if version_tuple(transformers.__version__) < version_tuple(MIN_TRANSFORMERS):
+        fail(f"transformers {transformers.__version__} is installed, but this tool needs >= {MIN_TRANSFORMERS} "
+             f"(the oldest version its tests run under): pip install -U 'transformers>={MIN_TRANSFORMERS}'")
+    return transformers.__version__
+
+
+def read_costs(path):
+    """A --costs FILE: {"target": {"<new tokens n>": seconds}, "draft": {"<depth K>": seconds} or {"<drafter>":
+    {"<K>": seconds}}}, or several of those under "batch_sizes": {"<batch size>": {...}}."""
+    table = read_json(path)
+    tables = table.get("batch_sizes", {"1": table})
+    for batch, t in (tables.items() if isinstance(tables, dict) else [("?", None)]):
+        flat = [v for part in ("target", "draft") for v in (t or {}).get(part, {}).values()] if isinstance(t, dict) else []
+        flat = [x for v in flat for x in (v.values() if isinstance(v, dict) else [v])]
+        if not (isinstance(t, dict) and isinstance(t.get("target"), dict) and "1" in t["target"] and
+                isinstance(t.get("draft"), dict) and all(isinstance(x, (int, float)) and x > 0 for x in flat)):
+            fail(f"--costs {path}: batch size {batch} needs \"target\" (seconds per n new tokens, \"1\" among them) "
+                 "and \"draft\" (seconds per depth, or per drafter and depth), every value a number above 0")
+    return {"file": os.path.abspath(path), "batch_sizes": tables}
+
+
+def sampling_of(settings):
+    """The sampling settings (temperature, top_p, top_k), or None for greedy decoding."""
+    return (settings["temperature"], settings["top_p"], settings["top_k"]) if settings["temperature"] > 0 else None
+
+
+def describe_sampling(sampling):
+    return "greedy decoding" if not sampling else "temperature {}, top-p {}, top-k {}".format(*sampling)
+
+
+def sampling_record(settings):
+    """What a saved sampled reference records of its settings (None when greedy)."""
+    sampling = sampling_of(settings)
+    return None if not sampling else dict(zip(("temperature", "top_p", "top_k"), sampling), seed=settings["seed"])
+
+
+def resolve_merge(args):
+    """--merge settings: the shard files, the output; every other flag belongs to the shards (check_flags
+    refuses them)."""
+    missing = [path for path in args.merge if not os.path.isfile(path)]
+    if missing:
+        fail(f"--merge: {missing[0]} not found")
+    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        fail(f"--output {args.output}: its directory does not exist; create it first")
+    return {"merge": [os.path.abspath(path) for path in args.merge], "output": args.output, "quiet": args.quiet,
+            "threads": args.threads, "compare_hidden": None}
+
+
+def rank_setup(settings):
+    """Under torchrun (WORLD_SIZE > 1): join the process group (gloo on CPU, nccl on CUDA); this rank's device
+    (cuda:LOCAL_RANK) and, on CPU, its share of the cores. Returns what it decides of the settings."""
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if ranks < 2 or settings.get("compare_hidden"):
+        return {}
+    import torch.distributed as dist
+    if settings["shard"]:
+        fail("--shard and torchrun both slice the prompts: use one of them")
+    local, local_ranks = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
+    device = settings["device"]
+    if device == "cuda":
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    elif not settings["threads"]:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    rank = dist.get_rank()
+    return {"device": device, "rank": rank, "ranks": dist.get_world_size(), **({"quiet": True} if rank else {})}
+
+
 def resolve_settings(args):
     """Every choice the run makes, in one dict: it is echoed into the JSON output."""
     notes = check_flags(args)
@@ -422,169 +748,13 @@ def run_config(settings, learned):
     return config
 
 
-def rank_setup(settings):
-    """Under torchrun (WORLD_SIZE > 1): join the process group (gloo on CPU, nccl on CUDA); this rank's device
-    (cuda:LOCAL_RANK) and, on CPU, its share of the cores. Returns what it decides of the settings."""
-    ranks = int(os.environ.get("WORLD_SIZE", "1"))
-    if ranks < 2 or settings.get("compare_hidden"):
-        return {}
-    import torch.distributed as dist
-    if settings["shard"]:
-        fail("--shard and torchrun both slice the prompts: use one of them")
-    local, local_ranks = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
-    device = settings["device"]
-    if device == "cuda":
-        torch.cuda.set_device(local)
-        device = f"cuda:{local}"
-    elif not settings["threads"]:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-    rank = dist.get_rank()
-    return {"device": device, "rank": rank, "ranks": dist.get_world_size(), **({"quiet": True} if rank else {})}
-
-
-def check_flags(args):
-    """Numbers within their rules, and no flag the chosen mode would ignore: one line naming the flag, its value
-    and the rule (exit 2). Returns the notes for flags that are harmless where they are ignored."""
-    for _, flag, _, number, _ in FLAGS:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if number and value is not None and not number[1](value):
-            fail(f"{flag} {value}: must be {number[0]}")
-    defaults = build_parser()
-    given = {k for k, v in vars(args).items() if v != defaults.get_default(k)}
-    if args.merge:
-        unused, why = given - set(flag_names("M")), "--merge rebuilds a report from shard outputs alone"
-    elif args.compare_hidden:
-        unused, why = given & set(flag_names("C")), \
-            "--compare-hidden reads the prompts and references of the two saved files"
-    elif args.load_hidden:
-        unused, why = given & set(flag_names("H")), \
-            "--load-hidden takes the prompts and references from the saved file (they were fixed at extraction)"
-    else:
-        unused, why = (given & set(flag_names("S")) if not args.server else set()), \
-            "these flags set up --server, not given"
-    if unused:
-        fail(f"{why}; drop {', '.join(sorted('--' + k.replace('_', '-') for k in unused))}")
-    notes = []
-    if "seed" in given and not args.temperature:
-        notes.append(f"--seed {args.seed} does nothing at --temperature 0: greedy references need no seed")
-    if "reference_generation" in given and args.server:
-        notes.append("--reference-generation is for local generation: with --server the server generates")
-    return notes
-
-
-def parse_depths(text):
-    """--depths: None, "all" or a sorted list of depths >= 1."""
-    if text is None or text.strip().lower() == "all":
-        return text and "all"
-    depths = int_list(text)
-    if not depths or depths[0] < 1:
-        fail(f"--depths takes all or depths >= 1 like 3,5,7; got {text!r}")
-    return depths
-
-
-def parse_steps(text):
-    """--steps: None (all), ("last", N) or a sorted list of step numbers."""
-    text = text.strip().lower()
-    if text == "all":
-        return None
-    if re.fullmatch(r"last:\d+", text) and int(text[5:]) >= 1:
-        return ("last", int(text[5:]))
-    if re.fullmatch(r"\d+(,\d+)*", text.replace(" ", "")):
-        return sorted({int(x) for x in text.replace(" ", "").split(",")})
-    fail(f"--steps takes all, last:N (N >= 1) or step numbers like 400,800; got {text!r}")
-
-
-def parse_shard(text):
-    """(K, N) from "K/N", 1 <= K <= N."""
-    k, sep, n = text.partition("/")
-    if not (sep and k.strip().isdigit() and n.strip().isdigit() and 1 <= int(k) <= int(n)):
-        fail(f"--shard takes K/N with 1 <= K <= N (the K-th of N slices), got {text!r}")
-    return [int(k), int(n)]
-
-
-def resolve_merge(args):
-    """--merge settings: the shard files, the output; every other flag belongs to the shards (check_flags
-    refuses them)."""
-    missing = [path for path in args.merge if not os.path.isfile(path)]
-    if missing:
-        fail(f"--merge: {missing[0]} not found")
-    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
-        fail(f"--output {args.output}: its directory does not exist; create it first")
-    return {"merge": [os.path.abspath(path) for path in args.merge], "output": args.output, "quiet": args.quiet,
-            "threads": args.threads, "compare_hidden": None}
-
-
-def check_sampling(args):
-    if args.temperature == 0 and (args.samples_per_prompt > 1 or args.draft_policy != "argmax"):
-        fail("--samples-per-prompt and --draft-policy sample need --temperature > 0: greedy decoding has one text "
-             "per prompt and argmax drafts")
-    if args.temperature == 0 and (args.top_p < 1 or args.top_k):
-        fail("--top-p and --top-k shape sampling; at --temperature 0 (greedy) they do nothing: give a temperature")
-    if args.draft_policy == "sample" and args.anchors == "walk":
-        fail("--anchors walk follows one walk; with --draft-policy sample every anchor can start a round: "
-             "use --anchors all")
-
-
-def version_tuple(text):
-    """(major, minor, patch) of a version string such as 4.57.1, 5.0.0rc1 or 4.58.0.dev0."""
-    numbers = re.match(r"(\d+)(?:\.(\d+))?(?:\.(\d+))?", text)
-    return tuple(int(x or 0) for x in numbers.groups()) if numbers else (0, 0, 0)
-
-
-def check_transformers():
-    """The installed transformers version, refused below the tested floor: older releases take other
-    loading arguments and cache semantics, and the numbers would be silently wrong."""
-    import transformers
-    if version_tuple(transformers.__version__) < version_tuple(MIN_TRANSFORMERS):
-        fail(f"transformers {transformers.__version__} is installed, but this tool needs >= {MIN_TRANSFORMERS} "
-             f"(the oldest version its tests run under): pip install -U 'transformers>={MIN_TRANSFORMERS}'")
-    return transformers.__version__
-
-
 # ----------------------------------------------------------------------------------------------------
-# Prompts
+# Prompts and saved references
 
 
-def read_prompts(path, limit=None):
-    """Parse the JSONL file into items {index, id, split, messages, completion | completion_ids}."""
-    items, lines_of, turns_of = [], {}, {}
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                fail(f"{path} line {lineno}: not valid UTF-8 (byte {e.start}); save the file as UTF-8")
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line.rstrip("\r\n"))   # so that columns count within the line
-            except json.JSONDecodeError as e:
-                what = re.sub(r"\s+at$", "", e.msg)   # json's "Invalid control character at" reads cut off
-                fail(f"{path} line {lineno}, column {e.colno}: not valid JSON ({what}); each line must be one JSON "
-                     "object")
-            if not isinstance(row, dict):
-                fail(f"{path} line {lineno}: expected a JSON object, got {type(row).__name__}")
-            turn = saved_turn(row)
-            if turn:   # one turn's reference, as --save-references writes it: joins the line of its conversation
-                row = {k: v for k, v in row.items() if k not in SAVED_REFERENCE_KEYS or k in ("sample", "sampling")}
-            item = parse_prompt_row(row, path, lineno)
-            # saved sampled references: one line per (id, sample, seed)
-            key = (item["id"], row.get("sample"), (row.get("sampling") or {}).get("seed"))
-            if turn:
-                join_turn(items, turns_of, key, item, turn, limit, f"{path} line {lineno}")
-                continue
-            if key in lines_of:
-                fail(f"{path} line {lineno}: id {item['id']!r} was already used on line {lines_of[key]}; "
-                     "ids must be unique")
-            lines_of[key] = lineno
-            items.append({**item, "index": len(items), "line": len(items)})
-            if limit and len(items) >= limit:
-                break
-    if not items:
-        fail(f"{path} holds no prompts")
-    return items
+# What a saved reference line adds to its prompt line (and what reading it back as a prompt line drops).
+SAVED_REFERENCE_KEYS = ("completion_ids", "reference_source", "server", "server_api", "finish_reason", "sample",
+                        "sampling", "turn", "max_new_tokens", "ignore_eos", "reference_generation", "device", "dtype")
 
 
 def saved_turn(row):
@@ -609,6 +779,16 @@ def join_turn(items, conversations, key, item, turn, limit, where):
     if first["turn_references"][number - 1] is not None or first["row"] != item["row"]:
         fail(f"{where}: turn {number} of id {item['id']!r} is given twice, or with another conversation")
     first["turn_references"][number - 1] = ids
+
+
+def chat_turn(turn, where):
+    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+             "system": "system", "bot": "assistant", "model": "assistant", "tool": "tool"}
+    role = turn.get("role", turn.get("from")) if isinstance(turn, dict) else None
+    content = turn.get("content", turn.get("value")) if isinstance(turn, dict) else None
+    if role not in roles or not isinstance(content, str):
+        fail(f"{where}: a chat turn needs a role/from ({', '.join(sorted(roles))}) and text")
+    return {"role": roles[role], "content": content}
 
 
 def parse_prompt_row(row, path, lineno):
@@ -650,6 +830,46 @@ def parse_prompt_row(row, path, lineno):
     if ids is not None and not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
         fail(f"{where}: \"completion_ids\" must be a list of integer token ids")
     return item
+
+
+def read_prompts(path, limit=None):
+    """Parse the JSONL file into items {index, id, split, messages, completion | completion_ids}."""
+    items, lines_of, turns_of = [], {}, {}
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                fail(f"{path} line {lineno}: not valid UTF-8 (byte {e.start}); save the file as UTF-8")
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line.rstrip("\r\n"))   # so that columns count within the line
+            except json.JSONDecodeError as e:
+                what = re.sub(r"\s+at$", "", e.msg)   # json's "Invalid control character at" reads cut off
+                fail(f"{path} line {lineno}, column {e.colno}: not valid JSON ({what}); each line must be one JSON "
+                     "object")
+            if not isinstance(row, dict):
+                fail(f"{path} line {lineno}: expected a JSON object, got {type(row).__name__}")
+            turn = saved_turn(row)
+            if turn:   # one turn's reference, as --save-references writes it: joins the line of its conversation
+                row = {k: v for k, v in row.items() if k not in SAVED_REFERENCE_KEYS or k in ("sample", "sampling")}
+            item = parse_prompt_row(row, path, lineno)
+            # saved sampled references: one line per (id, sample, seed)
+            key = (item["id"], row.get("sample"), (row.get("sampling") or {}).get("seed"))
+            if turn:
+                join_turn(items, turns_of, key, item, turn, limit, f"{path} line {lineno}")
+                continue
+            if key in lines_of:
+                fail(f"{path} line {lineno}: id {item['id']!r} was already used on line {lines_of[key]}; "
+                     "ids must be unique")
+            lines_of[key] = lineno
+            items.append({**item, "index": len(items), "line": len(items)})
+            if limit and len(items) >= limit:
+                break
+    if not items:
+        fail(f"{path} holds no prompts")
+    return items
 
 
 def expand(items, settings):
@@ -697,16 +917,6 @@ def conversation(it, by_index, tokenizer):
     return messages + [{"role": "user", "content": it["turns"][it["turn"] - 1]}]
 
 
-def chat_turn(turn, where):
-    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-             "system": "system", "bot": "assistant", "model": "assistant", "tool": "tool"}
-    role = turn.get("role", turn.get("from")) if isinstance(turn, dict) else None
-    content = turn.get("content", turn.get("value")) if isinstance(turn, dict) else None
-    if role not in roles or not isinstance(content, str):
-        fail(f"{where}: a chat turn needs a role/from ({', '.join(sorted(roles))}) and text")
-    return {"role": roles[role], "content": content}
-
-
 def encode_prompts(tokenizer, items, settings, noted=False):
     """Token ids of each prompt (chat template with generation prompt) and of its reference, if any. Returns what
     was done with the chat template (a note says when the tokenizer has none, unless `noted` already)."""
@@ -731,8 +941,58 @@ def encode_prompts(tokenizer, items, settings, noted=False):
     return "applied" if use_template else "off" if settings["no_chat_template"] else "none in the tokenizer: plain text"
 
 
+def prompt_line(row):
+    return {k: v for k, v in row.items() if k not in SAVED_REFERENCE_KEYS}
+
+
+def reference_origin(it, settings):
+    """What a reference depends on besides its prompt line: a saved one is reused only where all of it agrees
+    (a key missing from an older line agrees)."""
+    origin = {"reference_source": "server" if settings["server"] else "target", "max_new_tokens": it["room"],
+              "ignore_eos": settings["ignore_eos"], "sampling": sampling_record(settings)}
+    if not settings["server"]:   # the self-check holds this tool's own references to its numerics
+        origin.update(device=settings["device"].split(":")[0], dtype=settings["dtype"])
+    return origin
+
+
+def saved_references(settings):
+    """{(id, sample, turn): line} of the --save-references file, for reuse (a line cut short by a kill is
+    passed over)."""
+    path, saved = settings["save_references"], {}
+    if path and os.path.isfile(path):
+        for line in open(path, encoding="utf-8", errors="replace").read().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                row = json.loads(line)
+                if isinstance(row, dict) and isinstance(row.get("completion_ids"), list):
+                    saved[(row.get("id"), row.get("sample"), row.get("turn"))] = row
+    return saved
+
+
+def take_saved(it, saved, settings):
+    """Give `it` its reference from a saved line of the same prompt line, sample, turn and origin, if any."""
+    row = saved.get((it["id"], it.get("sample"), it.get("turn")))
+    if row is None or prompt_line(row) != {**prompt_line(it["row"]), "id": it["id"], "split": it["split"]} or \
+            any(row.get(k, v) != v for k, v in reference_origin(it, settings).items()):
+        return False
+    it.update(completion_ids=row["completion_ids"], source=row.get("reference_source", "server"),
+              finish_reason=row.get("finish_reason"))
+    return True
+
+
+def saved_line(it, settings, learned):
+    """A reference as --save-references keeps it: its prompt line, the reference and where it came from; it
+    reads back as a --prompts line (a turn's line joins the others of its conversation)."""
+    origin = {k: v for k, v in reference_origin(it, settings).items() if v is not None}
+    origin.update({"server": settings["server"], "server_api": settings["server_api"],
+                   "finish_reason": it.get("finish_reason")} if settings["server"] else
+                  {"reference_generation": learned.reference_generation})
+    return {**prompt_line(it["row"]), "id": it["id"], "split": it["split"],
+            **{k: it[k] for k in ("turn", "sample") if it.get(k) is not None},
+            "completion_ids": it["completion_ids"], **origin}
+
+
 # ----------------------------------------------------------------------------------------------------
-# Target
+# Target: loading, the teacher-forced pass, the sampling math, the decoding loops' steps
 
 
 def target_config(path):
@@ -769,30 +1029,6 @@ def read_target_config(path):
     return text
 
 
-def target_tensor_files(path):
-    """{tensor name: safetensors file} of a checkpoint directory, sharded (index) or not."""
-    from safetensors import safe_open
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        return {k: os.path.join(path, v) for k, v in index_weight_map(index).items()}
-    names = {}
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(path, name), "pt") as f:
-                names.update(dict.fromkeys(f.keys(), os.path.join(path, name)))
-    return names
-
-
-def target_tensors(files, names, device="cpu"):
-    """The named tensors of a checkpoint ({name: file}, as target_tensor_files gives), each file opened once."""
-    from safetensors import safe_open
-    out = {}
-    for file in sorted({files[n] for n in names}):
-        with safe_open(file, "pt", device=device) as f:
-            out.update({n: f.get_tensor(n) for n in names if files[n] == file})
-    return out
-
-
 def load_target(settings):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path, dtype = settings["target"], getattr(torch, settings["dtype"])
@@ -812,6 +1048,26 @@ def load_target(settings):
     if not placement:
         model.to(settings["device"])
     return model.eval(), tokenizer
+
+
+def target_rope(config, device):
+    """The target's own rotary embedding class on its text config (partial rotary, mrope sections and scaling as
+    transformers reads them); text positions are the same on every mrope axis, so it is a plain rotary there."""
+    import importlib
+    module = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
+    return getattr(module, type(config).__name__.replace("Config", "RotaryEmbedding"))(config).to(device)
+
+
+def read_embed_head(path, target_cfg, settings):
+    """The target's embedding matrix and lm_head read by name from its safetensors: the model is never built."""
+    files, dtype = target_tensor_files(path), getattr(torch, settings["dtype"])
+    embed = next((n for n in EMBED_NAMES if n in files), None)
+    if embed is None:
+        fail(f"no embed_tokens weight found in the safetensors of {path}")
+    got = {k: v.to(dtype) for k, v in target_tensors(files, {embed, "lm_head.weight"} & set(files),
+                                                       settings["device"]).items()}
+    head_w = got.get("lm_head.weight", got[embed])
+    return got[embed], (lambda x: F.linear(x, head_w))
 
 
 def eos_ids(model, tokenizer):
@@ -865,229 +1121,6 @@ def recurrent_states(cache):
             for i, state in (getattr(layer, "recurrent_states", None) or {}).items() if state is not None]
 
 
-def verify_pass(model, block, layers, cache, verdict):
-    """The target over a drafted block after `cache`, left holding the anchor and the accepted drafts only:
-    (features of the block, accepted, the target's next token). A full-attention cache just drops the
-    rejected tail. A hybrid's recurrent state has already absorbed the whole block, so it is put back as
-    it was before the block and the kept tokens run again: exact, one extra pass per rejected round."""
-    saved = [(layer, i, layer.recurrent_states[i].clone()) for layer, i in recurrent_states(cache)]
-    features, last, cache = target_pass(model, block, layers, cache)
-    accepted, bonus = verdict(last)
-    if not saved:
-        roll_back(cache, len(block) - 1 - accepted)
-    elif accepted == len(block) - 1:
-        cache.crop(0)    # nothing to drop; trims the recorded convolution inputs back to the kernel width
-    else:
-        for layer, i, state in saved:
-            layer.recurrent_states[i].copy_(state)
-        cache.crop(-len(block))
-        target_pass(model, block[:accepted + 1], [], cache)
-    return features, accepted, bonus
-
-
-# ----------------------------------------------------------------------------------------------------
-# References from a serving engine (SGLang, vLLM): token ids in, token ids out, never re-tokenized
-
-SERVER_BATCH = 8  # prompts per request
-
-
-# What a saved reference line adds to its prompt line (and what reading it back as a prompt line drops).
-SAVED_REFERENCE_KEYS = ("completion_ids", "reference_source", "server", "server_api", "finish_reason", "sample",
-                        "sampling", "turn", "max_new_tokens", "ignore_eos", "reference_generation", "device", "dtype")
-
-
-def sampling_record(settings):
-    """What a saved sampled reference records of its settings (None when greedy)."""
-    sampling = sampling_of(settings)
-    return None if not sampling else dict(zip(("temperature", "top_p", "top_k"), sampling), seed=settings["seed"])
-
-
-def reference_origin(it, settings):
-    """What a reference depends on besides its prompt line: a saved one is reused only where all of it agrees
-    (a key missing from an older line agrees)."""
-    origin = {"reference_source": "server" if settings["server"] else "target", "max_new_tokens": it["room"],
-              "ignore_eos": settings["ignore_eos"], "sampling": sampling_record(settings)}
-    if not settings["server"]:   # the self-check holds this tool's own references to its numerics
-        origin.update(device=settings["device"].split(":")[0], dtype=settings["dtype"])
-    return origin
-
-
-def saved_references(settings):
-    """{(id, sample, turn): line} of the --save-references file, for reuse (a line cut short by a kill is
-    passed over)."""
-    path, saved = settings["save_references"], {}
-    if path and os.path.isfile(path):
-        for line in open(path, encoding="utf-8", errors="replace").read().splitlines():
-            with contextlib.suppress(json.JSONDecodeError):
-                row = json.loads(line)
-                if isinstance(row, dict) and isinstance(row.get("completion_ids"), list):
-                    saved[(row.get("id"), row.get("sample"), row.get("turn"))] = row
-    return saved
-
-
-def take_saved(it, saved, settings):
-    """Give `it` its reference from a saved line of the same prompt line, sample, turn and origin, if any."""
-    row = saved.get((it["id"], it.get("sample"), it.get("turn")))
-    if row is None or prompt_line(row) != {**prompt_line(it["row"]), "id": it["id"], "split": it["split"]} or \
-            any(row.get(k, v) != v for k, v in reference_origin(it, settings).items()):
-        return False
-    it.update(completion_ids=row["completion_ids"], source=row.get("reference_source", "server"),
-              finish_reason=row.get("finish_reason"))
-    return True
-
-
-def prompt_line(row):
-    return {k: v for k, v in row.items() if k not in SAVED_REFERENCE_KEYS}
-
-
-def saved_line(it, settings, learned):
-    """A reference as --save-references keeps it: its prompt line, the reference and where it came from; it
-    reads back as a --prompts line (a turn's line joins the others of its conversation)."""
-    origin = {k: v for k, v in reference_origin(it, settings).items() if v is not None}
-    origin.update({"server": settings["server"], "server_api": settings["server_api"],
-                   "finish_reason": it.get("finish_reason")} if settings["server"] else
-                  {"reference_generation": learned.reference_generation})
-    return {**prompt_line(it["row"]), "id": it["id"], "split": it["split"],
-            **{k: it[k] for k in ("turn", "sample") if it.get(k) is not None},
-            "completion_ids": it["completion_ids"], **origin}
-
-
-def fetch_references(items, settings, learned, keep):
-    """References for `items` from --server (greedy, or sampled at the run's settings), each handed to
-    keep(item) as it arrives."""
-    from concurrent.futures import ThreadPoolExecutor, as_completed
-    by_room = {}
-    for it in items:  # one max_new_tokens (and one sample index: one seed) per request
-        by_room.setdefault((it["room"], it.get("sample")), []).append(it)
-    batches = [group[i:i + SERVER_BATCH] for group in by_room.values() for i in range(0, len(group), SERVER_BATCH)]
-    error = None
-    with ThreadPoolExecutor(settings["server_concurrency"]) as pool, progress(settings, len(items), "server") as bar:
-        futures = {pool.submit(server_batch, batch, settings, learned): batch for batch in batches}
-        for future in as_completed(futures):
-            try:
-                replies = future.result()
-            except UsageError as e:  # keep the batches that did answer, then report the first fault
-                error = error or e
-                continue
-            for it, (ids, finish) in zip(futures[future], replies):
-                it.update(completion_ids=ids, source="server", finish_reason=finish)
-                keep(it)
-            bar.update(len(futures[future]))
-    if error:
-        raise error
-
-
-def server_batch(batch, settings, learned):
-    """One request for a batch of prompts: [(completion ids, finish reason)] in the batch's order."""
-    api, url = settings["server_api"], settings["server"].rstrip("/")
-    room = min(it["room"] for it in batch)
-    # Every knob explicit: engines fill in the model's generation_config defaults otherwise.
-    neutral = {"temperature": 0, "repetition_penalty": 1.0, "frequency_penalty": 0, "presence_penalty": 0}
-    sampling = sampling_of(settings)
-    if sampling:
-        neutral.update(temperature=sampling[0], top_p=sampling[1], top_k=sampling[2] or -1, min_p=0.0)
-    what = "prompt " + ", ".join(it["id"] for it in batch[:3]) + (" ..." if len(batch) > 3 else "")
-    longest = max(batch, key=lambda it: len(it["prompt_ids"]))
-    if api == "sglang":
-        params = {**neutral, "max_new_tokens": room, "ignore_eos": settings["ignore_eos"]}
-        body = {"input_ids": [it["prompt_ids"] for it in batch],
-                "sampling_params": [{**params, "sampling_seed": sample_seed(settings, it["id"], it["sample"]) % 2**31}
-                                    for it in batch] if sampling else params}
-        reply = post_json(url + "/generate", body, settings, longest, what)
-        entries = reply if isinstance(reply, list) else [reply]
-    else:
-        body = {"model": settings["server_model"], "prompt": [it["prompt_ids"] for it in batch], "max_tokens": room,
-                "ignore_eos": settings["ignore_eos"], "skip_special_tokens": False, **neutral,
-                **({"seed": sample_seed(settings, "request", batch[0]["sample"]) % 2**31} if sampling else {})}
-        if learned.server_ids == "logprobs":
-            body.update(logprobs=0, return_tokens_as_token_ids=True)
-        else:
-            body["return_token_ids"] = True
-        reply = post_json(url + "/v1/completions", body, settings, longest, what)
-        entries = reply.get("choices") if isinstance(reply, dict) else None
-        if not (isinstance(entries, list) and all(isinstance(c, dict) for c in entries)):
-            fail(f"{what}: the server's reply has no list of choices")
-        entries = sorted(entries, key=lambda c: c.get("index", 0))
-        if entries and learned.server_ids != "logprobs" and "token_ids" not in entries[0]:
-            learned.server_ids = "logprobs"  # older vLLM: ids only as "token_id:N" strings in logprobs
-            return server_batch(batch, settings, learned)
-    if len(entries) != len(batch):
-        fail(f"{what}: the server answered for {len(entries)} prompts, {len(batch)} were sent")
-    return [reply_ids(entry, api, what) for entry in entries]
-
-
-def reply_ids(entry, api, what):
-    if not isinstance(entry, dict):
-        fail(f"{what}: the server's reply holds {type(entry).__name__} where an object per prompt belongs")
-    if api == "sglang":
-        ids = entry.get("output_ids", entry.get("token_ids"))
-        meta = entry.get("meta_info") or {}
-        finish, n = meta.get("finish_reason"), meta.get("completion_tokens")
-        if isinstance(ids, list) and isinstance(n, int) and len(ids) > n:
-            ids = ids[len(ids) - n:]  # some builds echo the prompt ids first
-        finish = finish.get("type") if isinstance(finish, dict) else finish
-    else:
-        ids, finish = entry.get("token_ids"), entry.get("finish_reason")
-        if ids is None:
-            tokens = (entry.get("logprobs") or {}).get("tokens")
-            if isinstance(tokens, list) and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
-                ids = [int(t.split(":", 1)[1]) for t in tokens]
-    if not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
-        fail(f"{what}: the server's reply has no token ids (expected "
-             f"{'output_ids or token_ids' if api == 'sglang' else 'choices[].token_ids or token_id:N logprobs'})")
-    return ids, finish
-
-
-def post_json(url, body, settings, longest, what):
-    """POST with retries (5xx, timeouts, resets; exponential backoff); any other failure is one clear error."""
-    import http.client
-    import socket
-    import urllib.error
-    import urllib.request
-    data = json.dumps(body).encode()
-    retries = settings["server_retries"]
-    for attempt in range(retries + 1):
-        last = attempt == retries
-        try:
-            request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=settings["server_timeout"]) as response:
-                text = response.read()
-            try:
-                return json.loads(text)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                fail(f"{what}: the server at {url} answered with malformed JSON: {text[:100]!r}")
-        except urllib.error.HTTPError as e:
-            words = server_words(e)
-            if e.code >= 500 and not last:
-                time.sleep(0.5 * 2 ** attempt)
-                continue
-            if e.code == 400 and ("context" in words.lower() or "too long" in words.lower()):
-                fail(f"prompt {longest['id']} ({len(longest['prompt_ids'])} prompt tokens, the longest in its request) "
-                     f"does not fit the server's context: {words}")
-            fail(f"{what}: the server at {url} answered HTTP {e.code}: {words}")
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-            reason = getattr(e, "reason", e)
-            if isinstance(reason, ConnectionRefusedError):
-                fail(f"cannot reach the server at {url}: connection refused (is it running, and is --server right?)")
-            if not last:
-                time.sleep(0.5 * 2 ** attempt)
-                continue
-            kind = "timed out" if isinstance(reason, (TimeoutError, socket.timeout)) else f"failed ({reason})"
-            fail(f"{what}: the request to {url} {kind} after {retries + 1} tries")
-
-
-def server_words(error):
-    """The server's own message from an HTTP error body: error.message, message, detail, or the text."""
-    text = error.read().decode("utf-8", "replace")
-    with contextlib.suppress(json.JSONDecodeError, AttributeError):
-        body = json.loads(text)
-        words = body.get("error") or body.get("message") or body.get("detail")
-        words = words.get("message") if isinstance(words, dict) else words
-        if isinstance(words, str) and words:
-            return words
-    return text.strip()[:300] or str(error.reason)
-
-
 def target_parts(model):
     """(decoder, its layers, embedding, head). Under --device-map the head may sit on another GPU than the
     embedding, where the drafters and every tensor of this tool live: the head returned then takes rows
@@ -1135,48 +1168,7 @@ def check_finite(features, prompt_id):
                  "extraction: try --dtype float32)")
 
 
-@torch.inference_mode()
-def extract_hidden(model, ids, layer_ids, n_prompt, sampling=None):
-    """One teacher-forced pass: features of `layer_ids`, the target's argmax per completion token, where the
-    argmax is not the reference's token how far the reference's logit lies below the top one ({completion
-    position: logit gap}; a gap near 0 is a near-tie that numerics can flip), and with `sampling` the
-    probability of each reference token under the target's sampling distribution (float64)."""
-    head = model_logits(model) if sampling else target_parts(model)[3]
-    features, last, _ = target_pass(model, ids, layer_ids)
-    last = last[n_prompt - 1:len(ids) - 1]
-    reference = torch.tensor(ids[n_prompt:], device=last.device)
-    argmax, gaps, p = [], {}, []
-    for lo in range(0, last.shape[0], LOGIT_ROWS_PER_CHUNK):
-        logits = head(last[lo:lo + LOGIT_ROWS_PER_CHUNK]).float()
-        best, ref = logits.max(-1), reference[lo:lo + logits.shape[0]]
-        for k in (best.indices != ref).nonzero()[:, 0].tolist():
-            gaps[lo + k] = float(best.values[k] - logits[k, ref[k]])
-        argmax += best.indices.tolist()
-        if sampling:
-            p.append(sampled_prob(logits, ref, sampling).cpu())
-    return Extraction(features, argmax, gaps, torch.cat(p) if p else None)
-
-
-@dataclass
-class Extraction:
-    """What one teacher-forced target pass gives the drafters' evaluation."""
-    features: dict          # {layer id: (T, H)}
-    argmax: list            # the target's argmax after each completion prefix
-    gaps: dict              # {completion position: logit gap} where the argmax is not the reference's token
-    p: torch.Tensor = None  # sampled decoding: each reference token's probability under the target's sampling
-
-
-# ----------------------------------------------------------------------------------------------------
-# Sampled decoding, target side: the processed distribution, sampled references
-
-
-def describe_sampling(sampling):
-    return "greedy decoding" if not sampling else "temperature {}, top-p {}, top-k {}".format(*sampling)
-
-
-def sampling_of(settings):
-    """The sampling settings (temperature, top_p, top_k), or None for greedy decoding."""
-    return (settings["temperature"], settings["top_p"], settings["top_k"]) if settings["temperature"] > 0 else None
+TOP_P_PREFIXES = (64, 1024)   # top-p reads a row's leading sorted mass from its top tokens; a sort past them
 
 
 def sampling_probs(logits, sampling):
@@ -1196,7 +1188,12 @@ def sampling_probs(logits, sampling):
     return probs
 
 
-TOP_P_PREFIXES = (64, 1024)   # top-p reads a row's leading sorted mass from its top tokens; a sort past them
+def nucleus(ordered, ids, tokens, top_p):
+    """Rows of probabilities sorted high to low (`ids` their tokens; a prefix does when its mass reaches
+    top_p): each token's probability after the top-p cut, over the mass kept; 0 when cut or absent."""
+    keep = ordered.cumsum(-1) - ordered < top_p
+    hit = (ids == tokens[:, None]) & keep
+    return torch.where(hit.any(-1), (ordered * hit).sum(-1) / (ordered * keep).sum(-1), 0.0)
 
 
 def sampled_prob(logits, tokens, sampling):
@@ -1221,14 +1218,6 @@ def sampled_prob(logits, tokens, sampling):
     ordered, order = probs[rows].sort(dim=-1, descending=True)
     p[rows] = nucleus(ordered, order, tokens[rows], top_p)
     return p.double()
-
-
-def nucleus(ordered, ids, tokens, top_p):
-    """Rows of probabilities sorted high to low (`ids` their tokens; a prefix does when its mass reaches
-    top_p): each token's probability after the top-p cut, over the mass kept; 0 when cut or absent."""
-    keep = ordered.cumsum(-1) - ordered < top_p
-    hit = (ids == tokens[:, None]) & keep
-    return torch.where(hit.any(-1), (ordered * hit).sum(-1) / (ordered * keep).sum(-1), 0.0)
 
 
 def model_logits(model):
@@ -1261,6 +1250,37 @@ def model_logits(model):
              "distribution; evaluate it at --temperature 0")
     model._eval_drafter_logits = logits
     return logits
+
+
+@dataclass
+class Extraction:
+    """What one teacher-forced target pass gives the drafters' evaluation."""
+    features: dict          # {layer id: (T, H)}
+    argmax: list            # the target's argmax after each completion prefix
+    gaps: dict              # {completion position: logit gap} where the argmax is not the reference's token
+    p: torch.Tensor = None  # sampled decoding: each reference token's probability under the target's sampling
+
+
+@torch.inference_mode()
+def extract_hidden(model, ids, layer_ids, n_prompt, sampling=None):
+    """One teacher-forced pass: features of `layer_ids`, the target's argmax per completion token, where the
+    argmax is not the reference's token how far the reference's logit lies below the top one ({completion
+    position: logit gap}; a gap near 0 is a near-tie that numerics can flip), and with `sampling` the
+    probability of each reference token under the target's sampling distribution (float64)."""
+    head = model_logits(model) if sampling else target_parts(model)[3]
+    features, last, _ = target_pass(model, ids, layer_ids)
+    last = last[n_prompt - 1:len(ids) - 1]
+    reference = torch.tensor(ids[n_prompt:], device=last.device)
+    argmax, gaps, p = [], {}, []
+    for lo in range(0, last.shape[0], LOGIT_ROWS_PER_CHUNK):
+        logits = head(last[lo:lo + LOGIT_ROWS_PER_CHUNK]).float()
+        best, ref = logits.max(-1), reference[lo:lo + logits.shape[0]]
+        for k in (best.indices != ref).nonzero()[:, 0].tolist():
+            gaps[lo + k] = float(best.values[k] - logits[k, ref[k]])
+        argmax += best.indices.tolist()
+        if sampling:
+            p.append(sampled_prob(logits, ref, sampling).cpu())
+    return Extraction(features, argmax, gaps, torch.cat(p) if p else None)
 
 
 def sample_seed(settings, prompt_id, sample):
@@ -1314,46 +1334,28 @@ def verify(block, logits, sampling, generator):
     return len(block) - 1, int(torch.multinomial(probs[-1], 1, generator=generator))
 
 
-@torch.inference_mode()
-def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, prompt_id=None, sampling=None,
-                         generator=None):
-    """Decoding sped up by a drafter: draft a block, verify it in one cached target pass, keep the accepted
-    drafts and the target's own next token, roll the KV cache back. The target decides every token, so the
-    output is plain decoding's: greedy token for token, sampled in distribution; it needs a cache that can
-    roll back."""
-    _, _, embed, head = target_parts(model)
-    logits_of = model_logits(model) if sampling else head   # the drafter reads the head alone
-    layers = drafter.layers
-    features, last, cache = target_pass(model, prompt_ids, layers, rewindable_cache(model))
-    check_finite(features, prompt_id)
-    if is_hybrid(model.config):
-        cache.activate_past_recording()   # after the prompt: recording it would keep every convolution input
-    # The drafter's context K/V grow with the accepted tokens only: re-projecting the whole context every
-    # round would make a generation quadratic in its length.
-    context_kv = prompt_context(drafter, features)
-    tokens = [next_token(logits_of(last[-1:]), sampling, generator)]
-    while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
-        ids = prompt_ids + tokens
-        anchor = len(ids) - 1   # its hidden state is not context: the cache holds positions < anchor
-        drafts, _ = draft_all_anchors(drafter, context_kv, torch.tensor([anchor], device=model.device),
-                                      torch.tensor([ids[anchor]], device=model.device), embed.weight, head, 0,
-                                      prompt_id)
-        block = [ids[anchor]] + drafts[0].tolist()
-        new_feats, accepted, bonus = verify_pass(
-            model, block, layers, cache, lambda last: verify(block, logits_of(last), sampling, generator))
-        check_finite(new_feats, prompt_id)
-        new_kv = drafter_context(drafter, torch.cat([new_feats[L][:accepted + 1] for L in layers], dim=-1), anchor)
-        context_kv = [(torch.cat([k, k_new], 1), torch.cat([v, v_new], 1))
-                      for (k, v), (k_new, v_new) in zip(context_kv, new_kv)]
-        for token in block[1:accepted + 1] + [bonus]:
-            tokens.append(token)
-            if len(tokens) >= max_new_tokens or token in stop_ids:
-                break
-    return tokens
+def verify_pass(model, block, layers, cache, verdict):
+    """The target over a drafted block after `cache`, left holding the anchor and the accepted drafts only:
+    (features of the block, accepted, the target's next token). A full-attention cache just drops the
+    rejected tail. A hybrid's recurrent state has already absorbed the whole block, so it is put back as
+    it was before the block and the kept tokens run again: exact, one extra pass per rejected round."""
+    saved = [(layer, i, layer.recurrent_states[i].clone()) for layer, i in recurrent_states(cache)]
+    features, last, cache = target_pass(model, block, layers, cache)
+    accepted, bonus = verdict(last)
+    if not saved:
+        roll_back(cache, len(block) - 1 - accepted)
+    elif accepted == len(block) - 1:
+        cache.crop(0)    # nothing to drop; trims the recorded convolution inputs back to the kernel width
+    else:
+        for layer, i, state in saved:
+            layer.recurrent_states[i].copy_(state)
+        cache.crop(-len(block))
+        target_pass(model, block[:accepted + 1], [], cache)
+    return features, accepted, bonus
 
 
 # ----------------------------------------------------------------------------------------------------
-# Drafter: loading and checking
+# Drafter backbone: checkpoints read, the shared checks, the block pass with SDPA and an explicit context-plus-block mask
 
 
 GENERIC_CKPT_NAMES = {"drafter", "draft", "dflash", "ckpt", "checkpoint", "model", "final", "latest", "best",
@@ -1375,6 +1377,10 @@ def split_ckpt_spec(spec):
 # A step number in a checkpoint's name: SpecForge's <run>-step400, HF Trainer's checkpoint-400, step_400.pt, ...
 STEP_NAME = re.compile(r"(?:^|[^a-z])(?:step|checkpoint|ckpt|iter)[-_]?(\d+)", re.IGNORECASE)
 
+CHECKPOINT_FILES = (".safetensors", ".pt", ".pth", ".bin")
+
+TRAINING_STATE = "training_state.pt"   # SpecForge: <run>-step<N>/training_state.pt, weights under draft_state_dict
+
 
 def run_steps(path):
     """{step: checkpoint path} of a training run's directory: the entries whose name carries a step number
@@ -1393,9 +1399,6 @@ def run_steps(path):
                  f"and {entry}; give the one you mean to --ckpt")
         steps[int(match.group(1))] = full
     return steps or None
-
-
-CHECKPOINT_FILES = (".safetensors", ".pt", ".pth", ".bin")
 
 
 def checkpoint_specs(settings):
@@ -1425,18 +1428,9 @@ def checkpoint_specs(settings):
     return specs
 
 
-def default_layer_ids(num_target_layers, k):
-    """The public rule when a config has no target_layer_ids: k ids evenly spaced over 1..N-3."""
-    if k == 1:
-        return [num_target_layers // 2]
-    return [int(round(1 + i * (num_target_layers - 4) / (k - 1))) for i in range(k)]
-
-
 STATE_DICT_NESTS = ("draft_state_dict", "state_dict", "model", "module", "draft_model")   # tried in this order
+
 KEY_PREFIXES = ("module.", "_orig_mod.", "draft_model.", "model.")    # stripped only when every key has it
-
-
-TRAINING_STATE = "training_state.pt"   # SpecForge: <run>-step<N>/training_state.pt, weights under draft_state_dict
 
 
 def read_checkpoint(path, name):
@@ -1475,35 +1469,6 @@ def read_checkpoint(path, name):
     return (read_json(config) if os.path.isfile(config) else None), state
 
 
-def read_json(path):
-    """A JSON object from a file, or one clear error."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        fail(f"cannot read {path} as JSON: {e}")
-    if not isinstance(value, dict):
-        fail(f"{path} holds a JSON {type(value).__name__}, not the object expected")
-    return value
-
-
-def index_weight_map(path):
-    weight_map = read_json(path).get("weight_map")
-    if not isinstance(weight_map, dict):
-        fail(f"{path} has no weight_map: not a safetensors index")
-    return weight_map
-
-
-def load_safetensors(path):
-    from safetensors.torch import load_file
-    if not os.path.isfile(path):
-        fail(f"{path} is missing: the checkpoint's index names it")
-    try:
-        return load_file(path)
-    except Exception as e:  # noqa: BLE001 - SafetensorError and OSError: the file is damaged either way
-        fail(f"{path} is not a readable safetensors file ({str(e).splitlines()[0]})")
-
-
 def unwrap_state_dict(state, name, settings):
     """Reach the public key layout: unnest training wrappers, strip DDP/compile/wrapper prefixes."""
     rules = []
@@ -1533,57 +1498,6 @@ def trained_values(raw):
     if not (isinstance(raw, dict) and "draft_state_dict" in raw):
         return {}
     return {k[len("dflash_"):]: v for k, v in raw.items() if k.startswith("dflash_") and not isinstance(v, torch.Tensor)}
-
-
-def infer_config(state, target_cfg, settings, name, trained=None):
-    """A drafter config from the tensor shapes, flags, a training state's values and the target's config,
-    saying what came from where."""
-    trained = trained or {}
-    needed = ["fc.weight"] + [f"layers.0.{k}.weight" for k in ("self_attn.q_norm", "self_attn.q_proj",
-                                                                 "self_attn.k_proj", "mlp.gate_proj")]
-    missing = [k for k in needed if k not in state]
-    if missing:
-        fail(f"drafter {name}: no config.json and the tensors are not a DFlash drafter's (missing "
-             f"{', '.join(missing)}); pass --drafter-config FILE")
-    hidden = state["fc.weight"].shape[0]
-    head_dim = settings["head_dim"] or state["layers.0.self_attn.q_norm.weight"].shape[0]
-    q_width, kv_width = (state[f"layers.0.self_attn.{p}.weight"].shape[0] for p in ("q_proj", "k_proj"))
-    heads = settings["num_heads"] or q_width // head_dim
-    kv_heads = settings["num_kv_heads"] or kv_width // head_dim
-    if heads * head_dim != q_width or kv_heads * head_dim != kv_width:
-        fail(f"drafter {name}: q/k widths {q_width}/{kv_width} do not fit {heads}/{kv_heads} heads of {head_dim}; "
-             "check --head-dim, --num-heads and --num-kv-heads")
-    mask_id, block = settings["mask_token_id"], settings["block_size"]
-    mask_from = "--mask-token-id" if mask_id is not None else "the training state"
-    mask_id = trained.get("mask_token_id") if mask_id is None else mask_id
-    block_from = "--block-size" if block else "the training state" if trained.get("block_size") else "default"
-    block = block or trained.get("block_size") or 16
-    if mask_id is None:
-        fail(f"drafter {name}: no config.json, so the mask token id is unknown; pass --mask-token-id "
-             "(or --drafter-config FILE)")
-    rope_theta = getattr(target_cfg, "rope_theta", None) or \
-        (getattr(target_cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-    cfg = {"hidden_size": hidden, "intermediate_size": state["layers.0.mlp.gate_proj.weight"].shape[0],
-           "num_hidden_layers": 1 + max(int(k.split(".")[1]) for k in state if k.startswith("layers.")),
-           "head_dim": head_dim, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-           "attention_bias": "layers.0.self_attn.q_proj.bias" in state,
-           "rms_norm_eps": getattr(target_cfg, "rms_norm_eps", 1e-6), "rope_theta": rope_theta,
-           "max_position_embeddings": target_cfg.max_position_embeddings,
-           "block_size": int(block), "dflash_config": {"mask_token_id": int(mask_id)}}
-    if trained.get("target_layer_ids") is not None:
-        cfg["dflash_config"]["target_layer_ids"] = [int(i) for i in trained["target_layer_ids"]]
-    for line in (f"hidden {hidden}, {cfg['num_hidden_layers']} layers, intermediate {cfg['intermediate_size']}, "
-                 f"head_dim {head_dim}, heads {heads}/{kv_heads} kv, attention bias {cfg['attention_bias']} "
-                 "(from the tensor shapes and flags)",
-                 f"rms_norm_eps {cfg['rms_norm_eps']}, rope_theta {rope_theta} without scaling, max positions "
-                 f"{cfg['max_position_embeddings']} (from the target config; a drafter trained with YaRN needs "
-                 "--drafter-config)",
-                 f"block size {cfg['block_size']} ({block_from}), mask token id {mask_id} ({mask_from})"
-                 + (f", target layer ids {cfg['dflash_config']['target_layer_ids']} (the training state)"
-                    if "target_layer_ids" in cfg["dflash_config"] else "")
-                 + ", all layers full attention (no sliding windows without a config)"):
-        log(settings, f"drafter {name}: inferred {line}")
-    return cfg
 
 
 @dataclass
@@ -1624,167 +1538,142 @@ def dflash_value(cfg, name, default=None):
     return default if value is None else value
 
 
-NATIVE_NAMES = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
-NATIVE_DEFAULTS = {"rms_norm_eps": 1e-5, "sliding_window": 2048, "rope_theta": 500000.0}   # its config class's
-SELECTOR = "candidate_selector."
+def default_layer_ids(num_target_layers, k):
+    """The public rule when a config has no target_layer_ids: k ids evenly spaced over 1..N-3."""
+    if k == 1:
+        return [num_target_layers // 2]
+    return [int(round(1 + i * (num_target_layers - 4) / (k - 1))) for i in range(k)]
 
 
-def recognize(cfg, state, name):
-    """(generation, layout, config, state): the config under the public DFlash keys, the state under the public
-    names. The transformers-native assistant names the context projection encoder.*; speculators nests the
-    drafter's own config and keeps the DFlash keys at the top level; DFlash 2 adds conv and selector tensors, and
-    its codebooks are bare tensors (a `.weight` suffix, as torch would save an nn.Embedding, is dropped). DSpark
-    and Domino name themselves in architectures or dflash_config.projector_type; SpecForge's older DSpark states
-    keep their heads under logit_head.*."""
-    if (cfg or {}).get("speculators_model_type") == "eagle3" or any(
-            "Eagle3" in a for a in (cfg or {}).get("architectures") or []) or any(k.startswith("midlayer.") for k in state):
-        layout = "speculators" if "speculators_model_type" in (cfg or {}) else "SpecForge"
-        return "EAGLE-3", layout, eagle3_config(cfg or {}, name, layout), \
-            {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()}
-    native = (cfg or {}).get("model_type") == "muse_glimmer_assistant" or "encoder.fc.weight" in state
-    layout = "speculators" if "speculators_model_type" in (cfg or {}) else \
-        "transformers-native assistant" if native else "public"
-    if layout == "speculators":
-        cfg = speculators_config(cfg, name)
-    if native:
-        state = {NATIVE_NAMES.get(k, k): v for k, v in state.items()}
-    state = {(k[:-len(".weight")] if k.startswith(SELECTOR) and k.endswith("_codebook.weight") else k): v
-             for k, v in state.items()}
-    state = {(k[len("logit_head."):] if k.startswith("logit_head.") else k): v for k, v in state.items()}
-    family = next((f for f in ("DSpark", "Domino") for a in (cfg or {}).get("architectures") or [] if f in a), None) \
-        or {"dspark": "DSpark", "domino": "Domino"}.get(str(dflash_value(cfg or {}, "projector_type"))) \
-        or ("DSpark" if "markov_head.markov_w1.weight" in state else "Domino" if "prefix_gru.weight_ih_l0" in state
-            else None)
-    dflash2 = "DFlash2DraftModel" in ((cfg or {}).get("architectures") or []) or \
-        any(k.startswith(SELECTOR) or "_conv." in k for k in state)
-    return family or ("DFlash 2" if dflash2 else "DFlash"), layout, cfg, state
-
-
-# speculators 0.9.0 (the layout vLLM loads): the keys of its DFlash and DFlash 2 configs, and their defaults
-SPECULATORS_KEYS = {"speculators_model_type", "architectures", "transformer_layer_config", "draft_vocab_size",
-                    "block_size", "target_hidden_size", "aux_hidden_state_layer_ids", "mask_token_id",
-                    "sliding_window_non_causal", "sample_from_anchor", "speculators_version", "speculators_config",
-                    "transformers_version", "dtype", "torch_dtype", "tie_word_embeddings", "auto_map", "_name_or_path",
-                    "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "markov_rank",
-                    "markov_head_type", "enable_confidence_head", "confidence_head_with_markov"}
-FAMILY_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "markov_rank",
-               "markov_head_type")
-
-
-def speculators_config(cfg, name):
-    """A speculators DFlash / DFlash 2 / DSpark config under the public keys: its transformer_layer_config, block
-    size and mask token, and its aux_hidden_state_layer_ids (indices into transformers' hidden_states: index L + 1
-    is the output of layer L) as layer ids. What the tool cannot map is refused, naming the key. A DSpark
-    config's sample_from_anchor defaults to true, as speculators' own config class has it."""
-    kind, layer = cfg.get("speculators_model_type"), cfg.get("transformer_layer_config")
-    where = f"drafter {name}: its speculators config"
-    if kind not in ("dflash", "dflash2", "dspark"):
-        fail(f"{where} says speculators_model_type {kind!r}; this tool evaluates dflash, dflash2 and dspark")
-    unknown = sorted(set(cfg) - SPECULATORS_KEYS)
-    if unknown:
-        fail(f"{where} has the key {unknown[0]!r}, which this tool cannot map (speculators 0.9.0 has no such key)")
-    if not isinstance(layer, dict):
-        fail(f"{where} has no transformer_layer_config (the drafter's own layers: hidden size, heads, ...)")
-    aux = cfg.get("aux_hidden_state_layer_ids")
-    if not (isinstance(aux, list) and aux and all(isinstance(i, int) and i > 0 for i in aux)):
-        fail(f"{where} has aux_hidden_state_layer_ids {aux!r}: they must be indices >= 1 into the target's "
-             "hidden_states (0, the embedding output, is not captured by this tool)")
-    for key in ("block_size", "mask_token_id"):
-        if cfg.get(key) is None:
-            fail(f"{where} has no {key}")
-    return {**layer, "architectures": cfg.get("architectures"), "block_size": cfg["block_size"],
-            "target_hidden_size": cfg.get("target_hidden_size"),
-            "dflash_config": {"mask_token_id": cfg["mask_token_id"], "target_layer_ids": [i - 1 for i in aux],
-                              **{k: cfg[k] for k in FAMILY_KEYS if k in cfg}},
-            "speculators": {"aux_hidden_state_layer_ids": aux, "draft_vocab_size": cfg.get("draft_vocab_size"),
-                            "sample_from_anchor": bool(cfg.get("sample_from_anchor", kind == "dspark")),
-                            "sliding_window_non_causal": bool(cfg.get("sliding_window_non_causal", kind == "dflash2"))}}
+def infer_config(state, target_cfg, settings, name, trained=None):
+    """A drafter config from the tensor shapes, flags, a training state's values and the target's config,
+    saying what came from where."""
+    trained = trained or {}
+    needed = ["fc.weight"] + [f"layers.0.{k}.weight" for k in ("self_attn.q_norm", "self_attn.q_proj",
+                                                                 "self_attn.k_proj", "mlp.gate_proj")]
+    missing = [k for k in needed if k not in state]
+    if missing:
+        fail(f"drafter {name}: no config.json and the tensors are not a DFlash drafter's (missing "
+             f"{', '.join(missing)}); pass --drafter-config FILE")
+    hidden = state["fc.weight"].shape[0]
+    head_dim = settings["head_dim"] or state["layers.0.self_attn.q_norm.weight"].shape[0]
+    q_width, kv_width = (state[f"layers.0.self_attn.{p}.weight"].shape[0] for p in ("q_proj", "k_proj"))
+    n_heads = settings["num_heads"] or q_width // head_dim
+    kv_heads = settings["num_kv_heads"] or kv_width // head_dim
+    if n_heads * head_dim != q_width or kv_heads * head_dim != kv_width:
+        fail(f"drafter {name}: q/k widths {q_width}/{kv_width} do not fit {n_heads}/{kv_heads} heads of {head_dim}; "
+             "check --head-dim, --num-heads and --num-kv-heads")
+    mask_id, block = settings["mask_token_id"], settings["block_size"]
+    mask_from = "--mask-token-id" if mask_id is not None else "the training state"
+    mask_id = trained.get("mask_token_id") if mask_id is None else mask_id
+    block_from = "--block-size" if block else "the training state" if trained.get("block_size") else "default"
+    block = block or trained.get("block_size") or 16
+    if mask_id is None:
+        fail(f"drafter {name}: no config.json, so the mask token id is unknown; pass --mask-token-id "
+             "(or --drafter-config FILE)")
+    rope_theta = getattr(target_cfg, "rope_theta", None) or \
+        (getattr(target_cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    cfg = {"hidden_size": hidden, "intermediate_size": state["layers.0.mlp.gate_proj.weight"].shape[0],
+           "num_hidden_layers": 1 + max(int(k.split(".")[1]) for k in state if k.startswith("layers.")),
+           "head_dim": head_dim, "num_attention_heads": n_heads, "num_key_value_heads": kv_heads,
+           "attention_bias": "layers.0.self_attn.q_proj.bias" in state,
+           "rms_norm_eps": getattr(target_cfg, "rms_norm_eps", 1e-6), "rope_theta": rope_theta,
+           "max_position_embeddings": target_cfg.max_position_embeddings,
+           "block_size": int(block), "dflash_config": {"mask_token_id": int(mask_id)}}
+    if trained.get("target_layer_ids") is not None:
+        cfg["dflash_config"]["target_layer_ids"] = [int(i) for i in trained["target_layer_ids"]]
+    for line in (f"hidden {hidden}, {cfg['num_hidden_layers']} layers, intermediate {cfg['intermediate_size']}, "
+                 f"head_dim {head_dim}, heads {n_heads}/{kv_heads} kv, attention bias {cfg['attention_bias']} "
+                 "(from the tensor shapes and flags)",
+                 f"rms_norm_eps {cfg['rms_norm_eps']}, rope_theta {rope_theta} without scaling, max positions "
+                 f"{cfg['max_position_embeddings']} (from the target config; a drafter trained with YaRN needs "
+                 "--drafter-config)",
+                 f"block size {cfg['block_size']} ({block_from}), mask token id {mask_id} ({mask_from})"
+                 + (f", target layer ids {cfg['dflash_config']['target_layer_ids']} (the training state)"
+                    if "target_layer_ids" in cfg["dflash_config"] else "")
+                 + ", all layers full attention (no sliding windows without a config)"):
+        log(settings, f"drafter {name}: inferred {line}")
+    return cfg
 
 
 CARRIED = ("lm_head.weight", "d2t", "t2d", "embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+
 NEEDED_CONFIG = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")
-
-
-def load_drafter(spec, target_cfg, settings, identify=True):
-    name, path = split_ckpt_spec(spec)
-    if not os.path.exists(path):
-        fail(f"drafter checkpoint not found: {path} (pass a drafter directory or file to --ckpt)")
-    if is_target_directory(path):
-        return load_mtp(name, path, target_cfg, settings, identify)
-    cfg, raw = read_checkpoint(path, name)
-    if settings.get("drafter_config"):
-        if cfg is None:
-            cfg = read_json(settings["drafter_config"])
-        else:
-            log(settings, f"drafter {name}: --drafter-config ignored, the checkpoint has its own config.json")
-    generation, layout, cfg, state = recognize(cfg, unwrap_state_dict(raw, name, settings), name)
-    return FAMILIES[generation].load(name, path, generation, cfg, state, layout, raw, target_cfg, settings, identify)
-
-
-def load_block(name, path, generation, cfg, state, layout, raw, target_cfg, settings, identify):
-    """A drafter of the DFlash block family (DFlash, DFlash 2, DSpark, Domino): a block of [anchor, MASK, ...]
-    through its layers over the context, each family's proposal step after it."""
-    fam = FAMILIES[generation]
-    if cfg is None:
-        cfg = infer_config(state, target_cfg, settings, name, trained_values(raw))
-    if layout == "transformers-native assistant":
-        cfg = {**NATIVE_DEFAULTS, "layer_types": ["sliding_attention"] * cfg.get("num_hidden_layers", 0), **cfg}
-    if dflash_value(cfg, "block_size") is None and not cfg.get("dflash_config"):
-        fail(f"{path} is not a DFlash drafter: its config.json has neither block_size nor dflash_config")
-    if "fc.weight" not in state or "hidden_norm.weight" not in state:
-        fail(f"{path} is not a DFlash drafter: its weights have no fc.weight / hidden_norm.weight "
-             "(nor encoder.fc.weight / encoder.output_norm_enc.weight)")
-    missing = [k for k in NEEDED_CONFIG if cfg.get(k) is None]
-    if missing:
-        fail(f"drafter {name}: its config has no {missing[0]}" +
-             (" in transformer_layer_config" if layout == "speculators" else ""))
-    spec_cfg = cfg.get("speculators") or {}
-    # DSpark drafts from the anchor's slot too: SpecForge trains it so, speculators and the engines default to it
-    from_anchor = spec_cfg.get("sample_from_anchor", fam.from_anchor and cfg.get("sample_from_anchor", True))
-
-    check_hidden(cfg, target_cfg, name)
-    layer_ids = drafter_layer_ids(cfg, state, target_cfg, settings, name)
-    mask_id = settings.get("mask_token_id")
-    mask_id = dflash_value(cfg, "mask_token_id") if mask_id is None else mask_id
-    if mask_id is None or not 0 <= int(mask_id) < target_cfg.vocab_size:
-        fail(f"drafter {name}: mask_token_id {mask_id} is outside the target vocab ({target_cfg.vocab_size})")
-    block_size = settings["block_size"] or int(dflash_value(cfg, "block_size", 16))
-    if block_size < 2 - from_anchor:
-        fail(f"drafter {name}: block size {block_size} is too small (needs at least {2 - from_anchor})")
-    carried = {k: state.pop(k) for k in CARRIED if k in state}
-    vocab = draft_vocabulary(carried, cfg, target_cfg, name)
-    if vocab is not None and fam.full_vocabulary:
-        fail(f"drafter {name}: a {generation} drafter with a reduced draft vocabulary (d2t, t2d): its "
-             f"{fam.full_vocabulary} score target-vocabulary tokens, and no trainer makes one with a reduced vocabulary")
-    rules = layer_rules(cfg, settings, layout)
-    head = fam.head(cfg, state, f"drafter {name}: a {generation} drafter", settings) if fam.head else None
-    for flag in (f for f in ("dspark_draft_topk", "domino_candidate_pool") if not fam.head and settings.get(f)):
-        log(settings, f"drafter {name}: --{flag.replace('_', '-')} applies to its family's drafters only")
-    log(settings, f"drafter {name}: {generation}, {layout} layout" + layout_note(layout, spec_cfg, rules, vocab)
-        + (fam.note(head) if fam.note else ""))
-    if fam.greedy and settings.get("temperature") and settings.get("draft_policy") == "sample":
-        fail(f"drafter {name}: a {generation} drafter drafts greedily at every temperature (SGLang serves it so); "
-             "use --draft-policy argmax")
-    for k in [k for k in state if k.startswith("confidence_head.")]:
-        state.pop(k)   # DSpark's confidence head sizes SGLang's verify windows in its non-default modes, no draft
-    conv, top_k = fam.conv(cfg, state, name, settings) if fam.conv else ((), 0)
-    check_drafter_tensors(state, expected_tensors(cfg, conv, generation, state, target_cfg.vocab_size, head,
-                                                  len(vocab[0]) if vocab is not None else None), name, generation)
-    facts = (cfg, layer_ids, block_size + from_anchor, int(mask_id), rules, generation, conv, top_k, head)
-    return drafter_record(state, carried, vocab, target_cfg, settings, identify, facts, name=name,
-                          checkpoint=os.path.abspath(path), cfg=cfg, layers=layer_ids, block_size=block_size + from_anchor,
-                          mask_token_id=int(mask_id), rules=rules, generation=generation, layout=layout,
-                          embed_scale=float(dflash_value(cfg, "input_embedding_scale", 1.0)),
-                          logit_multiplier=float(dflash_value(cfg, "output_multiplier", 1.0)),
-                          softcap=float(dflash_value(cfg, "final_logit_softcapping", 0.0)), conv=conv,
-                          selector_top_k=top_k, from_anchor=from_anchor, warnings=config_warnings(cfg, target_cfg),
-                          head=head)
 
 
 def check_hidden(cfg, target_cfg, name):
     if cfg.get("hidden_size") != target_cfg.hidden_size:
         fail(f"drafter {name} has hidden size {cfg.get('hidden_size')} but the target has {target_cfg.hidden_size}: "
              "it was trained for another target")
+
+
+WRONG_DRAFTER_CHECK = "check the target it was trained for (--target), target_layer_ids (--layers), the mask token " \
+                      "id and the chat template (--no-chat-template, --enable-thinking)"
+
+
+def config_warnings(cfg, target_cfg):
+    """Where a drafter's config disagrees with the target in ways its tensor shapes cannot show."""
+    said = {"num_target_layers": target_cfg.num_hidden_layers, "vocab_size": target_cfg.vocab_size,
+            "target_hidden_size": target_cfg.hidden_size}
+    return [f"its config says {key} {cfg[key]} where the target has {value}: it was trained for another target; "
+            f"{WRONG_DRAFTER_CHECK}" for key, value in said.items() if cfg.get(key) not in (None, value)]
+
+
+def carried_copies(carried, vocab, target_dir):
+    """Warnings for copies of the target's tensors that a drafter carries (speculators may keep the verifier's
+    embedding, head and final norm in the file) and that are not the target's: the tool always uses the
+    target's, and a drafter trained with other ones was trained for another target."""
+    copies = {"embed_tokens.weight": EMBED_NAMES, "verifier_norm.weight": TARGET_NORM_NAMES,
+              "verifier_lm_head.weight": ("lm_head.weight",) + EMBED_NAMES}
+    if vocab is None:
+        copies["lm_head.weight"] = copies["verifier_lm_head.weight"]
+    if not target_dir or not any(k in carried for k in copies):
+        return []
+    files, warnings = target_tensor_files(target_dir), []
+    for key in (k for k in copies if k in carried):
+        name = next((n for n in copies[key] if n in files), None)
+        if name is None:
+            continue
+        theirs = target_tensors(files, [name])[name].float()
+        if key != "verifier_norm.weight" and vocab is not None:
+            theirs = theirs[vocab[0]]   # the head rows of the draft vocabulary
+        ours = carried[key].float()
+        same = ours.shape == theirs.shape and torch.allclose(ours, theirs, rtol=1e-2, atol=1e-2 * float(theirs.abs().max()))
+        if not same:
+            warnings.append(f"it carries {key} {tuple(ours.shape)}, which is not the target's {name} "
+                            f"{tuple(theirs.shape)}: the tool uses the target's; {WRONG_DRAFTER_CHECK}")
+    return warnings
+
+
+def draft_vocabulary(carried, cfg, target_cfg, name):
+    """A reduced draft vocabulary, checked: (target id of each draft id: d + d2t[d], draft id of each target
+    token or -1). None when the drafter drafts over the target's vocabulary."""
+    d2t, t2d, head = carried.get("d2t"), carried.get("t2d"), carried.get("lm_head.weight")
+    V, where = target_cfg.vocab_size, f"drafter {name}: its reduced draft vocabulary"
+    declared = (cfg.get("speculators") or {}).get("draft_vocab_size")
+    if d2t is None and t2d is None:
+        if declared not in (None, V, cfg.get("vocab_size")):
+            fail(f"drafter {name}: its config says draft_vocab_size {declared} (the target has {V} tokens) but it "
+                 "carries no d2t / t2d to map draft ids to target tokens")
+        return None
+    if d2t is None or t2d is None or head is None:
+        fail(f"{where} needs d2t, t2d and its own lm_head.weight; it has only "
+             f"{', '.join(k for k in ('d2t', 't2d', 'lm_head.weight') if k in carried)}")
+    n = head.shape[0]
+    declared = n if declared is None else declared
+    if d2t.dim() != 1 or len(d2t) != n or declared != n:
+        fail(f"{where}: d2t has {tuple(d2t.shape)} entries, lm_head.weight {n} rows and draft_vocab_size is "
+             f"{declared}; all three must agree")
+    if t2d.dim() != 1 or len(t2d) != V or t2d.dtype != torch.bool:
+        fail(f"{where}: t2d must be a boolean mask over the target's {V} tokens, it is {t2d.dtype} {tuple(t2d.shape)}")
+    targets = torch.arange(n) + d2t.long()
+    if int(targets.min()) < 0 or int(targets.max()) >= V or bool((targets[1:] <= targets[:-1]).any()):
+        fail(f"{where}: d + d2t[d] must be increasing target ids in 0..{V - 1}, they are not")
+    if int(t2d.sum()) != n or not bool(t2d[targets].all()):
+        fail(f"{where}: t2d marks {int(t2d.sum())} target tokens, not the {n} that d2t maps to")
+    draft_of = torch.full((V,), -1, dtype=torch.long)
+    draft_of[targets] = torch.arange(n)
+    return targets, draft_of
 
 
 def drafter_record(state, carried, vocab, target_cfg, settings, identify, facts, **fields):
@@ -1822,366 +1711,6 @@ def layout_note(layout, spec_cfg, rules, vocab):
     if vocab is not None:
         notes.append(f"a draft vocabulary of {len(vocab[0])} tokens (its own lm_head; ids mapped by d2t)")
     return " (" + "; ".join(notes) + ")"
-
-
-MARKOV_HEADS = ("vanilla", "gated", "rnn")
-
-
-def dspark_head(cfg, state, where, settings):
-    """What DSpark's proposal step reads, from the config (dflash_config first, where SpecForge writes it, then the
-    top level, where the engines read it): the Markov head's kind and rank (rank 0, SpecForge's default, is no head:
-    each slot's argmax), and --dspark-draft-topk."""
-    w1 = state.get("markov_head.markov_w1.weight")
-    rank = dflash_value(cfg, "markov_rank", w1.shape[-1] if w1 is not None and w1.dim() == 2 else 0)
-    kind = dflash_value(cfg, "markov_head_type", "vanilla")
-    if kind not in MARKOV_HEADS:
-        fail(f"{where} with markov_head_type {kind!r}: DSpark's heads are {', '.join(MARKOV_HEADS)}")
-    if not isinstance(rank, int) or rank < 0:
-        fail(f"{where} with markov_rank {rank!r}: it must be an integer >= 0 (0: no Markov head)")
-    return {"kind": kind if rank else None, "rank": rank, "topk": settings.get("dspark_draft_topk") or 0}
-
-
-def domino_head(cfg, state, where, settings):
-    """What Domino's proposal step reads: the pure-draft prefix P, shift_label, --domino-candidate-pool."""
-    for key in ("emb_dim", "gru_hidden_dim"):
-        if dflash_value(cfg, key) is None:
-            fail(f"{where} needs {key} in its dflash_config, where SpecForge writes it; it is missing (pass the "
-                 "config it was trained with: --drafter-config FILE)")
-    prefix, shift = dflash_value(cfg, "pure_draft_prefix_len", 0), dflash_value(cfg, "shift_label", False)
-    if not isinstance(prefix, int) or prefix < 0 or not isinstance(shift, bool):
-        fail(f"{where} with pure_draft_prefix_len {prefix!r} and shift_label {shift!r}: they must be an integer "
-             ">= 0 and true or false")
-    return {"prefix": prefix, "shift": shift, "pool": settings.get("domino_candidate_pool") or 0}
-
-
-def dspark_note(head):
-    """What the load line says of a DSpark drafter: its head, and which engines serve it how."""
-    if not head["rank"]:
-        return "; no Markov head (markov_rank 0): each slot's argmax; vLLM and SGLang need markov_rank > 0"
-    vllm = "vLLM 0.33 (greedy drafts by default)" if head["kind"] == "vanilla" else \
-        "not vLLM 0.33 (its Qwen3 DSpark has the vanilla head only)"
-    return (f"; {head['kind']} Markov head of rank {head['rank']}" +
-            (f", drafts among each slot's top {head['topk']} (vLLM's dspark_draft_topk)" if head["topk"] else "")
-            + f"; served by SGLang 0.5.23 (samples drafts at the request temperature by default) and {vllm}")
-
-
-def domino_note(head):
-    """What the load line says of a Domino drafter: its GRU's settings, and how SGLang serves it."""
-    return (f"; GRU over the drafted prefix, pure-draft prefix P = {head['prefix']}, shift_label "
-            f"{'on' if head['shift'] else 'off'}" +
-            (f", a candidate pool of {head['pool']}" if head["pool"] else ", exact argmax (no candidate pool)")
-            + "; served by SGLang 0.5.23 only, greedy, with P = 1" + ("" if head["prefix"] == 1 else
-            f" (it refuses P = {head['prefix']})") + " and a pool of 2048 by default")
-
-
-def eagle3_config(cfg, name, layout):
-    """An EAGLE-3 config: the drafter's layer config at the top level, and under "eagle" what the engines read.
-    speculators keeps its layers in transformer_layer_config, its captured ids as hidden_states indices at the
-    top level, and vLLM fills norm_before_residual true where that layout omits it; SpecForge's
-    LlamaForCausalLMEagle3 is a Llama config, its ids (if any) in eagle_config as layer outputs."""
-    where = f"drafter {name}: its EAGLE-3 config"
-    layer = cfg.get("transformer_layer_config") if layout == "speculators" else cfg
-    if not isinstance(layer, dict) or not layer.get("hidden_size"):
-        fail(f"{where} has no {'transformer_layer_config' if layout == 'speculators' else 'hidden_size'} (pass the "
-             "config it was trained with: --drafter-config FILE)")
-    nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    proposals = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
-    return {**layer, "architectures": cfg.get("architectures"), "eagle": {
-        "hf_ids": cfg.get("eagle_aux_hidden_state_layer_ids"), "nested_ids": nested,
-        "norm_before_residual": bool(cfg.get("norm_before_residual", layout == "speculators")),
-        "norm_before_fc": bool(cfg.get("norm_before_fc", False)), "fc_norm": bool(cfg.get("fc_norm", False)),
-        "norm_output": bool(cfg.get("norm_output", False)), "norm_output_given": "norm_output" in cfg,
-        "draft_vocab_size": cfg.get("draft_vocab_size"), "steps": int(proposals[0].get("speculative_tokens", 3))}}
-
-
-def eagle3_layers(e, target_cfg, settings, name, n_fc):
-    """The target layers (as layer outputs, this tool's ids) an EAGLE-3 drafter reads, by --engine's rule."""
-    L = target_cfg.num_hidden_layers
-    if settings.get("layers") is not None:
-        ids, source = settings["layers"], "--layers"
-    elif e["hf_ids"] is not None:   # top level (speculators, vLLM): hidden_states index i is layer i - 1's output
-        ids, source = [int(i) - 1 for i in e["hf_ids"]], "eagle_aux_hidden_state_layer_ids (hidden_states indices)"
-    elif e["nested_ids"] is not None and settings.get("engine") == "sglang":
-        ids, source = [int(i) for i in e["nested_ids"]], "eagle_config's ids, layer outputs (SGLang)"
-    else:   # both engines' default: hidden_states indices 2, L // 2, L - 3
-        ids, source = [1, L // 2 - 1, L - 4], "the engines' default"
-        if e["nested_ids"] is not None:
-            source += " (vLLM ignores eagle_config's ids; --engine sglang reads them)"
-    if len(ids) != n_fc:
-        fail(f"drafter {name}: fc expects {n_fc} captured layers, {source} gives {ids}")
-    if any(not 0 <= i < L - 1 for i in ids):
-        fail(f"drafter {name}: captured layer ids {ids} ({source}) must lie in 0..{L - 2} for this {L}-layer target")
-    return sorted(ids), source
-
-
-def load_eagle3(name, path, generation, cfg, state, layout, raw, target_cfg, settings, identify):
-    """An EAGLE-3 drafter: one decoder layer over [embedding; fused target features], chained K steps."""
-    e, H = cfg["eagle"], cfg["hidden_size"]
-    check_hidden(cfg, target_cfg, name)
-    if "fc.weight" not in state or "layers.0.hidden_norm.weight" not in state:
-        fail(f"drafter {name}: an EAGLE-3 drafter needs fc.weight and layers.0.hidden_norm.weight (or midlayer.*)")
-    n_fc = state["fc.weight"].shape[1] // target_cfg.hidden_size
-    layers, source = eagle3_layers(e, target_cfg, settings, name, n_fc)
-    carried = {k: state.pop(k) for k in CARRIED if k in state}
-    vocab = draft_vocabulary(carried, {**cfg, "speculators": {"draft_vocab_size": e["draft_vocab_size"]}}, target_cfg,
-                             name)
-    if vocab is None and "lm_head.weight" in carried:   # its own head over the target's vocabulary
-        vocab = (torch.arange(target_cfg.vocab_size), torch.arange(target_cfg.vocab_size))
-    steps = (settings.get("block_size") or e["steps"] + 1) - 1
-    head = {k: e[k] for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")}
-    head["engine"] = settings.get("engine", "vllm")
-    log(settings, f"drafter {name}: EAGLE-3, {layout} layout; captured layers {layers} from {source}; "
-                  f"{steps} steps a round; norm_before_residual {head['norm_before_residual']}, feeds back the "
-                  f"{'post' if head['norm_output'] else 'pre'}-norm hidden" +
-                  ("; SpecForge's norm_output means the norm before lm_head, the engines read it as the hidden fed "
-                   "back: the engines' reading is used" if e["norm_output_given"] and layout == "SpecForge" else ""))
-    shapes = expected_tensors(cfg, (), "EAGLE-3", state, target_cfg.vocab_size)
-    shapes["fc.weight"] = (H, n_fc * target_cfg.hidden_size)
-    if head["norm_before_fc"]:
-        shapes["input_norm.weight"] = (n_fc * target_cfg.hidden_size,)
-    if head["fc_norm"]:
-        shapes.update({f"fc_norm.{i}.weight": (target_cfg.hidden_size,) for i in range(n_fc)})
-    check_drafter_tensors(state, shapes, name, "EAGLE-3")
-    # its own lm_head is never the target's to warn about: vocab holds it (an identity mapping at full vocabulary)
-    return drafter_record(state, carried, vocab, target_cfg, settings, identify,
-                          (cfg, layers, steps + 1, "EAGLE-3", head), name=name, checkpoint=os.path.abspath(path),
-                          cfg=cfg, layers=layers, block_size=steps + 1, mask_token_id=-1, rules=[],
-                          generation="EAGLE-3", layout=layout, head=head, warnings=[])
-
-
-MTP_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")   # text model types whose MTP layer this tool runs
-MTP_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "rms_norm_eps", "attention_bias", "attn_output_gate", "num_experts", "num_experts_per_tok",
-            "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "max_position_embeddings",
-            "rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor")
-
-
-DRAFTER_KEYS = ("dflash_config", "speculators_model_type", "block_size", "target_layer_ids", "mask_token_id",
-                "draft_vocab_size", "eagle_config", "eagle_aux_hidden_state_layer_ids")   # in no target's config
-
-
-def is_target_directory(path):
-    """Whether `path` holds a target model (a ...ForCausalLM or ...ForConditionalGeneration checkpoint whose config
-    has none of the drafters' keys), whose MTP layer is then the drafter."""
-    file = os.path.join(path, "config.json")
-    if not os.path.isdir(path) or not os.path.isfile(file):
-        return False
-    cfg = read_json(file)
-    return not any(k in cfg for k in DRAFTER_KEYS) and any(
-        str(a).endswith(("ForCausalLM", "ForConditionalGeneration")) for a in cfg.get("architectures") or [])
-
-
-def load_mtp(name, path, target_cfg, settings, identify):
-    """A target's own MTP layer (Qwen3.5/3.6, Qwen3-Next): mtp.* in its safetensors, which transformers does not
-    load. x = fc([norm(embedding of token j + 1); norm(the last hidden state at j, after the final norm)]), one
-    full-attention layer of the target's kind, mtp.norm and the target's lm_head; the same layer drafts every step,
-    fed its own post-norm output back, as vLLM (method mtp) and SGLang (NEXTN) both draft it."""
-    text, files = read_target_config(path), target_tensor_files(path)
-    names = sorted(k for k in files if k.startswith("mtp."))
-    where = f"drafter {name}: {path} is a {text.model_type} target"
-    if not names:
-        deepseek = any(re.search(r"\.(eh_proj|enorm|hnorm)\.weight$", k) for k in files)
-        fail(f"{where} model, not a drafter, and its checkpoint has " + (
-             "a DeepSeek-style MTP layer (eh_proj, enorm, hnorm, shared_head), which this tool does not run yet"
-             if deepseek else "no MTP layer (no mtp.* tensors)") + f" to evaluate; give --ckpt a drafter (the tool "
-             f"runs the MTP layers of {', '.join(MTP_TYPES)} targets)")
-    if text.model_type not in MTP_TYPES:
-        fail(f"{where}: this tool runs the MTP layers of {', '.join(MTP_TYPES)} targets only")
-    if {k.split(".")[2] for k in names if k.startswith("mtp.layers.")} != {"0"}:
-        fail(f"{where} whose MTP has several layers (mtp.layers.1.*): the engines' step-by-step rotation over "
-             "them is not modelled; this tool runs a single MTP layer")
-    # Qwen3.5's and Qwen3-Next's norms scale by 1 + weight (zero-centred): kept here as the plain scale
-    state = {k[len("mtp."):]: (1.0 + v.float() if "norm" in k.split(".")[-2] else v.float())
-             for k, v in target_tensors(files, names).items()}
-    for fused in [k for k in state if k.endswith("mlp.experts.gate_up_proj")]:   # transformers 5.x's fused experts
-        p, gate_up, down = fused[:-len("gate_up_proj")], state.pop(fused), state.pop(fused[:-len("gate_up_proj")] + "down_proj")
-        for e in range(gate_up.shape[0]):
-            g, u = gate_up[e].chunk(2, 0)
-            state.update({f"{p}{e}.gate_proj.weight": g, f"{p}{e}.up_proj.weight": u, f"{p}{e}.down_proj.weight": down[e]})
-    cfg = {k: v for k, v in text.to_dict().items() if k in MTP_KEYS}   # no path: its identity is its content
-    check_hidden(cfg, target_cfg, name)
-    steps = (settings.get("block_size") or 4) - 1   # SGLang's default for Qwen: 3 steps, top-1
-    head = {"norm_output": True, "gate": bool(cfg.get("attn_output_gate", True))}
-    moe = "layers.0.mlp.gate.weight" in state
-    if settings.get("layers") is not None:
-        log(settings, f"drafter {name}: --layers does not apply to an MTP layer (it reads the last hidden state)")
-    log(settings, f"drafter {name}: MTP, the target's own layer (mtp.* in its safetensors; transformers does not "
-                  f"load it); {steps} steps a round, the one layer reused; reads the last hidden state after the final "
-                  f"norm and feeds its own post-norm output back, as vLLM and SGLang draft it; " +
-                  (f"{cfg['num_experts']} experts, top {cfg['num_experts_per_tok']}, and a shared expert" if moe
-                   else "a dense MLP"))
-    check_drafter_tensors(state, expected_tensors(cfg, (), "MTP", state, target_cfg.vocab_size, head), name, "MTP")
-    layers = [target_cfg.num_hidden_layers - 1]   # this tool's id of the post-norm last hidden state
-    return drafter_record(state, {}, None, target_cfg, settings, identify, (cfg, layers, steps + 1, "MTP", head),
-                          name=name, checkpoint=os.path.abspath(path), cfg=cfg, layers=layers, block_size=steps + 1,
-                          mask_token_id=-1, rules=[], generation="MTP", layout="target", head=head, warnings=[],
-                          rope=target_rope(text, settings["device"]))
-
-
-def target_rope(config, device):
-    """The target's own rotary embedding class on its text config (partial rotary, mrope sections and scaling as
-    transformers reads them); text positions are the same on every mrope axis, so it is a plain rotary there."""
-    import importlib
-    module = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
-    return getattr(module, type(config).__name__.replace("Config", "RotaryEmbedding"))(config).to(device)
-
-
-def draft_vocabulary(carried, cfg, target_cfg, name):
-    """A reduced draft vocabulary, checked: (target id of each draft id: d + d2t[d], draft id of each target
-    token or -1). None when the drafter drafts over the target's vocabulary."""
-    d2t, t2d, head = carried.get("d2t"), carried.get("t2d"), carried.get("lm_head.weight")
-    V, where = target_cfg.vocab_size, f"drafter {name}: its reduced draft vocabulary"
-    declared = (cfg.get("speculators") or {}).get("draft_vocab_size")
-    if d2t is None and t2d is None:
-        if declared not in (None, V, cfg.get("vocab_size")):
-            fail(f"drafter {name}: its config says draft_vocab_size {declared} (the target has {V} tokens) but it "
-                 "carries no d2t / t2d to map draft ids to target tokens")
-        return None
-    if d2t is None or t2d is None or head is None:
-        fail(f"{where} needs d2t, t2d and its own lm_head.weight; it has only "
-             f"{', '.join(k for k in ('d2t', 't2d', 'lm_head.weight') if k in carried)}")
-    n = head.shape[0]
-    declared = n if declared is None else declared
-    if d2t.dim() != 1 or len(d2t) != n or declared != n:
-        fail(f"{where}: d2t has {tuple(d2t.shape)} entries, lm_head.weight {n} rows and draft_vocab_size is "
-             f"{declared}; all three must agree")
-    if t2d.dim() != 1 or len(t2d) != V or t2d.dtype != torch.bool:
-        fail(f"{where}: t2d must be a boolean mask over the target's {V} tokens, it is {t2d.dtype} {tuple(t2d.shape)}")
-    targets = torch.arange(n) + d2t.long()
-    if int(targets.min()) < 0 or int(targets.max()) >= V or bool((targets[1:] <= targets[:-1]).any()):
-        fail(f"{where}: d + d2t[d] must be increasing target ids in 0..{V - 1}, they are not")
-    if int(t2d.sum()) != n or not bool(t2d[targets].all()):
-        fail(f"{where}: t2d marks {int(t2d.sum())} target tokens, not the {n} that d2t maps to")
-    draft_of = torch.full((V,), -1, dtype=torch.long)
-    draft_of[targets] = torch.arange(n)
-    return targets, draft_of
-
-
-TARGET_NORM_NAMES = ("model.norm.weight", "model.language_model.norm.weight")
-
-
-def carried_copies(carried, vocab, target_dir):
-    """Warnings for copies of the target's tensors that a drafter carries (speculators may keep the verifier's
-    embedding, head and final norm in the file) and that are not the target's: the tool always uses the
-    target's, and a drafter trained with other ones was trained for another target."""
-    copies = {"embed_tokens.weight": EMBED_NAMES, "verifier_norm.weight": TARGET_NORM_NAMES,
-              "verifier_lm_head.weight": ("lm_head.weight",) + EMBED_NAMES}
-    if vocab is None:
-        copies["lm_head.weight"] = copies["verifier_lm_head.weight"]
-    if not target_dir or not any(k in carried for k in copies):
-        return []
-    files, warnings = target_tensor_files(target_dir), []
-    for key in (k for k in copies if k in carried):
-        name = next((n for n in copies[key] if n in files), None)
-        if name is None:
-            continue
-        theirs = target_tensors(files, [name])[name].float()
-        if key != "verifier_norm.weight" and vocab is not None:
-            theirs = theirs[vocab[0]]   # the head rows of the draft vocabulary
-        ours = carried[key].float()
-        same = ours.shape == theirs.shape and torch.allclose(ours, theirs, rtol=1e-2, atol=1e-2 * float(theirs.abs().max()))
-        if not same:
-            warnings.append(f"it carries {key} {tuple(ours.shape)}, which is not the target's {name} "
-                            f"{tuple(theirs.shape)}: the tool uses the target's; {WRONG_DRAFTER_CHECK}")
-    return warnings
-
-
-def content_hash(tensors, *facts):
-    """sha256 of JSON facts and of tensors (name, dtype, shape, bytes): equal for copies of the same drafter
-    wherever they lie, different for any other weight or setting."""
-    import hashlib
-    digest = hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode())
-    for name in sorted(tensors):
-        t = tensors[name].detach().cpu().contiguous()
-        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
-
-
-WRONG_DRAFTER_CHECK = "check the target it was trained for (--target), target_layer_ids (--layers), the mask token " \
-                      "id and the chat template (--no-chat-template, --enable-thinking)"
-
-
-def config_warnings(cfg, target_cfg):
-    """Where a drafter's config disagrees with the target in ways its tensor shapes cannot show."""
-    said = {"num_target_layers": target_cfg.num_hidden_layers, "vocab_size": target_cfg.vocab_size,
-            "target_hidden_size": target_cfg.hidden_size}
-    return [f"its config says {key} {cfg[key]} where the target has {value}: it was trained for another target; "
-            f"{WRONG_DRAFTER_CHECK}" for key, value in said.items() if cfg.get(key) not in (None, value)]
-
-
-def dflash2_settings(cfg, state, name, settings):
-    """((conv taps K, channels per group), selector candidates per slot) of a DFlash 2 drafter: from its
-    config, else (said in a line) from the tensor shapes and the public default of 16 candidates."""
-    H, found = cfg["hidden_size"], {}
-    kernel, projection = state.get("layers.0.attention_conv.base_kernel"), \
-        state.get("layers.0.attention_conv.kernel_projection.weight")
-    K = dflash_value(cfg, "conv_kernel_size")
-    if K is None and kernel is not None and kernel.dim() == 3:
-        K = found["conv_kernel_size"] = kernel.shape[1]
-    group = dflash_value(cfg, "conv_group_size")
-    if group is None and K and projection is not None and projection.shape[0] % (2 * K) == 0:
-        group = found["conv_group_size"] = H // max(1, projection.shape[0] // (2 * K))
-    top_k = dflash_value(cfg, "selector_top_k")
-    if top_k is None:
-        top_k = found["selector_top_k"] = 16
-    if K is None or group is None:
-        fail(f"drafter {name}: a DFlash 2 drafter needs conv_kernel_size and conv_group_size in its dflash_config "
-             "(or layers.N.attention_conv tensors to read them from); they are missing")
-    if int(group) < 1 or H % int(group):
-        fail(f"drafter {name}: conv_group_size {group} does not divide the hidden size {H}")
-    if found:
-        log(settings, f"drafter {name}: inferred " + ", ".join(f"{k} {v}" for k, v in found.items())
-            + " (not in its config)")
-    return (int(K), int(group)), int(top_k)
-
-
-def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab=None):
-    """{name: shape} of every tensor a drafter of this config holds (None: a dimension checked elsewhere)."""
-    H, I, hd = cfg["hidden_size"], cfg.get("intermediate_size"), head_dim_of(cfg)
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    eagle = generation == "EAGLE-3"   # one layer, q/k/v over [embedding; features] (2H); Llama's has no q/k norm
-    width = 2 * H if eagle else H
-    per_layer = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
-                 **mlp_tensors(cfg, "layers.0.mlp.gate.weight" in state),
-                 "self_attn.q_proj.weight": (q, width), "self_attn.k_proj.weight": (kv, width),
-                 "self_attn.v_proj.weight": (kv, width), "self_attn.o_proj.weight": (H, q)}
-    if generation == "MTP":   # one layer over fc([embedding; hidden]); q_proj gives each head's query and gate
-        per_layer["self_attn.q_proj.weight"] = (2 * q if head["gate"] else q, H)
-        return {"fc.weight": (H, 2 * H), "norm.weight": (H,), "pre_fc_norm_embedding.weight": (H,),
-                "pre_fc_norm_hidden.weight": (H,), "layers.0.self_attn.q_norm.weight": (hd,),
-                "layers.0.self_attn.k_norm.weight": (hd,), **{"layers.0." + k: s for k, s in per_layer.items()}}
-    if not eagle or "layers.0.self_attn.q_norm.weight" in state:
-        per_layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
-    if eagle:
-        per_layer["hidden_norm.weight"] = (H,)
-    if cfg.get("attention_bias"):
-        per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-                          "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.bias": (H,)})
-    shapes = {"fc.weight": (H, None), "norm.weight": (H,), **({} if eagle else {"hidden_norm.weight": (H,)})}
-    if generation == "DFlash 2":
-        K, groups = conv[0], H // conv[1]
-        for sub in ("attention_conv", "mlp_conv"):
-            per_layer.update({f"{sub}.base_kernel": (2, K, H), f"{sub}.kernel_projection.weight": (2 * K * groups, H)})
-        rank = dflash_value(cfg, "selector_rank")
-        if rank is None:   # from the tensor itself; the codebooks must agree with it
-            rank = getattr(state.get(SELECTOR + "hidden_projection.weight"), "shape", (None,))[0]
-        shapes.update({SELECTOR + "hidden_projection.weight": (rank, H), SELECTOR + "predecessor_codebook": (vocab, rank),
-                       SELECTOR + "successor_codebook": (vocab, rank)})
-    if generation == "DSpark" and head["rank"]:   # W1 reads the previous token (target ids), W2 writes draft logits
-        r, m = head["rank"], "markov_head."
-        shapes.update({m + "markov_w1.weight": (vocab, r), m + "markov_w2.weight": (draft_vocab or vocab, r)})
-        if head["kind"] == "gated":
-            shapes.update({m + "gate_proj.weight": (r, H + r), m + "gate_proj.bias": (r,)})
-        if head["kind"] == "rnn":
-            shapes.update({m + "joint_proj.weight": (3 * r, 2 * r + H), m + "joint_proj.bias": (3 * r,)})
-    if generation == "Domino":
-        G, E = dflash_value(cfg, "gru_hidden_dim"), dflash_value(cfg, "emb_dim")
-        shapes.update({"prefix_gru.weight_ih_l0": (3 * G, H), "prefix_gru.weight_hh_l0": (3 * G, G),
-                       "embed_proj.0.weight": (E, H + G), "embed_proj.2.weight": (vocab, E)})
-    for i in range(1 if eagle else cfg.get("num_hidden_layers", 0)):
-        shapes.update({f"layers.{i}.{k}": shape for k, shape in per_layer.items()})
-    return shapes
 
 
 def mlp_tensors(cfg, moe):
@@ -2304,8 +1833,8 @@ def build_rope(cfg, device):
     return Qwen3RotaryEmbedding(config).to(device)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Drafter: forward pass with SDPA and an explicit context-plus-block mask, then the proposal rule
+def head_dim_of(cfg):
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
 
 
 def rms_norm(x, weight, eps):
@@ -2384,8 +1913,37 @@ def drafter_context(drafter, features, start=0):
     return kv
 
 
-def head_dim_of(cfg):
-    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+def conv_in(drafter, prefix, h, n):
+    """DFlash 2 around a sublayer, first half: the normalized input h (n*B, H) convolved with the first
+    kernel, and the dynamic taps of the second, both projected from h. DFlash: h as it is, no taps."""
+    if not drafter.conv:
+        return h, None
+    taps = F.linear(h, drafter.weights[prefix + "kernel_projection.weight"]).view(n, -1, 2, drafter.conv[0],
+                                                                                   h.shape[-1] // drafter.conv[1])
+    return block_conv(h, taps[:, :, 0], drafter.weights[prefix + "base_kernel"][0], drafter.conv[1]), taps[:, :, 1]
+
+
+def conv_out(drafter, prefix, y, taps):
+    """DFlash 2, second half: the sublayer's output convolved with the second kernel before the residual add."""
+    return y if taps is None else block_conv(y, taps, drafter.weights[prefix + "base_kernel"][1], drafter.conv[1])
+
+
+def block_conv(x, taps, base, group):
+    """A grouped dynamic causal convolution over each block's own slots, the anchor at slot 0 and zeros
+    before it: out[t] = sum_o (base[o] + taps[t, o, g]) * x[t - o], channel by channel, taps shared by the
+    `group` channels of a group. x (n*B, H), taps (n, B, K, H / group), base (K, H). The terms are added
+    in the public code's order, so float32 results agree to the last bit."""
+    n, B, K, G = taps.shape
+    xs, out = x.view(n, B, G, group), x.new_zeros(n, B, G, group)
+    for o in range(K):
+        shifted = xs if o == 0 else torch.cat([xs.new_zeros(n, min(o, B), G, group), xs[:, :B - o]], dim=1)
+        out = out + base[o].view(1, 1, G, group) * shifted
+        out = torch.addcmul(out, taps[:, :, o, :, None], shifted)
+    return out.view(n * B, -1)
+
+
+def swiglu(w, p, y):
+    return linear(F.silu(linear(y, w, p + "gate_proj")) * linear(y, w, p + "up_proj"), w, p + "down_proj")
 
 
 def drafter_forward(drafter, context_kv, anchors, block_ids, embed_w, starts=None):
@@ -2423,44 +1981,6 @@ def drafter_forward(drafter, context_kv, anchors, block_ids, embed_w, starts=Non
     return rms_norm(x, w["norm.weight"], eps).view(n, B, -1)
 
 
-def conv_in(drafter, prefix, h, n):
-    """DFlash 2 around a sublayer, first half: the normalized input h (n*B, H) convolved with the first
-    kernel, and the dynamic taps of the second, both projected from h. DFlash: h as it is, no taps."""
-    if not drafter.conv:
-        return h, None
-    taps = F.linear(h, drafter.weights[prefix + "kernel_projection.weight"]).view(n, -1, 2, drafter.conv[0],
-                                                                                   h.shape[-1] // drafter.conv[1])
-    return block_conv(h, taps[:, :, 0], drafter.weights[prefix + "base_kernel"][0], drafter.conv[1]), taps[:, :, 1]
-
-
-def conv_out(drafter, prefix, y, taps):
-    """DFlash 2, second half: the sublayer's output convolved with the second kernel before the residual add."""
-    return y if taps is None else block_conv(y, taps, drafter.weights[prefix + "base_kernel"][1], drafter.conv[1])
-
-
-def block_conv(x, taps, base, group):
-    """A grouped dynamic causal convolution over each block's own slots, the anchor at slot 0 and zeros
-    before it: out[t] = sum_o (base[o] + taps[t, o, g]) * x[t - o], channel by channel, taps shared by the
-    `group` channels of a group. x (n*B, H), taps (n, B, K, H / group), base (K, H). The terms are added
-    in the public code's order, so float32 results agree to the last bit."""
-    n, B, K, G = taps.shape
-    xs, out = x.view(n, B, G, group), x.new_zeros(n, B, G, group)
-    for o in range(K):
-        shifted = xs if o == 0 else torch.cat([xs.new_zeros(n, min(o, B), G, group), xs[:, :B - o]], dim=1)
-        out = out + base[o].view(1, 1, G, group) * shifted
-        out = torch.addcmul(out, taps[:, :, o, :, None], shifted)
-    return out.view(n * B, -1)
-
-
-def prompt_context(drafter, features, ids=None, embed_w=None):
-    """What the drafter's blocks attend to: DFlash-family context K/V per layer; EAGLE-3's and MTP's pass over the
-    text."""
-    features = torch.cat([features[L] for L in drafter.layers], dim=-1)
-    if family(drafter).causal:
-        return causal_pass(drafter, features, ids, embed_w)
-    return drafter_context(drafter, features)
-
-
 def base_logits(drafter, head, rows):
     """Logits of drafter hidden rows through the target's head (a reduced draft vocabulary: the drafter's own)."""
     return head(rows) if drafter.vocab is None else F.linear(rows, drafter.weights["lm_head.weight"])
@@ -2490,6 +2010,791 @@ def to_target(drafter, ids):
 def to_draft(drafter, tokens):
     """Target token ids as draft-vocabulary ids, -1 for a token the draft vocabulary does not hold."""
     return tokens if drafter.vocab is None else drafter.vocab[1][tokens]
+
+
+def mask_block(drafter, first):
+    """The blocks [first token, MASK, ...] (n, block slots) of anchors whose tokens are `first`."""
+    block = torch.full((first.shape[0], drafter.block_size - drafter.from_anchor), drafter.mask_token_id,
+                       device=first.device)
+    block[:, 0] = first
+    return block
+
+
+def proposal_rows(drafter, hidden):
+    """The block's hidden rows (n, B-1, H) that propose the round's drafts, one each: slots 1.. (slot k drafts
+    the token after anchor + k - 1); every slot where the anchor's slot drafts too (sample_from_anchor, DSpark);
+    slots 0..B-2 for a Domino drafter trained with shift_label."""
+    start = 0 if drafter.from_anchor or (drafter.head or {}).get("shift") else 1
+    return hidden[:, start:start + drafter.block_size - 1]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Drafter families: each family's own loading and proposal code, then the family table
+
+
+NATIVE_NAMES = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
+
+NATIVE_DEFAULTS = {"rms_norm_eps": 1e-5, "sliding_window": 2048, "rope_theta": 500000.0}   # its config class's
+
+SELECTOR = "candidate_selector."
+
+# speculators 0.9.0 (the layout vLLM loads): the keys of its DFlash and DFlash 2 configs, and their defaults
+SPECULATORS_KEYS = {"speculators_model_type", "architectures", "transformer_layer_config", "draft_vocab_size",
+                    "block_size", "target_hidden_size", "aux_hidden_state_layer_ids", "mask_token_id",
+                    "sliding_window_non_causal", "sample_from_anchor", "speculators_version", "speculators_config",
+                    "transformers_version", "dtype", "torch_dtype", "tie_word_embeddings", "auto_map", "_name_or_path",
+                    "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "markov_rank",
+                    "markov_head_type", "enable_confidence_head", "confidence_head_with_markov"}
+
+FAMILY_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "markov_rank",
+               "markov_head_type")
+
+
+def speculators_config(cfg, name):
+    """A speculators DFlash / DFlash 2 / DSpark config under the public keys: its transformer_layer_config, block
+    size and mask token, and its aux_hidden_state_layer_ids (indices into transformers' hidden_states: index L + 1
+    is the output of layer L) as layer ids. What the tool cannot map is refused, naming the key. A DSpark
+    config's sample_from_anchor defaults to true, as speculators' own config class has it."""
+    kind, layer = cfg.get("speculators_model_type"), cfg.get("transformer_layer_config")
+    where = f"drafter {name}: its speculators config"
+    if kind not in ("dflash", "dflash2", "dspark"):
+        fail(f"{where} says speculators_model_type {kind!r}; this tool evaluates dflash, dflash2 and dspark")
+    unknown = sorted(set(cfg) - SPECULATORS_KEYS)
+    if unknown:
+        fail(f"{where} has the key {unknown[0]!r}, which this tool cannot map (speculators 0.9.0 has no such key)")
+    if not isinstance(layer, dict):
+        fail(f"{where} has no transformer_layer_config (the drafter's own layers: hidden size, heads, ...)")
+    aux = cfg.get("aux_hidden_state_layer_ids")
+    if not (isinstance(aux, list) and aux and all(isinstance(i, int) and i > 0 for i in aux)):
+        fail(f"{where} has aux_hidden_state_layer_ids {aux!r}: they must be indices >= 1 into the target's "
+             "hidden_states (0, the embedding output, is not captured by this tool)")
+    for key in ("block_size", "mask_token_id"):
+        if cfg.get(key) is None:
+            fail(f"{where} has no {key}")
+    return {**layer, "architectures": cfg.get("architectures"), "block_size": cfg["block_size"],
+            "target_hidden_size": cfg.get("target_hidden_size"),
+            "dflash_config": {"mask_token_id": cfg["mask_token_id"], "target_layer_ids": [i - 1 for i in aux],
+                              **{k: cfg[k] for k in FAMILY_KEYS if k in cfg}},
+            "speculators": {"aux_hidden_state_layer_ids": aux, "draft_vocab_size": cfg.get("draft_vocab_size"),
+                            "sample_from_anchor": bool(cfg.get("sample_from_anchor", kind == "dspark")),
+                            "sliding_window_non_causal": bool(cfg.get("sliding_window_non_causal", kind == "dflash2"))}}
+
+
+def recognize(cfg, state, name):
+    """(generation, layout, config, state): the config under the public DFlash keys, the state under the public
+    names. The transformers-native assistant names the context projection encoder.*; speculators nests the
+    drafter's own config and keeps the DFlash keys at the top level; DFlash 2 adds conv and selector tensors, and
+    its codebooks are bare tensors (a `.weight` suffix, as torch would save an nn.Embedding, is dropped). DSpark
+    and Domino name themselves in architectures or dflash_config.projector_type; SpecForge's older DSpark states
+    keep their heads under logit_head.*."""
+    if (cfg or {}).get("speculators_model_type") == "eagle3" or any(
+            "Eagle3" in a for a in (cfg or {}).get("architectures") or []) or any(k.startswith("midlayer.") for k in state):
+        layout = "speculators" if "speculators_model_type" in (cfg or {}) else "SpecForge"
+        return "EAGLE-3", layout, eagle3_config(cfg or {}, name, layout), \
+            {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()}
+    native = (cfg or {}).get("model_type") == "muse_glimmer_assistant" or "encoder.fc.weight" in state
+    layout = "speculators" if "speculators_model_type" in (cfg or {}) else \
+        "transformers-native assistant" if native else "public"
+    if layout == "speculators":
+        cfg = speculators_config(cfg, name)
+    if native:
+        state = {NATIVE_NAMES.get(k, k): v for k, v in state.items()}
+    state = {(k[:-len(".weight")] if k.startswith(SELECTOR) and k.endswith("_codebook.weight") else k): v
+             for k, v in state.items()}
+    state = {(k[len("logit_head."):] if k.startswith("logit_head.") else k): v for k, v in state.items()}
+    named = next((f for f in ("DSpark", "Domino") for a in (cfg or {}).get("architectures") or [] if f in a), None) \
+        or {"dspark": "DSpark", "domino": "Domino"}.get(str(dflash_value(cfg or {}, "projector_type"))) \
+        or ("DSpark" if "markov_head.markov_w1.weight" in state else "Domino" if "prefix_gru.weight_ih_l0" in state
+            else None)
+    dflash2 = "DFlash2DraftModel" in ((cfg or {}).get("architectures") or []) or \
+        any(k.startswith(SELECTOR) or "_conv." in k for k in state)
+    return named or ("DFlash 2" if dflash2 else "DFlash"), layout, cfg, state
+
+
+def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab=None):
+    """{name: shape} of every tensor a drafter of this config holds (None: a dimension checked elsewhere)."""
+    H, I, hd = cfg["hidden_size"], cfg.get("intermediate_size"), head_dim_of(cfg)
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    eagle = generation == "EAGLE-3"   # one layer, q/k/v over [embedding; features] (2H); Llama's has no q/k norm
+    width = 2 * H if eagle else H
+    per_layer = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+                 **mlp_tensors(cfg, "layers.0.mlp.gate.weight" in state),
+                 "self_attn.q_proj.weight": (q, width), "self_attn.k_proj.weight": (kv, width),
+                 "self_attn.v_proj.weight": (kv, width), "self_attn.o_proj.weight": (H, q)}
+    if generation == "MTP":   # one layer over fc([embedding; hidden]); q_proj gives each head's query and gate
+        per_layer["self_attn.q_proj.weight"] = (2 * q if head["gate"] else q, H)
+        return {"fc.weight": (H, 2 * H), "norm.weight": (H,), "pre_fc_norm_embedding.weight": (H,),
+                "pre_fc_norm_hidden.weight": (H,), "layers.0.self_attn.q_norm.weight": (hd,),
+                "layers.0.self_attn.k_norm.weight": (hd,), **{"layers.0." + k: s for k, s in per_layer.items()}}
+    if not eagle or "layers.0.self_attn.q_norm.weight" in state:
+        per_layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+    if eagle:
+        per_layer["hidden_norm.weight"] = (H,)
+    if cfg.get("attention_bias"):
+        per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                          "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.bias": (H,)})
+    shapes = {"fc.weight": (H, None), "norm.weight": (H,), **({} if eagle else {"hidden_norm.weight": (H,)})}
+    if generation == "DFlash 2":
+        K, groups = conv[0], H // conv[1]
+        for sub in ("attention_conv", "mlp_conv"):
+            per_layer.update({f"{sub}.base_kernel": (2, K, H), f"{sub}.kernel_projection.weight": (2 * K * groups, H)})
+        rank = dflash_value(cfg, "selector_rank")
+        if rank is None:   # from the tensor itself; the codebooks must agree with it
+            rank = getattr(state.get(SELECTOR + "hidden_projection.weight"), "shape", (None,))[0]
+        shapes.update({SELECTOR + "hidden_projection.weight": (rank, H), SELECTOR + "predecessor_codebook": (vocab, rank),
+                       SELECTOR + "successor_codebook": (vocab, rank)})
+    if generation == "DSpark" and head["rank"]:   # W1 reads the previous token (target ids), W2 writes draft logits
+        r, m = head["rank"], "markov_head."
+        shapes.update({m + "markov_w1.weight": (vocab, r), m + "markov_w2.weight": (draft_vocab or vocab, r)})
+        if head["kind"] == "gated":
+            shapes.update({m + "gate_proj.weight": (r, H + r), m + "gate_proj.bias": (r,)})
+        if head["kind"] == "rnn":
+            shapes.update({m + "joint_proj.weight": (3 * r, 2 * r + H), m + "joint_proj.bias": (3 * r,)})
+    if generation == "Domino":
+        G, E = dflash_value(cfg, "gru_hidden_dim"), dflash_value(cfg, "emb_dim")
+        shapes.update({"prefix_gru.weight_ih_l0": (3 * G, H), "prefix_gru.weight_hh_l0": (3 * G, G),
+                       "embed_proj.0.weight": (E, H + G), "embed_proj.2.weight": (vocab, E)})
+    for i in range(1 if eagle else cfg.get("num_hidden_layers", 0)):
+        shapes.update({f"layers.{i}.{k}": shape for k, shape in per_layer.items()})
+    return shapes
+
+
+def dflash2_settings(cfg, state, name, settings):
+    """((conv taps K, channels per group), selector candidates per slot) of a DFlash 2 drafter: from its
+    config, else (said in a line) from the tensor shapes and the public default of 16 candidates."""
+    H, found = cfg["hidden_size"], {}
+    kernel, projection = state.get("layers.0.attention_conv.base_kernel"), \
+        state.get("layers.0.attention_conv.kernel_projection.weight")
+    K = dflash_value(cfg, "conv_kernel_size")
+    if K is None and kernel is not None and kernel.dim() == 3:
+        K = found["conv_kernel_size"] = kernel.shape[1]
+    group = dflash_value(cfg, "conv_group_size")
+    if group is None and K and projection is not None and projection.shape[0] % (2 * K) == 0:
+        group = found["conv_group_size"] = H // max(1, projection.shape[0] // (2 * K))
+    top_k = dflash_value(cfg, "selector_top_k")
+    if top_k is None:
+        top_k = found["selector_top_k"] = 16
+    if K is None or group is None:
+        fail(f"drafter {name}: a DFlash 2 drafter needs conv_kernel_size and conv_group_size in its dflash_config "
+             "(or layers.N.attention_conv tensors to read them from); they are missing")
+    if int(group) < 1 or H % int(group):
+        fail(f"drafter {name}: conv_group_size {group} does not divide the hidden size {H}")
+    if found:
+        log(settings, f"drafter {name}: inferred " + ", ".join(f"{k} {v}" for k, v in found.items())
+            + " (not in its config)")
+    return (int(K), int(group)), int(top_k)
+
+
+def selector_buffers(drafter, rows, dev):
+    """Per draft row, what DFlash 2's selector reads: the top-k logits and their ids, and the projected
+    hidden state."""
+    k, rank = drafter.selector_top_k, drafter.weights[SELECTOR + "hidden_projection.weight"].shape[0]
+    dtype = drafter.weights["fc.weight"].dtype
+    return (torch.empty(rows, k, dtype=dtype, device=dev), torch.empty(rows, k, dtype=torch.long, device=dev),
+            torch.empty(rows, rank, dtype=dtype, device=dev))
+
+
+def select_path(drafter, unary, candidates, projected, first):
+    """DFlash 2's candidate path selector, greedy and batched over anchors: slot j takes the candidate with
+    the best unary logit + <A[previous pick] * P(h_j), S[candidate]> (A, S the predecessor and successor
+    codebooks, P the hidden projection); the previous pick of slot 1 is the anchor's token. The block's
+    drafts are that path, not each slot's argmax. (n * (B-1),) ids, B-1 small steps."""
+    steps, w = drafter.block_size - 1, drafter.weights
+    before, after = w[SELECTOR + "predecessor_codebook"], w[SELECTOR + "successor_codebook"]
+    unary, candidates, projected = (t.view(first.shape[0], steps, -1) for t in (unary, candidates, projected))
+    previous, path = first, []
+    for j in range(steps):
+        scores = unary[:, j] + torch.einsum("nr,nkr->nk", before[previous] * projected[:, j], after[candidates[:, j]])
+        previous = candidates[:, j].gather(1, scores.argmax(-1, keepdim=True))[:, 0]
+        path.append(previous)
+    return torch.stack(path, dim=1).reshape(-1)
+
+
+def selector_prob(drafter, unary, candidates, projected, first, reference, temperature):
+    """DFlash 2 sampling (the public loop): slot j draws from softmax(scores / temperature) over its candidates,
+    scored against the token before it; given the text, that token is the reference's. The probability of
+    each reference token (0 when it is no candidate). float64 (n * (B-1),)."""
+    w = drafter.weights
+    previous = torch.cat([first[:, None], reference[:, :-1]], dim=1).reshape(-1)
+    scores = unary + torch.einsum("nr,nkr->nk", w[SELECTOR + "predecessor_codebook"][previous] * projected,
+                                  w[SELECTOR + "successor_codebook"][candidates])
+    q = (scores.float() / temperature).softmax(-1)
+    return (q * (candidates == reference.reshape(-1)[:, None])).sum(-1).double()
+
+
+MARKOV_HEADS = ("vanilla", "gated", "rnn")
+
+
+def dspark_head(cfg, state, where, settings):
+    """What DSpark's proposal step reads, from the config (dflash_config first, where SpecForge writes it, then the
+    top level, where the engines read it): the Markov head's kind and rank (rank 0, SpecForge's default, is no head:
+    each slot's argmax), and --dspark-draft-topk."""
+    w1 = state.get("markov_head.markov_w1.weight")
+    rank = dflash_value(cfg, "markov_rank", w1.shape[-1] if w1 is not None and w1.dim() == 2 else 0)
+    kind = dflash_value(cfg, "markov_head_type", "vanilla")
+    if kind not in MARKOV_HEADS:
+        fail(f"{where} with markov_head_type {kind!r}: DSpark's heads are {', '.join(MARKOV_HEADS)}")
+    if not isinstance(rank, int) or rank < 0:
+        fail(f"{where} with markov_rank {rank!r}: it must be an integer >= 0 (0: no Markov head)")
+    return {"kind": kind if rank else None, "rank": rank, "topk": settings.get("dspark_draft_topk") or 0}
+
+
+def domino_head(cfg, state, where, settings):
+    """What Domino's proposal step reads: the pure-draft prefix P, shift_label, --domino-candidate-pool."""
+    for key in ("emb_dim", "gru_hidden_dim"):
+        if dflash_value(cfg, key) is None:
+            fail(f"{where} needs {key} in its dflash_config, where SpecForge writes it; it is missing (pass the "
+                 "config it was trained with: --drafter-config FILE)")
+    prefix, shift = dflash_value(cfg, "pure_draft_prefix_len", 0), dflash_value(cfg, "shift_label", False)
+    if not isinstance(prefix, int) or prefix < 0 or not isinstance(shift, bool):
+        fail(f"{where} with pure_draft_prefix_len {prefix!r} and shift_label {shift!r}: they must be an integer "
+             ">= 0 and true or false")
+    return {"prefix": prefix, "shift": shift, "pool": settings.get("domino_candidate_pool") or 0}
+
+
+def dspark_note(head):
+    """What the load line says of a DSpark drafter: its head, and which engines serve it how."""
+    if not head["rank"]:
+        return "; no Markov head (markov_rank 0): each slot's argmax; vLLM and SGLang need markov_rank > 0"
+    vllm = "vLLM 0.33 (greedy drafts by default)" if head["kind"] == "vanilla" else \
+        "not vLLM 0.33 (its Qwen3 DSpark has the vanilla head only)"
+    return (f"; {head['kind']} Markov head of rank {head['rank']}" +
+            (f", drafts among each slot's top {head['topk']} (vLLM's dspark_draft_topk)" if head["topk"] else "")
+            + f"; served by SGLang 0.5.23 (samples drafts at the request temperature by default) and {vllm}")
+
+
+def domino_note(head):
+    """What the load line says of a Domino drafter: its GRU's settings, and how SGLang serves it."""
+    return (f"; GRU over the drafted prefix, pure-draft prefix P = {head['prefix']}, shift_label "
+            f"{'on' if head['shift'] else 'off'}" +
+            (f", a candidate pool of {head['pool']}" if head["pool"] else ", exact argmax (no candidate pool)")
+            + "; served by SGLang 0.5.23 only, greedy, with P = 1" + ("" if head["prefix"] == 1 else
+            f" (it refuses P = {head['prefix']})") + " and a pool of 2048 by default")
+
+
+def load_block(name, path, generation, cfg, state, layout, raw, target_cfg, settings, identify):
+    """A drafter of the DFlash block family (DFlash, DFlash 2, DSpark, Domino): a block of [anchor, MASK, ...]
+    through its layers over the context, each family's proposal step after it."""
+    fam = FAMILIES[generation]
+    if cfg is None:
+        cfg = infer_config(state, target_cfg, settings, name, trained_values(raw))
+    if layout == "transformers-native assistant":
+        cfg = {**NATIVE_DEFAULTS, "layer_types": ["sliding_attention"] * cfg.get("num_hidden_layers", 0), **cfg}
+    if dflash_value(cfg, "block_size") is None and not cfg.get("dflash_config"):
+        fail(f"{path} is not a DFlash drafter: its config.json has neither block_size nor dflash_config")
+    if "fc.weight" not in state or "hidden_norm.weight" not in state:
+        fail(f"{path} is not a DFlash drafter: its weights have no fc.weight / hidden_norm.weight "
+             "(nor encoder.fc.weight / encoder.output_norm_enc.weight)")
+    missing = [k for k in NEEDED_CONFIG if cfg.get(k) is None]
+    if missing:
+        fail(f"drafter {name}: its config has no {missing[0]}" +
+             (" in transformer_layer_config" if layout == "speculators" else ""))
+    spec_cfg = cfg.get("speculators") or {}
+    # DSpark drafts from the anchor's slot too: SpecForge trains it so, speculators and the engines default to it
+    from_anchor = spec_cfg.get("sample_from_anchor", fam.from_anchor and cfg.get("sample_from_anchor", True))
+
+    check_hidden(cfg, target_cfg, name)
+    layer_ids = drafter_layer_ids(cfg, state, target_cfg, settings, name)
+    mask_id = settings.get("mask_token_id")
+    mask_id = dflash_value(cfg, "mask_token_id") if mask_id is None else mask_id
+    if mask_id is None or not 0 <= int(mask_id) < target_cfg.vocab_size:
+        fail(f"drafter {name}: mask_token_id {mask_id} is outside the target vocab ({target_cfg.vocab_size})")
+    block_size = settings["block_size"] or int(dflash_value(cfg, "block_size", 16))
+    if block_size < 2 - from_anchor:
+        fail(f"drafter {name}: block size {block_size} is too small (needs at least {2 - from_anchor})")
+    carried = {k: state.pop(k) for k in CARRIED if k in state}
+    vocab = draft_vocabulary(carried, cfg, target_cfg, name)
+    if vocab is not None and fam.full_vocabulary:
+        fail(f"drafter {name}: a {generation} drafter with a reduced draft vocabulary (d2t, t2d): its "
+             f"{fam.full_vocabulary} score target-vocabulary tokens, and no trainer makes one with a reduced vocabulary")
+    rules = layer_rules(cfg, settings, layout)
+    head = fam.head(cfg, state, f"drafter {name}: a {generation} drafter", settings) if fam.head else None
+    for flag in (f for f in ("dspark_draft_topk", "domino_candidate_pool") if not fam.head and settings.get(f)):
+        log(settings, f"drafter {name}: --{flag.replace('_', '-')} applies to its family's drafters only")
+    log(settings, f"drafter {name}: {generation}, {layout} layout" + layout_note(layout, spec_cfg, rules, vocab)
+        + (fam.note(head) if fam.note else ""))
+    if fam.greedy and settings.get("temperature") and settings.get("draft_policy") == "sample":
+        fail(f"drafter {name}: a {generation} drafter drafts greedily at every temperature (SGLang serves it so); "
+             "use --draft-policy argmax")
+    for k in [k for k in state if k.startswith("confidence_head.")]:
+        state.pop(k)   # DSpark's confidence head sizes SGLang's verify windows in its non-default modes, no draft
+    conv, top_k = fam.conv(cfg, state, name, settings) if fam.conv else ((), 0)
+    check_drafter_tensors(state, expected_tensors(cfg, conv, generation, state, target_cfg.vocab_size, head,
+                                                  len(vocab[0]) if vocab is not None else None), name, generation)
+    facts = (cfg, layer_ids, block_size + from_anchor, int(mask_id), rules, generation, conv, top_k, head)
+    return drafter_record(state, carried, vocab, target_cfg, settings, identify, facts, name=name,
+                          checkpoint=os.path.abspath(path), cfg=cfg, layers=layer_ids, block_size=block_size + from_anchor,
+                          mask_token_id=int(mask_id), rules=rules, generation=generation, layout=layout,
+                          embed_scale=float(dflash_value(cfg, "input_embedding_scale", 1.0)),
+                          logit_multiplier=float(dflash_value(cfg, "output_multiplier", 1.0)),
+                          softcap=float(dflash_value(cfg, "final_logit_softcapping", 0.0)), conv=conv,
+                          selector_top_k=top_k, from_anchor=from_anchor, warnings=config_warnings(cfg, target_cfg),
+                          head=head)
+
+
+def markov_bias(w, kind, prev, rows, state):
+    """DSpark's Markov bias over the draft vocabulary for the slot rows (n, H) given the previous tokens (target
+    ids): W2 e with e = W1[prev] (vanilla), gated by sigmoid(Wg [h; e] + b) (gated), or, rnn, the tanh of the
+    output third of Wj [s; e; h] + b whose other thirds update the block's state s (zero at the block's start)."""
+    m = "markov_head."
+    e = F.embedding(prev, w[m + "markov_w1.weight"])
+    if kind == "gated":
+        e = torch.sigmoid(F.linear(torch.cat([rows, e], -1), w[m + "gate_proj.weight"], w[m + "gate_proj.bias"])) * e
+    elif kind == "rnn":
+        state = e.new_zeros(e.shape) if state is None else state
+        a, c, o = F.linear(torch.cat([state, e, rows], -1), w[m + "joint_proj.weight"], w[m + "joint_proj.bias"]).chunk(3, -1)
+        keep = torch.sigmoid(a)
+        state, e = keep * state + (1 - keep) * torch.tanh(c), torch.tanh(o)
+    return F.linear(e, w[m + "markov_w2.weight"]), state
+
+
+def gru_step(w, x, g):
+    """Domino's bias-free GRU, one step from state g (zero before the anchor) on input rows x (PyTorch's gate
+    order: reset, update, new)."""
+    g = x.new_zeros(x.shape[0], w["prefix_gru.weight_hh_l0"].shape[1]) if g is None else g
+    xr, xz, xn = F.linear(x, w["prefix_gru.weight_ih_l0"]).chunk(3, -1)
+    hr, hz, hn = F.linear(g, w["prefix_gru.weight_hh_l0"]).chunk(3, -1)
+    reset, update = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
+    return (1 - update) * torch.tanh(xn + reset * hn) + update * g
+
+
+def corrected(drafter, raw, rows, prev, state, k, embed_w):
+    """Slot k's raw logits with its family's correction, given the token before it `prev` (target ids) and the
+    chain's state: (logits, state). Training code calls this too, with the reference tokens as prev."""
+    h, w = drafter.head, drafter.weights
+    if drafter.generation == "DSpark":
+        if not h["rank"]:
+            return raw, state
+        bias, state = markov_bias(w, h["kind"], prev, rows, state)
+        return raw + bias, state
+    state = gru_step(w, embed_w[prev], state)   # Domino: the GRU has read the anchor and the drafts up to prev
+    if k + 1 <= h["prefix"]:
+        return raw, state
+    return raw + F.linear(F.silu(F.linear(torch.cat([rows, state], -1), w["embed_proj.0.weight"])),
+                          w["embed_proj.2.weight"]), state
+
+
+def chain_step(drafter, out, k, logits, drafted, given, sampling):
+    """Slot k of a chained proposal: out[:, k] = its draft, or with `given` tokens their probability under
+    softmax(logits / T) (the engines sample drafts at the temperature alone). Returns the token the next slot
+    follows."""
+    if given is None:
+        out[:, k] = drafted
+        return drafted
+    tokens = to_draft(drafter, given[:, k])
+    out[:, k] = sampled_prob(logits, tokens.clamp(min=0), (sampling[0], 1.0, 0)) * (tokens >= 0)
+    return given[:, k]
+
+
+def chain_drafts(drafter, head, hidden, first, embed_w, prompt_id, given=None, sampling=None):
+    """DSpark and Domino, as the engines draft: slot by slot, each slot's logits corrected by the drafts before
+    it (DSpark: the Markov bias of the previous token, the anchor's for the first; Domino: past its pure-draft
+    prefix, the correction from a GRU run over the anchor's and the drafted tokens' embeddings), then the argmax
+    among the allowed tokens (--dspark-draft-topk, --domino-candidate-pool). Returns the drafts (n, B-1) as
+    target ids. Given tokens `given` (n, B-1), the chain follows them instead of its own drafts and returns the
+    probability (float64) that a drafter sampling at temperature T (SGLang's draft sampling, no top-p or top-k)
+    proposes each."""
+    n, S, _ = hidden.shape
+    h = drafter.head
+    out = torch.empty(n, S, dtype=torch.long if given is None else torch.float64, device=hidden.device)
+    prev, state, allowed = first, None, None
+    # The base logits in one lm_head call where they fit the logits budget: the sequential part is the heads alone
+    every = base_logits(drafter, head, hidden.reshape(n * S, -1)).view(n, S, -1) if n * S <= drafter.logit_rows else None
+
+    def base(k):
+        return every[:, k] if every is not None else base_logits(drafter, head, hidden[:, k])
+
+    if drafter.generation == "Domino" and h["pool"] and S > 1:   # one pool per block, ranked by the best base logit
+        best = torch.stack([base(k) for k in range(1, S)]).amax(0)
+        pool = best.topk(min(h["pool"], best.shape[-1]), dim=-1).indices
+        allowed = torch.zeros_like(best, dtype=torch.bool).scatter_(1, pool, True)
+    for k in range(S):
+        rows, keep = hidden[:, k], allowed if k else None
+        raw = base(k)
+        if drafter.generation == "DSpark" and h["topk"]:   # vLLM: the Markov bias for each slot's best base logits only
+            keep = torch.zeros_like(raw, dtype=torch.bool).scatter_(1, raw.topk(min(h["topk"], raw.shape[-1]),
+                                                                                 dim=-1).indices, True)
+        raw, state = corrected(drafter, raw, rows, prev, state, k, embed_w)
+        logits, drafted = drafter_logits(drafter, head, rows, prompt_id, raw)
+        if keep is not None:
+            logits = logits.masked_fill(~keep, -math.inf)
+            drafted = to_target(drafter, logits.argmax(-1))
+        prev = chain_step(drafter, out, k, logits, drafted, given, sampling)
+    return out
+
+
+def chained_round(d, context_kv, anchors, first, starts, embed_w, head, prompt_id, reference=None, sampling=None):
+    """DSpark's and Domino's round: the block through the backbone, then slot by slot, each draft corrected by the
+    ones before it; given `reference` tokens, also the probability that a sampling drafter proposes each."""
+    hidden = proposal_rows(d, drafter_forward(d, context_kv, anchors, mask_block(d, first), embed_w, starts))
+    drafts = chain_drafts(d, head, hidden, first, embed_w, prompt_id)
+    return drafts, None if reference is None else chain_drafts(d, head, hidden, first, embed_w, prompt_id, reference,
+                                                               sampling)
+
+
+def eagle3_config(cfg, name, layout):
+    """An EAGLE-3 config: the drafter's layer config at the top level, and under "eagle" what the engines read.
+    speculators keeps its layers in transformer_layer_config, its captured ids as hidden_states indices at the
+    top level, and vLLM fills norm_before_residual true where that layout omits it; SpecForge's
+    LlamaForCausalLMEagle3 is a Llama config, its ids (if any) in eagle_config as layer outputs."""
+    where = f"drafter {name}: its EAGLE-3 config"
+    layer = cfg.get("transformer_layer_config") if layout == "speculators" else cfg
+    if not isinstance(layer, dict) or not layer.get("hidden_size"):
+        fail(f"{where} has no {'transformer_layer_config' if layout == 'speculators' else 'hidden_size'} (pass the "
+             "config it was trained with: --drafter-config FILE)")
+    nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    proposals = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    return {**layer, "architectures": cfg.get("architectures"), "eagle": {
+        "hf_ids": cfg.get("eagle_aux_hidden_state_layer_ids"), "nested_ids": nested,
+        "norm_before_residual": bool(cfg.get("norm_before_residual", layout == "speculators")),
+        "norm_before_fc": bool(cfg.get("norm_before_fc", False)), "fc_norm": bool(cfg.get("fc_norm", False)),
+        "norm_output": bool(cfg.get("norm_output", False)), "norm_output_given": "norm_output" in cfg,
+        "draft_vocab_size": cfg.get("draft_vocab_size"), "steps": int(proposals[0].get("speculative_tokens", 3))}}
+
+
+def eagle3_layers(e, target_cfg, settings, name, n_fc):
+    """The target layers (as layer outputs, this tool's ids) an EAGLE-3 drafter reads, by --engine's rule."""
+    L = target_cfg.num_hidden_layers
+    if settings.get("layers") is not None:
+        ids, source = settings["layers"], "--layers"
+    elif e["hf_ids"] is not None:   # top level (speculators, vLLM): hidden_states index i is layer i - 1's output
+        ids, source = [int(i) - 1 for i in e["hf_ids"]], "eagle_aux_hidden_state_layer_ids (hidden_states indices)"
+    elif e["nested_ids"] is not None and settings.get("engine") == "sglang":
+        ids, source = [int(i) for i in e["nested_ids"]], "eagle_config's ids, layer outputs (SGLang)"
+    else:   # both engines' default: hidden_states indices 2, L // 2, L - 3
+        ids, source = [1, L // 2 - 1, L - 4], "the engines' default"
+        if e["nested_ids"] is not None:
+            source += " (vLLM ignores eagle_config's ids; --engine sglang reads them)"
+    if len(ids) != n_fc:
+        fail(f"drafter {name}: fc expects {n_fc} captured layers, {source} gives {ids}")
+    if any(not 0 <= i < L - 1 for i in ids):
+        fail(f"drafter {name}: captured layer ids {ids} ({source}) must lie in 0..{L - 2} for this {L}-layer target")
+    return sorted(ids), source
+
+
+def load_eagle3(name, path, generation, cfg, state, layout, raw, target_cfg, settings, identify):
+    """An EAGLE-3 drafter: one decoder layer over [embedding; fused target features], chained K steps."""
+    e, H = cfg["eagle"], cfg["hidden_size"]
+    check_hidden(cfg, target_cfg, name)
+    if "fc.weight" not in state or "layers.0.hidden_norm.weight" not in state:
+        fail(f"drafter {name}: an EAGLE-3 drafter needs fc.weight and layers.0.hidden_norm.weight (or midlayer.*)")
+    n_fc = state["fc.weight"].shape[1] // target_cfg.hidden_size
+    layers, source = eagle3_layers(e, target_cfg, settings, name, n_fc)
+    carried = {k: state.pop(k) for k in CARRIED if k in state}
+    vocab = draft_vocabulary(carried, {**cfg, "speculators": {"draft_vocab_size": e["draft_vocab_size"]}}, target_cfg,
+                             name)
+    if vocab is None and "lm_head.weight" in carried:   # its own head over the target's vocabulary
+        vocab = (torch.arange(target_cfg.vocab_size), torch.arange(target_cfg.vocab_size))
+    steps = (settings.get("block_size") or e["steps"] + 1) - 1
+    head = {k: e[k] for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")}
+    head["engine"] = settings.get("engine", "vllm")
+    log(settings, f"drafter {name}: EAGLE-3, {layout} layout; captured layers {layers} from {source}; "
+                  f"{steps} steps a round; norm_before_residual {head['norm_before_residual']}, feeds back the "
+                  f"{'post' if head['norm_output'] else 'pre'}-norm hidden" +
+                  ("; SpecForge's norm_output means the norm before lm_head, the engines read it as the hidden fed "
+                   "back: the engines' reading is used" if e["norm_output_given"] and layout == "SpecForge" else ""))
+    shapes = expected_tensors(cfg, (), "EAGLE-3", state, target_cfg.vocab_size)
+    shapes["fc.weight"] = (H, n_fc * target_cfg.hidden_size)
+    if head["norm_before_fc"]:
+        shapes["input_norm.weight"] = (n_fc * target_cfg.hidden_size,)
+    if head["fc_norm"]:
+        shapes.update({f"fc_norm.{i}.weight": (target_cfg.hidden_size,) for i in range(n_fc)})
+    check_drafter_tensors(state, shapes, name, "EAGLE-3")
+    # its own lm_head is never the target's to warn about: vocab holds it (an identity mapping at full vocabulary)
+    return drafter_record(state, carried, vocab, target_cfg, settings, identify,
+                          (cfg, layers, steps + 1, "EAGLE-3", head), name=name, checkpoint=os.path.abspath(path),
+                          cfg=cfg, layers=layers, block_size=steps + 1, mask_token_id=-1, rules=[],
+                          generation="EAGLE-3", layout=layout, head=head, warnings=[])
+
+
+MTP_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")   # text model types whose MTP layer this tool runs
+
+MTP_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "rms_norm_eps", "attention_bias", "attn_output_gate", "num_experts", "num_experts_per_tok",
+            "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "max_position_embeddings",
+            "rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor")
+
+DRAFTER_KEYS = ("dflash_config", "speculators_model_type", "block_size", "target_layer_ids", "mask_token_id",
+                "draft_vocab_size", "eagle_config", "eagle_aux_hidden_state_layer_ids")   # in no target's config
+
+
+def is_target_directory(path):
+    """Whether `path` holds a target model (a ...ForCausalLM or ...ForConditionalGeneration checkpoint whose config
+    has none of the drafters' keys), whose MTP layer is then the drafter."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isdir(path) or not os.path.isfile(file):
+        return False
+    cfg = read_json(file)
+    return not any(k in cfg for k in DRAFTER_KEYS) and any(
+        str(a).endswith(("ForCausalLM", "ForConditionalGeneration")) for a in cfg.get("architectures") or [])
+
+
+def load_mtp(name, path, target_cfg, settings, identify):
+    """A target's own MTP layer (Qwen3.5/3.6, Qwen3-Next): mtp.* in its safetensors, which transformers does not
+    load. x = fc([norm(embedding of token j + 1); norm(the last hidden state at j, after the final norm)]), one
+    full-attention layer of the target's kind, mtp.norm and the target's lm_head; the same layer drafts every step,
+    fed its own post-norm output back, as vLLM (method mtp) and SGLang (NEXTN) both draft it."""
+    text, files = read_target_config(path), target_tensor_files(path)
+    names = sorted(k for k in files if k.startswith("mtp."))
+    where = f"drafter {name}: {path} is a {text.model_type} target"
+    if not names:
+        deepseek = any(re.search(r"\.(eh_proj|enorm|hnorm)\.weight$", k) for k in files)
+        fail(f"{where} model, not a drafter, and its checkpoint has " + (
+             "a DeepSeek-style MTP layer (eh_proj, enorm, hnorm, shared_head), which this tool does not run yet"
+             if deepseek else "no MTP layer (no mtp.* tensors)") + f" to evaluate; give --ckpt a drafter (the tool "
+             f"runs the MTP layers of {', '.join(MTP_TYPES)} targets)")
+    if text.model_type not in MTP_TYPES:
+        fail(f"{where}: this tool runs the MTP layers of {', '.join(MTP_TYPES)} targets only")
+    if {k.split(".")[2] for k in names if k.startswith("mtp.layers.")} != {"0"}:
+        fail(f"{where} whose MTP has several layers (mtp.layers.1.*): the engines' step-by-step rotation over "
+             "them is not modelled; this tool runs a single MTP layer")
+    # Qwen3.5's and Qwen3-Next's norms scale by 1 + weight (zero-centred): kept here as the plain scale
+    state = {k[len("mtp."):]: (1.0 + v.float() if "norm" in k.split(".")[-2] else v.float())
+             for k, v in target_tensors(files, names).items()}
+    for fused in [k for k in state if k.endswith("mlp.experts.gate_up_proj")]:   # transformers 5.x's fused experts
+        p, gate_up, down = fused[:-len("gate_up_proj")], state.pop(fused), state.pop(fused[:-len("gate_up_proj")] + "down_proj")
+        for e in range(gate_up.shape[0]):
+            g, u = gate_up[e].chunk(2, 0)
+            state.update({f"{p}{e}.gate_proj.weight": g, f"{p}{e}.up_proj.weight": u, f"{p}{e}.down_proj.weight": down[e]})
+    cfg = {k: v for k, v in text.to_dict().items() if k in MTP_KEYS}   # no path: its identity is its content
+    check_hidden(cfg, target_cfg, name)
+    steps = (settings.get("block_size") or 4) - 1   # SGLang's default for Qwen: 3 steps, top-1
+    head = {"norm_output": True, "gate": bool(cfg.get("attn_output_gate", True))}
+    moe = "layers.0.mlp.gate.weight" in state
+    if settings.get("layers") is not None:
+        log(settings, f"drafter {name}: --layers does not apply to an MTP layer (it reads the last hidden state)")
+    log(settings, f"drafter {name}: MTP, the target's own layer (mtp.* in its safetensors; transformers does not "
+                  f"load it); {steps} steps a round, the one layer reused; reads the last hidden state after the final "
+                  f"norm and feeds its own post-norm output back, as vLLM and SGLang draft it; " +
+                  (f"{cfg['num_experts']} experts, top {cfg['num_experts_per_tok']}, and a shared expert" if moe
+                   else "a dense MLP"))
+    check_drafter_tensors(state, expected_tensors(cfg, (), "MTP", state, target_cfg.vocab_size, head), name, "MTP")
+    layers = [target_cfg.num_hidden_layers - 1]   # this tool's id of the post-norm last hidden state
+    return drafter_record(state, {}, None, target_cfg, settings, identify, (cfg, layers, steps + 1, "MTP", head),
+                          name=name, checkpoint=os.path.abspath(path), cfg=cfg, layers=layers, block_size=steps + 1,
+                          mask_token_id=-1, rules=[], generation="MTP", layout="target", head=head, warnings=[],
+                          rope=target_rope(text, settings["device"]))
+
+
+def eagle_fuse(d, features):
+    """fc over the captured layers' features (ascending), after their norms where the config asks for them."""
+    w, eps = d.weights, d.cfg.get("rms_norm_eps", 1e-6)
+    if d.head["norm_before_fc"]:
+        features = rms_norm(features, w["input_norm.weight"], eps)
+    if d.head["fc_norm"]:
+        features = torch.cat([rms_norm(x, w[f"fc_norm.{i}.weight"], eps)
+                              for i, x in enumerate(features.chunk(len(d.layers), -1))], -1)
+    return F.linear(features, w["fc.weight"])
+
+
+def mlp(d, p, y):
+    """Layer p's MLP on rows y: SwiGLU, or (Qwen3-Next, Qwen3.5-MoE) a softmax router's top-k experts, their
+    weights renormalized with norm_topk_prob, plus a shared expert scaled by sigmoid(shared_expert_gate y)."""
+    w = d.weights
+    if p + "mlp.gate.weight" not in w:
+        return swiglu(w, p + "mlp.", y)
+    top, experts = F.linear(y, w[p + "mlp.gate.weight"]).float().softmax(-1).topk(d.cfg["num_experts_per_tok"], dim=-1)
+    if d.cfg.get("norm_topk_prob", True):
+        top = top / top.sum(-1, keepdim=True)
+    out = torch.zeros_like(y)
+    for e in experts.unique().tolist():
+        rows, slot = (experts == e).nonzero(as_tuple=True)
+        out.index_add_(0, rows, swiglu(w, p + f"mlp.experts.{e}.", y[rows]) * top[rows, slot, None].to(y.dtype))
+    return out + torch.sigmoid(linear(y, w, p + "mlp.shared_expert_gate")) * swiglu(w, p + "mlp.shared_expert.", y)
+
+
+def causal_layer(d, emb, g, positions, attend):
+    """The one decoder layer of EAGLE-3 or MTP on rows of (token embedding, hidden g); attend(q, k, v) gives the
+    attention (heads, n, head dim). EAGLE-3: q/k/v from [input_layernorm(embedding); hidden_norm(g)] (2H), the
+    residual g (its norm with norm_before_residual). MTP: x = fc([norm(embedding); norm(g)]), then the target's
+    own pre-norm layer over x: its attention gated per head (q_proj gives each head's query and gate), its MLP
+    dense or a mixture of experts. Returns the output before the final norm, and the rows' rotated keys and
+    values."""
+    w, cfg, p = d.weights, d.cfg, "layers.0."
+    eps, hd, n_heads = cfg.get("rms_norm_eps", 1e-6), head_dim_of(cfg), cfg["num_attention_heads"]
+    if d.generation == "EAGLE-3":
+        normed = rms_norm(g, w[p + "hidden_norm.weight"], eps)
+        x = torch.cat([rms_norm(emb, w[p + "input_layernorm.weight"], eps), normed], -1)
+        residual = normed if d.head["norm_before_residual"] else g
+    else:
+        residual = F.linear(torch.cat([rms_norm(emb, w["pre_fc_norm_embedding.weight"], eps),
+                                       rms_norm(g, w["pre_fc_norm_hidden.weight"], eps)], -1), w["fc.weight"])
+        x = rms_norm(residual, w[p + "input_layernorm.weight"], eps)
+    q, gate = linear(x, w, p + "self_attn.q_proj"), None
+    if d.head.get("gate"):
+        q, gate = q.view(x.shape[0], n_heads, 2, hd).unbind(2)
+        q, gate = q.reshape(x.shape[0], -1), gate.reshape(x.shape[0], -1)
+    q, k = heads(q, n_heads, hd), heads(linear(x, w, p + "self_attn.k_proj"), cfg["num_key_value_heads"], hd)
+    v = heads(linear(x, w, p + "self_attn.v_proj"), cfg["num_key_value_heads"], hd)
+    if p + "self_attn.q_norm.weight" in w:
+        q, k = rms_norm(q, w[p + "self_attn.q_norm.weight"], eps), rms_norm(k, w[p + "self_attn.k_norm.weight"], eps)
+    cos, sin = rope_cos_sin(d, positions, x.dtype)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    attn = attend(q, k, v).transpose(0, 1).reshape(x.shape[0], -1)
+    h = residual + linear(attn if gate is None else attn * torch.sigmoid(gate), w, p + "self_attn.o_proj")
+    return h + mlp(d, p, rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)), k, v
+
+
+def causal_pass(d, features, ids, embed_w, cache=None):
+    """EAGLE-3's and MTP's first step over the whole text, causal, as the engines' window prefill leaves their
+    draft cache: row j reads token j + 1's embedding and the target's features at j (EAGLE-3: the captured layers
+    fused by fc; MTP: the last hidden state, after the final norm), at position j. [(K, V, outputs)]. Given the
+    `cache` of a pass over the first rows, only the rows after it, attending to its rows too: one round's prefill."""
+    n0 = 0 if cache is None else cache[0][0].shape[1]
+    ids_t = torch.tensor(ids[n0 + 1:], device=features.device)
+    g = features[n0:len(ids) - 1]
+    g = eagle_fuse(d, g) if d.generation == "EAGLE-3" else g
+    positions = torch.arange(n0, len(ids) - 1, device=features.device)
+
+    def attend(q, k, v):
+        if cache is not None:
+            k, v = torch.cat([cache[0][0], k], 1), torch.cat([cache[0][1], v], 1)
+        k, v = (t.repeat_interleave(q.shape[0] // t.shape[0], 0)[None] for t in (k, v))
+        mask = None if cache is None else torch.ones(q.shape[1], k.shape[2], dtype=torch.bool, device=q.device).tril(n0)
+        return F.scaled_dot_product_attention(q[None], k, v, attn_mask=mask, is_causal=cache is None)[0]
+    h, k, v = causal_layer(d, embed_w[ids_t], g, positions, attend)
+    if cache is not None:
+        (k0, v0, h0), = cache
+        k, v, h = torch.cat([k0, k], 1), torch.cat([v0, v], 1), torch.cat([h0[0], h])
+    return [(k, v, h[None])]
+
+
+def causal_chain(d, context, anchors, starts, embed_w, head, prompt_id, given=None, sampling=None):
+    """EAGLE-3's and MTP's drafts (n, K), as the engines draft a chain: draft 1 from the text pass's row before
+    the anchor; each further step one layer pass over the previous draft's embedding and the hidden fed back
+    (EAGLE-3: before the final norm, or after it with norm_output; MTP: after mtp.norm), one position on,
+    attending to the text pass's rows before the anchor and to its own chain. With `given` tokens the chain
+    follows them and returns their probability under softmax(logits / T) (vLLM's probabilistic drafts), or
+    without `sampling` every step's logits (n, K, V), as training's test-time steps see them."""
+    (k_ctx, v_ctx, h_ctx), = context
+    w, eps, S, n = d.weights, d.cfg.get("rms_norm_eps", 1e-6), d.block_size - 1, anchors.shape[0]
+    start = torch.zeros_like(anchors) if starts is None else starts
+    n_ctx, groups = int((anchors + start).max()), d.cfg["num_attention_heads"] // d.cfg["num_key_value_heads"]
+    out = torch.empty(n, S, dtype=torch.long if given is None else torch.float64, device=anchors.device)
+    h, chain_k, chain_v, steps = h_ctx[0, start + anchors - 1], [], [], []
+    for s in range(S):
+        if s:
+            mask = block_mask(anchors, n_ctx, s, ("causal", None), starts)[torch.arange(n, device=anchors.device) * s + s - 1]
+
+            def attend(q, k, v):
+                chain_k.append(k), chain_v.append(v)
+                keys, values = (torch.cat([c[:, :n_ctx], torch.stack(rows, 2).flatten(1, 2)], 1)
+                                for c, rows in ((k_ctx, chain_k), (v_ctx, chain_v)))
+                return F.scaled_dot_product_attention(q[None], keys.repeat_interleave(groups, 0)[None],
+                                                      values.repeat_interleave(groups, 0)[None], attn_mask=mask)[0]
+            h = causal_layer(d, embed_w[prev], fed, anchors - 1 + s, attend)[0]
+        normed = rms_norm(h, w["norm.weight"], eps)
+        fed = normed if d.head["norm_output"] else h
+        logits, drafted = drafter_logits(d, head, normed, prompt_id)
+        if given is not None and sampling is None:   # training: every step's logits
+            steps.append(logits)
+            prev = given[:, s]
+        else:
+            prev = chain_step(d, out, s, logits, drafted, given, sampling)
+    return torch.stack(steps, 1) if steps else out
+
+
+def causal_round(d, context, anchors, first, starts, embed_w, head, prompt_id, reference=None, sampling=None):
+    """EAGLE-3's and MTP's round: K one-layer steps from the pass over the text (no block); given `reference`
+    tokens, also the probability that a sampling drafter proposes each."""
+    drafts = causal_chain(d, context, anchors, starts, embed_w, head, prompt_id)
+    return drafts, None if reference is None else causal_chain(d, context, anchors, starts, embed_w, head, prompt_id,
+                                                               reference, sampling)
+
+
+@dataclass
+class Family:
+    """A drafter family as the rest of the tool sees it: how it loads and proposes, what the report says of it."""
+    load: object                # (name, path, generation, cfg, state, layout, raw, target_cfg, settings, identify)
+    propose: object = None      # a chained round: (drafts, proposal probabilities); None: each slot's argmax
+    causal: bool = False        # one causal pass over the text, then K chained one-layer steps: no block, no mask
+    head: object = None         # (cfg, state, where, settings) -> what its proposal step reads
+    note: object = None         # (head) -> what its load line adds
+    conv: object = None         # (cfg, state, name, settings) -> (conv taps, selector candidates): DFlash 2's
+    from_anchor: bool = False   # its anchor's slot drafts too, unless its config says otherwise
+    full_vocabulary: str = ""   # what scores target-vocabulary tokens (a reduced draft vocabulary is refused)
+    greedy: bool = False        # drafts greedily at every temperature (--draft-policy sample is refused)
+    ddtree_note: str = None     # why it has no DDTree rows (None: DDTree trees from the same drafter pass)
+    method: str = "dflash"      # vLLM's speculative method
+
+
+FAMILIES = {
+    "DFlash": Family(load_block),
+    "DFlash 2": Family(load_block, conv=dflash2_settings, full_vocabulary="selector scores", ddtree_note=(
+        "DFlash 2 drafts a chain: its selector couples each slot's choice to the previous one, and no public tree "
+        "verifier exists for those paths, so no DDTree rows (a tree from the unary logits alone is not what any "
+        "engine runs)")),
+    "DSpark": Family(load_block, chained_round, head=dspark_head, note=dspark_note, from_anchor=True, method="dspark",
+                     ddtree_note="DSpark drafts a chain: each slot's Markov bias depends on the token drafted before "
+                                 "it, and neither vLLM nor SGLang verifies DSpark trees, so no DDTree rows"),
+    "Domino": Family(load_block, chained_round, head=domino_head, note=domino_note, full_vocabulary="correction scores",
+                     greedy=True, ddtree_note="Domino drafts a chain: each proposal reads a GRU state over the tokens "
+                                              "drafted before it, and SGLang serves it as a chain only, so no DDTree "
+                                              "rows"),
+    "EAGLE-3": Family(load_eagle3, causal_round, causal=True, method="eagle3", ddtree_note=(
+        "EAGLE-3 drafts a chain here, as vLLM serves it (SGLang's token trees are out of scope), so no DDTree rows")),
+    # the MTP layer is read from a target directory: load_drafter takes it to load_mtp before any checkpoint is read
+    "MTP": Family(None, causal_round, causal=True, method="mtp", ddtree_note=(
+        "the MTP layer drafts a chain here, as vLLM serves it and SGLang by default (top-1; its token trees are out "
+        "of scope), so no DDTree rows")),
+}
+
+
+def family(d):
+    return FAMILIES[d.generation]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Drafting: a drafter loaded by its family, every anchor drafted
+
+
+def load_drafter(spec, target_cfg, settings, identify=True):
+    name, path = split_ckpt_spec(spec)
+    if not os.path.exists(path):
+        fail(f"drafter checkpoint not found: {path} (pass a drafter directory or file to --ckpt)")
+    if is_target_directory(path):
+        return load_mtp(name, path, target_cfg, settings, identify)
+    cfg, raw = read_checkpoint(path, name)
+    if settings.get("drafter_config"):
+        if cfg is None:
+            cfg = read_json(settings["drafter_config"])
+        else:
+            log(settings, f"drafter {name}: --drafter-config ignored, the checkpoint has its own config.json")
+    generation, layout, cfg, state = recognize(cfg, unwrap_state_dict(raw, name, settings), name)
+    return FAMILIES[generation].load(name, path, generation, cfg, state, layout, raw, target_cfg, settings, identify)
+
+
+def prompt_context(drafter, features, ids=None, embed_w=None):
+    """What the drafter's blocks attend to: DFlash-family context K/V per layer; EAGLE-3's and MTP's pass over the
+    text."""
+    features = torch.cat([features[L] for L in drafter.layers], dim=-1)
+    if family(drafter).causal:
+        return causal_pass(drafter, features, ids, embed_w)
+    return drafter_context(drafter, features)
+
+
+def tree_top_k(top, logits, done, B, top_k, after, n):
+    """The top_k float32 log-probs and token ids of these logit rows (rows done.. of the whole draft) that
+    DDTree builds from, kept in top = [log-probs, ids, which anchors need them] (allocated on the first
+    call). Given `after` (the reference token after each anchor), an anchor whose first slot ranks top_k or
+    more tokens strictly above that token gets none (ids -1): no tree of at most top_k nodes can hold the
+    reference's path there, so its DDTree acceptance is 1 without it."""
+    dev, k = logits.device, min(top_k, logits.shape[-1])
+    if top is None:
+        top = [torch.full((n * (B - 1), k), -math.inf, device=dev), torch.full((n * (B - 1), k), -1, device=dev),
+               torch.ones(n, dtype=torch.bool, device=dev)]
+    row = torch.arange(done, done + logits.shape[0], device=dev)
+    anchor_of = row // (B - 1)
+    if after is not None:   # first slots decide for their anchor's whole block
+        firsts = (row % (B - 1) == 0).nonzero()[:, 0]
+        token = after[anchor_of[firsts]][:, None]   # -1: outside a reduced draft vocabulary, in no tree
+        ref = logits[firsts].gather(1, token.clamp(min=0))
+        top[2][anchor_of[firsts]] = ((logits[firsts] > ref).sum(-1) < k) & (token[:, 0] >= 0)
+    keep = top[2][anchor_of].nonzero()[:, 0]
+    if keep.numel():
+        logp = (logits if keep.numel() == logits.shape[0] else logits[keep]).float().log_softmax(-1)
+        top[0][done + keep], top[1][done + keep] = logp.topk(k, dim=-1)
+    return top
 
 
 @torch.inference_mode()
@@ -2547,357 +2852,250 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
     return drafts.view(n, B - 1).cpu(), top
 
 
-def mask_block(drafter, first):
-    """The blocks [first token, MASK, ...] (n, block slots) of anchors whose tokens are `first`."""
-    block = torch.full((first.shape[0], drafter.block_size - drafter.from_anchor), drafter.mask_token_id,
-                       device=first.device)
-    block[:, 0] = first
-    return block
+# ----------------------------------------------------------------------------------------------------
+# References: the target's own (speculative or plain decoding) and a serving engine's
 
 
-def chained_round(d, context_kv, anchors, first, starts, embed_w, head, prompt_id, reference=None, sampling=None):
-    """DSpark's and Domino's round: the block through the backbone, then slot by slot, each draft corrected by the
-    ones before it; given `reference` tokens, also the probability that a sampling drafter proposes each."""
-    hidden = proposal_rows(d, drafter_forward(d, context_kv, anchors, mask_block(d, first), embed_w, starts))
-    drafts = chain_drafts(d, head, hidden, first, embed_w, prompt_id)
-    return drafts, None if reference is None else chain_drafts(d, head, hidden, first, embed_w, prompt_id, reference,
-                                                               sampling)
+@torch.inference_mode()
+def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, prompt_id=None, sampling=None,
+                         generator=None):
+    """Decoding sped up by a drafter: draft a block, verify it in one cached target pass, keep the accepted
+    drafts and the target's own next token, roll the KV cache back. The target decides every token, so the
+    output is plain decoding's: greedy token for token, sampled in distribution; it needs a cache that can
+    roll back."""
+    _, _, embed, head = target_parts(model)
+    logits_of = model_logits(model) if sampling else head   # the drafter reads the head alone
+    layers = drafter.layers
+    features, last, cache = target_pass(model, prompt_ids, layers, rewindable_cache(model))
+    check_finite(features, prompt_id)
+    if is_hybrid(model.config):
+        cache.activate_past_recording()   # after the prompt: recording it would keep every convolution input
+    # The drafter's context K/V grow with the accepted tokens only: re-projecting the whole context every
+    # round would make a generation quadratic in its length.
+    context_kv = prompt_context(drafter, features)
+    tokens = [next_token(logits_of(last[-1:]), sampling, generator)]
+    while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
+        ids = prompt_ids + tokens
+        anchor = len(ids) - 1   # its hidden state is not context: the cache holds positions < anchor
+        drafts, _ = draft_all_anchors(drafter, context_kv, torch.tensor([anchor], device=model.device),
+                                      torch.tensor([ids[anchor]], device=model.device), embed.weight, head, 0,
+                                      prompt_id)
+        block = [ids[anchor]] + drafts[0].tolist()
+        new_feats, accepted, bonus = verify_pass(
+            model, block, layers, cache, lambda last: verify(block, logits_of(last), sampling, generator))
+        check_finite(new_feats, prompt_id)
+        new_kv = drafter_context(drafter, torch.cat([new_feats[L][:accepted + 1] for L in layers], dim=-1), anchor)
+        context_kv = [(torch.cat([k, k_new], 1), torch.cat([v, v_new], 1))
+                      for (k, v), (k_new, v_new) in zip(context_kv, new_kv)]
+        for token in block[1:accepted + 1] + [bonus]:
+            tokens.append(token)
+            if len(tokens) >= max_new_tokens or token in stop_ids:
+                break
+    return tokens
 
 
-def causal_round(d, context, anchors, first, starts, embed_w, head, prompt_id, reference=None, sampling=None):
-    """EAGLE-3's and MTP's round: K one-layer steps from the pass over the text (no block); given `reference`
-    tokens, also the probability that a sampling drafter proposes each."""
-    drafts = causal_chain(d, context, anchors, starts, embed_w, head, prompt_id)
-    return drafts, None if reference is None else causal_chain(d, context, anchors, starts, embed_w, head, prompt_id,
-                                                               reference, sampling)
-
-
-def proposal_rows(drafter, hidden):
-    """The block's hidden rows (n, B-1, H) that propose the round's drafts, one each: slots 1.. (slot k drafts
-    the token after anchor + k - 1); every slot where the anchor's slot drafts too (sample_from_anchor, DSpark);
-    slots 0..B-2 for a Domino drafter trained with shift_label."""
-    start = 0 if drafter.from_anchor or (drafter.head or {}).get("shift") else 1
-    return hidden[:, start:start + drafter.block_size - 1]
-
-
-def chain_drafts(drafter, head, hidden, first, embed_w, prompt_id, given=None, sampling=None):
-    """DSpark and Domino, as the engines draft: slot by slot, each slot's logits corrected by the drafts before
-    it (DSpark: the Markov bias of the previous token, the anchor's for the first; Domino: past its pure-draft
-    prefix, the correction from a GRU run over the anchor's and the drafted tokens' embeddings), then the argmax
-    among the allowed tokens (--dspark-draft-topk, --domino-candidate-pool). Returns the drafts (n, B-1) as
-    target ids. Given tokens `given` (n, B-1), the chain follows them instead of its own drafts and returns the
-    probability (float64) that a drafter sampling at temperature T (SGLang's draft sampling, no top-p or top-k)
-    proposes each."""
-    n, S, _ = hidden.shape
-    h = drafter.head
-    out = torch.empty(n, S, dtype=torch.long if given is None else torch.float64, device=hidden.device)
-    prev, state, allowed = first, None, None
-    # The base logits in one lm_head call where they fit the logits budget: the sequential part is the heads alone
-    every = base_logits(drafter, head, hidden.reshape(n * S, -1)).view(n, S, -1) if n * S <= drafter.logit_rows else None
-
-    def base(k):
-        return every[:, k] if every is not None else base_logits(drafter, head, hidden[:, k])
-
-    if drafter.generation == "Domino" and h["pool"] and S > 1:   # one pool per block, ranked by the best base logit
-        best = torch.stack([base(k) for k in range(1, S)]).amax(0)
-        pool = best.topk(min(h["pool"], best.shape[-1]), dim=-1).indices
-        allowed = torch.zeros_like(best, dtype=torch.bool).scatter_(1, pool, True)
-    for k in range(S):
-        rows, keep = hidden[:, k], allowed if k else None
-        raw = base(k)
-        if drafter.generation == "DSpark" and h["topk"]:   # vLLM: the Markov bias for each slot's best base logits only
-            keep = torch.zeros_like(raw, dtype=torch.bool).scatter_(1, raw.topk(min(h["topk"], raw.shape[-1]),
-                                                                                 dim=-1).indices, True)
-        raw, state = corrected(drafter, raw, rows, prev, state, k, embed_w)
-        logits, drafted = drafter_logits(drafter, head, rows, prompt_id, raw)
-        if keep is not None:
-            logits = logits.masked_fill(~keep, -math.inf)
-            drafted = to_target(drafter, logits.argmax(-1))
-        prev = chain_step(drafter, out, k, logits, drafted, given, sampling)
-    return out
-
-
-def chain_step(drafter, out, k, logits, drafted, given, sampling):
-    """Slot k of a chained proposal: out[:, k] = its draft, or with `given` tokens their probability under
-    softmax(logits / T) (the engines sample drafts at the temperature alone). Returns the token the next slot
-    follows."""
-    if given is None:
-        out[:, k] = drafted
-        return drafted
-    tokens = to_draft(drafter, given[:, k])
-    out[:, k] = sampled_prob(logits, tokens.clamp(min=0), (sampling[0], 1.0, 0)) * (tokens >= 0)
-    return given[:, k]
-
-
-def corrected(drafter, raw, rows, prev, state, k, embed_w):
-    """Slot k's raw logits with its family's correction, given the token before it `prev` (target ids) and the
-    chain's state: (logits, state). Training code calls this too, with the reference tokens as prev."""
-    h, w = drafter.head, drafter.weights
-    if drafter.generation == "DSpark":
-        if not h["rank"]:
-            return raw, state
-        bias, state = markov_bias(w, h["kind"], prev, rows, state)
-        return raw + bias, state
-    state = gru_step(w, embed_w[prev], state)   # Domino: the GRU has read the anchor and the drafts up to prev
-    if k + 1 <= h["prefix"]:
-        return raw, state
-    return raw + F.linear(F.silu(F.linear(torch.cat([rows, state], -1), w["embed_proj.0.weight"])),
-                          w["embed_proj.2.weight"]), state
-
-
-def markov_bias(w, kind, prev, rows, state):
-    """DSpark's Markov bias over the draft vocabulary for the slot rows (n, H) given the previous tokens (target
-    ids): W2 e with e = W1[prev] (vanilla), gated by sigmoid(Wg [h; e] + b) (gated), or, rnn, the tanh of the
-    output third of Wj [s; e; h] + b whose other thirds update the block's state s (zero at the block's start)."""
-    m = "markov_head."
-    e = F.embedding(prev, w[m + "markov_w1.weight"])
-    if kind == "gated":
-        e = torch.sigmoid(F.linear(torch.cat([rows, e], -1), w[m + "gate_proj.weight"], w[m + "gate_proj.bias"])) * e
-    elif kind == "rnn":
-        state = e.new_zeros(e.shape) if state is None else state
-        a, c, o = F.linear(torch.cat([state, e, rows], -1), w[m + "joint_proj.weight"], w[m + "joint_proj.bias"]).chunk(3, -1)
-        keep = torch.sigmoid(a)
-        state, e = keep * state + (1 - keep) * torch.tanh(c), torch.tanh(o)
-    return F.linear(e, w[m + "markov_w2.weight"]), state
-
-
-def causal_pass(d, features, ids, embed_w, cache=None):
-    """EAGLE-3's and MTP's first step over the whole text, causal, as the engines' window prefill leaves their
-    draft cache: row j reads token j + 1's embedding and the target's features at j (EAGLE-3: the captured layers
-    fused by fc; MTP: the last hidden state, after the final norm), at position j. [(K, V, outputs)]. Given the
-    `cache` of a pass over the first rows, only the rows after it, attending to its rows too: one round's prefill."""
-    n0 = 0 if cache is None else cache[0][0].shape[1]
-    ids_t = torch.tensor(ids[n0 + 1:], device=features.device)
-    g = features[n0:len(ids) - 1]
-    g = eagle_fuse(d, g) if d.generation == "EAGLE-3" else g
-    positions = torch.arange(n0, len(ids) - 1, device=features.device)
-
-    def attend(q, k, v):
-        if cache is not None:
-            k, v = torch.cat([cache[0][0], k], 1), torch.cat([cache[0][1], v], 1)
-        k, v = (t.repeat_interleave(q.shape[0] // t.shape[0], 0)[None] for t in (k, v))
-        mask = None if cache is None else torch.ones(q.shape[1], k.shape[2], dtype=torch.bool, device=q.device).tril(n0)
-        return F.scaled_dot_product_attention(q[None], k, v, attn_mask=mask, is_causal=cache is None)[0]
-    h, k, v = causal_layer(d, embed_w[ids_t], g, positions, attend)
-    if cache is not None:
-        (k0, v0, h0), = cache
-        k, v, h = torch.cat([k0, k], 1), torch.cat([v0, v], 1), torch.cat([h0[0], h])
-    return [(k, v, h[None])]
-
-
-def eagle_fuse(d, features):
-    """fc over the captured layers' features (ascending), after their norms where the config asks for them."""
-    w, eps = d.weights, d.cfg.get("rms_norm_eps", 1e-6)
-    if d.head["norm_before_fc"]:
-        features = rms_norm(features, w["input_norm.weight"], eps)
-    if d.head["fc_norm"]:
-        features = torch.cat([rms_norm(x, w[f"fc_norm.{i}.weight"], eps)
-                              for i, x in enumerate(features.chunk(len(d.layers), -1))], -1)
-    return F.linear(features, w["fc.weight"])
-
-
-def causal_layer(d, emb, g, positions, attend):
-    """The one decoder layer of EAGLE-3 or MTP on rows of (token embedding, hidden g); attend(q, k, v) gives the
-    attention (heads, n, head dim). EAGLE-3: q/k/v from [input_layernorm(embedding); hidden_norm(g)] (2H), the
-    residual g (its norm with norm_before_residual). MTP: x = fc([norm(embedding); norm(g)]), then the target's
-    own pre-norm layer over x: its attention gated per head (q_proj gives each head's query and gate), its MLP
-    dense or a mixture of experts. Returns the output before the final norm, and the rows' rotated keys and
-    values."""
-    w, cfg, p = d.weights, d.cfg, "layers.0."
-    eps, hd, n_heads = cfg.get("rms_norm_eps", 1e-6), head_dim_of(cfg), cfg["num_attention_heads"]
-    if d.generation == "EAGLE-3":
-        normed = rms_norm(g, w[p + "hidden_norm.weight"], eps)
-        x = torch.cat([rms_norm(emb, w[p + "input_layernorm.weight"], eps), normed], -1)
-        residual = normed if d.head["norm_before_residual"] else g
-    else:
-        residual = F.linear(torch.cat([rms_norm(emb, w["pre_fc_norm_embedding.weight"], eps),
-                                       rms_norm(g, w["pre_fc_norm_hidden.weight"], eps)], -1), w["fc.weight"])
-        x = rms_norm(residual, w[p + "input_layernorm.weight"], eps)
-    q, gate = linear(x, w, p + "self_attn.q_proj"), None
-    if d.head.get("gate"):
-        q, gate = q.view(x.shape[0], n_heads, 2, hd).unbind(2)
-        q, gate = q.reshape(x.shape[0], -1), gate.reshape(x.shape[0], -1)
-    q, k = heads(q, n_heads, hd), heads(linear(x, w, p + "self_attn.k_proj"), cfg["num_key_value_heads"], hd)
-    v = heads(linear(x, w, p + "self_attn.v_proj"), cfg["num_key_value_heads"], hd)
-    if p + "self_attn.q_norm.weight" in w:
-        q, k = rms_norm(q, w[p + "self_attn.q_norm.weight"], eps), rms_norm(k, w[p + "self_attn.k_norm.weight"], eps)
-    cos, sin = rope_cos_sin(d, positions, x.dtype)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    attn = attend(q, k, v).transpose(0, 1).reshape(x.shape[0], -1)
-    h = residual + linear(attn if gate is None else attn * torch.sigmoid(gate), w, p + "self_attn.o_proj")
-    return h + mlp(d, p, rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)), k, v
-
-
-def swiglu(w, p, y):
-    return linear(F.silu(linear(y, w, p + "gate_proj")) * linear(y, w, p + "up_proj"), w, p + "down_proj")
-
-
-def mlp(d, p, y):
-    """Layer p's MLP on rows y: SwiGLU, or (Qwen3-Next, Qwen3.5-MoE) a softmax router's top-k experts, their
-    weights renormalized with norm_topk_prob, plus a shared expert scaled by sigmoid(shared_expert_gate y)."""
-    w = d.weights
-    if p + "mlp.gate.weight" not in w:
-        return swiglu(w, p + "mlp.", y)
-    top, experts = F.linear(y, w[p + "mlp.gate.weight"]).float().softmax(-1).topk(d.cfg["num_experts_per_tok"], dim=-1)
-    if d.cfg.get("norm_topk_prob", True):
-        top = top / top.sum(-1, keepdim=True)
-    out = torch.zeros_like(y)
-    for e in experts.unique().tolist():
-        rows, slot = (experts == e).nonzero(as_tuple=True)
-        out.index_add_(0, rows, swiglu(w, p + f"mlp.experts.{e}.", y[rows]) * top[rows, slot, None].to(y.dtype))
-    return out + torch.sigmoid(linear(y, w, p + "mlp.shared_expert_gate")) * swiglu(w, p + "mlp.shared_expert.", y)
-
-
-def causal_chain(d, context, anchors, starts, embed_w, head, prompt_id, given=None, sampling=None):
-    """EAGLE-3's and MTP's drafts (n, K), as the engines draft a chain: draft 1 from the text pass's row before
-    the anchor; each further step one layer pass over the previous draft's embedding and the hidden fed back
-    (EAGLE-3: before the final norm, or after it with norm_output; MTP: after mtp.norm), one position on,
-    attending to the text pass's rows before the anchor and to its own chain. With `given` tokens the chain
-    follows them and returns their probability under softmax(logits / T) (vLLM's probabilistic drafts), or
-    without `sampling` every step's logits (n, K, V), as training's test-time steps see them."""
-    (k_ctx, v_ctx, h_ctx), = context
-    w, eps, S, n = d.weights, d.cfg.get("rms_norm_eps", 1e-6), d.block_size - 1, anchors.shape[0]
-    start = torch.zeros_like(anchors) if starts is None else starts
-    n_ctx, groups = int((anchors + start).max()), d.cfg["num_attention_heads"] // d.cfg["num_key_value_heads"]
-    out = torch.empty(n, S, dtype=torch.long if given is None else torch.float64, device=anchors.device)
-    h, chain_k, chain_v, steps = h_ctx[0, start + anchors - 1], [], [], []
-    for s in range(S):
-        if s:
-            mask = block_mask(anchors, n_ctx, s, ("causal", None), starts)[torch.arange(n, device=anchors.device) * s + s - 1]
-
-            def attend(q, k, v):
-                chain_k.append(k), chain_v.append(v)
-                keys, values = (torch.cat([c[:, :n_ctx], torch.stack(rows, 2).flatten(1, 2)], 1)
-                                for c, rows in ((k_ctx, chain_k), (v_ctx, chain_v)))
-                return F.scaled_dot_product_attention(q[None], keys.repeat_interleave(groups, 0)[None],
-                                                      values.repeat_interleave(groups, 0)[None], attn_mask=mask)[0]
-            h = causal_layer(d, embed_w[prev], fed, anchors - 1 + s, attend)[0]
-        normed = rms_norm(h, w["norm.weight"], eps)
-        fed = normed if d.head["norm_output"] else h
-        logits, drafted = drafter_logits(d, head, normed, prompt_id)
-        if given is not None and sampling is None:   # training: every step's logits
-            steps.append(logits)
-            prev = given[:, s]
+def generate_reference(model, it, settings, speculative, drafter, stops):
+    """The target's own reference for one prompt: greedy, or sampled at the run's settings (seeded per prompt and
+    sample); by speculative decoding with the first drafter where the cache can roll back (lossless: the same
+    text as plain greedy decoding, the same distribution as plain sampling)."""
+    sampling, generator = sampling_of(settings), None
+    if sampling:
+        generator = torch.Generator(device=model.device)
+        generator.manual_seed(sample_seed(settings, it["id"], it["sample"]))
+    with timed("generate_s"):
+        if speculative:
+            ids = speculative_generate(model, drafter, it["prompt_ids"], it["room"], stops, it["id"], sampling, generator)
         else:
-            prev = chain_step(d, out, s, logits, drafted, given, sampling)
-    return torch.stack(steps, 1) if steps else out
+            ids = plain_generate(model, it["prompt_ids"], it["room"], stops, sampling, generator)
+    it.update(completion_ids=ids, source="target")
 
 
-def gru_step(w, x, g):
-    """Domino's bias-free GRU, one step from state g (zero before the anchor) on input rows x (PyTorch's gate
-    order: reset, update, new)."""
-    g = x.new_zeros(x.shape[0], w["prefix_gru.weight_hh_l0"].shape[1]) if g is None else g
-    xr, xz, xn = F.linear(x, w["prefix_gru.weight_ih_l0"]).chunk(3, -1)
-    hr, hz, hn = F.linear(g, w["prefix_gru.weight_hh_l0"]).chunk(3, -1)
-    reset, update = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
-    return (1 - update) * torch.tanh(xn + reset * hn) + update * g
+SERVER_BATCH = 8  # prompts per request
 
 
-@dataclass
-class Family:
-    """A drafter family as the rest of the tool sees it: how it loads and proposes, what the report says of it."""
-    load: object                # (name, path, generation, cfg, state, layout, raw, target_cfg, settings, identify)
-    propose: object = None      # a chained round: (drafts, proposal probabilities); None: each slot's argmax
-    causal: bool = False        # one causal pass over the text, then K chained one-layer steps: no block, no mask
-    head: object = None         # (cfg, state, where, settings) -> what its proposal step reads
-    note: object = None         # (head) -> what its load line adds
-    conv: object = None         # (cfg, state, name, settings) -> (conv taps, selector candidates): DFlash 2's
-    from_anchor: bool = False   # its anchor's slot drafts too, unless its config says otherwise
-    full_vocabulary: str = ""   # what scores target-vocabulary tokens (a reduced draft vocabulary is refused)
-    greedy: bool = False        # drafts greedily at every temperature (--draft-policy sample is refused)
-    ddtree_note: str = None     # why it has no DDTree rows (None: DDTree trees from the same drafter pass)
-    method: str = "dflash"      # vLLM's speculative method
+def server_words(error):
+    """The server's own message from an HTTP error body: error.message, message, detail, or the text."""
+    text = error.read().decode("utf-8", "replace")
+    with contextlib.suppress(json.JSONDecodeError, AttributeError):
+        body = json.loads(text)
+        words = body.get("error") or body.get("message") or body.get("detail")
+        words = words.get("message") if isinstance(words, dict) else words
+        if isinstance(words, str) and words:
+            return words
+    return text.strip()[:300] or str(error.reason)
 
 
-FAMILIES = {
-    "DFlash": Family(load_block),
-    "DFlash 2": Family(load_block, conv=dflash2_settings, full_vocabulary="selector scores", ddtree_note=(
-        "DFlash 2 drafts a chain: its selector couples each slot's choice to the previous one, and no public tree "
-        "verifier exists for those paths, so no DDTree rows (a tree from the unary logits alone is not what any "
-        "engine runs)")),
-    "DSpark": Family(load_block, chained_round, head=dspark_head, note=dspark_note, from_anchor=True, method="dspark",
-                     ddtree_note="DSpark drafts a chain: each slot's Markov bias depends on the token drafted before "
-                                 "it, and neither vLLM nor SGLang verifies DSpark trees, so no DDTree rows"),
-    "Domino": Family(load_block, chained_round, head=domino_head, note=domino_note, full_vocabulary="correction scores",
-                     greedy=True, ddtree_note="Domino drafts a chain: each proposal reads a GRU state over the tokens "
-                                              "drafted before it, and SGLang serves it as a chain only, so no DDTree "
-                                              "rows"),
-    "EAGLE-3": Family(load_eagle3, causal_round, causal=True, method="eagle3", ddtree_note=(
-        "EAGLE-3 drafts a chain here, as vLLM serves it (SGLang's token trees are out of scope), so no DDTree rows")),
-    # the MTP layer is read from a target directory: load_drafter takes it to load_mtp before any checkpoint is read
-    "MTP": Family(None, causal_round, causal=True, method="mtp", ddtree_note=(
-        "the MTP layer drafts a chain here, as vLLM serves it and SGLang by default (top-1; its token trees are out "
-        "of scope), so no DDTree rows")),
-}
+def post_json(url, body, settings, longest, what):
+    """POST with retries (5xx, timeouts, resets; exponential backoff); any other failure is one clear error."""
+    import http.client
+    import socket
+    import urllib.error
+    import urllib.request
+    data = json.dumps(body).encode()
+    retries = settings["server_retries"]
+    for attempt in range(retries + 1):
+        last = attempt == retries
+        try:
+            request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=settings["server_timeout"]) as response:
+                text = response.read()
+            try:
+                return json.loads(text)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                fail(f"{what}: the server at {url} answered with malformed JSON: {text[:100]!r}")
+        except urllib.error.HTTPError as e:
+            words = server_words(e)
+            if e.code >= 500 and not last:
+                time.sleep(0.5 * 2 ** attempt)
+                continue
+            if e.code == 400 and ("context" in words.lower() or "too long" in words.lower()):
+                fail(f"prompt {longest['id']} ({len(longest['prompt_ids'])} prompt tokens, the longest in its request) "
+                     f"does not fit the server's context: {words}")
+            fail(f"{what}: the server at {url} answered HTTP {e.code}: {words}")
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+            reason = getattr(e, "reason", e)
+            if isinstance(reason, ConnectionRefusedError):
+                fail(f"cannot reach the server at {url}: connection refused (is it running, and is --server right?)")
+            if not last:
+                time.sleep(0.5 * 2 ** attempt)
+                continue
+            kind = "timed out" if isinstance(reason, (TimeoutError, socket.timeout)) else f"failed ({reason})"
+            fail(f"{what}: the request to {url} {kind} after {retries + 1} tries")
 
 
-def family(d):
-    return FAMILIES[d.generation]
+def reply_ids(entry, api, what):
+    if not isinstance(entry, dict):
+        fail(f"{what}: the server's reply holds {type(entry).__name__} where an object per prompt belongs")
+    if api == "sglang":
+        ids = entry.get("output_ids", entry.get("token_ids"))
+        meta = entry.get("meta_info") or {}
+        finish, n = meta.get("finish_reason"), meta.get("completion_tokens")
+        if isinstance(ids, list) and isinstance(n, int) and len(ids) > n:
+            ids = ids[len(ids) - n:]  # some builds echo the prompt ids first
+        finish = finish.get("type") if isinstance(finish, dict) else finish
+    else:
+        ids, finish = entry.get("token_ids"), entry.get("finish_reason")
+        if ids is None:
+            tokens = (entry.get("logprobs") or {}).get("tokens")
+            if isinstance(tokens, list) and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+                ids = [int(t.split(":", 1)[1]) for t in tokens]
+    if not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
+        fail(f"{what}: the server's reply has no token ids (expected "
+             f"{'output_ids or token_ids' if api == 'sglang' else 'choices[].token_ids or token_id:N logprobs'})")
+    return ids, finish
 
 
-def tree_top_k(top, logits, done, B, top_k, after, n):
-    """The top_k float32 log-probs and token ids of these logit rows (rows done.. of the whole draft) that
-    DDTree builds from, kept in top = [log-probs, ids, which anchors need them] (allocated on the first
-    call). Given `after` (the reference token after each anchor), an anchor whose first slot ranks top_k or
-    more tokens strictly above that token gets none (ids -1): no tree of at most top_k nodes can hold the
-    reference's path there, so its DDTree acceptance is 1 without it."""
-    dev, k = logits.device, min(top_k, logits.shape[-1])
-    if top is None:
-        top = [torch.full((n * (B - 1), k), -math.inf, device=dev), torch.full((n * (B - 1), k), -1, device=dev),
-               torch.ones(n, dtype=torch.bool, device=dev)]
-    row = torch.arange(done, done + logits.shape[0], device=dev)
-    anchor_of = row // (B - 1)
-    if after is not None:   # first slots decide for their anchor's whole block
-        firsts = (row % (B - 1) == 0).nonzero()[:, 0]
-        token = after[anchor_of[firsts]][:, None]   # -1: outside a reduced draft vocabulary, in no tree
-        ref = logits[firsts].gather(1, token.clamp(min=0))
-        top[2][anchor_of[firsts]] = ((logits[firsts] > ref).sum(-1) < k) & (token[:, 0] >= 0)
-    keep = top[2][anchor_of].nonzero()[:, 0]
-    if keep.numel():
-        logp = (logits if keep.numel() == logits.shape[0] else logits[keep]).float().log_softmax(-1)
-        top[0][done + keep], top[1][done + keep] = logp.topk(k, dim=-1)
-    return top
+def server_batch(batch, settings, learned):
+    """One request for a batch of prompts: [(completion ids, finish reason)] in the batch's order."""
+    api, url = settings["server_api"], settings["server"].rstrip("/")
+    room = min(it["room"] for it in batch)
+    # Every knob explicit: engines fill in the model's generation_config defaults otherwise.
+    neutral = {"temperature": 0, "repetition_penalty": 1.0, "frequency_penalty": 0, "presence_penalty": 0}
+    sampling = sampling_of(settings)
+    if sampling:
+        neutral.update(temperature=sampling[0], top_p=sampling[1], top_k=sampling[2] or -1, min_p=0.0)
+    what = "prompt " + ", ".join(it["id"] for it in batch[:3]) + (" ..." if len(batch) > 3 else "")
+    longest = max(batch, key=lambda it: len(it["prompt_ids"]))
+    if api == "sglang":
+        params = {**neutral, "max_new_tokens": room, "ignore_eos": settings["ignore_eos"]}
+        body = {"input_ids": [it["prompt_ids"] for it in batch],
+                "sampling_params": [{**params, "sampling_seed": sample_seed(settings, it["id"], it["sample"]) % 2**31}
+                                    for it in batch] if sampling else params}
+        reply = post_json(url + "/generate", body, settings, longest, what)
+        entries = reply if isinstance(reply, list) else [reply]
+    else:
+        body = {"model": settings["server_model"], "prompt": [it["prompt_ids"] for it in batch], "max_tokens": room,
+                "ignore_eos": settings["ignore_eos"], "skip_special_tokens": False, **neutral,
+                **({"seed": sample_seed(settings, "request", batch[0]["sample"]) % 2**31} if sampling else {})}
+        if learned.server_ids == "logprobs":
+            body.update(logprobs=0, return_tokens_as_token_ids=True)
+        else:
+            body["return_token_ids"] = True
+        reply = post_json(url + "/v1/completions", body, settings, longest, what)
+        entries = reply.get("choices") if isinstance(reply, dict) else None
+        if not (isinstance(entries, list) and all(isinstance(c, dict) for c in entries)):
+            fail(f"{what}: the server's reply has no list of choices")
+        entries = sorted(entries, key=lambda c: c.get("index", 0))
+        if entries and learned.server_ids != "logprobs" and "token_ids" not in entries[0]:
+            learned.server_ids = "logprobs"  # older vLLM: ids only as "token_id:N" strings in logprobs
+            return server_batch(batch, settings, learned)
+    if len(entries) != len(batch):
+        fail(f"{what}: the server answered for {len(entries)} prompts, {len(batch)} were sent")
+    return [reply_ids(entry, api, what) for entry in entries]
 
 
-def selector_buffers(drafter, rows, dev):
-    """Per draft row, what DFlash 2's selector reads: the top-k logits and their ids, and the projected
-    hidden state."""
-    k, rank = drafter.selector_top_k, drafter.weights[SELECTOR + "hidden_projection.weight"].shape[0]
-    dtype = drafter.weights["fc.weight"].dtype
-    return (torch.empty(rows, k, dtype=dtype, device=dev), torch.empty(rows, k, dtype=torch.long, device=dev),
-            torch.empty(rows, rank, dtype=dtype, device=dev))
-
-
-def select_path(drafter, unary, candidates, projected, first):
-    """DFlash 2's candidate path selector, greedy and batched over anchors: slot j takes the candidate with
-    the best unary logit + <A[previous pick] * P(h_j), S[candidate]> (A, S the predecessor and successor
-    codebooks, P the hidden projection); the previous pick of slot 1 is the anchor's token. The block's
-    drafts are that path, not each slot's argmax. (n * (B-1),) ids, B-1 small steps."""
-    steps, w = drafter.block_size - 1, drafter.weights
-    before, after = w[SELECTOR + "predecessor_codebook"], w[SELECTOR + "successor_codebook"]
-    unary, candidates, projected = (t.view(first.shape[0], steps, -1) for t in (unary, candidates, projected))
-    previous, path = first, []
-    for j in range(steps):
-        scores = unary[:, j] + torch.einsum("nr,nkr->nk", before[previous] * projected[:, j], after[candidates[:, j]])
-        previous = candidates[:, j].gather(1, scores.argmax(-1, keepdim=True))[:, 0]
-        path.append(previous)
-    return torch.stack(path, dim=1).reshape(-1)
-
-
-def selector_prob(drafter, unary, candidates, projected, first, reference, temperature):
-    """DFlash 2 sampling (the public loop): slot j draws from softmax(scores / temperature) over its candidates,
-    scored against the token before it; given the text, that token is the reference's. The probability of
-    each reference token (0 when it is no candidate). float64 (n * (B-1),)."""
-    w = drafter.weights
-    previous = torch.cat([first[:, None], reference[:, :-1]], dim=1).reshape(-1)
-    scores = unary + torch.einsum("nr,nkr->nk", w[SELECTOR + "predecessor_codebook"][previous] * projected,
-                                  w[SELECTOR + "successor_codebook"][candidates])
-    q = (scores.float() / temperature).softmax(-1)
-    return (q * (candidates == reference.reshape(-1)[:, None])).sum(-1).double()
+def fetch_references(items, settings, learned, keep):
+    """References for `items` from --server (greedy, or sampled at the run's settings), each handed to
+    keep(item) as it arrives."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+    by_room = {}
+    for it in items:  # one max_new_tokens (and one sample index: one seed) per request
+        by_room.setdefault((it["room"], it.get("sample")), []).append(it)
+    batches = [group[i:i + SERVER_BATCH] for group in by_room.values() for i in range(0, len(group), SERVER_BATCH)]
+    error = None
+    with ThreadPoolExecutor(settings["server_concurrency"]) as pool, progress(settings, len(items), "server") as bar:
+        futures = {pool.submit(server_batch, batch, settings, learned): batch for batch in batches}
+        for future in as_completed(futures):
+            try:
+                replies = future.result()
+            except UsageError as e:  # keep the batches that did answer, then report the first fault
+                error = error or e
+                continue
+            for it, (ids, finish) in zip(futures[future], replies):
+                it.update(completion_ids=ids, source="server", finish_reason=finish)
+                keep(it)
+            bar.update(len(futures[future]))
+    if error:
+        raise error
 
 
 # ----------------------------------------------------------------------------------------------------
-# DDTree: draft trees from the same drafter pass
+# Scoring: walks, expectations under sampling, DDTree, the mask check, intervals
+
+
+def fitting_anchors(n_prompt, total_len, block_size):
+    """Anchors whose block's B-1 drafted positions all lie inside the reference."""
+    return torch.arange(n_prompt, max(n_prompt, total_len - block_size + 1))
+
+
+def walk(acceptance, anchor, total_len, block_size, rounds=None):
+    """The greedy speculative walk from `anchor`: the acceptance lengths of the rounds a real decoding loop
+    would take, `acceptance(anchor)` giving a round's length. A round is taken only while its block's B-1
+    drafted positions lie inside the reference. Returns (rounds, None); or, when `acceptance` answers None
+    (that anchor is not drafted yet), (rounds so far, the anchor to resume at)."""
+    rounds = [] if rounds is None else rounds
+    while anchor + block_size - 1 <= total_len - 1:
+        length = acceptance(anchor)
+        if length is None:
+            return rounds, anchor
+        rounds.append(length)
+        anchor += length
+    return rounds, None
+
+
+def walk_anchors(rounds, n_prompt):
+    """The anchor of each round of a walk that starts at the first completion token."""
+    return [n_prompt + sum(rounds[:i]) for i in range(len(rounds))]
+
+
+CONTEXT_BUCKETS = ((512, "<512"), (2048, "512-2k"), (8192, "2k-8k"), (math.inf, ">=8k"))
+
+
+def context_bucket(position):
+    return next(label for bound, label in CONTEXT_BUCKETS if position < bound)
+
+
+def context_sums(anchors, first_accepted, round_anchors, lengths, weights=None):
+    """{context bucket: [tokens committed, rounds, first drafts accepted, anchors]} by the anchor's context length
+    (its position): the rounds (weighted by their probability under sampling) and every drafted anchor."""
+    totals = {}
+    for a, ok in zip(anchors.tolist(), first_accepted.tolist()):
+        s = totals.setdefault(context_bucket(a), [0.0, 0.0, 0.0, 0])
+        s[2], s[3] = s[2] + float(ok), s[3] + 1
+    for a, length, w in zip(round_anchors, lengths, weights or [1.0] * len(lengths)):
+        s = totals.setdefault(context_bucket(a), [0.0, 0.0, 0.0, 0])
+        s[0], s[1] = s[0] + w * length, s[1] + w
+    return totals
 
 
 def build_tree(logp, budget, until=None):
@@ -2924,16 +3122,6 @@ def build_tree(logp, budget, until=None):
     return order
 
 
-def tree_acceptance(entry, reference, budget, largest):
-    """DDTree acceptance at one anchor: 1 + the depth reached by following the reference's tokens down the
-    tree of `budget` nodes. entry = [top-k (log-probs, ids) per slot, join positions or None]: the tree is
-    built once, at the largest budget, when a walk first visits the anchor (a smaller tree is its first nodes)."""
-    if entry[1] is None:
-        with timed("trees_s"):
-            entry[1] = join_positions(entry[0][0], reference_ranks(entry[0][1][None], reference[None])[0], largest)
-    return 1 + sum(j < budget for j in entry[1])
-
-
 def reference_ranks(top_ids, reference):
     """Rank of the reference's token among each slot's top-k (-1 when it is not there): (n, B-1) lists."""
     hit = top_ids == reference[..., None]
@@ -2954,157 +3142,14 @@ def join_positions(top_logp, ranks, largest):
     return [where.get(p, largest) for p in prefixes]
 
 
-# ----------------------------------------------------------------------------------------------------
-# Mask check: the same drafter under the other in-block rules, on a sample of anchors
-
-MASK_CHECK_ANCHORS = 32   # anchors per prompt, evenly spaced
-# "Clearly better" is judged on the same drafted positions (a paired, McNemar-style count): the other mode must
-# gain at least MASK_CHECK_MIN_GAIN accuracy AND its wins over the configured mode must exceed its losses by
-# MASK_CHECK_Z standard errors. A fixed margin alone either misses real mismatches (a causal-trained drafter
-# run bidirectional typically loses only 1-3% accuracy) or fires on a handful of anchors.
-MASK_CHECK_MIN_GAIN = 0.01
-MASK_CHECK_Z = 3.0
-
-
-def mask_variants(drafter, settings):
-    """The rule sets to try: as configured, all bidirectional, all causal, sliding windows ignored."""
-    options = [("bidirectional", "bidirectional", "train"), ("causal", "causal", "train"),
-               ("no sliding window", settings["block_mask"], "ignore")]
-    if settings["sliding_window"] == "ignore":
-        options.append(("sliding windows as trained", settings["block_mask"], "train"))
-    variants = {"configured": drafter.rules}
-    for name, block_mask, window in options:
-        variants[name] = layer_rules(drafter.cfg, {"block_mask": block_mask, "sliding_window": window}, drafter.layout)
-    return variants
-
-
-def check_mask_prompt(drafter, variants, features, ids, anchors, embed_w, head):
-    """Per mode: [draft hits, drafts, matched drafts, anchors, wins, losses] on a sample of this prompt's
-    anchors; wins/losses count drafts this mode gets right and the configured mode wrong, and the reverse."""
-    if anchors.numel() == 0:
-        return {name: [0] * 6 for name in variants}
-    sample = anchors[torch.linspace(0, anchors.numel() - 1, min(MASK_CHECK_ANCHORS, anchors.numel())).long()]
-    reference = torch.tensor(ids)[sample.cpu()[:, None] + torch.arange(1, drafter.block_size)]
-    context_kv, first = prompt_context(drafter, features, ids, embed_w), torch.tensor(ids, device=sample.device)[sample]
-    counts, base = {}, None
-    for name, rules in variants.items():   # "configured" comes first
-        drafts, _ = draft_all_anchors(replace(drafter, rules=rules), context_kv, sample, first, embed_w, head)
-        equal = drafts == reference
-        base = equal if base is None else base
-        counts[name] = [int(equal.sum()), equal.numel(), int(equal.long().cumprod(1).sum()), equal.shape[0],
-                        int((equal & ~base).sum()), int((base & ~equal).sum())]
-    return counts
-
-
-def mask_check_summary(modes, per_prompt):
-    """Accuracy and mean acceptance per mode ({name: in-block mask labels}), and a warning when another mode
-    clearly beats the configured one."""
-    table = {}
-    for name, labels in modes.items():
-        hits, drafts, matched, anchors, wins, losses = (sum(c[name][i] for c in per_prompt) for i in range(6))
-        z = (wins - losses - 1) / math.sqrt(wins + losses) if wins + losses else 0.0  # continuity-corrected
-        table[name] = {"block_mask": labels, "accuracy": hits / drafts if drafts else None,
-                       "tau_all_anchors": 1 + matched / anchors if anchors else None, "anchors": anchors,
-                       "wins": wins, "losses": losses, "z": round(z, 2)}
-    base = table["configured"]["accuracy"]
-    better = [name for name, t in table.items() if base is not None and t["accuracy"] is not None
-              and t["accuracy"] >= base + MASK_CHECK_MIN_GAIN and t["z"] >= MASK_CHECK_Z]
-    warning = None
-    if better:
-        best = max(better, key=lambda n: table[n]["accuracy"])
-        t = table[best]
-        warning = (f"mode '{best}' drafts clearly better than the configured one (accuracy {t['accuracy']:.3f} vs "
-                   f"{base:.3f}; right where the configured mode is wrong {t['wins']} times, the reverse "
-                   f"{t['losses']}): the drafter was probably trained with that mask")
-    return {"modes": table, "warning": warning}
-
-
-# ----------------------------------------------------------------------------------------------------
-# Metrics
-
-
-def fitting_anchors(n_prompt, total_len, block_size):
-    """Anchors whose block's B-1 drafted positions all lie inside the reference."""
-    return torch.arange(n_prompt, max(n_prompt, total_len - block_size + 1))
-
-
-def check_depths(drafters, settings):
-    """--depths and --export-depth within what each drafter drafts a round (a deeper block was never trained)."""
-    for d in drafters:   # EAGLE-3 and MTP chain their one layer as many steps as asked
-        deep = [k for k in (settings["depths"] if isinstance(settings["depths"], list) else [])
-                if k > d.block_size - 1 and not family(d).causal]
-        if deep:
-            fail(f"--depths {deep[0]}: drafter {d.name} drafts {d.block_size - 1} tokens a round; a served depth "
-                 "cannot exceed what it was trained for")
-    export = settings.get("export_depth")
-    if export and export != drafters[0].block_size - 1 and export not in served_depths(drafters[0], settings):
-        fail(f"--export-depth {export}: drafter {drafters[0].name} is not evaluated at depth {export}; add it to "
-             "--depths")
-
-
-def served_depths(d, settings):
-    """The depths --depths asks of drafter d besides its trained one (its block's drafts)."""
-    trained, asked = d.block_size - 1, settings.get("depths")
-    return [k for k in (range(1, trained) if asked == "all" else asked or []) if k != trained]
-
-
-def score_drafter(d, prompts, group, embed_w, head, settings, budgets):
-    """One drafter's results on a group's prompts [(features, ids, n_prompt, prompt id)]: every anchor drafted
-    (or, --anchors walk, the anchors the walks visit), the walks, the expectations under sampling, and the
-    sums by context length."""
-    sampling = sampling_of(settings)
-    sample_policy = sampling is not None and settings["draft_policy"] == "sample"
-    walked = [res for lo in range(0, len(prompts), WALK_GROUP)
-              for res in score_walks_only(d, prompts[lo:lo + WALK_GROUP], embed_w, head, budgets)] \
-        if settings["anchors"] == "walk" else None
-    out = []
-    for i, (features, ids, n_prompt, prompt_id) in enumerate(prompts):
-        q = None
-        if walked is not None:
-            res = walked[i]
-        else:
-            with timed("drafter_s"):
-                anchors = fitting_anchors(n_prompt, len(ids), d.block_size).to(settings["device"])
-                ids_t = torch.tensor(ids, device=anchors.device)
-                reference = ids_t[anchors[:, None] + torch.arange(1, d.block_size, device=anchors.device)]
-                q = torch.zeros(reference.shape, dtype=torch.float64) if sample_policy else None
-                drafts, top = draft_all_anchors(d, prompt_context(d, features, ids, embed_w), anchors, ids_t[anchors], embed_w,
-                                                head, max(budgets, default=0), prompt_id, after=ids_t[anchors + 1],
-                                                reference=reference, sampling=sampling, proposal=q)
-            res = score_prompt(drafts, ids, n_prompt, d.block_size, top, budgets)
-        with timed("metrics_s"):
-            if sampling:
-                add_expectations(res, d.block_size, n_prompt, len(ids), group[i][0]["p"], q)
-            else:
-                res["by_context"] = context_sums(res["anchors"], res["matched"] >= 1, walk_anchors(res["rounds"], n_prompt),
-                                                 res["rounds"])
-        out.append(res)
-    return out
-
-
-CONTEXT_BUCKETS = ((512, "<512"), (2048, "512-2k"), (8192, "2k-8k"), (math.inf, ">=8k"))
-
-
-def context_bucket(position):
-    return next(label for bound, label in CONTEXT_BUCKETS if position < bound)
-
-
-def walk_anchors(rounds, n_prompt):
-    """The anchor of each round of a walk that starts at the first completion token."""
-    return [n_prompt + sum(rounds[:i]) for i in range(len(rounds))]
-
-
-def context_sums(anchors, first_accepted, round_anchors, lengths, weights=None):
-    """{context bucket: [tokens committed, rounds, first drafts accepted, anchors]} by the anchor's context length
-    (its position): the rounds (weighted by their probability under sampling) and every drafted anchor."""
-    sums = {}
-    for a, ok in zip(anchors.tolist(), first_accepted.tolist()):
-        s = sums.setdefault(context_bucket(a), [0.0, 0.0, 0.0, 0])
-        s[2], s[3] = s[2] + float(ok), s[3] + 1
-    for a, length, w in zip(round_anchors, lengths, weights or [1.0] * len(lengths)):
-        s = sums.setdefault(context_bucket(a), [0.0, 0.0, 0.0, 0])
-        s[0], s[1] = s[0] + w * length, s[1] + w
-    return sums
+def tree_acceptance(entry, reference, budget, largest):
+    """DDTree acceptance at one anchor: 1 + the depth reached by following the reference's tokens down the
+    tree of `budget` nodes. entry = [top-k (log-probs, ids) per slot, join positions or None]: the tree is
+    built once, at the largest budget, when a walk first visits the anchor (a smaller tree is its first nodes)."""
+    if entry[1] is None:
+        with timed("trees_s"):
+            entry[1] = join_positions(entry[0][0], reference_ranks(entry[0][1][None], reference[None])[0], largest)
+    return 1 + sum(j < budget for j in entry[1])
 
 
 def score_prompt(drafts, ids, n_prompt, block_size, top=None, budgets=()):
@@ -3121,6 +3166,9 @@ def score_prompt(drafts, ids, n_prompt, block_size, top=None, budgets=()):
     walks = {b: walk(lambda a: tree_acceptance(trees[a - n_prompt], reference[a - n_prompt], b, largest), n_prompt,
                      len(ids), block_size)[0] for b in budgets}
     return {"anchors": anchors, "matched": matched, "equal": equal, "rounds": rounds, "ddtree_rounds": walks}
+
+
+WALK_GROUP = 16   # prompts whose walks --anchors walk drafts together
 
 
 def score_walks_only(d, prompts, embed_w, head, budgets):
@@ -3172,21 +3220,6 @@ def score_walks_only(d, prompts, embed_w, head, budgets):
     return results
 
 
-def walk(acceptance, anchor, total_len, block_size, rounds=None):
-    """The greedy speculative walk from `anchor`: the acceptance lengths of the rounds a real decoding loop
-    would take, `acceptance(anchor)` giving a round's length. A round is taken only while its block's B-1
-    drafted positions lie inside the reference. Returns (rounds, None); or, when `acceptance` answers None
-    (that anchor is not drafted yet), (rounds so far, the anchor to resume at)."""
-    rounds = [] if rounds is None else rounds
-    while anchor + block_size - 1 <= total_len - 1:
-        length = acceptance(anchor)
-        if length is None:
-            return rounds, anchor
-        rounds.append(length)
-        anchor += length
-    return rounds, None
-
-
 def expected_walk(accept, n_prompt, total_len, block_size):
     """Sampled decoding, given the committed text (DFLASH_NOTES, "Sampled decoding"): slot j of the round at
     anchor a is accepted with probability accept[a, j] = min(1, q_j(r) / p_j(r)), independently, until the
@@ -3230,6 +3263,161 @@ def add_expectations(res, block_size, n_prompt, total_len, p, q=None):
     reach = torch.cat([torch.ones(accept.shape[0], 1, dtype=torch.float64), accept.cumprod(1)], dim=1)
     res["expected"] = {**expected, "reach": reach.sum(0).tolist(), "hits": accept.sum(0).tolist(),
                        "anchors": accept.shape[0]}
+
+
+def score_drafter(d, prompts, group, embed_w, head, settings, budgets):
+    """One drafter's results on a group's prompts [(features, ids, n_prompt, prompt id)]: every anchor drafted
+    (or, --anchors walk, the anchors the walks visit), the walks, the expectations under sampling, and the
+    sums by context length."""
+    sampling = sampling_of(settings)
+    sample_policy = sampling is not None and settings["draft_policy"] == "sample"
+    walked = [res for lo in range(0, len(prompts), WALK_GROUP)
+              for res in score_walks_only(d, prompts[lo:lo + WALK_GROUP], embed_w, head, budgets)] \
+        if settings["anchors"] == "walk" else None
+    out = []
+    for i, (features, ids, n_prompt, prompt_id) in enumerate(prompts):
+        q = None
+        if walked is not None:
+            res = walked[i]
+        else:
+            with timed("drafter_s"):
+                anchors = fitting_anchors(n_prompt, len(ids), d.block_size).to(settings["device"])
+                ids_t = torch.tensor(ids, device=anchors.device)
+                reference = ids_t[anchors[:, None] + torch.arange(1, d.block_size, device=anchors.device)]
+                q = torch.zeros(reference.shape, dtype=torch.float64) if sample_policy else None
+                drafts, top = draft_all_anchors(d, prompt_context(d, features, ids, embed_w), anchors, ids_t[anchors], embed_w,
+                                                head, max(budgets, default=0), prompt_id, after=ids_t[anchors + 1],
+                                                reference=reference, sampling=sampling, proposal=q)
+            res = score_prompt(drafts, ids, n_prompt, d.block_size, top, budgets)
+        with timed("metrics_s"):
+            if sampling:
+                add_expectations(res, d.block_size, n_prompt, len(ids), group[i][0]["p"], q)
+            else:
+                res["by_context"] = context_sums(res["anchors"], res["matched"] >= 1, walk_anchors(res["rounds"], n_prompt),
+                                                 res["rounds"])
+        out.append(res)
+    return out
+
+
+def served_depths(d, settings):
+    """The depths --depths asks of drafter d besides its trained one (its block's drafts)."""
+    trained, asked = d.block_size - 1, settings.get("depths")
+    return [k for k in (range(1, trained) if asked == "all" else asked or []) if k != trained]
+
+
+def check_depths(drafters, settings):
+    """--depths and --export-depth within what each drafter drafts a round (a deeper block was never trained)."""
+    for d in drafters:   # EAGLE-3 and MTP chain their one layer as many steps as asked
+        deep = [k for k in (settings["depths"] if isinstance(settings["depths"], list) else [])
+                if k > d.block_size - 1 and not family(d).causal]
+        if deep:
+            fail(f"--depths {deep[0]}: drafter {d.name} drafts {d.block_size - 1} tokens a round; a served depth "
+                 "cannot exceed what it was trained for")
+    export = settings.get("export_depth")
+    if export and export != drafters[0].block_size - 1 and export not in served_depths(drafters[0], settings):
+        fail(f"--export-depth {export}: drafter {drafters[0].name} is not evaluated at depth {export}; add it to "
+             "--depths")
+
+
+MASK_CHECK_ANCHORS = 32   # anchors per prompt, evenly spaced
+
+# "Clearly better" is judged on the same drafted positions (a paired, McNemar-style count): the other mode must
+# gain at least MASK_CHECK_MIN_GAIN accuracy AND its wins over the configured mode must exceed its losses by
+# MASK_CHECK_Z standard errors. A fixed margin alone either misses real mismatches (a causal-trained drafter
+# run bidirectional typically loses only 1-3% accuracy) or fires on a handful of anchors.
+MASK_CHECK_MIN_GAIN = 0.01
+
+MASK_CHECK_Z = 3.0
+
+
+def mask_variants(drafter, settings):
+    """The rule sets to try: as configured, all bidirectional, all causal, sliding windows ignored."""
+    options = [("bidirectional", "bidirectional", "train"), ("causal", "causal", "train"),
+               ("no sliding window", settings["block_mask"], "ignore")]
+    if settings["sliding_window"] == "ignore":
+        options.append(("sliding windows as trained", settings["block_mask"], "train"))
+    variants = {"configured": drafter.rules}
+    for name, mode, window in options:
+        variants[name] = layer_rules(drafter.cfg, {"block_mask": mode, "sliding_window": window}, drafter.layout)
+    return variants
+
+
+def check_mask_prompt(drafter, variants, features, ids, anchors, embed_w, head):
+    """Per mode: [draft hits, drafts, matched drafts, anchors, wins, losses] on a sample of this prompt's
+    anchors; wins/losses count drafts this mode gets right and the configured mode wrong, and the reverse."""
+    if anchors.numel() == 0:
+        return {name: [0] * 6 for name in variants}
+    sample = anchors[torch.linspace(0, anchors.numel() - 1, min(MASK_CHECK_ANCHORS, anchors.numel())).long()]
+    reference = torch.tensor(ids)[sample.cpu()[:, None] + torch.arange(1, drafter.block_size)]
+    context_kv, first = prompt_context(drafter, features, ids, embed_w), torch.tensor(ids, device=sample.device)[sample]
+    counts, base = {}, None
+    for name, rules in variants.items():   # "configured" comes first
+        drafts, _ = draft_all_anchors(replace(drafter, rules=rules), context_kv, sample, first, embed_w, head)
+        equal = drafts == reference
+        base = equal if base is None else base
+        counts[name] = [int(equal.sum()), equal.numel(), int(equal.long().cumprod(1).sum()), equal.shape[0],
+                        int((equal & ~base).sum()), int((base & ~equal).sum())]
+    return counts
+
+
+def mask_check_summary(modes, per_prompt):
+    """Accuracy and mean acceptance per mode ({name: in-block mask labels}), and a warning when another mode
+    clearly beats the configured one."""
+    table = {}
+    for name, labels in modes.items():
+        hits, drafts, matched, anchors, wins, losses = (sum(c[name][i] for c in per_prompt) for i in range(6))
+        z = (wins - losses - 1) / math.sqrt(wins + losses) if wins + losses else 0.0  # continuity-corrected
+        table[name] = {"block_mask": labels, "accuracy": hits / drafts if drafts else None,
+                       "tau_all_anchors": 1 + matched / anchors if anchors else None, "anchors": anchors,
+                       "wins": wins, "losses": losses, "z": round(z, 2)}
+    base = table["configured"]["accuracy"]
+    better = [name for name, t in table.items() if base is not None and t["accuracy"] is not None
+              and t["accuracy"] >= base + MASK_CHECK_MIN_GAIN and t["z"] >= MASK_CHECK_Z]
+    warning = None
+    if better:
+        best = max(better, key=lambda n: table[n]["accuracy"])
+        t = table[best]
+        warning = (f"mode '{best}' drafts clearly better than the configured one (accuracy {t['accuracy']:.3f} vs "
+                   f"{base:.3f}; right where the configured mode is wrong {t['wins']} times, the reverse "
+                   f"{t['losses']}): the drafter was probably trained with that mask")
+    return {"modes": table, "warning": warning}
+
+
+def evaluate_prompts(group, drafters, embed_w, head, settings):
+    """Every drafter on a group of prompts [(item, features, target argmax)]: scores, walks, the other served
+    depths, and the mask check when asked. One record per prompt."""
+    prompts, sampling = [], sampling_of(settings)
+    for it, features, argmax in group:
+        check_finite(features, it["id"])
+        it["agree"] = (sum(a == b for a, b in zip(argmax, it["completion_ids"])), len(argmax))
+        if sampling:
+            it["support"] = support_of(it["p"])
+        prompts.append((features, it["prompt_ids"] + it["completion_ids"], len(it["prompt_ids"]), it["id"]))
+    results = [[] for _ in group]
+    for stub in drafters:
+        d = stub if stub.weights is not None else replace(stub, weights=stub.reload())   # a step: for this group
+        budgets = [] if family(d).ddtree_note else settings["ddtree_budgets"]   # chains: no tree verifier
+        scored = score_drafter(d, prompts, group, embed_w, head, settings, budgets)
+        for depth in served_depths(d, settings):   # the engines' shorter blocks: 1 + K slots, chain only
+            for res, other in zip(scored, score_drafter(replace(d, block_size=depth + 1), prompts, group, embed_w,
+                                                        head, settings, [])):
+                res.setdefault("depths", {})[depth] = other
+        for i, res in enumerate(scored):
+            if d.mask_variants:
+                features, ids, n_prompt, _ = prompts[i]
+                with timed("mask_check_s"):
+                    res["mask_check"] = check_mask_prompt(d, d.mask_variants, features, ids, fitting_anchors(
+                        n_prompt, len(ids), d.block_size).to(settings["device"]), embed_w, head)
+            results[i].append(res)
+    records = []
+    keep = ("index", "id", "split", "prompt_ids", "completion_ids", "agree", "source", "sample", "support", "turn")
+    for (it, _, argmax), res in zip(group, results):
+        diverge = next((k for k, (a, b) in enumerate(zip(argmax, it["completion_ids"])) if a != b), None)
+        detail = None if diverge is None else {"reference": it["completion_ids"][diverge], "argmax": argmax[diverge],
+                                               "logit_gap": it.get("gaps", {}).get(diverge)}
+        records.append({"item": {**{k: it.get(k) for k in keep}, "first_divergence": diverge,
+                                 "divergence": detail}, "results": res})
+    return records
 
 
 def support_of(p):
@@ -3276,14 +3464,14 @@ def prompt_totals(results, items):
     return totals
 
 
-def paired_delta(mine, ref):
-    """tau(mine) - tau(ref) over the same prompts ({prompt: (committed, rounds)} each) with its paired 95%
+def paired_delta(ours, ref):
+    """tau(ours) - tau(ref) over the same prompts ({prompt: (committed, rounds)} each) with its paired 95%
     interval: the difference of the two delta-method terms per prompt, so the prompt-to-prompt spread that both
     drafters share cancels."""
-    keys = [k for k in ref if ref[k][1] or mine.get(k, (0, 0))[1]]
-    if not keys or not sum(ref[k][1] for k in keys) or not sum(mine[k][1] for k in keys):
+    keys = [k for k in ref if ref[k][1] or ours.get(k, (0, 0))[1]]
+    if not keys or not sum(ref[k][1] for k in keys) or not sum(ours[k][1] for k in keys):
         return None, None
-    (tau_m, terms_m), (tau_r, terms_r) = (ratio_terms([t[k] for k in keys]) for t in (mine, ref))
+    (tau_m, terms_m), (tau_r, terms_r) = (ratio_terms([t[k] for k in keys]) for t in (ours, ref))
     delta = tau_m - tau_r
     return delta, ci95(delta, [a - b for a, b in zip(terms_m, terms_r)])
 
@@ -3362,14 +3550,20 @@ def engine_metrics(s, depth):
 def by_context(sums_per_prompt):
     """tau and first-position acceptance by the anchor's context length, over the buckets that have rounds."""
     total = {}
-    for sums in sums_per_prompt:
-        for bucket, values in sums.items():
+    for buckets in sums_per_prompt:
+        for bucket, values in buckets.items():
             total[bucket] = [a + b for a, b in zip(total.get(bucket, [0, 0, 0, 0]), values)]
     return {label: {"tau": c / r, "rounds": r, "first_position_acceptance": f / n if n else None, "anchors": n}
             for _, label in CONTEXT_BUCKETS if label in total for c, r, f, n in [total[label]] if r}
 
 
 COST_REPEATS = 10   # timed runs per forward: the fastest counts (interference on a shared box only adds time)
+
+
+def seconds_since(start):
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 @torch.inference_mode()
@@ -3434,8 +3628,8 @@ def measure_costs(model, drafters, settings, items):
 
         for k in [d.block_size - 1, *served_depths(d, settings)]:
             timings[(d.name, str(k))] = [lambda k=k, draft=draft: draft(k)]
-    for run in (runs[0] for runs in timings.values()):   # warm-up
-        run()
+    for warm in (runs[0] for runs in timings.values()):   # warm-up
+        warm()
     for _ in range(COST_REPEATS):   # every size in turn, so that a slow moment does not fall on one of them
         for runs in timings.values():
             runs.append(runs[0]())
@@ -3449,19 +3643,9 @@ def measure_costs(model, drafters, settings, items):
     return costs
 
 
-def read_costs(path):
-    """A --costs FILE: {"target": {"<new tokens n>": seconds}, "draft": {"<depth K>": seconds} or {"<drafter>":
-    {"<K>": seconds}}}, or several of those under "batch_sizes": {"<batch size>": {...}}."""
-    table = read_json(path)
-    tables = table.get("batch_sizes", {"1": table})
-    for batch, t in (tables.items() if isinstance(tables, dict) else [("?", None)]):
-        flat = [v for part in ("target", "draft") for v in (t or {}).get(part, {}).values()] if isinstance(t, dict) else []
-        flat = [x for v in flat for x in (v.values() if isinstance(v, dict) else [v])]
-        if not (isinstance(t, dict) and isinstance(t.get("target"), dict) and "1" in t["target"] and
-                isinstance(t.get("draft"), dict) and all(isinstance(x, (int, float)) and x > 0 for x in flat)):
-            fail(f"--costs {path}: batch size {batch} needs \"target\" (seconds per n new tokens, \"1\" among them) "
-                 "and \"draft\" (seconds per depth, or per drafter and depth), every value a number above 0")
-    return {"file": os.path.abspath(path), "batch_sizes": tables}
+def speedup(tau, one, verify_s, draft):
+    value = tau * one / (verify_s + draft) if None not in (tau, one, verify_s, draft) else None
+    return {"tau": tau, "target_s": verify_s, "draft_s": draft, "speedup": value}
 
 
 def predicted_speedups(report, costs):
@@ -3483,11 +3667,6 @@ def predicted_speedups(report, costs):
         d["predicted_speedup"] = out
 
 
-def speedup(tau, one, verify, draft):
-    value = tau * one / (verify + draft) if None not in (tau, one, verify, draft) else None
-    return {"tau": tau, "target_s": verify, "draft_s": draft, "speedup": value}
-
-
 def export_vllm_synthetic(report, path, depth):
     """vLLM's speculative config that replays the first drafter's measured profile: per-position unconditional
     acceptance rates (length K, in [0, 1], non-increasing, as vLLM's validation asks)."""
@@ -3507,14 +3686,254 @@ def export_vllm_synthetic(report, path, depth):
     return config
 
 
-def seconds_since(start):
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
 # ----------------------------------------------------------------------------------------------------
-# Report
+# Report: built from the records, then printed
+
+
+def target_agreement(items):
+    """Fraction of reference tokens equal to the target's argmax given the reference prefix."""
+    hits, total = (sum(it["agree"][i] for it in items) for i in (0, 1))
+    return hits / total if total else None
+
+
+SELF_CHECK_TOLERANCE = 0.01   # share of its own reference tokens that may flip on GPU or in a 16-bit dtype
+
+
+def self_check(items, config):
+    """The references this tool generated itself must be what its own teacher-forced pass says the target
+    produces: greedy (or speculative) ones equal to its argmax, sampled ones inside its sampling support.
+    Exactly on CPU in float32; on GPU or in a 16-bit dtype, where the batch shape changes the rounding and can
+    flip near-ties, up to SELF_CHECK_TOLERANCE of the tokens. A failure is the tool's own generation and
+    evaluation disagreeing (a bug or numerics), never the references' fault. None when no reference was
+    generated here."""
+    own = [it for it in items if it["source"] == "target"]
+    sampled = bool(own) and own[0].get("support") is not None
+    counts = [(it["support"][0], it["support"][1], it["support"][3]) if sampled else
+              (it["agree"][0], it["agree"][1], it["first_divergence"]) for it in own]
+    tokens = sum(total for _, total, _ in counts)
+    if not tokens:
+        return None
+    agreement = sum(hits for hits, _, _ in counts) / tokens
+    where = config.get("hidden_cache") or config   # where the references were generated and extracted
+    strict = where["device"] == "cpu" and where["dtype"] == "float32"
+    tolerance = 0.0 if strict else SELF_CHECK_TOLERANCE
+    check = {"tokens": tokens, "agreement": agreement, "tolerance": tolerance, "passed": agreement >= 1 - tolerance,
+             "first_divergence": None}
+    first, position = next(((it, c[2]) for it, c in zip(own, counts) if c[2] is not None), (None, None))
+    if first is None:
+        return check
+    token = first["completion_ids"][position] if sampled else None
+    detail = check["first_divergence"] = {"prompt": first["id"], "position": position,
+                                          **({"reference": token} if sampled else first.get("divergence") or {})}
+    if sampled:
+        facts = (f"prompt {first['id']}, completion position {position}: generated token {token} has probability 0 "
+                 f"under its own teacher-forced sampling distribution; {agreement:.4f} of {tokens} generated tokens "
+                 "inside the support")
+    else:
+        gap = "" if detail.get("logit_gap") is None else f", logit gap {detail['logit_gap']:.3g}"
+        facts = (f"prompt {first['id']}, completion position {position}: generated token {detail.get('reference')}, "
+                 f"teacher-forced argmax {detail.get('argmax')}{gap}; agreement {agreement:.4f} over {tokens} "
+                 "generated tokens")
+    rule = "none on CPU in float32" if strict else \
+        f"{tolerance:.0%} of tokens on {where['device']} in {where['dtype']}, where batch shapes can flip near-ties"
+    if check["passed"]:
+        log(config, f"note: self-check within tolerance ({rule}): {facts}")
+    else:
+        check["message"] = (f"the tool's own generation and evaluation disagree ({facts}; tolerance: {rule}). It "
+                            f"generated these references itself as the target's {'samples' if sampled else 'greedy output'}, "
+                            "so a bug in the tool or numerics is at fault, not the references: tau is not exact")
+    return check
+
+
+def reference_support(items):
+    """The references under the target's sampling distribution, pooled: the share of their tokens inside its
+    support and the mean log-probability of those (in place of argmax agreement at temperature > 0)."""
+    inside, total, logp = (sum(it["support"][i] for it in items) for i in range(3))
+    return {"reference_support": inside / total if total else None,
+            "reference_mean_logprob": logp / inside if inside else None}
+
+
+def prompt_report(it, res, B):
+    """One reference's entry: where it came from, how it sits with the target, its rounds (or at temperature
+    > 0 their expectation, with the rounds too under argmax proposals)."""
+    entry = {"id": it["id"], **({"sample": it["sample"]} if it.get("sample") is not None else {}),
+             **({"turn": it["turn"]} if it.get("turn") is not None else {}),
+             "split": it["split"], "prompt_tokens": len(it["prompt_ids"]), "completion_tokens": len(it["completion_ids"]),
+             "reference_generated": it["source"] != "file", "reference_source": it["source"],
+             "first_divergence": it["first_divergence"], "divergence": it.get("divergence")}
+    if "expected" in res:
+        inside, total, logp, outside = it["support"]
+        e = res["expected"]
+        entry.update(reference_support=inside / total if total else None,
+                     reference_mean_logprob=logp / inside if inside else None, first_outside_support=outside,
+                     tau=e["committed"] / e["rounds"] if e["rounds"] else None, expected_rounds=e["rounds"],
+                     expected_committed=e["committed"], **({"rounds": res["rounds"]} if res["rounds"] is not None else {}))
+    else:
+        entry.update(target_agreement=it["agree"][0] / it["agree"][1] if it["agree"][1] else None,
+                     tau=sum(res["rounds"]) / len(res["rounds"]) if res["rounds"] else None, rounds=res["rounds"])
+    entry["ddtree_rounds"] = {str(b): r for b, r in res["ddtree_rounds"].items()}
+    if "depths" in res:
+        entry["depth_rounds"] = {str(k): other["rounds"] for k, other in sorted(res["depths"].items())}
+    if not (res["rounds"] or res.get("expected", {}).get("rounds")):
+        entry["note"] = (f"completion of {len(it['completion_ids'])} tokens is shorter than one block ({B} tokens: "
+                         f"the anchor and {B - 1} drafts): nothing to score")
+    return entry
+
+
+def drafter_facts(d):
+    """What the report says of a drafter apart from its results (a shard's output carries it for --merge)."""
+    return {"name": d.name, "checkpoint": d.checkpoint, "hash": d.hash, "warnings": d.warnings or [],
+            "generation": d.generation, "layout": d.layout, **({"head": d.head} if d.head else {}),
+            "block_size": d.block_size - d.from_anchor, "drafts_per_round": d.block_size - 1,
+            **({"series": d.name.rpartition("@")[0], "step": d.step} if d.step is not None else {}),
+            "layers": d.layers, "mask_token_id": d.mask_token_id,
+            "block_mask": [rule_label(r) for r in d.rules],
+            "mask_modes": {name: [rule_label(r) for r in rules] for name, rules in d.mask_variants.items()}
+            if d.mask_variants else None}
+
+
+# A drafter trained for its target and layer set accepts 0.5-0.9 of its first drafts; one that reads another
+# target's features, or another layer set's, keeps only what the anchor token alone predicts. Warn when the
+# first-position acceptance is below LOW_FIRST_ACCEPTANCE with 95% confidence (the Wilson interval's upper end),
+# and only where the references are the target's own (agreement or support at least TRUSTED_REFERENCES):
+# against foreign references low acceptance says nothing of the drafter.
+LOW_FIRST_ACCEPTANCE = 0.2
+
+TRUSTED_REFERENCES = 0.9
+
+
+def acceptance_warning(s):
+    first, n = s["per_position"]["acceptance"][0], s["anchors"]
+    trust = s.get("target_agreement", s.get("reference_support"))
+    if first is None or not n or trust is None or trust < TRUSTED_REFERENCES:
+        return []
+    z = 1.96
+    upper = (first + z * z / (2 * n) + z * math.sqrt(first * (1 - first) / n + z * z / (4 * n * n))) / (1 + z * z / n)
+    if upper >= LOW_FIRST_ACCEPTANCE:
+        return []
+    return [f"first-position acceptance {first:.3f} over {n:.0f} anchors (95% upper bound {upper:.3f}) on the "
+            f"target's own text: a drafter trained for this target and layer set accepts far more (0.5-0.9), so "
+            f"this one cannot have been; {WRONG_DRAFTER_CHECK}"]
+
+
+def drafter_report(d, results, items):
+    """The report of one drafter (its facts d) over some prompts' results."""
+    B = d["drafts_per_round"] + 1   # the longest round: every draft and the target's own token
+    note = FAMILIES[d["generation"]].ddtree_note
+    no_trees = {"ddtree": None, "ddtree_note": note} if note else {}
+    sampled = bool(results) and "expected" in results[0]
+
+    def check(chosen):   # greedy: target agreement; sampled: how the references sit in the target's support
+        return reference_support(chosen) if sampled else {"target_agreement": target_agreement(chosen)}
+
+    def section(keep, depth=None):
+        chosen = [(res if depth is None else res["depths"][depth], it) for res, it in zip(results, items) if keep(it)]
+        totals = list(prompt_totals(*zip(*chosen)).values()) if chosen else []
+        return {**summarize([res for res, _ in chosen], B if depth is None else depth + 1),
+                "tau_ci95": ratio_ci95([c for c, _ in totals], [r for _, r in totals]),
+                **check([it for _, it in chosen]), **(no_trees if depth is None else {})}
+
+    whole = section(lambda it: True)
+    splits = {split: section(lambda it: it["split"] == split) for split in sorted({it["split"] for it in items})}
+    turns = {str(t): section(lambda it: it.get("turn") == t) for t in sorted({it.get("turn") for it in items} - {None})}
+    depths = {B - 1: whole, **{k: section(lambda it: True, k) for k in (results[0].get("depths", {}) if results else {})}}
+    prompts = [prompt_report(it, res, B) for it, res in zip(items, results)]
+    return {**{k: v for k, v in d.items() if k != "mask_modes"}, **whole, "engine_metrics": engine_metrics(whole, B - 1),
+            **({"depths": {str(k): {**{key: s[key] for key in DEPTH_KEYS}, "engine_metrics": engine_metrics(s, k)}
+                           for k, s in sorted(depths.items())}} if len(depths) > 1 else {}),
+            "by_context": by_context([res["by_context"] for res in results]),
+            "warnings": d["warnings"] + acceptance_warning(whole), "splits": splits, **({"turns": turns} if turns else {}),
+            **({"mask_check": mask_check_summary(d["mask_modes"], [r["mask_check"] for r in results if "mask_check" in r])}
+               if d["mask_modes"] else {}), "prompts": prompts}
+
+
+def against_first(totals):
+    """Each drafter's (delta tau, its paired 95% interval) against the first's, from their prompt totals."""
+    return [(None, None), *(paired_delta(t, totals[0]) for t in totals[1:])]
+
+
+def same_depths(drafters, results, items):
+    """Where the drafters draft different numbers of tokens a round (an MTP layer's 3 against a DFlash block's 15),
+    their taus are no comparison: {"at_depth": {K: rows as side_by_side's}} at every depth K that all of them were
+    evaluated at (--depths), each paired against the first drafter's tau at K."""
+    trained = [d["drafts_per_round"] for d in drafters]
+    if len(set(trained)) == 1:
+        return {}
+    shared = set.intersection(*({k, *(res[0].get("depths", {}) if res else {})} for k, res in zip(trained, results)))
+    at_depth = {}
+    for K in sorted(shared):
+        totals = [prompt_totals([r if K == k else r["depths"][K] for r in res], items) for k, res in zip(trained, results)]
+        at_depth[str(K)] = [{"name": d["name"], "tau": (d.get("depths") or {}).get(str(K), d)["tau"], "delta_tau": delta,
+                             "delta_tau_ci95": ci} for d, (delta, ci) in zip(drafters, against_first(totals))]
+    return {"drafts_per_round": dict(zip((d["name"] for d in drafters), trained)), "at_depth": at_depth}
+
+
+def side_by_side(drafters, results, items):
+    """Several drafters over the same prompts: each one's tau, interval, first-position acceptance and DDTree
+    tau, and its paired difference from the first drafter."""
+    totals = [prompt_totals(res, items) for res in results]
+    rows = []
+    for d, (delta, ci) in zip(drafters, against_first(totals)):
+        rows.append({"name": d["name"], **{k: d[k] for k in ("series", "step") if k in d},
+                     "tau": d["tau"], "tau_ci95": d["tau_ci95"],
+                     "first_position_acceptance": d["per_position"]["acceptance"][0],
+                     "ddtree": {b: s["tau"] for b, s in (d["ddtree"] or {}).items()},
+                     "delta_tau": delta, "delta_tau_ci95": ci})
+    series = {}
+    for row in rows:
+        if "series" in row and row["tau"] is not None:
+            best = series.setdefault(row["series"], row)
+            series[row["series"]] = row if row["tau"] > best["tau"] else best
+    return {"reference": drafters[0]["name"], "prompts": len(totals[0]), "drafters": rows,
+            "best_steps": {name: row["step"] for name, row in series.items()}, **same_depths(drafters, results, items)}
+
+
+def make_report(config, facts, done, skipped, seconds, interrupted):
+    """The report of finished prompts' records (in item order): the target's reference check and self-check,
+    every drafter's statistics, what was skipped, timing."""
+    finished = [r["item"] for r in done]
+    check, given = self_check(finished, config), [it for it in finished if it["source"] != "target"]
+    if sampling_of(config):
+        reference_check = reference_support(finished)
+        outside = [it for it in given if it["support"][3] is not None]
+        if outside:
+            print(f"warning: {sum(it['support'][1] - it['support'][0] for it in outside)} reference tokens of "
+                  f"{len(outside)} prompts lie outside the target's sampling support at "
+                  f"{describe_sampling(sampling_of(config))} (first: prompt {outside[0]['id']}, completion position "
+                  f"{outside[0]['support'][3]}): those references were not sampled at these settings; their rounds "
+                  "there count as rejected", file=sys.stderr)
+    else:
+        reference_check = {"agreement": target_agreement(finished)}
+        given = target_agreement(given)
+        if given is not None and given < AGREEMENT_WARN:
+            print(f"warning: target agreement {given:.4f} < {AGREEMENT_WARN} on the references from the prompts file "
+                  "or server: they are not the target's greedy output here, so tau is approximate (see README)",
+                  file=sys.stderr)
+    if check and not check["passed"]:
+        print(f"warning: self-check failed: {check['message']}", file=sys.stderr)
+    if skipped:
+        print(f"warning: skipped {len(skipped)} prompts (see \"skipped\" in the JSON): {skipped[0]['reason']}",
+              file=sys.stderr)
+    results = [[r["results"][j] for r in done] for j in range(len(facts))]
+    drafters = [drafter_report(d, res, finished) for d, res in zip(facts, results)]
+    for d in drafters:
+        for warning in d["warnings"]:
+            print(f"warning: drafter {d['name']}: {warning}", file=sys.stderr)
+    report = {
+        "config": config,
+        "target": {"path": config["target"], "device": config["device"], "dtype": config["dtype"],
+                   **reference_check, "self_check": check},
+        "drafters": drafters,
+        **({"comparison": side_by_side(drafters, results, finished)} if len(drafters) > 1 and done else {}),
+        "skipped": skipped,
+        "timing": {**{k: round(v, 4) for k, v in sorted(TIMING.items())}, "total_s": round(seconds, 4)},
+        "elapsed_s": seconds,
+    }
+    if config.get("costs_used"):
+        predicted_speedups(report, config["costs_used"])
+    if interrupted:
+        report["interrupted"] = True
+    return report
 
 
 def fmt(x, digits=3):
@@ -3525,89 +3944,12 @@ def interval(ci):
     return f"[{fmt(ci[0])}, {fmt(ci[1])}]" if ci else "n/a"
 
 
-def print_report(report, out=None):
-    out = out or sys.stdout
-    if not any(d["prompts"] for d in report["drafters"]):
-        print(f"no prompt {'finished before the interruption' if report.get('interrupted') else 'was scored'}"
-              f"{' (' + str(len(report['skipped'])) + ' skipped)' if report['skipped'] else ''}: nothing to report",
-              file=out)
-        return
-    target = report["target"]
-    cache = report["config"].get("hidden_cache")
-    extracted = f"; features extracted in {cache['dtype']} on {cache['device']}" if cache else ""
-    print(f"target: {target['path']} ({target['device']}, {target['dtype']}{extracted}); {reference_line(target)}",
-          file=out)
-    sampling = sampling_of(report["config"])
-    if sampling:
-        print(f"sampled decoding at {describe_sampling(sampling)}, {report['config']['draft_policy']} proposals: tau is "
-              "the expected acceptance given each sampled reference, pooled, with a 95% interval over prompts",
-              file=out)
-    if target.get("self_check") and not target["self_check"]["passed"]:
-        print(f"WARNING: self-check failed: {target['self_check']['message']}", file=out)
-    if cache:
-        print(f"features: from {report['config']['load_hidden']} (torch {cache['torch_version']}, "
-              f"transformers {cache['transformers_version']})", file=out)
-    walk = report["config"].get("anchors") == "walk"
-    for d in report["drafters"]:
-        chain = FAMILIES[d.get("generation", "DFlash")].causal
-        print(f"\n== drafter {d['name']}: {d.get('generation', 'DFlash')} ({d.get('layout', 'public')} layout), " +
-              (f"{d['drafts_per_round']} steps a round" if chain else f"block {d['block_size']}") +
-              (f" ({d['drafts_per_round']} drafts a round: the anchor's slot drafts too)"
-               if d["drafts_per_round"] == d["block_size"] else "")
-              + f", layers {d['layers']}" + (f", step {d['step']}" if d.get("step") is not None else ""), file=out)
-        if not chain:
-            print("   in-block mask per layer: " + "; ".join(f"{i}: {r}" for i, r in enumerate(d["block_mask"])), file=out)
-        for warning in d.get("warnings", []):
-            print(f"   WARNING: {warning}", file=out)
-        sections = [("all", d)] + (sorted(d["splits"].items()) if len(d["splits"]) > 1 else []) + \
-            [(f"turn {t}", s) for t, s in d.get("turns", {}).items()]
-        for name, s in sections:
-            ci = f" {interval(s.get('tau_ci95'))}" if s.get("tau_ci95") else ""
-            rounds = f"{s['rounds']:.1f} expected" if sampling else f"{s['rounds']}"
-            print(f"-- {name}: tau {fmt(s['tau'])}{ci} (pooled, {rounds} rounds)  tau_prompt_mean "
-                  f"{fmt(s['tau_prompt_mean'])}  tau_all_anchors {fmt(s['tau_all_anchors'])}  {reference_line(s)}",
-                  file=out)
-            print(f"   {'expected ' if sampling else ''}rounds by acceptance length: " + "  ".join(
-                f"{n}:{c:.4g}" if sampling else f"{n}:{c}" for n, c in enumerate(s["histogram"], 1) if c), file=out)
-            if s.get("ddtree_note") and name == "all":
-                print(f"   no DDTree rows: {s['ddtree_note']}", file=out)
-            for budget, t in (s["ddtree"] or {}).items():
-                print(f"   DDTree budget {budget:>4}: tau {fmt(t['tau'])} (chain {fmt(s['tau'])})  tau_prompt_mean "
-                      f"{fmt(t['tau_prompt_mean'])}  rounds by length: "
-                      + " ".join(f"{n}:{c}" for n, c in enumerate(t["histogram"], 1) if c), file=out)
-            below = [b for b, t in (s["ddtree"] or {}).items()   # as printed: 7.149 against 7.149 is no fall
-                     if None not in (t["tau"], s["tau"]) and round(t["tau"], 3) < round(s["tau"], 3)]
-            if below:
-                print(f"   (budget {', '.join(below)} below the chain: a tree spends its nodes on the likeliest paths, "
-                      f"so it need not hold the chain's whole depth-{d['drafts_per_round']} path; a bigger budget's "
-                      "tree holds every smaller one's: see README, DDTree rows)", file=out)
-        if "mask_check" in d:
-            print("   mask check on sampled anchors:  accuracy  tau_all_anchors  wins/losses  in-block mask per layer",
-                  file=out)
-            for name, t in d["mask_check"]["modes"].items():
-                print(f"   {name:>29}:  {fmt(t['accuracy']):>8}  {fmt(t['tau_all_anchors']):>15}  "
-                      f"{t['wins']:>5}/{t['losses']:<5}  "
-                      + "; ".join(t["block_mask"]), file=out)
-            if d["mask_check"]["warning"]:
-                print(f"   WARNING: {d['mask_check']['warning']}", file=out)
-                print(f"warning: drafter {d['name']}: {d['mask_check']['warning']}", file=sys.stderr)
-        print_serving(d, out)
-        if d.get("by_context") and len(d["by_context"]) > 1:
-            print("   by context length (the anchor's position): " + "; ".join(
-                f"{label}: tau {fmt(s['tau'])} over {s['rounds']:.0f} rounds, first-position acceptance "
-                f"{fmt(s['first_position_acceptance'])}" for label, s in d["by_context"].items()), file=out)
-        names = [name for name, _ in sections]
-        if walk:
-            print("   per-position rows and tau_all_anchors cover the anchors the walks visited (--anchors walk), not "
-                  "every anchor", file=out)
-        print("   pos  " + "  ".join(f"{'accept ' + n:>14}" for n in names) + "  accuracy(all)", file=out)
-        for k in range(d["drafts_per_round"]):
-            accepts = [s["per_position"]["acceptance"][k] for _, s in sections]
-            bar = "#" * round(40 * accepts[0]) if accepts[0] is not None else ""
-            print(f"   {k + 1:>3}  " + "  ".join(f"{fmt(a):>14}" for a in accepts)
-                  + f"  {fmt(d['per_position']['accuracy'][k]):>13}  |{bar}", file=out)
-    if report.get("comparison"):
-        print_comparison_table(report["comparison"], out)
+def reference_line(stats):
+    """Greedy: the target agreement; sampled: the references' share inside the target's support."""
+    if "reference_support" in stats:
+        return (f"reference support {fmt(stats['reference_support'], 4)}, mean log-prob "
+                f"{fmt(stats['reference_mean_logprob'])}")
+    return f"target agreement {fmt(stats.get('target_agreement', stats.get('agreement')), 4)}"
 
 
 def print_serving(d, out):
@@ -3669,181 +4011,297 @@ def print_comparison_table(c, out):
             deltas(rows, f" at depth {K}")
 
 
-def reference_line(stats):
-    """Greedy: the target agreement; sampled: the references' share inside the target's support."""
-    if "reference_support" in stats:
-        return (f"reference support {fmt(stats['reference_support'], 4)}, mean log-prob "
-                f"{fmt(stats['reference_mean_logprob'])}")
-    return f"target agreement {fmt(stats.get('target_agreement', stats.get('agreement')), 4)}"
+def print_report(report, out=None):
+    out = out or sys.stdout
+    if not any(d["prompts"] for d in report["drafters"]):
+        print(f"no prompt {'finished before the interruption' if report.get('interrupted') else 'was scored'}"
+              f"{' (' + str(len(report['skipped'])) + ' skipped)' if report['skipped'] else ''}: nothing to report",
+              file=out)
+        return
+    target = report["target"]
+    cache = report["config"].get("hidden_cache")
+    extracted = f"; features extracted in {cache['dtype']} on {cache['device']}" if cache else ""
+    print(f"target: {target['path']} ({target['device']}, {target['dtype']}{extracted}); {reference_line(target)}",
+          file=out)
+    sampling = sampling_of(report["config"])
+    if sampling:
+        print(f"sampled decoding at {describe_sampling(sampling)}, {report['config']['draft_policy']} proposals: tau is "
+              "the expected acceptance given each sampled reference, pooled, with a 95% interval over prompts",
+              file=out)
+    if target.get("self_check") and not target["self_check"]["passed"]:
+        print(f"WARNING: self-check failed: {target['self_check']['message']}", file=out)
+    if cache:
+        print(f"features: from {report['config']['load_hidden']} (torch {cache['torch_version']}, "
+              f"transformers {cache['transformers_version']})", file=out)
+    walked = report["config"].get("anchors") == "walk"
+    for d in report["drafters"]:
+        chain = FAMILIES[d.get("generation", "DFlash")].causal
+        print(f"\n== drafter {d['name']}: {d.get('generation', 'DFlash')} ({d.get('layout', 'public')} layout), " +
+              (f"{d['drafts_per_round']} steps a round" if chain else f"block {d['block_size']}") +
+              (f" ({d['drafts_per_round']} drafts a round: the anchor's slot drafts too)"
+               if d["drafts_per_round"] == d["block_size"] else "")
+              + f", layers {d['layers']}" + (f", step {d['step']}" if d.get("step") is not None else ""), file=out)
+        if not chain:
+            print("   in-block mask per layer: " + "; ".join(f"{i}: {r}" for i, r in enumerate(d["block_mask"])), file=out)
+        for warning in d.get("warnings", []):
+            print(f"   WARNING: {warning}", file=out)
+        sections = [("all", d)] + (sorted(d["splits"].items()) if len(d["splits"]) > 1 else []) + \
+            [(f"turn {t}", s) for t, s in d.get("turns", {}).items()]
+        for name, s in sections:
+            ci = f" {interval(s.get('tau_ci95'))}" if s.get("tau_ci95") else ""
+            rounds = f"{s['rounds']:.1f} expected" if sampling else f"{s['rounds']}"
+            print(f"-- {name}: tau {fmt(s['tau'])}{ci} (pooled, {rounds} rounds)  tau_prompt_mean "
+                  f"{fmt(s['tau_prompt_mean'])}  tau_all_anchors {fmt(s['tau_all_anchors'])}  {reference_line(s)}",
+                  file=out)
+            print(f"   {'expected ' if sampling else ''}rounds by acceptance length: " + "  ".join(
+                f"{n}:{c:.4g}" if sampling else f"{n}:{c}" for n, c in enumerate(s["histogram"], 1) if c), file=out)
+            if s.get("ddtree_note") and name == "all":
+                print(f"   no DDTree rows: {s['ddtree_note']}", file=out)
+            for budget, t in (s["ddtree"] or {}).items():
+                print(f"   DDTree budget {budget:>4}: tau {fmt(t['tau'])} (chain {fmt(s['tau'])})  tau_prompt_mean "
+                      f"{fmt(t['tau_prompt_mean'])}  rounds by length: "
+                      + " ".join(f"{n}:{c}" for n, c in enumerate(t["histogram"], 1) if c), file=out)
+            below = [b for b, t in (s["ddtree"] or {}).items()   # as printed: 7.149 against 7.149 is no fall
+                     if None not in (t["tau"], s["tau"]) and round(t["tau"], 3) < round(s["tau"], 3)]
+            if below:
+                print(f"   (budget {', '.join(below)} below the chain: a tree spends its nodes on the likeliest paths, "
+                      f"so it need not hold the chain's whole depth-{d['drafts_per_round']} path; a bigger budget's "
+                      "tree holds every smaller one's: see README, DDTree rows)", file=out)
+        if "mask_check" in d:
+            print("   mask check on sampled anchors:  accuracy  tau_all_anchors  wins/losses  in-block mask per layer",
+                  file=out)
+            for name, t in d["mask_check"]["modes"].items():
+                print(f"   {name:>29}:  {fmt(t['accuracy']):>8}  {fmt(t['tau_all_anchors']):>15}  "
+                      f"{t['wins']:>5}/{t['losses']:<5}  "
+                      + "; ".join(t["block_mask"]), file=out)
+            if d["mask_check"]["warning"]:
+                print(f"   WARNING: {d['mask_check']['warning']}", file=out)
+                print(f"warning: drafter {d['name']}: {d['mask_check']['warning']}", file=sys.stderr)
+        print_serving(d, out)
+        if d.get("by_context") and len(d["by_context"]) > 1:
+            print("   by context length (the anchor's position): " + "; ".join(
+                f"{label}: tau {fmt(s['tau'])} over {s['rounds']:.0f} rounds, first-position acceptance "
+                f"{fmt(s['first_position_acceptance'])}" for label, s in d["by_context"].items()), file=out)
+        names = [name for name, _ in sections]
+        if walked:
+            print("   per-position rows and tau_all_anchors cover the anchors the walks visited (--anchors walk), not "
+                  "every anchor", file=out)
+        print("   pos  " + "  ".join(f"{'accept ' + n:>14}" for n in names) + "  accuracy(all)", file=out)
+        for k in range(d["drafts_per_round"]):
+            accepts = [s["per_position"]["acceptance"][k] for _, s in sections]
+            bar = "#" * round(40 * accepts[0]) if accepts[0] is not None else ""
+            print(f"   {k + 1:>3}  " + "  ".join(f"{fmt(a):>14}" for a in accepts)
+                  + f"  {fmt(d['per_position']['accuracy'][k]):>13}  |{bar}", file=out)
+    if report.get("comparison"):
+        print_comparison_table(report["comparison"], out)
 
 
-def write_json(path, report):
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
-    os.replace(tmp, path)
+def print_comparison(report, out=None):
+    out = out or sys.stdout
+    a, b = report["files"]
+    print(f"A: {a['path']} ({a['dtype']}, {a['device']})\nB: {b['path']} ({b['dtype']}, {b['device']})", file=out)
+    print(f"target argmax agreement A vs B: {fmt(report['argmax_agreement'], 4)}", file=out)
+    print("layer  rel.err |A-B|/|B|  cos mean  cos min   max |A-B|  worst (prompt, position)", file=out)
+    for L, st in report["layers"].items():
+        worst = st["worst"] or {}
+        print(f"{L:>5}  {fmt(st['relative_error'], 6):>17}  {fmt(st['cosine_mean'], 6)}  {fmt(st['cosine_min'], 6)}"
+              f"  {st['max_abs_diff']:10.4g}  {worst.get('prompt')}, {worst.get('position')}", file=out)
+    for da, db in zip(*report.get("drafters", [[], []])):
+        print(f"\n== drafter {da['name']}: tau A {fmt(da['tau'])}  B {fmt(db['tau'])}   tau_all_anchors A "
+              f"{fmt(da['tau_all_anchors'])}  B {fmt(db['tau_all_anchors'])}", file=out)
+        print("   pos  accept A  accept B", file=out)
+        for k, (x, y) in enumerate(zip(da["per_position"]["acceptance"], db["per_position"]["acceptance"]), 1):
+            print(f"   {k:>3}  {fmt(x):>8}  {fmt(y):>8}", file=out)
 
 
 # ----------------------------------------------------------------------------------------------------
-# Main
+# Records, caches and resume: nothing lost
 
 
-def progress(settings, total, desc, position=0):
-    from tqdm import tqdm
-    return tqdm(total=total, desc=desc, position=position, leave=False,
-                disable=settings["quiet"] or not sys.stderr.isatty())
+# The settings that change a run's numbers: --resume and --merge refuse partial results or shards that differ in
+# any. The target, the drafters (by their facts, hash included), the prompts and saved features are compared by
+# content, never by path: the same files elsewhere, or named another way, are the same run.
+RESUME_KEYS = ("target_hash", "prompts_hash", "hidden_hashes", *flag_names("R"))
+
+SLICE_KEYS = ("shard", "ranks")   # a resumed run must take the same slice of the prompts
+
+KEY_WORDS = {"target_hash": "the target (its config or weights)", "prompts_hash": "the prompts (file content)",
+             "hidden_hashes": "the saved features (--load-hidden files)"}
+
+REFERENCE_KEYS = ("index", "id", "sample", "turn", "completion_ids", "source", "finish_reason")
 
 
-def run(settings):
-    if settings["threads"]:
-        torch.set_num_threads(settings["threads"])
-    if str(settings.get("device")).startswith("cuda"):
-        # cuDNN attention builds a plan for every new sequence length, and generation and walks meet a new one
-        # at every step (suspected cause of the bf16 demo's 9x slowdown on CUDA against CPU; not measured yet);
-        # the flash and memory-efficient kernels need no plan.
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    if settings["compare_hidden"]:
-        return compare_hidden(settings)
-    learned = Run()
-    report = merge_shards(settings) if settings.get("merge") else evaluate(settings, learned)
-    if report is None:   # a torchrun rank other than 0: rank 0 reports for all
-        if not learned.interrupted and settings["output"]:
-            remove_partial(settings)
-        return {"interrupted": True} if learned.interrupted else {}
-    if settings["output"]:   # before printing: a closed pipe on stdout must not cost the results
-        write_json(settings["output"], report)
-        if not report.get("interrupted") and not settings.get("merge"):
-            remove_partial(settings)
-    print_report(report)
-    if settings.get("export_vllm_synthetic") and not report.get("interrupted"):
-        export_vllm_synthetic(report, settings["export_vllm_synthetic"], settings.get("export_depth"))
-        log(settings, f"wrote {settings['export_vllm_synthetic']} (vLLM's speculative config, synthetic profile)")
-    if settings["output"]:
-        log(settings, f"wrote {settings['output']}")
-    return report
+def differences(a, b, keys=RESUME_KEYS):
+    """What differs between two runs' settings (a, b: config dicts, with "drafters": their facts): named."""
+    named = [KEY_WORDS.get(k, k) for k in keys if a.get(k) != b.get(k)]
+    da, db = a.get("drafters", []), b.get("drafters", [])
+    if len(da) != len(db):
+        return named + [f"the drafters ({len(da)} against {len(db)})"]
+    return named + [f"drafter {x['name']} (its weights or resolved config)" for x, y in zip(da, db)
+                    if same_drafter(x) != same_drafter(y)]
 
 
-def evaluate(settings, learned):
-    """Drafters and prompts in, report dict out, over this process's slice of the prompts (--shard, or this
-    rank's under torchrun): loading the run, drafting the prompts, finishing the run. Under torchrun rank 0
-    reports every rank's records; the other ranks return None."""
-    items = expand(read_prompts(settings["prompts"], settings["limit"]), settings) \
-        if not settings["load_hidden"] else None
-    target_cfg, drafters = load_run(settings, learned)
-    facts = [drafter_facts(d) for d in drafters]
-    items, records, started = draft_prompts(settings, learned, items, target_cfg, drafters, facts)
-    return finish_run(settings, learned, items, records, drafters, facts, started)
+def same_drafter(facts):
+    """A drafter's facts without its label and path: what makes two of them the same drafter."""
+    return {k: v for k, v in facts.items() if k not in ("name", "checkpoint")}
 
 
-def load_run(settings, learned):
-    """The target's config and every --ckpt drafter (a training run's steps wait on disk for their turn, the
-    first one excepted: it may generate the references), named apart, each with its load line."""
-    target_cfg = read_target_config(settings["target"])
-    drafters = []
-    for spec, step in checkpoint_specs(settings):
-        d = load_drafter(spec, target_cfg, settings)
-        d.step = step
-        if step is not None and drafters:
-            d.weights = None
-            d.reload = lambda spec=spec: load_drafter(spec, target_cfg, quietly(settings), identify=False).weights
-        drafters.append(d)
-    seen = {}
-    for d in drafters:  # run1/ckpt and run2/ckpt would both be "ckpt": keep names apart
-        seen[d.name] = seen.get(d.name, 0) + 1
-        if seen[d.name] > 1:
-            d.name += f"#{seen[d.name]}"
-    for d in drafters:
-        log(settings, f"drafter {d.name}: " + (f"{d.block_size - 1} steps a round, layers {d.layers}, no block (a "
-                      "causal chain)" if family(d).causal else f"block {d.block_size - d.from_anchor}, layers "
-                      f"{d.layers}, in-block mask per layer: {', '.join(rule_label(r) for r in d.rules)}"))
-        d.mask_variants = mask_variants(d, settings) if settings["check_mask"] and d.rules else None
-    learned.target_hash = target_hash(settings["target"])
-    check_depths(drafters, settings)
-    return target_cfg, drafters
+def fingerprint(config, facts):
+    return {**{k: config.get(k) for k in RESUME_KEYS + SLICE_KEYS}, "drafters": facts}
 
 
-def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
-    """Every prompt of this slice through the target (or the saved features) and every drafter, each reference
-    the run makes and each finished prompt appended to the partial file as it comes; Ctrl-C or SIGTERM ends the
-    loop with all of them kept. Returns (items, {index: record}, start time)."""
-    layer_union = sorted({L for d in drafters for L in d.layers})
-    records, references = resume_records(settings, learned, facts) if settings["resume"] else ({}, {})
-    for it in items or []:   # a finished turn's reply is the next turn's context
-        if it["index"] in records:
-            it.update({k: records[it["index"]]["item"][k] for k in ("prompt_ids", "completion_ids")})
-        elif it["index"] in references:
-            it.update({k: references[it["index"]][k] for k in ("completion_ids", "source", "finish_reason")})
-    TIMING.clear()
-    partial = open_partial(settings, learned, facts, records, references)
-    save = open(settings["save_references"], "ab", buffering=0) if settings.get("save_references") else None
-    made = []
+def result_json(r):
+    return {"rounds": r["rounds"], "ddtree_rounds": {str(b): v for b, v in r["ddtree_rounds"].items()},
+            "anchors": r["anchors"].tolist(), "matched": r["matched"].tolist(),
+            "equal": [int(sum(1 << k for k, e in enumerate(row) if e)) for row in r["equal"].tolist()],
+            "mask_check": r.get("mask_check"), "by_context": r["by_context"],
+            **({"expected": r["expected"]} if "expected" in r else {}),
+            **({"depths": {str(k): result_json(v) for k, v in r["depths"].items()}} if "depths" in r else {})}
 
-    def keep(it):   # a reference the moment it exists: to the partial file (for --resume) and --save-references
-        made.append(it["index"])
-        write_row(partial, {"reference": {k: it.get(k) for k in REFERENCE_KEYS}})
-        if save:   # one write per line: torchrun ranks may share the file
-            save.write((json.dumps(saved_line(it, settings, learned)) + "\n").encode())
 
-    started = time.time()
-    previous = signal.signal(signal.SIGTERM, raise_interrupt) if is_main_thread() else None
+def record_json(record):
+    """A finished prompt as one JSON line: enough to rebuild every statistic without recomputing."""
+    return {"item": record["item"], "results": [result_json(r) for r in record["results"]]}
+
+
+def result_from_json(r, drafts):
+    bits = torch.tensor(r["equal"], dtype=torch.long).view(-1, 1)
+    return {"rounds": r["rounds"], "ddtree_rounds": {int(b): v for b, v in r["ddtree_rounds"].items()},
+            "anchors": torch.tensor(r["anchors"], dtype=torch.long), "matched": torch.tensor(r["matched"], dtype=torch.long),
+            "equal": (bits >> torch.arange(drafts)) & 1 == 1, "by_context": r["by_context"],
+            **({"mask_check": r["mask_check"]} if r.get("mask_check") else {}),
+            **({"expected": r["expected"]} if "expected" in r else {}),
+            **({"depths": {int(k): result_from_json(v, int(k)) for k, v in r["depths"].items()}} if "depths" in r else {})}
+
+
+def record_from_json(row, facts):
+    return {"item": {**row["item"], "agree": tuple(row["item"]["agree"])},
+            "results": [result_from_json(r, d["drafts_per_round"]) for r, d in zip(row["results"], facts)]}
+
+
+def collect(rows, facts):
+    """{index: record} of record lines (a partial file's, a shard's, a rank's)."""
+    return {row["item"]["index"]: record_from_json(row, facts) for row in rows}
+
+
+def partial_path(settings):
+    """<output>.partial.jsonl; under torchrun one per rank: <output>.partial.rank<R>.jsonl."""
+    return settings["output"] + (f".partial.rank{settings['rank']}.jsonl" if settings["ranks"] > 1 else ".partial.jsonl")
+
+
+def remove_partial(settings):
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(partial_path(settings))
+
+
+def write_row(f, row):
+    """One line of the partial file, on disk before the next is made (nothing when there is no file)."""
+    if f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+
+
+def open_partial(settings, learned, facts, records, references):
+    """The partial file, begun again with what a resumed run already has (None without --output)."""
+    if not settings["output"]:
+        return None
+    f = open(partial_path(settings), "w", encoding="utf-8")
+    write_row(f, {"fingerprint": fingerprint(run_config(settings, learned), facts)})
+    for index in sorted(set(references) - set(records)):
+        write_row(f, {"reference": references[index]})
+    for index in sorted(records):
+        write_row(f, record_json(records[index]))
+    return f
+
+
+def resume_records(settings, learned, facts):
+    """Finished prompts ({index: record}) and references not yet scored ({index: reference fields}) from
+    <output>.partial.jsonl, if it was written with the same settings."""
+    path = partial_path(settings)
+    if not os.path.isfile(path):
+        log(settings, f"note: --resume found no {path}; starting from the first prompt")
+        return {}, {}
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    rows = []
+    for line in lines:  # a last line cut short by a hard kill is dropped: every complete one is kept
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    header, rows = (rows[0] if rows and isinstance(rows[0], dict) else None), rows[1:]
+    if not header or "fingerprint" not in header:
+        fail(f"{path} is not a partial-results file of this tool; remove it or drop --resume")
+    differ = differences(header["fingerprint"], fingerprint(run_config(settings, learned), facts),
+                         RESUME_KEYS + SLICE_KEYS)
+    if differ:
+        fail(f"--resume: {path} was written with other settings ({', '.join(differ)} differ); rerun with the "
+             "same settings, or without --resume to start over")
+    records = collect([row for row in rows if "item" in row], facts)
+    references = {row["reference"]["index"]: row["reference"] for row in rows if "reference" in row}
+    log(settings, f"resuming: {len(records)} prompts already finished in {path}" +
+        (f", {len(set(references) - set(records))} more references generated" if references else ""))
+    return records, references
+
+
+def raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def is_main_thread():
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+def interrupt_message(settings, finished, references):
+    """What an interrupted run kept, and how to go on."""
+    kept = f" and {references} references not yet scored" if references and settings["output"] else ""
+    if not settings["output"]:
+        how = "without --output nothing is kept for later: give --output, and --resume goes on from there"
+    else:
+        how = f"to finish, run the same {'torchrun ' if settings['ranks'] > 1 else ''}command with --resume"
+    return f"interrupted: reporting the {finished} prompts finished so far{kept}; {how}"
+
+
+def mine(it, settings):
+    """Is this prompt line in this process's slice? Lines go round-robin over --shard K/N or the torchrun
+    ranks, with every sample and turn of a line in the same slice (a turn needs the reply before it)."""
+    k, n = settings["shard"] or (settings["rank"] + 1, settings["ranks"])
+    return it.get("line", it["index"]) % n == k - 1
+
+
+def add_timing(timing):
+    """Another process's stage times (a shard's, a rank's) added to this run's."""
+    for stage, seconds in timing.items():
+        if stage != "total_s":
+            TIMING[stage] = TIMING.get(stage, 0.0) + seconds
+
+
+def gather_ranks(settings, learned, facts, records, skipped):
+    """torchrun: every rank's records to rank 0 ((records, skipped, interrupted) there, None elsewhere);
+    the stages' time is summed over the ranks."""
+    import torch.distributed as dist
+    everyone = [None] * settings["ranks"]
+    # torchrun passes Ctrl-C to every rank, and may pass it again: a rank that has stopped waits for the
+    # others here and must not die of it, or what every rank finished is lost.
+    held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)} \
+        if is_main_thread() else {}
     try:
-        if settings["load_hidden"]:
-            items, stream = open_hidden(settings["load_hidden"], settings, learned, target_cfg, layer_union,
-                                        lambda it: not mine(it, settings) or it["index"] in records)
-            embed_w, head = read_embed_head(settings["target"], target_cfg, settings)
-        else:
-            stream, embed_w, head = extract_from_target([it for it in items if mine(it, settings)], settings, learned,
-                                                      target_cfg, layer_union, set(records), drafters[0], keep)
-        records = {i: r for i, r in records.items() if i < len(items)}  # resumed with a smaller --limit
-        with progress(settings, sum(mine(it, settings) for it in items) - len(records), "draft", 1) as bar:
-            for record in drafted(stream, drafters, embed_w, head, settings):
-                records[record["item"]["index"]] = record
-                write_row(partial, record_json(record))
-                bar.update()
-    except KeyboardInterrupt:
-        learned.interrupted = True
-        print(interrupt_message(settings, len(records), len((set(made) | set(references)) - set(records))),
-              file=sys.stderr)
+        dist.all_gather_object(everyone, ([record_json(r) for r in records.values()], skipped, learned.interrupted,
+                                          dict(TIMING)))
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-        for f in (partial, save):
-            if f:
-                f.close()
-    return items or [], records, started
-
-
-def drafted(stream, drafters, embed_w, head, settings):
-    """The records of a stream of prompts' features. Steps of a training run are loaded once per group: a group
-    holds as many prompts' features as fit in FEATURES_PER_GROUP; otherwise one prompt at a time (walk mode:
-    WALK_GROUP, drafted together)."""
-    size = WALK_GROUP if settings["anchors"] == "walk" else 1
-    budget = FEATURES_PER_GROUP if any(d.reload for d in drafters) else 0
-    for group in prompt_groups(stream, size, budget):
-        yield from evaluate_prompts(group, drafters, embed_w, head, settings)
-
-
-def finish_run(settings, learned, items, records, drafters, facts, started):
-    """The run's costs (--costs measure), every rank's records gathered, the report."""
-    skipped = [{"id": it["id"], "reason": it["skip"]} for it in items if it.get("skip")]
-    model, learned.model = learned.model, None
-    if settings.get("costs") == "measure" and not learned.interrupted:
-        with timed("costs_s"):
-            learned.costs_used = measure_costs(model, drafters, settings, [r["item"] for r in records.values()])
-    del model
-    interrupted = learned.interrupted
-    if settings["ranks"] > 1:
-        gathered = gather_ranks(settings, learned, facts, records, skipped)
-        if gathered is None:
-            return None
-        records, skipped, interrupted = gathered
-    report = make_report(run_config(settings, learned), facts, [records[i] for i in sorted(records)], skipped,
-                         time.time() - started, interrupted)
-    if settings["shard"]:   # what --merge needs: every prompt's records, and the run's whole item list
-        report["shard"] = {"slice": settings["shard"], "items": [(it["index"], it["id"], it.get("sample"),
-                                                                  it.get("turn")) for it in items],
-                           "facts": facts, "records": [record_json(records[i]) for i in sorted(records)]}
-    return report
+        for sig, handler in held.items():
+            signal.signal(sig, handler)
+    learned.interrupted = any(cut for _, _, cut, _ in everyone)   # every rank keeps its partial file
+    if settings["rank"] != 0:
+        return None
+    merged, all_skipped = {}, []
+    for rank, (rows, skip, _, timing) in enumerate(everyone):
+        merged.update(collect(rows, facts))
+        all_skipped += skip
+        if rank:   # rank 0's own time is in TIMING already
+            add_timing(timing)
+    return merged, all_skipped, learned.interrupted
 
 
 def merge_shards(settings):
@@ -3892,96 +4350,122 @@ def merge_shards(settings):
                        sum(report["timing"]["total_s"] for _, report in shards), False)
 
 
-def add_timing(timing):
-    """Another process's stage times (a shard's, a rank's) added to this run's."""
-    for stage, seconds in timing.items():
-        if stage != "total_s":
-            TIMING[stage] = TIMING.get(stage, 0.0) + seconds
+SAVE_SHARD_BYTES = 2 << 30  # features held in memory before a shard is written
 
 
-def mine(it, settings):
-    """Is this prompt line in this process's slice? Lines go round-robin over --shard K/N or the torchrun
-    ranks, with every sample and turn of a line in the same slice (a turn needs the reply before it)."""
-    k, n = settings["shard"] or (settings["rank"] + 1, settings["ranks"])
-    return it.get("line", it["index"]) % n == k - 1
+def keep_hidden(saved, path, i, ids, x, layer_union):
+    """Hold one prompt's tensors (x: its Extraction) for --save-hidden; past SAVE_SHARD_BYTES write them out
+    as a shard file."""
+    gap = torch.zeros(len(x.argmax))
+    gap[list(x.gaps)] = torch.tensor(list(x.gaps.values()))
+    tensors = {f"{i}.ids": torch.tensor(ids), f"{i}.argmax": torch.tensor(x.argmax), f"{i}.gaps": gap,
+               **({f"{i}.p": x.p} if x.p is not None else {}),
+               **{f"{i}.layer{L}": x.features[L].contiguous() for L in layer_union}}
+    saved["tensors"].update(tensors)
+    saved["bytes"] += sum(t.numel() * t.element_size() for t in tensors.values())
+    if saved["bytes"] >= SAVE_SHARD_BYTES:
+        shard = f"{path}.{saved['run']}.shard{len(saved['shards']) + 1}"  # never over a live cache's shards
+        write_safetensors(shard, saved["tensors"])
+        saved.update(tensors={}, bytes=0, shards=saved["shards"] + [os.path.basename(shard)])
 
 
-def gather_ranks(settings, learned, facts, records, skipped):
-    """torchrun: every rank's records to rank 0 ((records, skipped, interrupted) there, None elsewhere);
-    the stages' time is summed over the ranks."""
-    import torch.distributed as dist
-    everyone = [None] * settings["ranks"]
-    # torchrun passes Ctrl-C to every rank, and may pass it again: a rank that has stopped waits for the
-    # others here and must not die of it, or what every rank finished is lost.
-    held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)} \
-        if is_main_thread() else {}
-    try:
-        dist.all_gather_object(everyone, ([record_json(r) for r in records.values()], skipped, learned.interrupted,
-                                          dict(TIMING)))
-    finally:
-        for sig, handler in held.items():
-            signal.signal(sig, handler)
-    learned.interrupted = any(cut for _, _, cut, _ in everyone)   # every rank keeps its partial file
-    if settings["rank"] != 0:
-        return None
-    merged, all_skipped = {}, []
-    for rank, (rows, skip, _, timing) in enumerate(everyone):
-        merged.update(collect(rows, facts))
-        all_skipped += skip
-        if rank:   # rank 0's own time is in TIMING already
-            add_timing(timing)
-    return merged, all_skipped, learned.interrupted
+def hidden_path(settings):
+    """The --save-hidden file; under torchrun each rank writes its own, <name>.rank<R>-of-<N>.safetensors."""
+    path = settings["save_hidden"]
+    if settings["ranks"] < 2:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.rank{settings['rank']}-of-{settings['ranks']}{ext or '.safetensors'}"
 
 
-def make_report(config, facts, done, skipped, seconds, interrupted):
-    """The report of finished prompts' records (in item order): the target's reference check and self-check,
-    every drafter's statistics, what was skipped, timing."""
-    finished = [r["item"] for r in done]
-    check, given = self_check(finished, config), [it for it in finished if it["source"] != "target"]
-    if sampling_of(config):
-        reference_check = reference_support(finished)
-        outside = [it for it in given if it["support"][3] is not None]
-        if outside:
-            print(f"warning: {sum(it['support'][1] - it['support'][0] for it in outside)} reference tokens of "
-                  f"{len(outside)} prompts lie outside the target's sampling support at "
-                  f"{describe_sampling(sampling_of(config))} (first: prompt {outside[0]['id']}, completion position "
-                  f"{outside[0]['support'][3]}): those references were not sampled at these settings; their rounds "
-                  "there count as rejected", file=sys.stderr)
-    else:
-        reference_check = {"agreement": target_agreement(finished)}
-        given = target_agreement(given)
-        if given is not None and given < AGREEMENT_WARN:
-            print(f"warning: target agreement {given:.4f} < {AGREEMENT_WARN} on the references from the prompts file "
-                  "or server: they are not the target's greedy output here, so tau is approximate (see README)",
-                  file=sys.stderr)
-    if check and not check["passed"]:
-        print(f"warning: self-check failed: {check['message']}", file=sys.stderr)
-    if skipped:
-        print(f"warning: skipped {len(skipped)} prompts (see \"skipped\" in the JSON): {skipped[0]['reason']}",
-              file=sys.stderr)
-    results = [[r["results"][j] for r in done] for j in range(len(facts))]
-    drafters = [drafter_report(d, res, finished) for d, res in zip(facts, results)]
-    for d in drafters:
-        for warning in d["warnings"]:
-            print(f"warning: drafter {d['name']}: {warning}", file=sys.stderr)
-    report = {
-        "config": config,
-        "target": {"path": config["target"], "device": config["device"], "dtype": config["dtype"],
-                   **reference_check, "self_check": check},
-        "drafters": drafters,
-        **({"comparison": side_by_side(drafters, results, finished)} if len(drafters) > 1 and done else {}),
-        "skipped": skipped,
-        "timing": {**{k: round(v, 4) for k, v in sorted(TIMING.items())}, "total_s": round(seconds, 4)},
-        "elapsed_s": seconds,
-    }
-    if config.get("costs_used"):
-        predicted_speedups(report, config["costs_used"])
-    if interrupted:
-        report["interrupted"] = True
-    return report
+def save_hidden(settings, learned, layer_union, items, saved):
+    """The main file: the last tensors and the run metadata (naming any shards written before it)."""
+    meta = {"format": "eval_drafter.hidden/3", "target_hash": learned.target_hash,
+            "layers": layer_union, "dtype": settings["dtype"], "device": settings["device"],
+            "torch_version": torch.__version__, "transformers_version": settings["transformers_version"],
+            "prompts_file": settings["prompts"], "prompts_hash": file_hash(settings["prompts"]),
+            "chat_template": learned.chat_template == "applied", "enable_thinking": settings["enable_thinking"],
+            "sampling": sampling_of(settings),
+            "prompts": [{"id": it["id"], "index": it["index"], "line": it.get("line", it["index"]), "split": it["split"],
+                         "prompt_tokens": len(it["prompt_ids"]), "completion_tokens": len(it["completion_ids"]),
+                         "source": it["source"],
+                         **{k: it[k] for k in ("sample", "turn") if it.get(k) is not None}}
+                        for it in items], "shards": saved["shards"]}
+    path = hidden_path(settings)
+    old_shards = []
+    with contextlib.suppress(UsageError):  # what was there may be no cache at all
+        old_shards = read_hidden_meta(path).get("shards", []) if os.path.isfile(path) else []
+    write_safetensors(path, saved["tensors"], metadata={"eval_drafter": json.dumps(meta)})
+    for shard in set(old_shards) - set(saved["shards"]):  # the replaced cache's shards
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(os.path.dirname(os.path.abspath(path)), shard))
+    log(settings, f"wrote hidden states of {len(items)} prompts, layers {layer_union}, to {path}")
 
 
-WALK_GROUP = 16   # prompts whose walks --anchors walk drafts together
+def open_hidden(paths, settings, learned, target_cfg, layer_union, skip=lambda it: False):
+    """Prompts and a lazy stream of (item, features, argmax) from --save-hidden files, after checks; several
+    files (the caches of a run's shards or ranks) are joined in the run's prompt order. Items for which
+    skip(item) holds are not streamed."""
+    paths = [paths] if isinstance(paths, str) else list(paths)
+    metas = [read_hidden_meta(path) for path in paths]
+    sampling = sampling_of(settings)
+    for path, meta in zip(paths, metas):
+        version = version_tuple(meta["format"].rpartition("/")[2])[0]
+        if meta["target_hash"] != (learned.target_hash if version == 3 else target_hash(settings["target"], version)):
+            fail(f"{path} was extracted from another target than {settings['target']} (the hash of its config and "
+                 "weights differs); pass the target it was made with, or extract again")
+        missing = sorted(set(layer_union) - set(meta["layers"]))
+        if missing:
+            fail(f"{path} holds layers {meta['layers']} but the drafters need {layer_union} (missing {missing}); "
+                 "extract again with drafters that need them all")
+        if sampling and list(sampling) != list(meta.get("sampling") or []):
+            fail(f"{path} was extracted at {describe_sampling(meta.get('sampling'))}, this run asks for "
+                 f"{describe_sampling(sampling)}: the target's probabilities of the references are kept for the "
+                 "settings of the extraction; evaluate at those, or extract again")
+        if (meta.get("prompts_hash"), meta.get("sampling")) != (metas[0].get("prompts_hash"), metas[0].get("sampling")):
+            fail(f"{path} and {paths[0]} come from different prompts files or sampling settings: one run's caches only")
+    entries = sorted(((row.get("index", i), j, i, row) for j, meta in enumerate(metas)
+                      for i, row in enumerate(meta["prompts"])), key=lambda e: e[0])
+    twice = [row["id"] for (a, _, _, row), (b, _, _, _) in zip(entries, entries[1:]) if a == b]
+    if twice:
+        fail(f"prompt {twice[0]} is in more than one of the --load-hidden files: give each shard's cache once")
+    entries = entries[:settings["limit"]] if settings["limit"] else entries
+    items = []
+
+    def stream():
+        dtype = getattr(torch, settings["dtype"])
+        with contextlib.ExitStack() as stack:
+            getters = [stack.enter_context(hidden_tensors(path, meta, settings["device"]))
+                       for path, meta in zip(paths, metas)]
+            for it in items:
+                if skip(it):
+                    continue
+                get, i = getters[it["cache"][0]], it["cache"][1]
+                argmax = get(f"{i}.argmax").tolist()
+                with contextlib.suppress(KeyError):   # files written before the gaps were kept have none
+                    gap = get(f"{i}.gaps").tolist()
+                    it["gaps"] = {k: gap[k] for k, (a, b) in enumerate(zip(argmax, it["completion_ids"])) if a != b}
+                if sampling:
+                    it["p"] = get(f"{i}.p").double().cpu()
+                yield it, {L: get(f"{i}.layer{L}").to(dtype) for L in layer_union}, argmax
+
+    with contextlib.ExitStack() as stack:
+        getters = [stack.enter_context(hidden_tensors(path, meta)) for path, meta in zip(paths, metas)]
+        for index, j, i, row in entries:
+            ids = getters[j](f"{i}.ids").tolist()
+            items.append({"index": index, "line": row.get("line", index), "id": row["id"], "split": row["split"],
+                          "prompt_ids": ids[:row["prompt_tokens"]], "completion_ids": ids[row["prompt_tokens"]:],
+                          "sample": row.get("sample"), "turn": row.get("turn"), "cache": (j, i),
+                          "source": row.get("source", "target" if row.get("generated") else "file")})
+    meta = metas[0]
+    learned.chat_template = "applied" if meta.get("chat_template") else "not applied"   # at extraction
+    learned.hidden_cache = {k: meta.get(k) for k in ("format", "dtype", "device", "torch_version",
+                                                         "transformers_version", "prompts_file", "layers")}
+    return items, stream()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Run: one evaluation (loading, drafting, finishing), the sibling modes, main
 
 
 FEATURES_PER_GROUP = 4 << 30   # bytes of features held for one group of prompts when steps are loaded per group
@@ -3999,204 +4483,6 @@ def prompt_groups(stream, size, budget=0):
             group, held = [], 0
     if group:
         yield group
-
-
-def evaluate_prompts(group, drafters, embed_w, head, settings):
-    """Every drafter on a group of prompts [(item, features, target argmax)]: scores, walks, the other served
-    depths, and the mask check when asked. One record per prompt."""
-    prompts, sampling = [], sampling_of(settings)
-    for it, features, argmax in group:
-        check_finite(features, it["id"])
-        it["agree"] = (sum(a == b for a, b in zip(argmax, it["completion_ids"])), len(argmax))
-        if sampling:
-            it["support"] = support_of(it["p"])
-        prompts.append((features, it["prompt_ids"] + it["completion_ids"], len(it["prompt_ids"]), it["id"]))
-    results = [[] for _ in group]
-    for stub in drafters:
-        d = stub if stub.weights is not None else replace(stub, weights=stub.reload())   # a step: for this group
-        budgets = [] if family(d).ddtree_note else settings["ddtree_budgets"]   # chains: no tree verifier
-        scored = score_drafter(d, prompts, group, embed_w, head, settings, budgets)
-        for depth in served_depths(d, settings):   # the engines' shorter blocks: 1 + K slots, chain only
-            for res, other in zip(scored, score_drafter(replace(d, block_size=depth + 1), prompts, group, embed_w,
-                                                        head, settings, [])):
-                res.setdefault("depths", {})[depth] = other
-        for i, res in enumerate(scored):
-            if d.mask_variants:
-                features, ids, n_prompt, _ = prompts[i]
-                with timed("mask_check_s"):
-                    res["mask_check"] = check_mask_prompt(d, d.mask_variants, features, ids, fitting_anchors(
-                        n_prompt, len(ids), d.block_size).to(settings["device"]), embed_w, head)
-            results[i].append(res)
-    records = []
-    keep = ("index", "id", "split", "prompt_ids", "completion_ids", "agree", "source", "sample", "support", "turn")
-    for (it, _, argmax), res in zip(group, results):
-        diverge = next((k for k, (a, b) in enumerate(zip(argmax, it["completion_ids"])) if a != b), None)
-        detail = None if diverge is None else {"reference": it["completion_ids"][diverge], "argmax": argmax[diverge],
-                                               "logit_gap": it.get("gaps", {}).get(diverge)}
-        records.append({"item": {**{k: it.get(k) for k in keep}, "first_divergence": diverge,
-                                 "divergence": detail}, "results": res})
-    return records
-
-
-# ----------------------------------------------------------------------------------------------------
-# Nothing lost: the partial file, resume, interruption
-
-# The settings that change a run's numbers: --resume and --merge refuse partial results or shards that differ in
-# any. The target, the drafters (by their facts, hash included), the prompts and saved features are compared by
-# content, never by path: the same files elsewhere, or named another way, are the same run.
-RESUME_KEYS = ("target_hash", "prompts_hash", "hidden_hashes", *flag_names("R"))
-SLICE_KEYS = ("shard", "ranks")   # a resumed run must take the same slice of the prompts
-KEY_WORDS = {"target_hash": "the target (its config or weights)", "prompts_hash": "the prompts (file content)",
-             "hidden_hashes": "the saved features (--load-hidden files)"}
-REFERENCE_KEYS = ("index", "id", "sample", "turn", "completion_ids", "source", "finish_reason")
-
-
-def differences(a, b, keys=RESUME_KEYS):
-    """What differs between two runs' settings (a, b: config dicts, with "drafters": their facts): named."""
-    named = [KEY_WORDS.get(k, k) for k in keys if a.get(k) != b.get(k)]
-    da, db = a.get("drafters", []), b.get("drafters", [])
-    if len(da) != len(db):
-        return named + [f"the drafters ({len(da)} against {len(db)})"]
-    return named + [f"drafter {x['name']} (its weights or resolved config)" for x, y in zip(da, db)
-                    if same_drafter(x) != same_drafter(y)]
-
-
-def same_drafter(facts):
-    """A drafter's facts without its label and path: what makes two of them the same drafter."""
-    return {k: v for k, v in facts.items() if k not in ("name", "checkpoint")}
-
-
-def raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
-def is_main_thread():
-    import threading
-    return threading.current_thread() is threading.main_thread()
-
-
-def interrupt_message(settings, finished, references):
-    """What an interrupted run kept, and how to go on."""
-    kept = f" and {references} references not yet scored" if references and settings["output"] else ""
-    if not settings["output"]:
-        how = "without --output nothing is kept for later: give --output, and --resume goes on from there"
-    else:
-        how = f"to finish, run the same {'torchrun ' if settings['ranks'] > 1 else ''}command with --resume"
-    return f"interrupted: reporting the {finished} prompts finished so far{kept}; {how}"
-
-
-def record_json(record):
-    """A finished prompt as one JSON line: enough to rebuild every statistic without recomputing."""
-    return {"item": record["item"], "results": [result_json(r) for r in record["results"]]}
-
-
-def result_json(r):
-    return {"rounds": r["rounds"], "ddtree_rounds": {str(b): v for b, v in r["ddtree_rounds"].items()},
-            "anchors": r["anchors"].tolist(), "matched": r["matched"].tolist(),
-            "equal": [int(sum(1 << k for k, e in enumerate(row) if e)) for row in r["equal"].tolist()],
-            "mask_check": r.get("mask_check"), "by_context": r["by_context"],
-            **({"expected": r["expected"]} if "expected" in r else {}),
-            **({"depths": {str(k): result_json(v) for k, v in r["depths"].items()}} if "depths" in r else {})}
-
-
-def record_from_json(row, facts):
-    return {"item": {**row["item"], "agree": tuple(row["item"]["agree"])},
-            "results": [result_from_json(r, d["drafts_per_round"]) for r, d in zip(row["results"], facts)]}
-
-
-def result_from_json(r, drafts):
-    bits = torch.tensor(r["equal"], dtype=torch.long).view(-1, 1)
-    return {"rounds": r["rounds"], "ddtree_rounds": {int(b): v for b, v in r["ddtree_rounds"].items()},
-            "anchors": torch.tensor(r["anchors"], dtype=torch.long), "matched": torch.tensor(r["matched"], dtype=torch.long),
-            "equal": (bits >> torch.arange(drafts)) & 1 == 1, "by_context": r["by_context"],
-            **({"mask_check": r["mask_check"]} if r.get("mask_check") else {}),
-            **({"expected": r["expected"]} if "expected" in r else {}),
-            **({"depths": {int(k): result_from_json(v, int(k)) for k, v in r["depths"].items()}} if "depths" in r else {})}
-
-
-def fingerprint(config, facts):
-    return {**{k: config.get(k) for k in RESUME_KEYS + SLICE_KEYS}, "drafters": facts}
-
-
-def partial_path(settings):
-    """<output>.partial.jsonl; under torchrun one per rank: <output>.partial.rank<R>.jsonl."""
-    return settings["output"] + (f".partial.rank{settings['rank']}.jsonl" if settings["ranks"] > 1 else ".partial.jsonl")
-
-
-def remove_partial(settings):
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(partial_path(settings))
-
-
-def resume_records(settings, learned, facts):
-    """Finished prompts ({index: record}) and references not yet scored ({index: reference fields}) from
-    <output>.partial.jsonl, if it was written with the same settings."""
-    path = partial_path(settings)
-    if not os.path.isfile(path):
-        log(settings, f"note: --resume found no {path}; starting from the first prompt")
-        return {}, {}
-    with open(path, encoding="utf-8") as f:
-        lines = [line for line in f if line.strip()]
-    rows = []
-    for line in lines:  # a last line cut short by a hard kill is dropped: every complete one is kept
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    header, rows = (rows[0] if rows and isinstance(rows[0], dict) else None), rows[1:]
-    if not header or "fingerprint" not in header:
-        fail(f"{path} is not a partial-results file of this tool; remove it or drop --resume")
-    differ = differences(header["fingerprint"], fingerprint(run_config(settings, learned), facts),
-                         RESUME_KEYS + SLICE_KEYS)
-    if differ:
-        fail(f"--resume: {path} was written with other settings ({', '.join(differ)} differ); rerun with the "
-             "same settings, or without --resume to start over")
-    records = collect([row for row in rows if "item" in row], facts)
-    references = {row["reference"]["index"]: row["reference"] for row in rows if "reference" in row}
-    log(settings, f"resuming: {len(records)} prompts already finished in {path}" +
-        (f", {len(set(references) - set(records))} more references generated" if references else ""))
-    return records, references
-
-
-def open_partial(settings, learned, facts, records, references):
-    """The partial file, begun again with what a resumed run already has (None without --output)."""
-    if not settings["output"]:
-        return None
-    f = open(partial_path(settings), "w", encoding="utf-8")
-    write_row(f, {"fingerprint": fingerprint(run_config(settings, learned), facts)})
-    for index in sorted(set(references) - set(records)):
-        write_row(f, {"reference": references[index]})
-    for index in sorted(records):
-        write_row(f, record_json(records[index]))
-    return f
-
-
-def write_row(f, row):
-    """One line of the partial file, on disk before the next is made (nothing when there is no file)."""
-    if f:
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-
-
-def collect(rows, facts):
-    """{index: record} of record lines (a partial file's, a shard's, a rank's)."""
-    return {row["item"]["index"]: record_from_json(row, facts) for row in rows}
-
-
-def generate_reference(model, it, settings, speculative, drafter, stops):
-    """The target's own reference for one prompt: greedy, or sampled at the run's settings (seeded per prompt and
-    sample); by speculative decoding with the first drafter where the cache can roll back (lossless: the same
-    text as plain greedy decoding, the same distribution as plain sampling)."""
-    sampling, generator = sampling_of(settings), None
-    if sampling:
-        generator = torch.Generator(device=model.device)
-        generator.manual_seed(sample_seed(settings, it["id"], it["sample"]))
-    with timed("generate_s"):
-        if speculative:
-            ids = speculative_generate(model, drafter, it["prompt_ids"], it["room"], stops, it["id"], sampling, generator)
-        else:
-            ids = plain_generate(model, it["prompt_ids"], it["room"], stops, sampling, generator)
-    it.update(completion_ids=ids, source="target")
 
 
 def extract_from_target(items, settings, learned, target_cfg, layer_union, done, drafter, keep):
@@ -4279,202 +4565,145 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
     return stream(), embed.weight, head
 
 
-# ----------------------------------------------------------------------------------------------------
-# Hidden-state cache: extract once (on the box that does it right), evaluate drafters anywhere
+def load_run(settings, learned):
+    """The target's config and every --ckpt drafter (a training run's steps wait on disk for their turn, the
+    first one excepted: it may generate the references), named apart, each with its load line."""
+    target_cfg = read_target_config(settings["target"])
+    drafters = []
+    for spec, step in checkpoint_specs(settings):
+        d = load_drafter(spec, target_cfg, settings)
+        d.step = step
+        if step is not None and drafters:
+            d.weights = None
+            d.reload = lambda spec=spec: load_drafter(spec, target_cfg, quietly(settings), identify=False).weights
+        drafters.append(d)
+    seen = {}
+    for d in drafters:  # run1/ckpt and run2/ckpt would both be "ckpt": keep names apart
+        seen[d.name] = seen.get(d.name, 0) + 1
+        if seen[d.name] > 1:
+            d.name += f"#{seen[d.name]}"
+    for d in drafters:
+        log(settings, f"drafter {d.name}: " + (f"{d.block_size - 1} steps a round, layers {d.layers}, no block (a "
+                      "causal chain)" if family(d).causal else f"block {d.block_size - d.from_anchor}, layers "
+                      f"{d.layers}, in-block mask per layer: {', '.join(rule_label(r) for r in d.rules)}"))
+        d.mask_variants = mask_variants(d, settings) if settings["check_mask"] and d.rules else None
+    learned.target_hash = target_hash(settings["target"])
+    check_depths(drafters, settings)
+    return target_cfg, drafters
 
 
-def file_hash(path):
-    import hashlib
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
+    """Every prompt of this slice through the target (or the saved features) and every drafter, each reference
+    the run makes and each finished prompt appended to the partial file as it comes; Ctrl-C or SIGTERM ends the
+    loop with all of them kept. Returns (items, {index: record}, start time)."""
+    layer_union = sorted({L for d in drafters for L in d.layers})
+    records, references = resume_records(settings, learned, facts) if settings["resume"] else ({}, {})
+    for it in items or []:   # a finished turn's reply is the next turn's context
+        if it["index"] in records:
+            it.update({k: records[it["index"]]["item"][k] for k in ("prompt_ids", "completion_ids")})
+        elif it["index"] in references:
+            it.update({k: references[it["index"]][k] for k in ("completion_ids", "source", "finish_reason")})
+    TIMING.clear()
+    partial = open_partial(settings, learned, facts, records, references)
+    save = open(settings["save_references"], "ab", buffering=0) if settings.get("save_references") else None
+    made = []
 
+    def keep(it):   # a reference the moment it exists: to the partial file (for --resume) and --save-references
+        made.append(it["index"])
+        write_row(partial, {"reference": {k: it.get(k) for k in REFERENCE_KEYS}})
+        if save:   # one write per line: torchrun ranks may share the file
+            save.write((json.dumps(saved_line(it, settings, learned)) + "\n").encode())
 
-def target_hash(path, version=3):
-    """The target's identity by content: its config.json and the dtype, shape and first values (up to 256 of the
-    first row) of every tensor in its safetensors, which any fine-tune changes. Copies agree wherever they lie,
-    however sharded or named (tensors are taken as a set, not by name); hashing every byte of a 27B target would
-    take minutes. Caches of earlier formats hashed the config alone (version 1) or with a few rows of the
-    embedding and head (version 2)."""
-    import hashlib
-    from safetensors import safe_open
-    digest = hashlib.sha256(json.dumps(read_json(os.path.join(path, "config.json")), sort_keys=True).encode())
-    files = target_tensor_files(path) if version > 1 else {}
-    names = sorted(files) if version > 2 else [n for n in EMBED_NAMES + ("lm_head.weight",) if n in files]
-    entries = []
-    with contextlib.ExitStack() as stack:
-        opened = {file: stack.enter_context(safe_open(file, "pt")) for file in {files[n] for n in names}}
-        for name in names:
-            part = opened[files[name]].get_slice(name)
-            shape = part.get_shape()
-            if version == 2:
-                digest.update(part[:4].float().numpy().tobytes())
-                continue
-            first = part[tuple(slice(0, 1) for _ in shape[:-1]) + (slice(0, 256),)] if shape else \
-                opened[files[name]].get_tensor(name)
-            entries.append(f"{part.get_dtype()}:{shape}:".encode() + first.float().numpy().tobytes())
-    for entry in sorted(hashlib.sha256(e).digest() for e in entries):
-        digest.update(entry)
-    return digest.hexdigest()
-
-
-def hidden_hash(path):
-    """A --save-hidden file's identity by content: its metadata (target hash, prompts hash, layers, dtype, every
-    prompt's lengths and source), not where it lies."""
-    import hashlib
-    meta = {k: v for k, v in read_hidden_meta(path).items() if k != "prompts_file"}
-    return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
-
-
-SAVE_SHARD_BYTES = 2 << 30  # features held in memory before a shard is written
-
-
-def write_safetensors(path, tensors, metadata=None):
-    from safetensors.torch import save_file
-    tmp = f"{path}.tmp{os.getpid()}"
-    save_file({k: v.cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
-    os.replace(tmp, path)
-
-
-def keep_hidden(saved, path, i, ids, x, layer_union):
-    """Hold one prompt's tensors (x: its Extraction) for --save-hidden; past SAVE_SHARD_BYTES write them out
-    as a shard file."""
-    gap = torch.zeros(len(x.argmax))
-    gap[list(x.gaps)] = torch.tensor(list(x.gaps.values()))
-    tensors = {f"{i}.ids": torch.tensor(ids), f"{i}.argmax": torch.tensor(x.argmax), f"{i}.gaps": gap,
-               **({f"{i}.p": x.p} if x.p is not None else {}),
-               **{f"{i}.layer{L}": x.features[L].contiguous() for L in layer_union}}
-    saved["tensors"].update(tensors)
-    saved["bytes"] += sum(t.numel() * t.element_size() for t in tensors.values())
-    if saved["bytes"] >= SAVE_SHARD_BYTES:
-        shard = f"{path}.{saved['run']}.shard{len(saved['shards']) + 1}"  # never over a live cache's shards
-        write_safetensors(shard, saved["tensors"])
-        saved.update(tensors={}, bytes=0, shards=saved["shards"] + [os.path.basename(shard)])
-
-
-def hidden_path(settings):
-    """The --save-hidden file; under torchrun each rank writes its own, <name>.rank<R>-of-<N>.safetensors."""
-    path = settings["save_hidden"]
-    if settings["ranks"] < 2:
-        return path
-    stem, ext = os.path.splitext(path)
-    return f"{stem}.rank{settings['rank']}-of-{settings['ranks']}{ext or '.safetensors'}"
-
-
-def save_hidden(settings, learned, layer_union, items, saved):
-    """The main file: the last tensors and the run metadata (naming any shards written before it)."""
-    meta = {"format": "eval_drafter.hidden/3", "target_hash": learned.target_hash,
-            "layers": layer_union, "dtype": settings["dtype"], "device": settings["device"],
-            "torch_version": torch.__version__, "transformers_version": settings["transformers_version"],
-            "prompts_file": settings["prompts"], "prompts_hash": file_hash(settings["prompts"]),
-            "chat_template": learned.chat_template == "applied", "enable_thinking": settings["enable_thinking"],
-            "sampling": sampling_of(settings),
-            "prompts": [{"id": it["id"], "index": it["index"], "line": it.get("line", it["index"]), "split": it["split"],
-                         "prompt_tokens": len(it["prompt_ids"]), "completion_tokens": len(it["completion_ids"]),
-                         "source": it["source"],
-                         **{k: it[k] for k in ("sample", "turn") if it.get(k) is not None}}
-                        for it in items], "shards": saved["shards"]}
-    path = hidden_path(settings)
-    old_shards = []
-    with contextlib.suppress(UsageError):  # what was there may be no cache at all
-        old_shards = read_hidden_meta(path).get("shards", []) if os.path.isfile(path) else []
-    write_safetensors(path, saved["tensors"], metadata={"eval_drafter": json.dumps(meta)})
-    for shard in set(old_shards) - set(saved["shards"]):  # the replaced cache's shards
-        with contextlib.suppress(OSError):
-            os.remove(os.path.join(os.path.dirname(os.path.abspath(path)), shard))
-    log(settings, f"wrote hidden states of {len(items)} prompts, layers {layer_union}, to {path}")
-
-
-def read_hidden_meta(path):
-    from safetensors import safe_open
-    if not os.path.isfile(path):
-        fail(f"hidden-state file not found: {path}")
+    started = time.time()
+    previous = signal.signal(signal.SIGTERM, raise_interrupt) if is_main_thread() else None
     try:
-        with safe_open(path, "pt") as f:
-            meta = json.loads((f.metadata() or {})["eval_drafter"])
-    except Exception:  # noqa: BLE001 - unreadable or foreign file: same answer
-        fail(f"{path} is not a hidden-state file written by --save-hidden")
-    needed = ("target_hash", "layers", "dtype", "device", "prompts")
-    if not isinstance(meta, dict) or not str(meta.get("format", "")).startswith("eval_drafter.hidden/") or \
-            any(k not in meta for k in needed):
-        fail(f"{path} has incomplete hidden-state metadata (needs format and {', '.join(needed)}): extract again")
-    return meta
+        if settings["load_hidden"]:
+            items, stream = open_hidden(settings["load_hidden"], settings, learned, target_cfg, layer_union,
+                                        lambda it: not mine(it, settings) or it["index"] in records)
+            embed_w, head = read_embed_head(settings["target"], target_cfg, settings)
+        else:
+            stream, embed_w, head = extract_from_target([it for it in items if mine(it, settings)], settings, learned,
+                                                      target_cfg, layer_union, set(records), drafters[0], keep)
+        records = {i: r for i, r in records.items() if i < len(items)}  # resumed with a smaller --limit
+        with progress(settings, sum(mine(it, settings) for it in items) - len(records), "draft", 1) as bar:
+            for record in scored_records(stream, drafters, embed_w, head, settings):
+                records[record["item"]["index"]] = record
+                write_row(partial, record_json(record))
+                bar.update()
+    except KeyboardInterrupt:
+        learned.interrupted = True
+        print(interrupt_message(settings, len(records), len((set(made) | set(references)) - set(records))),
+              file=sys.stderr)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        for f in (partial, save):
+            if f:
+                f.close()
+    return items or [], records, started
 
 
-@contextlib.contextmanager
-def hidden_tensors(path, meta, device="cpu"):
-    """get(name) over a --save-hidden file and its shards, which lie beside it."""
-    from safetensors import safe_open
-    files = [path] + [os.path.join(os.path.dirname(os.path.abspath(path)), s) for s in meta.get("shards", [])]
-    with contextlib.ExitStack() as stack:
-        where = {}
-        for name in files:
-            if not os.path.isfile(name):
-                fail(f"{path} names a shard {name} that is missing: copy the shards along with the file")
-            f = stack.enter_context(safe_open(name, "pt", device=device))
-            where.update(dict.fromkeys(f.keys(), f))
-        yield lambda key: where[key].get_tensor(key)
+def scored_records(stream, drafters, embed_w, head, settings):
+    """The records of a stream of prompts' features. Steps of a training run are loaded once per group: a group
+    holds as many prompts' features as fit in FEATURES_PER_GROUP; otherwise one prompt at a time (walk mode:
+    WALK_GROUP, drafted together)."""
+    size = WALK_GROUP if settings["anchors"] == "walk" else 1
+    budget = FEATURES_PER_GROUP if any(d.reload for d in drafters) else 0
+    for group in prompt_groups(stream, size, budget):
+        yield from evaluate_prompts(group, drafters, embed_w, head, settings)
 
 
-def open_hidden(paths, settings, learned, target_cfg, layer_union, skip=lambda it: False):
-    """Prompts and a lazy stream of (item, features, argmax) from --save-hidden files, after checks; several
-    files (the caches of a run's shards or ranks) are joined in the run's prompt order. Items for which
-    skip(item) holds are not streamed."""
-    paths = [paths] if isinstance(paths, str) else list(paths)
-    metas = [read_hidden_meta(path) for path in paths]
-    sampling = sampling_of(settings)
-    for path, meta in zip(paths, metas):
-        version = version_tuple(meta["format"].rpartition("/")[2])[0]
-        if meta["target_hash"] != (learned.target_hash if version == 3 else target_hash(settings["target"], version)):
-            fail(f"{path} was extracted from another target than {settings['target']} (the hash of its config and "
-                 "weights differs); pass the target it was made with, or extract again")
-        missing = sorted(set(layer_union) - set(meta["layers"]))
-        if missing:
-            fail(f"{path} holds layers {meta['layers']} but the drafters need {layer_union} (missing {missing}); "
-                 "extract again with drafters that need them all")
-        if sampling and list(sampling) != list(meta.get("sampling") or []):
-            fail(f"{path} was extracted at {describe_sampling(meta.get('sampling'))}, this run asks for "
-                 f"{describe_sampling(sampling)}: the target's probabilities of the references are kept for the "
-                 "settings of the extraction; evaluate at those, or extract again")
-        if (meta.get("prompts_hash"), meta.get("sampling")) != (metas[0].get("prompts_hash"), metas[0].get("sampling")):
-            fail(f"{path} and {paths[0]} come from different prompts files or sampling settings: one run's caches only")
-    entries = sorted(((row.get("index", i), j, i, row) for j, meta in enumerate(metas)
-                      for i, row in enumerate(meta["prompts"])), key=lambda e: e[0])
-    twice = [row["id"] for (a, _, _, row), (b, _, _, _) in zip(entries, entries[1:]) if a == b]
-    if twice:
-        fail(f"prompt {twice[0]} is in more than one of the --load-hidden files: give each shard's cache once")
-    entries = entries[:settings["limit"]] if settings["limit"] else entries
-    items = []
+def finish_run(settings, learned, items, records, drafters, facts, started):
+    """The run's costs (--costs measure), every rank's records gathered, the report."""
+    skipped = [{"id": it["id"], "reason": it["skip"]} for it in items if it.get("skip")]
+    model, learned.model = learned.model, None
+    if settings.get("costs") == "measure" and not learned.interrupted:
+        with timed("costs_s"):
+            learned.costs_used = measure_costs(model, drafters, settings, [r["item"] for r in records.values()])
+    del model
+    interrupted = learned.interrupted
+    if settings["ranks"] > 1:
+        gathered = gather_ranks(settings, learned, facts, records, skipped)
+        if gathered is None:
+            return None
+        records, skipped, interrupted = gathered
+    report = make_report(run_config(settings, learned), facts, [records[i] for i in sorted(records)], skipped,
+                         time.time() - started, interrupted)
+    if settings["shard"]:   # what --merge needs: every prompt's records, and the run's whole item list
+        report["shard"] = {"slice": settings["shard"], "items": [(it["index"], it["id"], it.get("sample"),
+                                                                  it.get("turn")) for it in items],
+                           "facts": facts, "records": [record_json(records[i]) for i in sorted(records)]}
+    return report
 
-    def stream():
-        dtype = getattr(torch, settings["dtype"])
-        with contextlib.ExitStack() as stack:
-            getters = [stack.enter_context(hidden_tensors(path, meta, settings["device"]))
-                       for path, meta in zip(paths, metas)]
-            for it in items:
-                if skip(it):
-                    continue
-                get, i = getters[it["cache"][0]], it["cache"][1]
-                argmax = get(f"{i}.argmax").tolist()
-                with contextlib.suppress(KeyError):   # files written before the gaps were kept have none
-                    gap = get(f"{i}.gaps").tolist()
-                    it["gaps"] = {k: gap[k] for k, (a, b) in enumerate(zip(argmax, it["completion_ids"])) if a != b}
-                if sampling:
-                    it["p"] = get(f"{i}.p").double().cpu()
-                yield it, {L: get(f"{i}.layer{L}").to(dtype) for L in layer_union}, argmax
 
-    with contextlib.ExitStack() as stack:
-        getters = [stack.enter_context(hidden_tensors(path, meta)) for path, meta in zip(paths, metas)]
-        for index, j, i, row in entries:
-            ids = getters[j](f"{i}.ids").tolist()
-            items.append({"index": index, "line": row.get("line", index), "id": row["id"], "split": row["split"],
-                          "prompt_ids": ids[:row["prompt_tokens"]], "completion_ids": ids[row["prompt_tokens"]:],
-                          "sample": row.get("sample"), "turn": row.get("turn"), "cache": (j, i),
-                          "source": row.get("source", "target" if row.get("generated") else "file")})
-    meta = metas[0]
-    learned.chat_template = "applied" if meta.get("chat_template") else "not applied"   # at extraction
-    learned.hidden_cache = {k: meta.get(k) for k in ("format", "dtype", "device", "torch_version",
-                                                         "transformers_version", "prompts_file", "layers")}
-    return items, stream()
+def evaluate(settings, learned):
+    """Drafters and prompts in, report dict out, over this process's slice of the prompts (--shard, or this
+    rank's under torchrun): loading the run, drafting the prompts, finishing the run. Under torchrun rank 0
+    reports every rank's records; the other ranks return None."""
+    items = expand(read_prompts(settings["prompts"], settings["limit"]), settings) \
+        if not settings["load_hidden"] else None
+    target_cfg, drafters = load_run(settings, learned)
+    facts = [drafter_facts(d) for d in drafters]
+    items, records, started = draft_prompts(settings, learned, items, target_cfg, drafters, facts)
+    return finish_run(settings, learned, items, records, drafters, facts, started)
+
+
+def hidden_drafters(settings, path):
+    """--compare-hidden with --ckpt: the drafters' reports from one saved-features file, as a --load-hidden run
+    of it gives them (its notes off)."""
+    quiet, learned = quietly(settings), Run()
+    target_cfg, drafters = load_run(quiet, learned)
+    layer_union = sorted({L for d in drafters for L in d.layers})
+    records = []
+    try:
+        items, stream = open_hidden([path], quiet, learned, target_cfg, layer_union)
+        embed_w, head = read_embed_head(settings["target"], target_cfg, quiet)
+        records += scored_records(stream, drafters, embed_w, head, quiet)
+    except KeyboardInterrupt:
+        print(f"interrupted: the drafters' figures from {path} cover the {len(records)} prompts finished so far",
+              file=sys.stderr)
+    return make_report(run_config(quiet, learned), [drafter_facts(d) for d in drafters], records, [], 0.0,
+                       False)["drafters"]
 
 
 def compare_hidden(settings):
@@ -4524,252 +4753,44 @@ def compare_hidden(settings):
     return report
 
 
-def hidden_drafters(settings, path):
-    """--compare-hidden with --ckpt: the drafters' reports from one saved-features file, as a --load-hidden run
-    of it gives them (its notes off)."""
-    quiet, learned = quietly(settings), Run()
-    target_cfg, drafters = load_run(quiet, learned)
-    layer_union = sorted({L for d in drafters for L in d.layers})
-    records = []
-    try:
-        items, stream = open_hidden([path], quiet, learned, target_cfg, layer_union)
-        embed_w, head = read_embed_head(settings["target"], target_cfg, quiet)
-        records += drafted(stream, drafters, embed_w, head, quiet)
-    except KeyboardInterrupt:
-        print(f"interrupted: the drafters' figures from {path} cover the {len(records)} prompts finished so far",
-              file=sys.stderr)
-    return make_report(run_config(quiet, learned), [drafter_facts(d) for d in drafters], records, [], 0.0,
-                       False)["drafters"]
+def run(settings):
+    if settings["threads"]:
+        torch.set_num_threads(settings["threads"])
+    if str(settings.get("device")).startswith("cuda"):
+        # cuDNN attention builds a plan for every new sequence length, and generation and walks meet a new one
+        # at every step (suspected cause of the bf16 demo's 9x slowdown on CUDA against CPU; not measured yet);
+        # the flash and memory-efficient kernels need no plan.
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    if settings["compare_hidden"]:
+        return compare_hidden(settings)
+    learned = Run()
+    report = merge_shards(settings) if settings.get("merge") else evaluate(settings, learned)
+    if report is None:   # a torchrun rank other than 0: rank 0 reports for all
+        if not learned.interrupted and settings["output"]:
+            remove_partial(settings)
+        return {"interrupted": True} if learned.interrupted else {}
+    if settings["output"]:   # before printing: a closed pipe on stdout must not cost the results
+        write_json(settings["output"], report)
+        if not report.get("interrupted") and not settings.get("merge"):
+            remove_partial(settings)
+    print_report(report)
+    if settings.get("export_vllm_synthetic") and not report.get("interrupted"):
+        export_vllm_synthetic(report, settings["export_vllm_synthetic"], settings.get("export_depth"))
+        log(settings, f"wrote {settings['export_vllm_synthetic']} (vLLM's speculative config, synthetic profile)")
+    if settings["output"]:
+        log(settings, f"wrote {settings['output']}")
+    return report
 
 
-def print_comparison(report, out=None):
-    out = out or sys.stdout
-    a, b = report["files"]
-    print(f"A: {a['path']} ({a['dtype']}, {a['device']})\nB: {b['path']} ({b['dtype']}, {b['device']})", file=out)
-    print(f"target argmax agreement A vs B: {fmt(report['argmax_agreement'], 4)}", file=out)
-    print("layer  rel.err |A-B|/|B|  cos mean  cos min   max |A-B|  worst (prompt, position)", file=out)
-    for L, st in report["layers"].items():
-        worst = st["worst"] or {}
-        print(f"{L:>5}  {fmt(st['relative_error'], 6):>17}  {fmt(st['cosine_mean'], 6)}  {fmt(st['cosine_min'], 6)}"
-              f"  {st['max_abs_diff']:10.4g}  {worst.get('prompt')}, {worst.get('position')}", file=out)
-    for da, db in zip(*report.get("drafters", [[], []])):
-        print(f"\n== drafter {da['name']}: tau A {fmt(da['tau'])}  B {fmt(db['tau'])}   tau_all_anchors A "
-              f"{fmt(da['tau_all_anchors'])}  B {fmt(db['tau_all_anchors'])}", file=out)
-        print("   pos  accept A  accept B", file=out)
-        for k, (x, y) in enumerate(zip(da["per_position"]["acceptance"], db["per_position"]["acceptance"]), 1):
-            print(f"   {k:>3}  {fmt(x):>8}  {fmt(y):>8}", file=out)
-
-
-EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
-
-
-def read_embed_head(path, target_cfg, settings):
-    """The target's embedding matrix and lm_head read by name from its safetensors: the model is never built."""
-    files, dtype = target_tensor_files(path), getattr(torch, settings["dtype"])
-    embed = next((n for n in EMBED_NAMES if n in files), None)
-    if embed is None:
-        fail(f"no embed_tokens weight found in the safetensors of {path}")
-    got = {k: v.to(dtype) for k, v in target_tensors(files, {embed, "lm_head.weight"} & set(files),
-                                                       settings["device"]).items()}
-    head_w = got.get("lm_head.weight", got[embed])
-    return got[embed], (lambda x: F.linear(x, head_w))
-
-
-def target_agreement(items):
-    """Fraction of reference tokens equal to the target's argmax given the reference prefix."""
-    hits, total = (sum(it["agree"][i] for it in items) for i in (0, 1))
-    return hits / total if total else None
-
-
-SELF_CHECK_TOLERANCE = 0.01   # share of its own reference tokens that may flip on GPU or in a 16-bit dtype
-
-
-def self_check(items, config):
-    """The references this tool generated itself must be what its own teacher-forced pass says the target
-    produces: greedy (or speculative) ones equal to its argmax, sampled ones inside its sampling support.
-    Exactly on CPU in float32; on GPU or in a 16-bit dtype, where the batch shape changes the rounding and can
-    flip near-ties, up to SELF_CHECK_TOLERANCE of the tokens. A failure is the tool's own generation and
-    evaluation disagreeing (a bug or numerics), never the references' fault. None when no reference was
-    generated here."""
-    own = [it for it in items if it["source"] == "target"]
-    sampled = bool(own) and own[0].get("support") is not None
-    counts = [(it["support"][0], it["support"][1], it["support"][3]) if sampled else
-              (it["agree"][0], it["agree"][1], it["first_divergence"]) for it in own]
-    tokens = sum(total for _, total, _ in counts)
-    if not tokens:
-        return None
-    agreement = sum(hits for hits, _, _ in counts) / tokens
-    where = config.get("hidden_cache") or config   # where the references were generated and extracted
-    strict = where["device"] == "cpu" and where["dtype"] == "float32"
-    tolerance = 0.0 if strict else SELF_CHECK_TOLERANCE
-    check = {"tokens": tokens, "agreement": agreement, "tolerance": tolerance, "passed": agreement >= 1 - tolerance,
-             "first_divergence": None}
-    first, position = next(((it, c[2]) for it, c in zip(own, counts) if c[2] is not None), (None, None))
-    if first is None:
-        return check
-    token = first["completion_ids"][position] if sampled else None
-    detail = check["first_divergence"] = {"prompt": first["id"], "position": position,
-                                          **({"reference": token} if sampled else first.get("divergence") or {})}
-    if sampled:
-        facts = (f"prompt {first['id']}, completion position {position}: generated token {token} has probability 0 "
-                 f"under its own teacher-forced sampling distribution; {agreement:.4f} of {tokens} generated tokens "
-                 "inside the support")
-    else:
-        gap = "" if detail.get("logit_gap") is None else f", logit gap {detail['logit_gap']:.3g}"
-        facts = (f"prompt {first['id']}, completion position {position}: generated token {detail.get('reference')}, "
-                 f"teacher-forced argmax {detail.get('argmax')}{gap}; agreement {agreement:.4f} over {tokens} "
-                 "generated tokens")
-    rule = "none on CPU in float32" if strict else \
-        f"{tolerance:.0%} of tokens on {where['device']} in {where['dtype']}, where batch shapes can flip near-ties"
-    if check["passed"]:
-        log(config, f"note: self-check within tolerance ({rule}): {facts}")
-    else:
-        check["message"] = (f"the tool's own generation and evaluation disagree ({facts}; tolerance: {rule}). It "
-                            f"generated these references itself as the target's {'samples' if sampled else 'greedy output'}, "
-                            "so a bug in the tool or numerics is at fault, not the references: tau is not exact")
-    return check
-
-
-def prompt_report(it, res, B):
-    """One reference's entry: where it came from, how it sits with the target, its rounds (or at temperature
-    > 0 their expectation, with the rounds too under argmax proposals)."""
-    entry = {"id": it["id"], **({"sample": it["sample"]} if it.get("sample") is not None else {}),
-             **({"turn": it["turn"]} if it.get("turn") is not None else {}),
-             "split": it["split"], "prompt_tokens": len(it["prompt_ids"]), "completion_tokens": len(it["completion_ids"]),
-             "reference_generated": it["source"] != "file", "reference_source": it["source"],
-             "first_divergence": it["first_divergence"], "divergence": it.get("divergence")}
-    if "expected" in res:
-        inside, total, logp, outside = it["support"]
-        e = res["expected"]
-        entry.update(reference_support=inside / total if total else None,
-                     reference_mean_logprob=logp / inside if inside else None, first_outside_support=outside,
-                     tau=e["committed"] / e["rounds"] if e["rounds"] else None, expected_rounds=e["rounds"],
-                     expected_committed=e["committed"], **({"rounds": res["rounds"]} if res["rounds"] is not None else {}))
-    else:
-        entry.update(target_agreement=it["agree"][0] / it["agree"][1] if it["agree"][1] else None,
-                     tau=sum(res["rounds"]) / len(res["rounds"]) if res["rounds"] else None, rounds=res["rounds"])
-    entry["ddtree_rounds"] = {str(b): r for b, r in res["ddtree_rounds"].items()}
-    if "depths" in res:
-        entry["depth_rounds"] = {str(k): other["rounds"] for k, other in sorted(res["depths"].items())}
-    if not (res["rounds"] or res.get("expected", {}).get("rounds")):
-        entry["note"] = (f"completion of {len(it['completion_ids'])} tokens is shorter than one block ({B} tokens: "
-                         f"the anchor and {B - 1} drafts): nothing to score")
-    return entry
-
-
-def reference_support(items):
-    """The references under the target's sampling distribution, pooled: the share of their tokens inside its
-    support and the mean log-probability of those (in place of argmax agreement at temperature > 0)."""
-    inside, total, logp = (sum(it["support"][i] for it in items) for i in range(3))
-    return {"reference_support": inside / total if total else None,
-            "reference_mean_logprob": logp / inside if inside else None}
-
-
-def drafter_facts(d):
-    """What the report says of a drafter apart from its results (a shard's output carries it for --merge)."""
-    return {"name": d.name, "checkpoint": d.checkpoint, "hash": d.hash, "warnings": d.warnings or [],
-            "generation": d.generation, "layout": d.layout, **({"head": d.head} if d.head else {}),
-            "block_size": d.block_size - d.from_anchor, "drafts_per_round": d.block_size - 1,
-            **({"series": d.name.rpartition("@")[0], "step": d.step} if d.step is not None else {}),
-            "layers": d.layers, "mask_token_id": d.mask_token_id,
-            "block_mask": [rule_label(r) for r in d.rules],
-            "mask_modes": {name: [rule_label(r) for r in rules] for name, rules in d.mask_variants.items()}
-            if d.mask_variants else None}
-
-
-def drafter_report(d, results, items):
-    """The report of one drafter (its facts d) over some prompts' results."""
-    B = d["drafts_per_round"] + 1   # the longest round: every draft and the target's own token
-    note = FAMILIES[d["generation"]].ddtree_note
-    no_trees = {"ddtree": None, "ddtree_note": note} if note else {}
-    sampled = bool(results) and "expected" in results[0]
-
-    def check(chosen):   # greedy: target agreement; sampled: how the references sit in the target's support
-        return reference_support(chosen) if sampled else {"target_agreement": target_agreement(chosen)}
-
-    def section(keep, depth=None):
-        chosen = [(res if depth is None else res["depths"][depth], it) for res, it in zip(results, items) if keep(it)]
-        totals = list(prompt_totals(*zip(*chosen)).values()) if chosen else []
-        return {**summarize([res for res, _ in chosen], B if depth is None else depth + 1),
-                "tau_ci95": ratio_ci95([c for c, _ in totals], [r for _, r in totals]),
-                **check([it for _, it in chosen]), **(no_trees if depth is None else {})}
-
-    whole = section(lambda it: True)
-    splits = {split: section(lambda it: it["split"] == split) for split in sorted({it["split"] for it in items})}
-    turns = {str(t): section(lambda it: it.get("turn") == t) for t in sorted({it.get("turn") for it in items} - {None})}
-    depths = {B - 1: whole, **{k: section(lambda it: True, k) for k in (results[0].get("depths", {}) if results else {})}}
-    prompts = [prompt_report(it, res, B) for it, res in zip(items, results)]
-    return {**{k: v for k, v in d.items() if k != "mask_modes"}, **whole, "engine_metrics": engine_metrics(whole, B - 1),
-            **({"depths": {str(k): {**{key: s[key] for key in DEPTH_KEYS}, "engine_metrics": engine_metrics(s, k)}
-                           for k, s in sorted(depths.items())}} if len(depths) > 1 else {}),
-            "by_context": by_context([res["by_context"] for res in results]),
-            "warnings": d["warnings"] + acceptance_warning(whole), "splits": splits, **({"turns": turns} if turns else {}),
-            **({"mask_check": mask_check_summary(d["mask_modes"], [r["mask_check"] for r in results if "mask_check" in r])}
-               if d["mask_modes"] else {}), "prompts": prompts}
-
-
-# A drafter trained for its target and layer set accepts 0.5-0.9 of its first drafts; one that reads another
-# target's features, or another layer set's, keeps only what the anchor token alone predicts. Warn when the
-# first-position acceptance is below LOW_FIRST_ACCEPTANCE with 95% confidence (the Wilson interval's upper end),
-# and only where the references are the target's own (agreement or support at least TRUSTED_REFERENCES):
-# against foreign references low acceptance says nothing of the drafter.
-LOW_FIRST_ACCEPTANCE = 0.2
-TRUSTED_REFERENCES = 0.9
-
-
-def acceptance_warning(s):
-    first, n = s["per_position"]["acceptance"][0], s["anchors"]
-    trust = s.get("target_agreement", s.get("reference_support"))
-    if first is None or not n or trust is None or trust < TRUSTED_REFERENCES:
-        return []
-    z = 1.96
-    upper = (first + z * z / (2 * n) + z * math.sqrt(first * (1 - first) / n + z * z / (4 * n * n))) / (1 + z * z / n)
-    if upper >= LOW_FIRST_ACCEPTANCE:
-        return []
-    return [f"first-position acceptance {first:.3f} over {n:.0f} anchors (95% upper bound {upper:.3f}) on the "
-            f"target's own text: a drafter trained for this target and layer set accepts far more (0.5-0.9), so "
-            f"this one cannot have been; {WRONG_DRAFTER_CHECK}"]
-
-
-def side_by_side(drafters, results, items):
-    """Several drafters over the same prompts: each one's tau, interval, first-position acceptance and DDTree
-    tau, and its paired difference from the first drafter."""
-    totals = [prompt_totals(res, items) for res in results]
-    rows = []
-    for d, (delta, ci) in zip(drafters, against_first(totals)):
-        rows.append({"name": d["name"], **{k: d[k] for k in ("series", "step") if k in d},
-                     "tau": d["tau"], "tau_ci95": d["tau_ci95"],
-                     "first_position_acceptance": d["per_position"]["acceptance"][0],
-                     "ddtree": {b: s["tau"] for b, s in (d["ddtree"] or {}).items()},
-                     "delta_tau": delta, "delta_tau_ci95": ci})
-    series = {}
-    for row in rows:
-        if "series" in row and row["tau"] is not None:
-            best = series.setdefault(row["series"], row)
-            series[row["series"]] = row if row["tau"] > best["tau"] else best
-    return {"reference": drafters[0]["name"], "prompts": len(totals[0]), "drafters": rows,
-            "best_steps": {name: row["step"] for name, row in series.items()}, **same_depths(drafters, results, items)}
-
-
-def same_depths(drafters, results, items):
-    """Where the drafters draft different numbers of tokens a round (an MTP layer's 3 against a DFlash block's 15),
-    their taus are no comparison: {"at_depth": {K: rows as side_by_side's}} at every depth K that all of them were
-    evaluated at (--depths), each paired against the first drafter's tau at K."""
-    trained = [d["drafts_per_round"] for d in drafters]
-    if len(set(trained)) == 1:
-        return {}
-    shared = set.intersection(*({k, *(res[0].get("depths", {}) if res else {})} for k, res in zip(trained, results)))
-    at_depth = {}
-    for K in sorted(shared):
-        totals = [prompt_totals([r if K == k else r["depths"][K] for r in res], items) for k, res in zip(trained, results)]
-        at_depth[str(K)] = [{"name": d["name"], "tau": (d.get("depths") or {}).get(str(K), d)["tau"], "delta_tau": delta,
-                             "delta_tau_ci95": ci} for d, (delta, ci) in zip(drafters, against_first(totals))]
-    return {"drafts_per_round": dict(zip((d["name"] for d in drafters), trained)), "at_depth": at_depth}
-
-
-def against_first(totals):
-    """Each drafter's (delta tau, its paired 95% interval) against the first's, from their prompt totals."""
-    return [(None, None), *(paired_delta(t, totals[0]) for t in totals[1:])]
+def leave_ranks():
+    """torchrun, once every rank is past the gather: leave the process group before exiting. A rank that exits
+    with gloo's worker threads still holding tensors can abort while the interpreter shuts down ("terminate
+    called without an active exception"), failing the launch. (Not on the error path: destroying an NCCL group
+    is collective and would wait for ranks that are not coming.)"""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def main(argv=None):
@@ -4787,17 +4808,6 @@ def main(argv=None):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     return 130 if report.get("interrupted") else 0
-
-
-def leave_ranks():
-    """torchrun, once every rank is past the gather: leave the process group before exiting. A rank that exits
-    with gloo's worker threads still holding tensors can abort while the interpreter shuts down ("terminate
-    called without an active exception"), failing the launch. (Not on the error path: destroying an NCCL group
-    is collective and would wait for ranks that are not coming.)"""
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
