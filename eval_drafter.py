@@ -1,15 +1,12 @@
 #!/usr/bin/env python3
 """eval_drafter.py: measure a DFlash drafter's real speculative-decoding acceptance, offline, on any box.
 
-Greedy speculative decoding commits exactly the target's greedy text, so one teacher-forced target pass
-over prompt + reference completion gives every hidden state the drafter would ever see. From it this
-script drafts a block at every anchor of the completion, scores each draft against the reference, and
-replays the greedy speculative walk. The rounds equal those of a real decoding loop when the reference is
-the target's own greedy output (the "target agreement" line says how close yours is). Drafters: DFlash,
-DFlash 2 (conv taps, candidate path selector), DSpark (a Markov head over the previous draft) and Domino (a GRU
-over the drafted prefix), in z-lab's, transformers' native, speculators' (reduced draft vocabularies,
-sample_from_anchor) or SpecForge's layout, a training run's steps as a series, and the baselines they must beat:
-EAGLE-3 and the target's own MTP layer (a causal pass over the text, then K chained steps); targets: any
+Greedy speculative decoding commits exactly the target's greedy text, so one teacher-forced target pass over
+prompt + reference completion gives every hidden state the drafter would ever see. From it this script drafts
+a block at every anchor of the completion, scores each draft against the reference, and replays the walk that
+real decoding takes: its rounds are a real loop's when the reference is the target's own output. Drafters: the
+DFlash family (DFlash, DFlash 2, DSpark, Domino) in z-lab's, transformers', speculators' or SpecForge's layout,
+a training run's steps, and the baselines they must beat, EAGLE-3 and the target's own MTP layer; targets: any
 decoder-only transformers model (Qwen3, hybrid Qwen3.5/3.6, Llama, gpt-oss, ...).
 
     python eval_drafter.py --target QWEN_DIR --ckpt DRAFTER --prompts prompts.jsonl
@@ -19,16 +16,26 @@ decoder-only transformers model (Qwen3, hybrid Qwen3.5/3.6, Llama, gpt-oss, ...)
     python eval_drafter.py --target QWEN_DIR --ckpt mine=DRAFTER --mtp --depths 3,7 --prompts p.jsonl
     python eval_drafter.py --demo             # the whole pipeline on the tiny bundled pair
 
-Data flows top to bottom: CLI -> prompts -> target -> hidden states -> drafter -> metrics -> report. The
-sections, in order: CLI and resolved settings; prompts; target; references from a serving engine; sampled
-decoding, target side; drafter loading and checking (every layout, training runs, a target's MTP layer); the
-drafter's forward pass and its proposal rule (each slot's argmax, DFlash 2's selector, DSpark's and Domino's
-chained heads, EAGLE-3's and MTP's chain); DDTree; the mask check; metrics; serving (the engines' figures, costs,
-predicted speedup); report; main (the run, shards, torchrun); nothing lost (the partial file, resume, reference
-generation); the hidden-state cache. Only torch, transformers, safetensors, numpy, tqdm and the standard library are used.
+The sections, in the order data flows (each definition stands under its banner, above its first use):
+    Files: JSON, safetensors, and identities by content
+    Settings: the flag table, resolved once and then only read
+    Prompts and saved references
+    Target: loading, the teacher-forced pass, the sampling math, the decoding loops' steps
+    Drafter backbone: checkpoints read, the shared checks, the block pass with SDPA and an explicit
+        context-plus-block mask
+    Drafter families: each family's own loading and proposal code, then the family table
+    Drafting: a drafter loaded by its family, every anchor drafted
+    References: the target's own (speculative or plain decoding) and a serving engine's
+    Scoring: walks, expectations under sampling, DDTree, the mask check, intervals
+    Serving: the engines' figures, costs and the predicted speedup
+    Report: built from the records, then printed
+    Records, caches and resume: nothing lost
+    Run: one evaluation (loading, drafting, finishing), the sibling modes, main
+Only torch, transformers, safetensors, numpy, tqdm and the standard library are used.
 """
 import argparse
 import contextlib
+import hashlib
 import heapq
 import inspect
 import json
@@ -38,23 +45,20 @@ import re
 import signal
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
 DEMO_DIR = os.path.join(HERE, "tests", "fixtures", "demo")
-
 ANCHOR_TOKENS_PER_CHUNK = 512   # query tokens (anchors x block) per SDPA call: bounds the mask and scores
-
 LOGIT_ROWS_PER_CHUNK = 256      # rows per target lm_head call: a 248k vocab makes logits the big tensor
-
 AGREEMENT_WARN = 0.99
-
 MIN_TRANSFORMERS = "4.57.1"     # the oldest transformers the tests run under (.ci/run tests it and the newest)
 
 
@@ -122,7 +126,6 @@ def index_weight_map(path):
 
 
 def load_safetensors(path):
-    from safetensors.torch import load_file
     if not os.path.isfile(path):
         fail(f"{path} is missing: the checkpoint's index names it")
     try:
@@ -132,7 +135,6 @@ def load_safetensors(path):
 
 
 def write_safetensors(path, tensors, metadata=None):
-    from safetensors.torch import save_file
     tmp = f"{path}.tmp{os.getpid()}"
     save_file({k: v.cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
     os.replace(tmp, path)
@@ -140,7 +142,6 @@ def write_safetensors(path, tensors, metadata=None):
 
 def target_tensor_files(path):
     """{tensor name: safetensors file} of a checkpoint directory, sharded (index) or not."""
-    from safetensors import safe_open
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         return {k: os.path.join(path, v) for k, v in index_weight_map(index).items()}
@@ -154,7 +155,6 @@ def target_tensor_files(path):
 
 def target_tensors(files, names, device="cpu"):
     """The named tensors of a checkpoint ({name: file}, as target_tensor_files gives), each file opened once."""
-    from safetensors import safe_open
     out = {}
     for file in sorted({files[n] for n in names}):
         with safe_open(file, "pt", device=device) as f:
@@ -163,12 +163,10 @@ def target_tensors(files, names, device="cpu"):
 
 
 EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
-
 TARGET_NORM_NAMES = ("model.norm.weight", "model.language_model.norm.weight")
 
 
 def file_hash(path):
-    import hashlib
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
 
@@ -176,7 +174,6 @@ def file_hash(path):
 def content_hash(tensors, *facts):
     """sha256 of JSON facts and of tensors (name, dtype, shape, bytes): equal for copies of the same drafter
     wherever they lie, different for any other weight or setting."""
-    import hashlib
     digest = hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode())
     for name in sorted(tensors):
         t = tensors[name].detach().cpu().contiguous()
@@ -191,8 +188,6 @@ def target_hash(path, version=3):
     however sharded or named (tensors are taken as a set, not by name); hashing every byte of a 27B target would
     take minutes. Caches of earlier formats hashed the config alone (version 1) or with a few rows of the
     embedding and head (version 2)."""
-    import hashlib
-    from safetensors import safe_open
     digest = hashlib.sha256(json.dumps(read_json(os.path.join(path, "config.json")), sort_keys=True).encode())
     files = target_tensor_files(path) if version > 1 else {}
     names = sorted(files) if version > 2 else [n for n in EMBED_NAMES + ("lm_head.weight",) if n in files]
@@ -214,7 +209,6 @@ def target_hash(path, version=3):
 
 
 def read_hidden_meta(path):
-    from safetensors import safe_open
     if not os.path.isfile(path):
         fail(f"hidden-state file not found: {path}")
     try:
@@ -232,7 +226,6 @@ def read_hidden_meta(path):
 def hidden_hash(path):
     """A --save-hidden file's identity by content: its metadata (target hash, prompts hash, layers, dtype, every
     prompt's lengths and source), not where it lies."""
-    import hashlib
     meta = {k: v for k, v in read_hidden_meta(path).items() if k != "prompts_file"}
     return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
 
@@ -240,7 +233,6 @@ def hidden_hash(path):
 @contextlib.contextmanager
 def hidden_tensors(path, meta, device="cpu"):
     """get(name) over a --save-hidden file and its shards, which lie beside it."""
-    from safetensors import safe_open
     files = [path] + [os.path.join(os.path.dirname(os.path.abspath(path)), s) for s in meta.get("shards", [])]
     with contextlib.ExitStack() as stack:
         where = {}
@@ -267,9 +259,7 @@ start here:
 # Number rules: (what the value must be, test); NaN fails every test, and the float ones refuse infinity where it
 # means nothing.
 AT_LEAST_0, AT_LEAST_1 = ("at least 0", lambda v: v >= 0), ("at least 1", lambda v: v >= 1)
-
 BLOCK_RULE = ("at least 2 (a block needs the anchor and at least one draft)", lambda v: v >= 2)
-
 GROUPS = {  # --help's groups of flags
     "inputs": "inputs",
     "drafter": "drafter config (defaults come from the checkpoint's config.json)",
@@ -423,7 +413,6 @@ FLAGS = [
     ("output", "--output", "M", None, dict(help="write the full results as JSON to this file (atomically; finished "
         "prompts go to <output>.partial.jsonl as the run goes)")),
     ("output", "--quiet", "M", None, dict(action="store_true", help="no progress bars or notes on stderr")),
-
 ]
 
 
@@ -1286,7 +1275,6 @@ def extract_hidden(model, ids, layer_ids, n_prompt, sampling=None):
 def sample_seed(settings, prompt_id, sample):
     """A seed per (run seed, prompt, sample): each sampled reference is reproducible on its own, whatever
     the order or the subset of prompts that is run."""
-    import hashlib
     return int.from_bytes(hashlib.sha256(f"{settings['seed']}:{prompt_id}:{sample}".encode()).digest()[:7], "big")
 
 
@@ -1376,9 +1364,7 @@ def split_ckpt_spec(spec):
 
 # A step number in a checkpoint's name: SpecForge's <run>-step400, HF Trainer's checkpoint-400, step_400.pt, ...
 STEP_NAME = re.compile(r"(?:^|[^a-z])(?:step|checkpoint|ckpt|iter)[-_]?(\d+)", re.IGNORECASE)
-
 CHECKPOINT_FILES = (".safetensors", ".pt", ".pth", ".bin")
-
 TRAINING_STATE = "training_state.pt"   # SpecForge: <run>-step<N>/training_state.pt, weights under draft_state_dict
 
 
@@ -1429,7 +1415,6 @@ def checkpoint_specs(settings):
 
 
 STATE_DICT_NESTS = ("draft_state_dict", "state_dict", "model", "module", "draft_model")   # tried in this order
-
 KEY_PREFIXES = ("module.", "_orig_mod.", "draft_model.", "model.")    # stripped only when every key has it
 
 
@@ -1597,7 +1582,6 @@ def infer_config(state, target_cfg, settings, name, trained=None):
 
 
 CARRIED = ("lm_head.weight", "d2t", "t2d", "embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
-
 NEEDED_CONFIG = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")
 
 
@@ -2033,9 +2017,7 @@ def proposal_rows(drafter, hidden):
 
 
 NATIVE_NAMES = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
-
 NATIVE_DEFAULTS = {"rms_norm_eps": 1e-5, "sliding_window": 2048, "rope_theta": 500000.0}   # its config class's
-
 SELECTOR = "candidate_selector."
 
 # speculators 0.9.0 (the layout vLLM loads): the keys of its DFlash and DFlash 2 configs, and their defaults
@@ -2045,7 +2027,6 @@ SPECULATORS_KEYS = {"speculators_model_type", "architectures", "transformer_laye
                     "transformers_version", "dtype", "torch_dtype", "tie_word_embeddings", "auto_map", "_name_or_path",
                     "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "markov_rank",
                     "markov_head_type", "enable_confidence_head", "confidence_head_with_markov"}
-
 FAMILY_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "markov_rank",
                "markov_head_type")
 
@@ -2508,12 +2489,10 @@ def load_eagle3(name, path, generation, cfg, state, layout, raw, target_cfg, set
 
 
 MTP_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")   # text model types whose MTP layer this tool runs
-
 MTP_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "rms_norm_eps", "attention_bias", "attn_output_gate", "num_experts", "num_experts_per_tok",
             "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "max_position_embeddings",
             "rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor")
-
 DRAFTER_KEYS = ("dflash_config", "speculators_model_type", "block_size", "target_layer_ids", "mask_token_id",
                 "draft_vocab_size", "eagle_config", "eagle_aux_hidden_state_layer_ids")   # in no target's config
 
@@ -3326,7 +3305,6 @@ MASK_CHECK_ANCHORS = 32   # anchors per prompt, evenly spaced
 # MASK_CHECK_Z standard errors. A fixed margin alone either misses real mismatches (a causal-trained drafter
 # run bidirectional typically loses only 1-3% accuracy) or fires on a handful of anchors.
 MASK_CHECK_MIN_GAIN = 0.01
-
 MASK_CHECK_Z = 3.0
 
 
@@ -3798,7 +3776,6 @@ def drafter_facts(d):
 # and only where the references are the target's own (agreement or support at least TRUSTED_REFERENCES):
 # against foreign references low acceptance says nothing of the drafter.
 LOW_FIRST_ACCEPTANCE = 0.2
-
 TRUSTED_REFERENCES = 0.9
 
 
@@ -4122,12 +4099,9 @@ def print_comparison(report, out=None):
 # any. The target, the drafters (by their facts, hash included), the prompts and saved features are compared by
 # content, never by path: the same files elsewhere, or named another way, are the same run.
 RESUME_KEYS = ("target_hash", "prompts_hash", "hidden_hashes", *flag_names("R"))
-
 SLICE_KEYS = ("shard", "ranks")   # a resumed run must take the same slice of the prompts
-
 KEY_WORDS = {"target_hash": "the target (its config or weights)", "prompts_hash": "the prompts (file content)",
              "hidden_hashes": "the saved features (--load-hidden files)"}
-
 REFERENCE_KEYS = ("index", "id", "sample", "turn", "completion_ids", "source", "finish_reason")
 
 
