@@ -21,8 +21,7 @@ The sections, in the order data flows (each definition stands under its banner, 
     Settings: the flag table, resolved once and then only read
     Prompts and saved references
     Target: loading, the teacher-forced pass, the sampling math, the decoding loops' steps
-    Drafter backbone: checkpoints read, the shared checks, the block pass with SDPA and an explicit
-        context-plus-block mask
+    Drafter backbone: checkpoints read, the shared checks, the block pass (SDPA, explicit context-plus-block mask)
     Drafter families: each family's own loading and proposal code, then the family table
     Drafting: a drafter loaded by its family, every anchor drafted
     References: the target's own (speculative or plain decoding) and a serving engine's
@@ -50,8 +49,6 @@ from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -126,6 +123,7 @@ def index_weight_map(path):
 
 
 def load_safetensors(path):
+    from safetensors.torch import load_file
     if not os.path.isfile(path):
         fail(f"{path} is missing: the checkpoint's index names it")
     try:
@@ -135,6 +133,7 @@ def load_safetensors(path):
 
 
 def write_safetensors(path, tensors, metadata=None):
+    from safetensors.torch import save_file
     tmp = f"{path}.tmp{os.getpid()}"
     save_file({k: v.cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
     os.replace(tmp, path)
@@ -142,6 +141,7 @@ def write_safetensors(path, tensors, metadata=None):
 
 def target_tensor_files(path):
     """{tensor name: safetensors file} of a checkpoint directory, sharded (index) or not."""
+    from safetensors import safe_open
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         return {k: os.path.join(path, v) for k, v in index_weight_map(index).items()}
@@ -155,6 +155,7 @@ def target_tensor_files(path):
 
 def target_tensors(files, names, device="cpu"):
     """The named tensors of a checkpoint ({name: file}, as target_tensor_files gives), each file opened once."""
+    from safetensors import safe_open
     out = {}
     for file in sorted({files[n] for n in names}):
         with safe_open(file, "pt", device=device) as f:
@@ -172,8 +173,7 @@ def file_hash(path):
 
 
 def content_hash(tensors, *facts):
-    """sha256 of JSON facts and of tensors (name, dtype, shape, bytes): equal for copies of the same drafter
-    wherever they lie, different for any other weight or setting."""
+    """sha256 of JSON facts and tensors (name, dtype, shape, bytes): equal for copies wherever they lie."""
     digest = hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode())
     for name in sorted(tensors):
         t = tensors[name].detach().cpu().contiguous()
@@ -183,11 +183,10 @@ def content_hash(tensors, *facts):
 
 
 def target_hash(path, version=3):
-    """The target's identity by content: its config.json and the dtype, shape and first values (up to 256 of the
-    first row) of every tensor in its safetensors, which any fine-tune changes. Copies agree wherever they lie,
-    however sharded or named (tensors are taken as a set, not by name); hashing every byte of a 27B target would
-    take minutes. Caches of earlier formats hashed the config alone (version 1) or with a few rows of the
-    embedding and head (version 2)."""
+    """The target's identity by content: config.json and every tensor's dtype, shape and first values (up to 256
+    of the first row; every byte of a 27B target would take minutes), taken as a set, so copies agree however
+    sharded or named. Older caches hashed the config alone (version 1) or with a few embedding/head rows (2)."""
+    from safetensors import safe_open
     digest = hashlib.sha256(json.dumps(read_json(os.path.join(path, "config.json")), sort_keys=True).encode())
     files = target_tensor_files(path) if version > 1 else {}
     names = sorted(files) if version > 2 else [n for n in EMBED_NAMES + ("lm_head.weight",) if n in files]
@@ -209,6 +208,7 @@ def target_hash(path, version=3):
 
 
 def read_hidden_meta(path):
+    from safetensors import safe_open
     if not os.path.isfile(path):
         fail(f"hidden-state file not found: {path}")
     try:
@@ -224,8 +224,7 @@ def read_hidden_meta(path):
 
 
 def hidden_hash(path):
-    """A --save-hidden file's identity by content: its metadata (target hash, prompts hash, layers, dtype, every
-    prompt's lengths and source), not where it lies."""
+    """A --save-hidden file's identity by content (its metadata), not where it lies."""
     meta = {k: v for k, v in read_hidden_meta(path).items() if k != "prompts_file"}
     return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
 
@@ -233,6 +232,7 @@ def hidden_hash(path):
 @contextlib.contextmanager
 def hidden_tensors(path, meta, device="cpu"):
     """get(name) over a --save-hidden file and its shards, which lie beside it."""
+    from safetensors import safe_open
     files = [path] + [os.path.join(os.path.dirname(os.path.abspath(path)), s) for s in meta.get("shards", [])]
     with contextlib.ExitStack() as stack:
         where = {}
@@ -347,7 +347,8 @@ FLAGS = [
     ("evaluation", "--check-mask", "R", None, dict(action="store_true", help="also draft a sample of anchors under "
         "the other in-block masks and flag a better one")),
     ("evaluation", "--max-memory-gb", "", ("a finite number above 0", lambda v: 0 < v < math.inf),
-        dict(type=float, default=0.5, help="memory for the drafter's logits at a time (sets the rows per lm_head call; default 0.5)")),
+        dict(type=float, default=0.5, help="memory for the drafter's logits at a time (sets the rows per lm_head "
+                                            "call; default 0.5)")),
     ("references", "--max-new-tokens", "RHC", AT_LEAST_1, dict(type=int,
         help="length of generated references (default 256; 128 with --demo)")),
     ("references", "--ignore-eos", "RHC", None, dict(action="store_true", help="generate references past EOS")),
@@ -374,8 +375,8 @@ FLAGS = [
         "generates or fetches (its prompt line + completion_ids) to this file as it is made; it works as --prompts "
         "later, with no generation")),
     ("sampled", "--temperature", "R", ("a finite number >= 0 (0 is greedy)", lambda v: 0 <= v < math.inf),
-        dict(type=float, default=0.0, help="the target's sampling temperature (default 0: greedy, exact rounds); > 0: exact expected acceptance "
-             "given references sampled at these settings")),
+        dict(type=float, default=0.0, help="the target's sampling temperature (default 0: greedy, exact rounds); > 0: "
+                                            "exact expected acceptance given references sampled at these settings")),
     ("sampled", "--top-p", "R", ("in (0, 1] (1 is off)", lambda v: 0 < v <= 1), dict(type=float, default=1.0,
         help="top-p of the sampling (default 1: off)")),
     ("sampled", "--top-k", "R", ("at least 0 (0 is off)", lambda v: v >= 0), dict(type=int, default=0,
@@ -483,8 +484,7 @@ def parse_shard(text):
 
 
 def check_flags(args):
-    """Numbers within their rules, and no flag the chosen mode would ignore: one line naming the flag, its value
-    and the rule (exit 2). Returns the notes for flags that are harmless where they are ignored."""
+    """Numbers within their rules, and no flag the chosen mode would ignore (exit 2); returns notes on harmless ones."""
     for _, flag, _, number, _ in FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"))
         if number and value is not None and not number[1](value):
@@ -530,8 +530,7 @@ def version_tuple(text):
 
 
 def check_transformers():
-    """The installed transformers version, refused below the tested floor: older releases take other
-    loading arguments and cache semantics, and the numbers would be silently wrong."""
+    """The installed transformers version, refused below the tested floor (older caches give silently wrong numbers)."""
     import transformers
     if version_tuple(transformers.__version__) < version_tuple(MIN_TRANSFORMERS):
         fail(f"transformers {transformers.__version__} is installed, but this tool needs >= {MIN_TRANSFORMERS} "
@@ -545,7 +544,8 @@ def read_costs(path):
     table = read_json(path)
     tables = table.get("batch_sizes", {"1": table})
     for batch, t in (tables.items() if isinstance(tables, dict) else [("?", None)]):
-        flat = [v for part in ("target", "draft") for v in (t or {}).get(part, {}).values()] if isinstance(t, dict) else []
+        flat = ([v for part in ("target", "draft") for v in (t or {}).get(part, {}).values()]
+                if isinstance(t, dict) else [])
         flat = [x for v in flat for x in (v.values() if isinstance(v, dict) else [v])]
         if not (isinstance(t, dict) and isinstance(t.get("target"), dict) and "1" in t["target"] and
                 isinstance(t.get("draft"), dict) and all(isinstance(x, (int, float)) and x > 0 for x in flat)):
@@ -570,8 +570,7 @@ def sampling_record(settings):
 
 
 def resolve_merge(args):
-    """--merge settings: the shard files, the output; every other flag belongs to the shards (check_flags
-    refuses them)."""
+    """--merge settings: the shard files and the output (every other flag belongs to the shards)."""
     missing = [path for path in args.merge if not os.path.isfile(path)]
     if missing:
         fail(f"--merge: {missing[0]} not found")
@@ -582,8 +581,7 @@ def resolve_merge(args):
 
 
 def rank_setup(settings):
-    """Under torchrun (WORLD_SIZE > 1): join the process group (gloo on CPU, nccl on CUDA); this rank's device
-    (cuda:LOCAL_RANK) and, on CPU, its share of the cores. Returns what it decides of the settings."""
+    """Under torchrun: join the process group, take this rank's GPU or share of CPU cores; returns its settings."""
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
     if ranks < 2 or settings.get("compare_hidden"):
         return {}
@@ -611,10 +609,8 @@ def resolve_settings(args):
         args.ckpt = args.ckpt or ["demo=" + os.path.join(DEMO_DIR, "drafter")]
         if not (args.load_hidden or args.compare_hidden):
             args.prompts = args.prompts or os.path.join(DEMO_DIR, "prompts.jsonl")
-        if args.max_new_tokens is None:
-            args.max_new_tokens = 128  # the demo target was trained on short texts
     if args.max_new_tokens is None:
-        args.max_new_tokens = 256
+        args.max_new_tokens = 128 if args.demo else 256  # the demo target was trained on short texts
     if args.merge:
         return MappingProxyType(resolve_merge(args))
     comparing, from_file = bool(args.compare_hidden), bool(args.load_hidden or args.compare_hidden)
@@ -633,7 +629,8 @@ def resolve_settings(args):
     if not from_file and not os.path.isfile(args.prompts):
         fail(f"prompts file not found: {args.prompts} (pass a JSONL file to --prompts)")
     for flag, path in (("--output", args.output), ("--save-hidden", args.save_hidden),
-                       ("--save-references", args.save_references), ("--export-vllm-synthetic", args.export_vllm_synthetic)):
+                       ("--save-references", args.save_references),
+                       ("--export-vllm-synthetic", args.export_vllm_synthetic)):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             fail(f"{flag} {path}: its directory does not exist; create it first")
     if args.server and not args.server.startswith(("http://", "https://")):
@@ -652,13 +649,13 @@ def resolve_settings(args):
     if args.export_depth and not args.export_vllm_synthetic:
         fail("--export-depth sets the depth of --export-vllm-synthetic, which is not given")
     if args.costs and args.costs != "measure" and not os.path.isfile(args.costs):
-        fail(f"--costs takes measure or a JSON file of costs; {args.costs} is neither (see README, Choosing what to serve)")
+        fail(f"--costs takes measure or a JSON file of costs; {args.costs} is neither "
+             "(see README, Choosing what to serve)")
     if args.costs == "measure" and (args.load_hidden or args.compare_hidden):
         fail("--costs measure times the target model, which a run from saved features does not build: give --costs "
              "FILE (costs measured where the target runs), or measure in a run with the target")
     if shard and not args.output:
         fail("--shard needs --output: a shard's records are for --merge, which reads them from that file")
-
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -688,8 +685,7 @@ def resolve_settings(args):
     settings = {**vars(args),  # every flag as given, then what was resolved from it
                 "target": os.path.abspath(args.target) if args.target else None,
                 "prompts": os.path.abspath(args.prompts) if args.prompts else None,
-                # identities by content (--resume and --merge compare these, never paths): the target's and the
-                # drafters' hashes are added once they are read
+                # identities by content, which --resume and --merge compare (the target's and drafters' come later)
                 "prompts_hash": file_hash(args.prompts) if args.prompts and not from_file else None,
                 "hidden_hashes": [hidden_hash(path) for path in args.load_hidden] if args.load_hidden else None,
                 "device": device, "dtype": dtype, "layers": layers,
@@ -714,8 +710,7 @@ def quietly(settings):
 
 @dataclass
 class Run:
-    """What a run learns as it goes, apart from its settings (fixed before it starts): the report's config echoes
-    it after them (run_config)."""
+    """What a run learns as it goes (its settings are fixed before it starts); run_config echoes it after them."""
     target_hash: str = None
     chat_template: str = None         # what encoding the prompts did with it, or what the saved features say
     reference_generation: str = None  # how missing references are generated here: speculative or plain
@@ -729,11 +724,10 @@ class Run:
 def run_config(settings, learned):
     """The settings as the report echoes them, then what the run learned."""
     config = dict(settings)
-    config.update({k: v for k, v in (("chat_template", learned.chat_template), ("costs_used", learned.costs_used),
-                                     ("target_hash", learned.target_hash),
-                                     ("reference_generation_used", learned.reference_generation),
-                                     ("server_ids", learned.server_ids), ("hidden_cache", learned.hidden_cache))
-                   if v is not None})
+    config.update({k: v for k, v in (
+        ("chat_template", learned.chat_template), ("costs_used", learned.costs_used),
+        ("target_hash", learned.target_hash), ("reference_generation_used", learned.reference_generation),
+        ("server_ids", learned.server_ids), ("hidden_cache", learned.hidden_cache)) if v is not None})
     return config
 
 
@@ -782,8 +776,7 @@ def chat_turn(turn, where):
 
 def parse_prompt_row(row, path, lineno):
     where = f"{path} line {lineno}"
-    # A reference read from a file is the file's, even one this tool once generated: the self-check is for
-    # references generated in this run, where this run's numerics made them.
+    # A file's reference is the file's, even one this tool made: the self-check is for this run's own references.
     item = {"id": str(row.get("id", lineno)), "split": str(row.get("split", "all")), "row": row,
             "completion": row.get("completion"), "completion_ids": row.get("completion_ids"),
             "source": "server" if row.get("reference_source") == "server" else "file"}
@@ -797,20 +790,19 @@ def parse_prompt_row(row, path, lineno):
         given = row.get("completions", row.get("completion_ids") if len(row["turns"]) > 1 else None)
         if len(row["turns"]) > 1 and given is not None:   # a reference for every turn
             if not (isinstance(given, list) and len(given) == len(row["turns"]) and
-                    all(isinstance(g, str) or (isinstance(g, list) and all(isinstance(t, int) for t in g)) for g in given)):
+                    all(isinstance(g, str) or (isinstance(g, list) and all(isinstance(t, int) for t in g))
+                        for g in given)):
                 fail(f"{where}: a line of {len(row['turns'])} turns takes a reference for every turn: \"completions\" "
                      "(texts) or \"completion_ids\" (lists of token ids), one per turn")
             item["turn_references"] = given
-            item["completion"], item["completion_ids"] = (given[0], None) if isinstance(given[0], str) else (None, given[0])
+            item["completion"], item["completion_ids"] = \
+                (given[0], None) if isinstance(given[0], str) else (None, given[0])
     elif isinstance(row.get("conversations"), list) and row["conversations"]:
         turns = [chat_turn(t, where) for t in row["conversations"]]
         last = max((i for i, t in enumerate(turns) if t["role"] == "assistant"), default=None)
-        if last is None:
-            item["messages"] = turns
-        else:
-            item["messages"] = turns[:last]
-            if item["completion"] is None and item["completion_ids"] is None:
-                item["completion"] = turns[last]["content"]
+        item["messages"] = turns if last is None else turns[:last]
+        if last is not None and item["completion"] is None and item["completion_ids"] is None:
+            item["completion"] = turns[last]["content"]
         if not item["messages"]:
             fail(f"{where}: the conversation has nothing before its last assistant turn")
     else:
@@ -862,16 +854,16 @@ def read_prompts(path, limit=None):
 
 
 def expand(items, settings):
-    """One scored item per (prompt line, sample, turn), numbered in that order. At temperature > 0 a line
-    without a reference stands for --samples-per-prompt sampled ones (a given reference is one sample); a
-    "turns" line with several user turns (--turns all) for one item per turn, each after the one before it."""
+    """One scored item per (prompt line, sample, turn), in that order. At temperature > 0 a line without a reference
+    is --samples-per-prompt samples (a given one is one); a "turns" line (--turns all) is one item per turn."""
     sampling, recorded, out = sampling_of(settings), sampling_record(settings), []
     for it in items:
         turns = (it.get("turns") or [None])[:1 if settings["turns"] == "first" else None]
-        given = it["completion"] is not None or it["completion_ids"] is not None or any(it.get("turn_references") or [])
+        given = (it["completion"] is not None or it["completion_ids"] is not None
+                 or any(it.get("turn_references") or []))
         if sampling and given and it["row"].get("sampling") not in (None, recorded):
-            log(settings, f"note: prompt {it['id']}'s reference records other sampling settings ({it['row']['sampling']})"
-                          f" than this run's ({recorded})")
+            log(settings, f"note: prompt {it['id']}'s reference records other sampling settings "
+                          f"({it['row']['sampling']}) than this run's ({recorded})")
         for k in range(settings["samples_per_prompt"] if sampling and not given else 1):
             previous = None
             for turn in range(1, len(turns) + 1):
@@ -891,9 +883,7 @@ def expand(items, settings):
 
 
 def conversation(it, by_index, tokenizer):
-    """A later turn's messages: every user turn so far, the target's reply to each earlier one between them as
-    an assistant turn (a given text as it is, else the ids decoded without special tokens, as the public
-    benchmark does)."""
+    """A later turn's messages: each earlier user turn, the target's reply to it (as MT-bench runs), then this one."""
     before, cur = [], it
     while cur.get("previous") is not None:
         cur = by_index[cur["previous"]]
@@ -902,13 +892,13 @@ def conversation(it, by_index, tokenizer):
     for prev in reversed(before):
         reply = prev["completion"] if isinstance(prev["completion"], str) else \
             tokenizer.decode(prev["completion_ids"], skip_special_tokens=True)
-        messages += [{"role": "user", "content": prev["turns"][prev["turn"] - 1]}, {"role": "assistant", "content": reply}]
+        messages += [{"role": "user", "content": prev["turns"][prev["turn"] - 1]},
+                     {"role": "assistant", "content": reply}]
     return messages + [{"role": "user", "content": it["turns"][it["turn"] - 1]}]
 
 
 def encode_prompts(tokenizer, items, settings, noted=False):
-    """Token ids of each prompt (chat template with generation prompt) and of its reference, if any. Returns what
-    was done with the chat template (a note says when the tokenizer has none, unless `noted` already)."""
+    """Token ids of each prompt (chat template) and of its reference; returns what was done with the chat template."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
     use_template = not settings["no_chat_template"] and has_template
     if not settings["no_chat_template"] and not has_template and not noted:
@@ -935,8 +925,7 @@ def prompt_line(row):
 
 
 def reference_origin(it, settings):
-    """What a reference depends on besides its prompt line: a saved one is reused only where all of it agrees
-    (a key missing from an older line agrees)."""
+    """What a saved reference must agree on besides its prompt line to be reused (a key an older line lacks agrees)."""
     origin = {"reference_source": "server" if settings["server"] else "target", "max_new_tokens": it["room"],
               "ignore_eos": settings["ignore_eos"], "sampling": sampling_record(settings)}
     if not settings["server"]:   # the self-check holds this tool's own references to its numerics
@@ -945,8 +934,7 @@ def reference_origin(it, settings):
 
 
 def saved_references(settings):
-    """{(id, sample, turn): line} of the --save-references file, for reuse (a line cut short by a kill is
-    passed over)."""
+    """{(id, sample, turn): line} of the --save-references file, for reuse (a line cut short by a kill is skipped)."""
     path, saved = settings["save_references"], {}
     if path and os.path.isfile(path):
         for line in open(path, encoding="utf-8", errors="replace").read().splitlines():
@@ -969,8 +957,7 @@ def take_saved(it, saved, settings):
 
 
 def saved_line(it, settings, learned):
-    """A reference as --save-references keeps it: its prompt line, the reference and where it came from; it
-    reads back as a --prompts line (a turn's line joins the others of its conversation)."""
+    """A reference as --save-references keeps it: its prompt line, the reference and its origin (a --prompts line)."""
     origin = {k: v for k, v in reference_origin(it, settings).items() if v is not None}
     origin.update({"server": settings["server"], "server_api": settings["server_api"],
                    "finish_reason": it.get("finish_reason")} if settings["server"] else
@@ -985,9 +972,8 @@ def saved_line(it, settings, learned):
 
 
 def target_config(path):
-    """The target's config as transformers reads it, with a transformers 5.x `rope_parameters` block made
-    visible to 4.x: 4.x reads only rope_theta / rope_scaling, so a config saved by 5.x would silently run
-    with the default RoPE there. Returns (config, whether it was rewritten)."""
+    """(the target's config, whether it was rewritten): a 5.x `rope_parameters` block is made visible to
+    transformers 4.x, which reads only rope_theta / rope_scaling and would silently run the default RoPE."""
     import transformers
     from transformers import AutoConfig
     try:
@@ -1029,8 +1015,7 @@ def load_target(settings):
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
     config, rewritten = target_config(path)
-    # Load straight into the run dtype: casting afterwards would also cast rotary buffers. (`dtype=` is
-    # transformers' name since 4.56; the tested floor is above that.)
+    # Load straight into the run dtype: casting afterwards would also cast rotary buffers (`dtype=`: since 4.56).
     placement = {"device_map": "auto"} if settings.get("device_map") else {}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False, **placement,
                                                  **({"config": config} if rewritten else {}))
@@ -1040,8 +1025,7 @@ def load_target(settings):
 
 
 def target_rope(config, device):
-    """The target's own rotary embedding class on its text config (partial rotary, mrope sections and scaling as
-    transformers reads them); text positions are the same on every mrope axis, so it is a plain rotary there."""
+    """The target's own rotary embedding on its text config (text positions agree on every mrope axis: plain rotary)."""
     import importlib
     module = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
     return getattr(module, type(config).__name__.replace("Config", "RotaryEmbedding"))(config).to(device)
@@ -1080,9 +1064,8 @@ def returned_cache(out):
 
 
 def roll_back(cache, n):
-    """Drop the last n positions of a KV cache. transformers 4.x reads crop(k) as "keep k positions", so
-    crop(0) empties the cache; 5.x reads it as "remove |k|" and refuses k > 0. crop(-n) with n > 0 means
-    "remove n" in both, and n = 0 must not call crop at all."""
+    """Drop the last n positions of a KV cache. crop(-n), n > 0, is "remove n" in transformers 4.x and 5.x alike;
+    crop(0) is not (4.x reads crop(k) as "keep k", so it empties the cache), hence no call at n = 0."""
     if n > 0:
         cache.crop(-n)
 
@@ -1092,10 +1075,8 @@ def is_hybrid(config):
 
 
 def rewindable_cache(model):
-    """A fresh target cache the speculative loop can roll back, or None. Attention K/V crop; a hybrid's
-    linear-attention layers keep a convolution window (cropped too, once transformers records its past)
-    and a recurrent state that no crop can undo: `verify_pass` snapshots that state instead. transformers
-    4.x caches cannot record the past, so hybrids there get None (plain decoding)."""
+    """A fresh target cache the speculative loop can roll back, or None (hybrids on 4.x, which cannot record the
+    past of a convolution window; no crop undoes a recurrent state either: `verify_pass` snapshots it)."""
     from transformers import DynamicCache
     if not is_hybrid(model.config):
         return DynamicCache()
@@ -1111,9 +1092,7 @@ def recurrent_states(cache):
 
 
 def target_parts(model):
-    """(decoder, its layers, embedding, head). Under --device-map the head may sit on another GPU than the
-    embedding, where the drafters and every tensor of this tool live: the head returned then takes rows
-    there and gives logits back there."""
+    """(decoder, its layers, embedding, head); under --device-map the head moves rows to its GPU and logits back."""
     decoder, embed, lm_head = model.get_decoder(), model.get_input_embeddings(), model.get_output_embeddings()
     head = lm_head
     if lm_head.weight.device != embed.weight.device:
@@ -1123,12 +1102,9 @@ def target_parts(model):
 
 
 def target_pass(model, ids, layer_ids, cache=None):
-    """The decoder over `ids` (after what `cache` holds, if any) with forward hooks keeping only the outputs
-    of `layer_ids`: ({layer id: (T, H)}, last hidden state (T, H), cache or None).
-
-    Layer id L is the OUTPUT of decoder layer L (transformers' hidden_states[L + 1]). The last layer's entry
-    in hidden_states carries the final norm, so that id hooks the norm.
-    """
+    """The decoder over `ids` (after what `cache` holds, if any), hooks keeping the outputs of `layer_ids`:
+    ({layer id: (T, H)}, last hidden state (T, H), cache or None). Layer id L is decoder layer L's OUTPUT
+    (hidden_states[L + 1]); the last layer's entry there carries the final norm, so that id hooks the norm."""
     decoder, layers, embed, _ = target_parts(model)
     captured, handles, home = {}, [], embed.weight.device   # layers may sit on several GPUs (--device-map)
 
@@ -1161,8 +1137,7 @@ TOP_P_PREFIXES = (64, 1024)   # top-p reads a row's leading sorted mass from its
 
 
 def sampling_probs(logits, sampling):
-    """The distribution the public loop and the engines sample from: logits / temperature, then top-k, then
-    top-p (the most likely tokens until their mass reaches top_p), renormalized. (rows, V) float32."""
+    """(rows, V) float32: logits / temperature, top-k, then top-p, renormalized, as the public loop and engines do."""
     temperature, top_p, top_k = sampling
     z = logits.float() / temperature
     if 0 < top_k < z.shape[-1]:
@@ -1186,9 +1161,8 @@ def nucleus(ordered, ids, tokens, top_p):
 
 
 def sampled_prob(logits, tokens, sampling):
-    """Per row, the probability of `tokens` (rows,) under sampling_probs, without building and sorting whole
-    rows: top-p needs only where the sorted mass crosses top_p, which a peaked row's top tokens hold; rows
-    they do not (flat ones) are sorted. float64 (rows,); 0 outside the support."""
+    """Per row, the float64 probability of `tokens` (rows,) under sampling_probs (0 outside the support). Top-p needs
+    only where the sorted mass crosses top_p, which a peaked row's top tokens hold: only flat rows are sorted."""
     temperature, top_p, top_k = sampling
     z = logits.float() / temperature
     if 0 < top_k < z.shape[-1]:
@@ -1210,9 +1184,8 @@ def sampled_prob(logits, tokens, sampling):
 
 
 def model_logits(model):
-    """The target's logits as its own forward returns them, from final hidden states: the head, then any
-    logit scale or final softcap its config applies (sampling reads the values, not only the argmax).
-    Checked once against the model's forward on a few tokens; a transform this tool does not know is refused."""
+    """The target's logits from final hidden states as its forward gives them (sampling reads the values): the head,
+    then any logit scale or final softcap. Checked once against the forward; an unknown transform is refused."""
     if getattr(model, "_eval_drafter_logits", None):
         return model._eval_drafter_logits
     cfg, head = model.config.get_text_config(), target_parts(model)[3]
@@ -1252,10 +1225,8 @@ class Extraction:
 
 @torch.inference_mode()
 def extract_hidden(model, ids, layer_ids, n_prompt, sampling=None):
-    """One teacher-forced pass: features of `layer_ids`, the target's argmax per completion token, where the
-    argmax is not the reference's token how far the reference's logit lies below the top one ({completion
-    position: logit gap}; a gap near 0 is a near-tie that numerics can flip), and with `sampling` the
-    probability of each reference token under the target's sampling distribution (float64)."""
+    """One teacher-forced pass: `layer_ids`' features, the target's argmax per completion token, the logit gaps where
+    it is not the reference's (near 0: a near-tie numerics can flip), with `sampling` each reference's probability."""
     head = model_logits(model) if sampling else target_parts(model)[3]
     features, last, _ = target_pass(model, ids, layer_ids)
     last = last[n_prompt - 1:len(ids) - 1]
@@ -1273,8 +1244,7 @@ def extract_hidden(model, ids, layer_ids, n_prompt, sampling=None):
 
 
 def sample_seed(settings, prompt_id, sample):
-    """A seed per (run seed, prompt, sample): each sampled reference is reproducible on its own, whatever
-    the order or the subset of prompts that is run."""
+    """A seed per (run seed, prompt, sample): each sampled reference reproduces whatever order or subset is run."""
     return int.from_bytes(hashlib.sha256(f"{settings['seed']}:{prompt_id}:{sample}".encode()).digest()[:7], "big")
 
 
@@ -1287,8 +1257,7 @@ def next_token(logits, sampling, generator):
 
 @torch.inference_mode()
 def plain_generate(model, prompt_ids, max_new_tokens, stop_ids, sampling=None, generator=None):
-    """Plain decoding with the KV cache, one target forward per token: greedy (the reference the speculative
-    loop would commit), or with `sampling` one sample of the target at the run's settings."""
+    """Plain decoding with the KV cache: greedy (the reference speculative decoding would commit), or one sample."""
     device = model.device
     out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True, logits_to_keep=1)
     tokens = []
@@ -1302,11 +1271,8 @@ def plain_generate(model, prompt_ids, max_new_tokens, stop_ids, sampling=None, g
 
 
 def verify(block, logits, sampling, generator):
-    """The target's verdict on a drafted block [anchor, d1, ...]: how many drafts it accepts and its own next
-    token. Greedy: drafts equal to its argmax, then the argmax. Sampled, argmax proposals (q one-hot, so
-    draft j is accepted with probability p(d_j)): at the first rejection a token from p without d_j,
-    renormalized; after all, a token from p. Lossless either way (the tests check the greedy case token for
-    token, the sampled case in distribution)."""
+    """(drafts accepted, the target's next token) for a block [anchor, d1, ...]: greedy, the drafts equal to its argmax;
+    sampled, argmax proposals accept d_j with probability p(d_j), a rejection draws from p without d_j. Lossless."""
     if sampling is None:
         greedy = logits.argmax(-1).tolist()   # greedy[j]: the target's token after block[:j + 1]
         accepted = 0
@@ -1323,10 +1289,8 @@ def verify(block, logits, sampling, generator):
 
 
 def verify_pass(model, block, layers, cache, verdict):
-    """The target over a drafted block after `cache`, left holding the anchor and the accepted drafts only:
-    (features of the block, accepted, the target's next token). A full-attention cache just drops the
-    rejected tail. A hybrid's recurrent state has already absorbed the whole block, so it is put back as
-    it was before the block and the kept tokens run again: exact, one extra pass per rejected round."""
+    """The target over a drafted block after `cache`, left holding the anchor and accepted drafts: (features,
+    accepted, next token). A hybrid's recurrent state saw the whole block: it is restored, the kept tokens rerun."""
     saved = [(layer, i, layer.recurrent_states[i].clone()) for layer, i in recurrent_states(cache)]
     features, last, cache = target_pass(model, block, layers, cache)
     accepted, bonus = verdict(last)
@@ -1343,7 +1307,7 @@ def verify_pass(model, block, layers, cache, verdict):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Drafter backbone: checkpoints read, the shared checks, the block pass with SDPA and an explicit context-plus-block mask
+# Drafter backbone: checkpoints read, the shared checks, the block pass (SDPA, explicit context-plus-block mask)
 
 
 GENERIC_CKPT_NAMES = {"drafter", "draft", "dflash", "ckpt", "checkpoint", "model", "final", "latest", "best",
@@ -1351,8 +1315,7 @@ GENERIC_CKPT_NAMES = {"drafter", "draft", "dflash", "ckpt", "checkpoint", "model
 
 
 def split_ckpt_spec(spec):
-    """(label, path) of a --ckpt [NAME=]PATH. Without NAME the label is the directory or file name, with its
-    parent in front when the name says nothing ("run5/drafter", not "drafter")."""
+    """(label, path) of a --ckpt [NAME=]PATH: NAME, else the file or directory name (parent first if generic)."""
     name, sep, path = spec.partition("=")
     if sep and name and "/" not in name and not os.path.exists(spec):
         return name, path
@@ -1369,9 +1332,8 @@ TRAINING_STATE = "training_state.pt"   # SpecForge: <run>-step<N>/training_state
 
 
 def run_steps(path):
-    """{step: checkpoint path} of a training run's directory: the entries whose name carries a step number
-    (links such as SpecForge's <run>-latest and <run>-best are passed over: they repeat a step). None when
-    `path` is a checkpoint itself, or holds no steps."""
+    """{step: checkpoint path} of a run directory's entries named with a step number (links such as <run>-latest
+    are passed over: they repeat a step); None when `path` is a checkpoint itself or holds no steps."""
     if not os.path.isdir(path) or any(os.path.exists(os.path.join(path, f)) for f in
                                       ("model.safetensors", "model.safetensors.index.json", TRAINING_STATE)):
         return None
@@ -1381,15 +1343,14 @@ def run_steps(path):
         if not match or os.path.islink(full) or not (os.path.isdir(full) or entry.endswith(CHECKPOINT_FILES)):
             continue
         if int(match.group(1)) in steps:
-            fail(f"{path} holds two checkpoints of step {match.group(1)}: {os.path.basename(steps[int(match.group(1))])} "
-                 f"and {entry}; give the one you mean to --ckpt")
+            fail(f"{path} holds two checkpoints of step {match.group(1)}: "
+                 f"{os.path.basename(steps[int(match.group(1))])} and {entry}; give the one you mean to --ckpt")
         steps[int(match.group(1))] = full
     return steps or None
 
 
 def checkpoint_specs(settings):
-    """[(NAME=PATH spec, step or None)] of the --ckpt flags: a training run's directory gives one per step
-    that --steps picks, named NAME@STEP."""
+    """[(NAME=PATH spec, step or None)] of the --ckpt flags; a run directory gives NAME@STEP per step --steps picks."""
     specs, picked, any_run = [], parse_steps(settings["steps"]), False
     for spec in settings["ckpt"]:
         name, path = split_ckpt_spec(spec)
@@ -1419,9 +1380,8 @@ KEY_PREFIXES = ("module.", "_orig_mod.", "draft_model.", "model.")    # stripped
 
 
 def read_checkpoint(path, name):
-    """(config dict or None, raw state dict) from a public directory, a sharded directory, a single
-    .safetensors file, or a training .pt/.pth/.bin (tensors only: weights_only=True, never unpickled), a
-    SpecForge step directory among them."""
+    """(config dict or None, raw state dict) of a directory (public, sharded or a SpecForge step), a .safetensors
+    file or a training .pt/.pth/.bin (tensors only: weights_only=True, never unpickled)."""
     if os.path.isdir(path):
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
@@ -1433,9 +1393,7 @@ def read_checkpoint(path, name):
         else:
             fail(f"{path} is not a DFlash drafter: the directory has no model.safetensors "
                  f"(or model.safetensors.index.json, or a SpecForge {TRAINING_STATE})")
-        state = {}
-        for file in files:
-            state.update(load_safetensors(file))
+        state = {k: v for file in files for k, v in load_safetensors(file).items()}
         config = os.path.join(path, "config.json")
     elif path.endswith(".safetensors"):
         state, config = load_safetensors(path), os.path.join(os.path.dirname(path), "config.json")
@@ -1478,17 +1436,16 @@ def unwrap_state_dict(state, name, settings):
 
 
 def trained_values(raw):
-    """What a SpecForge training state says of the drafter it holds (dflash_mask_token_id, dflash_block_size,
-    dflash_target_layer_ids, ...), without the prefix; {} for any other checkpoint."""
+    """A SpecForge training state's dflash_* values (mask_token_id, block_size, ...) unprefixed; {} otherwise."""
     if not (isinstance(raw, dict) and "draft_state_dict" in raw):
         return {}
-    return {k[len("dflash_"):]: v for k, v in raw.items() if k.startswith("dflash_") and not isinstance(v, torch.Tensor)}
+    return {k[len("dflash_"):]: v for k, v in raw.items()
+            if k.startswith("dflash_") and not isinstance(v, torch.Tensor)}
 
 
 @dataclass
 class Drafter:
-    """A loaded drafter: its tensors in the public key layout, on the run device and dtype, and every setting
-    its forward pass and the report need, resolved once."""
+    """A loaded drafter: its tensors in the public key layout on the run's device, and every setting resolved once."""
     name: str
     checkpoint: str
     cfg: dict
@@ -1499,8 +1456,7 @@ class Drafter:
     rules: list                 # in-block attention per layer: (mode, window)
     rope: object                # transformers' rotary embedding for the config
     logit_rows: int             # rows per lm_head call
-    generation: str = "DFlash"  # or "DFlash 2" (conv taps, candidate path selector), "DSpark", "Domino", "EAGLE-3",
-                                # "MTP" (the target's own multi-token-prediction layer)
+    generation: str = "DFlash"  # or "DFlash 2", "DSpark", "Domino", "EAGLE-3", "MTP" (the target's own MTP layer)
     layout: str = "public"      # or "transformers-native assistant", "speculators", "SpecForge", "target" (MTP)
     embed_scale: float = 1.0    # block embeddings = raw rows of the target's embedding matrix x this
     logit_multiplier: float = 1.0
@@ -1514,7 +1470,7 @@ class Drafter:
     vocab: tuple = None         # a reduced draft vocabulary: (target id of each draft id, draft id of each target id)
     step: int = None            # one step of a training run (--ckpt NAME=RUN_DIR): loaded when its turn comes
     reload: object = None       # () -> its weights, for a step released between groups of prompts
-    head: dict = None           # DSpark's Markov head {kind, rank, topk}; Domino's {prefix, shift, pool}; EAGLE-3's norms
+    head: dict = None           # DSpark: {kind, rank, topk}; Domino: {prefix, shift, pool}; EAGLE-3: its norms
 
 
 def dflash_value(cfg, name, default=None):
@@ -1531,8 +1487,7 @@ def default_layer_ids(num_target_layers, k):
 
 
 def infer_config(state, target_cfg, settings, name, trained=None):
-    """A drafter config from the tensor shapes, flags, a training state's values and the target's config,
-    saying what came from where."""
+    """A drafter config from the tensor shapes, flags, a training state and the target's config, logging sources."""
     trained = trained or {}
     needed = ["fc.weight"] + [f"layers.0.{k}.weight" for k in ("self_attn.q_norm", "self_attn.q_proj",
                                                                  "self_attn.k_proj", "mlp.gate_proj")]
@@ -1604,9 +1559,8 @@ def config_warnings(cfg, target_cfg):
 
 
 def carried_copies(carried, vocab, target_dir):
-    """Warnings for copies of the target's tensors that a drafter carries (speculators may keep the verifier's
-    embedding, head and final norm in the file) and that are not the target's: the tool always uses the
-    target's, and a drafter trained with other ones was trained for another target."""
+    """Warnings for carried copies of the target's tensors (speculators may keep the verifier's embedding, head and
+    final norm) that differ from the target's, which the tool uses: such a drafter was trained for another target."""
     copies = {"embed_tokens.weight": EMBED_NAMES, "verifier_norm.weight": TARGET_NORM_NAMES,
               "verifier_lm_head.weight": ("lm_head.weight",) + EMBED_NAMES}
     if vocab is None:
@@ -1622,7 +1576,8 @@ def carried_copies(carried, vocab, target_dir):
         if key != "verifier_norm.weight" and vocab is not None:
             theirs = theirs[vocab[0]]   # the head rows of the draft vocabulary
         ours = carried[key].float()
-        same = ours.shape == theirs.shape and torch.allclose(ours, theirs, rtol=1e-2, atol=1e-2 * float(theirs.abs().max()))
+        same = ours.shape == theirs.shape and torch.allclose(ours, theirs, rtol=1e-2,
+                                                             atol=1e-2 * float(theirs.abs().max()))
         if not same:
             warnings.append(f"it carries {key} {tuple(ours.shape)}, which is not the target's {name} "
                             f"{tuple(theirs.shape)}: the tool uses the target's; {WRONG_DRAFTER_CHECK}")
@@ -1630,8 +1585,8 @@ def carried_copies(carried, vocab, target_dir):
 
 
 def draft_vocabulary(carried, cfg, target_cfg, name):
-    """A reduced draft vocabulary, checked: (target id of each draft id: d + d2t[d], draft id of each target
-    token or -1). None when the drafter drafts over the target's vocabulary."""
+    """A checked reduced draft vocabulary: (target id d + d2t[d] of each draft id d, draft id of each target token
+    or -1); None when the drafter drafts over the target's vocabulary."""
     d2t, t2d, head = carried.get("d2t"), carried.get("t2d"), carried.get("lm_head.weight")
     V, where = target_cfg.vocab_size, f"drafter {name}: its reduced draft vocabulary"
     declared = (cfg.get("speculators") or {}).get("draft_vocab_size")
@@ -1661,14 +1616,12 @@ def draft_vocabulary(carried, cfg, target_cfg, name):
 
 
 def drafter_record(state, carried, vocab, target_cfg, settings, identify, facts, **fields):
-    """The Drafter: its tensors (with its own lm_head where it drafts over a vocabulary of its own) on the run's
-    device and dtype, its rows per lm_head call, and, when identified (once, not at every reload of a training
-    run's step), its hash over the tensors and `facts` and the warnings for copies of the target's tensors."""
+    """The Drafter on the run's device and dtype (its own lm_head for its own vocabulary); when identified (once, not
+    at each reload of a run's step), its hash over tensors and `facts`, and warnings for carried target copies."""
     if vocab is not None:
         state["lm_head.weight"] = carried["lm_head.weight"]
     dtype, dev = getattr(torch, settings["dtype"]), settings["device"]
-    # Logits plus their log-softmax, float32: below ~256 rows the lm_head matmul loses speed, above it gains
-    # little; a 248k vocab at the default budget gets 256.
+    # float32 logits plus log-softmax: below ~256 rows lm_head loses speed, above gains little (248k vocab: 256)
     logit_rows = min(2048, max(16, int(settings["max_memory_gb"] * 2**30 / (8 * target_cfg.vocab_size))))
     rope = fields.pop("rope", None) or build_rope(fields["cfg"], dev)
     d = Drafter(weights={k: v.to(device=dev, dtype=dtype) for k, v in state.items()}, logit_rows=logit_rows, rope=rope,
@@ -1705,7 +1658,8 @@ def mlp_tensors(cfg, moe):
     E, I, S = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
     return {"mlp.gate.weight": (E, H), "mlp.shared_expert_gate.weight": (1, H),
             **{f"mlp.{e}.{k}_proj.weight": ((H, n) if k == "down" else (n, H))
-               for e, n in [*((f"experts.{i}", I) for i in range(E)), ("shared_expert", S)] for k in ("gate", "up", "down")}}
+               for e, n in [*((f"experts.{i}", I) for i in range(E)), ("shared_expert", S)]
+               for k in ("gate", "up", "down")}}
 
 
 def check_drafter_tensors(weights, shapes, name, generation):
@@ -1730,8 +1684,7 @@ def check_drafter_tensors(weights, shapes, name, generation):
 
 
 def drafter_layer_ids(cfg, state, target_cfg, settings, name):
-    """Which target layers feed the drafter: --layers, else the config's ids, else the public rule; fc's
-    input width says how many it was trained with, and must agree."""
+    """The target layers feeding the drafter: --layers, the config's ids or the public rule; fc's width must agree."""
     hidden, n_target = cfg["hidden_size"], target_cfg.num_hidden_layers
     config_ids = dflash_value(cfg, "target_layer_ids")
     fc_layers, rem = divmod(state["fc.weight"].shape[1], hidden)
@@ -1757,14 +1710,11 @@ def drafter_layer_ids(cfg, state, target_cfg, settings, name):
 
 
 def layer_rules(cfg, settings, layout="public"):
-    """In-block attention per drafter layer: (mode, window) or, speculators' sliding layers, (mode, window,
-    "anchor"). Window W: the key at position p is seen from query position q iff q - p < W (and, both ways,
-    p - q < W). See DFLASH_NOTES: the public training rule makes sliding layers causal with a causal window;
-    full layers bidirectional; config overrides win. The transformers-native assistant is bidirectional
-    everywhere and its sliding mask keeps |q - p| <= W, one position more than W: its window here is W + 1.
-    speculators trains a sliding layer on the W context positions before the anchor, the same for every slot,
-    with no window inside the block, which is causal there unless sliding_window_non_causal; and, as its
-    transformers config does, it has no window without use_sliding_window."""
+    """In-block attention per drafter layer: (mode, window), or (mode, window, "anchor") for speculators' sliding
+    layers. Window W: query q sees key p iff q - p < W (and, bidirectional, p - q < W). Public rule (DFLASH_NOTES):
+    sliding layers causal, full ones bidirectional, config overrides win. The transformers-native assistant is
+    bidirectional and keeps |q - p| <= W: window W + 1 here. speculators' sliding layers see the W context positions
+    before the anchor, none in the block (causal unless sliding_window_non_causal), and need use_sliding_window."""
     n, speculators = cfg["num_hidden_layers"], layout == "speculators"
     window = dflash_value(cfg, "swa_window_size") or cfg.get("sliding_window")
     if speculators and not cfg.get("use_sliding_window"):
@@ -1801,11 +1751,8 @@ def rule_label(rule):
 
 
 def build_rope(cfg, device):
-    """transformers' own Qwen3 rotary embedding (all rope types, YaRN included) from the drafter config.
-
-    Configs name it `rope_parameters` (transformers 5.x, theta inside) or `rope_scaling` + `rope_theta` (4.x);
-    both versions accept the 4.x form, so that is what is passed on.
-    """
+    """transformers' Qwen3 rotary embedding (all rope types, YaRN included) from the drafter config. Configs name it
+    rope_parameters (5.x, theta inside) or rope_scaling + rope_theta (4.x): both versions accept the 4.x form."""
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
     scaling = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
@@ -1851,14 +1798,11 @@ def heads(x, n_heads, head_dim):
 
 
 def block_mask(anchors, n_ctx, block_size, rule, starts=None):
-    """Boolean (n*B, n_ctx + n*B) mask for the blocks anchored at `anchors`: True = may attend.
-
-    Query (block i, slot j) sits at absolute position a_i + j. It sees context positions p < a_i, and the
-    slots of its own block: all of them (bidirectional) or those <= j (causal). A window W keeps only keys
-    at positions >= a_i + j - (W - 1) (and, bidirectional, <= a_i + j + W - 1); an anchored window (speculators)
-    only the context positions >= a_i - W. With `starts`, block i's context is rows starts_i.. of a context
-    that holds several prompts one after another (--anchors walk batches prompts this way).
-    """
+    """Boolean (n*B, n_ctx + n*B) mask for the blocks anchored at `anchors`, True = may attend. Query (block i, slot
+    j) at position a_i + j sees context positions p < a_i and its own block's slots: all (bidirectional) or those
+    <= j (causal). A window W keeps keys at positions >= a_i + j - (W - 1) (bidirectional: also <= a_i + j + W - 1);
+    an anchored one (speculators) the context positions >= a_i - W. With `starts`, block i's context is rows
+    starts_i.. of a context holding several prompts one after another (as --anchors walk batches them)."""
     mode, window, *anchored = rule
     n, dev = anchors.shape[0], anchors.device
     slot = torch.arange(block_size, device=dev)
@@ -1898,8 +1842,7 @@ def drafter_context(drafter, features, start=0):
 
 
 def conv_in(drafter, prefix, h, n):
-    """DFlash 2 around a sublayer, first half: the normalized input h (n*B, H) convolved with the first
-    kernel, and the dynamic taps of the second, both projected from h. DFlash: h as it is, no taps."""
+    """DFlash 2's first half around a sublayer: (h convolved with kernel 1, taps of kernel 2); DFlash: (h, None)."""
     if not drafter.conv:
         return h, None
     taps = F.linear(h, drafter.weights[prefix + "kernel_projection.weight"]).view(n, -1, 2, drafter.conv[0],
@@ -1913,10 +1856,8 @@ def conv_out(drafter, prefix, y, taps):
 
 
 def block_conv(x, taps, base, group):
-    """A grouped dynamic causal convolution over each block's own slots, the anchor at slot 0 and zeros
-    before it: out[t] = sum_o (base[o] + taps[t, o, g]) * x[t - o], channel by channel, taps shared by the
-    `group` channels of a group. x (n*B, H), taps (n, B, K, H / group), base (K, H). The terms are added
-    in the public code's order, so float32 results agree to the last bit."""
+    """Grouped dynamic causal conv over each block's slots (zeros before slot 0), x (n*B, H), taps (n, B, K, H / group):
+    out[t] = sum_o (base[o] + taps[t, o, g]) * x[t - o], in the public code's order, so float32 agrees bitwise."""
     n, B, K, G = taps.shape
     xs, out = x.view(n, B, G, group), x.new_zeros(n, B, G, group)
     for o in range(K):
@@ -1931,10 +1872,8 @@ def swiglu(w, p, y):
 
 
 def drafter_forward(drafter, context_kv, anchors, block_ids, embed_w, starts=None):
-    """Hidden states (n, B, H) after the final norm for blocks [token at anchor, MASK, ...] at `anchors`
-    (and context rows `starts` on, when the context holds several prompts). The block's embeddings are
-    raw rows of the target's embedding matrix `embed_w` times the config's scale: the target's embedding
-    module may normalize, and the public code bypasses it."""
+    """Final-normed hidden states (n, B, H) of blocks [token at anchor, MASK, ...] at `anchors` (context rows `starts`
+    on). Embeddings: raw rows of `embed_w` times the config's scale (the public code bypasses the target's module)."""
     w, cfg = drafter.weights, drafter.cfg
     eps = cfg.get("rms_norm_eps", 1e-6)
     n, B = block_ids.shape
@@ -1971,9 +1910,8 @@ def base_logits(drafter, head, rows):
 
 
 def drafter_logits(drafter, head, rows, prompt_id, logits=None):
-    """Logits of drafter hidden rows (or the given raw `logits`, a family's correction added), then the config's
-    multiplier and softcap (c * tanh(m * z / c)), and each row's argmax as a target token id. NaN or Inf
-    anywhere stops the run, naming the prompt."""
+    """(logits, argmax as target ids) of drafter rows (or raw `logits`) after the config's multiplier and softcap
+    c * tanh(m * z / c). NaN or Inf anywhere stops the run, naming the prompt."""
     logits = base_logits(drafter, head, rows) if logits is None else logits
     if drafter.logit_multiplier != 1.0:
         logits = logits * drafter.logit_multiplier
@@ -2005,9 +1943,8 @@ def mask_block(drafter, first):
 
 
 def proposal_rows(drafter, hidden):
-    """The block's hidden rows (n, B-1, H) that propose the round's drafts, one each: slots 1.. (slot k drafts
-    the token after anchor + k - 1); every slot where the anchor's slot drafts too (sample_from_anchor, DSpark);
-    slots 0..B-2 for a Domino drafter trained with shift_label."""
+    """The hidden rows (n, B-1, H) proposing the round's drafts: slots 1.. (slot k drafts the token after anchor +
+    k - 1); all slots where the anchor's slot drafts too (sample_from_anchor, DSpark); slots 0..B-2 for shift_label."""
     start = 0 if drafter.from_anchor or (drafter.head or {}).get("shift") else 1
     return hidden[:, start:start + drafter.block_size - 1]
 
@@ -2032,10 +1969,8 @@ FAMILY_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector
 
 
 def speculators_config(cfg, name):
-    """A speculators DFlash / DFlash 2 / DSpark config under the public keys: its transformer_layer_config, block
-    size and mask token, and its aux_hidden_state_layer_ids (indices into transformers' hidden_states: index L + 1
-    is the output of layer L) as layer ids. What the tool cannot map is refused, naming the key. A DSpark
-    config's sample_from_anchor defaults to true, as speculators' own config class has it."""
+    """A speculators DFlash / DFlash 2 / DSpark config under the public keys (aux_hidden_state_layer_ids L + 1 as layer
+    id L); a key it cannot map is refused. DSpark's sample_from_anchor defaults to true, as in speculators."""
     kind, layer = cfg.get("speculators_model_type"), cfg.get("transformer_layer_config")
     where = f"drafter {name}: its speculators config"
     if kind not in ("dflash", "dflash2", "dspark"):
@@ -2062,14 +1997,12 @@ def speculators_config(cfg, name):
 
 
 def recognize(cfg, state, name):
-    """(generation, layout, config, state): the config under the public DFlash keys, the state under the public
-    names. The transformers-native assistant names the context projection encoder.*; speculators nests the
-    drafter's own config and keeps the DFlash keys at the top level; DFlash 2 adds conv and selector tensors, and
-    its codebooks are bare tensors (a `.weight` suffix, as torch would save an nn.Embedding, is dropped). DSpark
-    and Domino name themselves in architectures or dflash_config.projector_type; SpecForge's older DSpark states
-    keep their heads under logit_head.*."""
-    if (cfg or {}).get("speculators_model_type") == "eagle3" or any(
-            "Eagle3" in a for a in (cfg or {}).get("architectures") or []) or any(k.startswith("midlayer.") for k in state):
+    """(generation, layout, config, state) under the public DFlash keys and names: the native assistant's encoder.*
+    renamed, speculators' nested config unnested, DFlash 2's codebook `.weight` suffix dropped, SpecForge's older
+    DSpark logit_head.* unprefixed; DSpark and Domino name themselves in architectures or projector_type."""
+    if ((cfg or {}).get("speculators_model_type") == "eagle3"
+            or any("Eagle3" in a for a in (cfg or {}).get("architectures") or [])
+            or any(k.startswith("midlayer.") for k in state)):
         layout = "speculators" if "speculators_model_type" in (cfg or {}) else "SpecForge"
         return "EAGLE-3", layout, eagle3_config(cfg or {}, name, layout), \
             {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()}
@@ -2122,7 +2055,8 @@ def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab
         rank = dflash_value(cfg, "selector_rank")
         if rank is None:   # from the tensor itself; the codebooks must agree with it
             rank = getattr(state.get(SELECTOR + "hidden_projection.weight"), "shape", (None,))[0]
-        shapes.update({SELECTOR + "hidden_projection.weight": (rank, H), SELECTOR + "predecessor_codebook": (vocab, rank),
+        shapes.update({SELECTOR + "hidden_projection.weight": (rank, H),
+                       SELECTOR + "predecessor_codebook": (vocab, rank),
                        SELECTOR + "successor_codebook": (vocab, rank)})
     if generation == "DSpark" and head["rank"]:   # W1 reads the previous token (target ids), W2 writes draft logits
         r, m = head["rank"], "markov_head."
@@ -2141,8 +2075,7 @@ def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab
 
 
 def dflash2_settings(cfg, state, name, settings):
-    """((conv taps K, channels per group), selector candidates per slot) of a DFlash 2 drafter: from its
-    config, else (said in a line) from the tensor shapes and the public default of 16 candidates."""
+    """((conv taps K, channels per group), selector candidates per slot): its config's, else inferred (and logged)."""
     H, found = cfg["hidden_size"], {}
     kernel, projection = state.get("layers.0.attention_conv.base_kernel"), \
         state.get("layers.0.attention_conv.kernel_projection.weight")
@@ -2167,8 +2100,7 @@ def dflash2_settings(cfg, state, name, settings):
 
 
 def selector_buffers(drafter, rows, dev):
-    """Per draft row, what DFlash 2's selector reads: the top-k logits and their ids, and the projected
-    hidden state."""
+    """Per draft row, what DFlash 2's selector reads: top-k logits, their ids, and the projected hidden state."""
     k, rank = drafter.selector_top_k, drafter.weights[SELECTOR + "hidden_projection.weight"].shape[0]
     dtype = drafter.weights["fc.weight"].dtype
     return (torch.empty(rows, k, dtype=dtype, device=dev), torch.empty(rows, k, dtype=torch.long, device=dev),
@@ -2176,10 +2108,8 @@ def selector_buffers(drafter, rows, dev):
 
 
 def select_path(drafter, unary, candidates, projected, first):
-    """DFlash 2's candidate path selector, greedy and batched over anchors: slot j takes the candidate with
-    the best unary logit + <A[previous pick] * P(h_j), S[candidate]> (A, S the predecessor and successor
-    codebooks, P the hidden projection); the previous pick of slot 1 is the anchor's token. The block's
-    drafts are that path, not each slot's argmax. (n * (B-1),) ids, B-1 small steps."""
+    """DFlash 2's greedy path selector, batched over anchors: slot j takes the candidate with the best unary logit +
+    <A[previous pick] * P(h_j), S[candidate]> (codebooks A, S; projection P). The (n * (B-1),) drafts are that path."""
     steps, w = drafter.block_size - 1, drafter.weights
     before, after = w[SELECTOR + "predecessor_codebook"], w[SELECTOR + "successor_codebook"]
     unary, candidates, projected = (t.view(first.shape[0], steps, -1) for t in (unary, candidates, projected))
@@ -2193,8 +2123,7 @@ def select_path(drafter, unary, candidates, projected, first):
 
 def selector_prob(drafter, unary, candidates, projected, first, reference, temperature):
     """DFlash 2 sampling (the public loop): slot j draws from softmax(scores / temperature) over its candidates,
-    scored against the token before it; given the text, that token is the reference's. The probability of
-    each reference token (0 when it is no candidate). float64 (n * (B-1),)."""
+    scored against the reference's token before it. float64 (n * (B-1),) probability of each reference token."""
     w = drafter.weights
     previous = torch.cat([first[:, None], reference[:, :-1]], dim=1).reshape(-1)
     scores = unary + torch.einsum("nr,nkr->nk", w[SELECTOR + "predecessor_codebook"][previous] * projected,
@@ -2207,9 +2136,8 @@ MARKOV_HEADS = ("vanilla", "gated", "rnn")
 
 
 def dspark_head(cfg, state, where, settings):
-    """What DSpark's proposal step reads, from the config (dflash_config first, where SpecForge writes it, then the
-    top level, where the engines read it): the Markov head's kind and rank (rank 0, SpecForge's default, is no head:
-    each slot's argmax), and --dspark-draft-topk."""
+    """What DSpark's proposal step reads: the Markov head's kind and rank (rank 0, SpecForge's default: no head, each
+    slot's argmax) from dflash_config (SpecForge) or the top level (engines), and --dspark-draft-topk."""
     w1 = state.get("markov_head.markov_w1.weight")
     rank = dflash_value(cfg, "markov_rank", w1.shape[-1] if w1 is not None and w1.dim() == 2 else 0)
     kind = dflash_value(cfg, "markov_head_type", "vanilla")
@@ -2254,8 +2182,7 @@ def domino_note(head):
 
 
 def load_block(name, path, generation, cfg, state, layout, raw, target_cfg, settings, identify):
-    """A drafter of the DFlash block family (DFlash, DFlash 2, DSpark, Domino): a block of [anchor, MASK, ...]
-    through its layers over the context, each family's proposal step after it."""
+    """A drafter of the block family (DFlash, DFlash 2, DSpark, Domino): [anchor, MASK, ...] over the context."""
     fam = FAMILIES[generation]
     if cfg is None:
         cfg = infer_config(state, target_cfg, settings, name, trained_values(raw))
@@ -2273,7 +2200,6 @@ def load_block(name, path, generation, cfg, state, layout, raw, target_cfg, sett
     spec_cfg = cfg.get("speculators") or {}
     # DSpark drafts from the anchor's slot too: SpecForge trains it so, speculators and the engines default to it
     from_anchor = spec_cfg.get("sample_from_anchor", fam.from_anchor and cfg.get("sample_from_anchor", True))
-
     check_hidden(cfg, target_cfg, name)
     layer_ids = drafter_layer_ids(cfg, state, target_cfg, settings, name)
     mask_id = settings.get("mask_token_id")
@@ -2287,7 +2213,8 @@ def load_block(name, path, generation, cfg, state, layout, raw, target_cfg, sett
     vocab = draft_vocabulary(carried, cfg, target_cfg, name)
     if vocab is not None and fam.full_vocabulary:
         fail(f"drafter {name}: a {generation} drafter with a reduced draft vocabulary (d2t, t2d): its "
-             f"{fam.full_vocabulary} score target-vocabulary tokens, and no trainer makes one with a reduced vocabulary")
+             f"{fam.full_vocabulary} score target-vocabulary tokens, and no trainer makes one with a reduced "
+             "vocabulary")
     rules = layer_rules(cfg, settings, layout)
     head = fam.head(cfg, state, f"drafter {name}: a {generation} drafter", settings) if fam.head else None
     for flag in (f for f in ("dspark_draft_topk", "domino_candidate_pool") if not fam.head and settings.get(f)):
@@ -2304,8 +2231,9 @@ def load_block(name, path, generation, cfg, state, layout, raw, target_cfg, sett
                                                   len(vocab[0]) if vocab is not None else None), name, generation)
     facts = (cfg, layer_ids, block_size + from_anchor, int(mask_id), rules, generation, conv, top_k, head)
     return drafter_record(state, carried, vocab, target_cfg, settings, identify, facts, name=name,
-                          checkpoint=os.path.abspath(path), cfg=cfg, layers=layer_ids, block_size=block_size + from_anchor,
-                          mask_token_id=int(mask_id), rules=rules, generation=generation, layout=layout,
+                          checkpoint=os.path.abspath(path), cfg=cfg, layers=layer_ids,
+                          block_size=block_size + from_anchor, mask_token_id=int(mask_id), rules=rules,
+                          generation=generation, layout=layout,
                           embed_scale=float(dflash_value(cfg, "input_embedding_scale", 1.0)),
                           logit_multiplier=float(dflash_value(cfg, "output_multiplier", 1.0)),
                           softcap=float(dflash_value(cfg, "final_logit_softcapping", 0.0)), conv=conv,
@@ -2314,24 +2242,24 @@ def load_block(name, path, generation, cfg, state, layout, raw, target_cfg, sett
 
 
 def markov_bias(w, kind, prev, rows, state):
-    """DSpark's Markov bias over the draft vocabulary for the slot rows (n, H) given the previous tokens (target
-    ids): W2 e with e = W1[prev] (vanilla), gated by sigmoid(Wg [h; e] + b) (gated), or, rnn, the tanh of the
-    output third of Wj [s; e; h] + b whose other thirds update the block's state s (zero at the block's start)."""
+    """(DSpark's Markov bias over the draft vocabulary, state) for slot rows h (n, H) after target ids `prev`: W2 e
+    with e = W1[prev], gated by sigmoid(Wg [h; e] + b) (gated), or (rnn) tanh(o) for (a, c, o) = Wj [s; e; h] + b,
+    a and c updating the block's state s (zero at its start)."""
     m = "markov_head."
     e = F.embedding(prev, w[m + "markov_w1.weight"])
     if kind == "gated":
         e = torch.sigmoid(F.linear(torch.cat([rows, e], -1), w[m + "gate_proj.weight"], w[m + "gate_proj.bias"])) * e
     elif kind == "rnn":
         state = e.new_zeros(e.shape) if state is None else state
-        a, c, o = F.linear(torch.cat([state, e, rows], -1), w[m + "joint_proj.weight"], w[m + "joint_proj.bias"]).chunk(3, -1)
+        a, c, o = F.linear(torch.cat([state, e, rows], -1), w[m + "joint_proj.weight"],
+                           w[m + "joint_proj.bias"]).chunk(3, -1)
         keep = torch.sigmoid(a)
         state, e = keep * state + (1 - keep) * torch.tanh(c), torch.tanh(o)
     return F.linear(e, w[m + "markov_w2.weight"]), state
 
 
 def gru_step(w, x, g):
-    """Domino's bias-free GRU, one step from state g (zero before the anchor) on input rows x (PyTorch's gate
-    order: reset, update, new)."""
+    """Domino's bias-free GRU, one step on rows x from state g (zero before the anchor), in PyTorch's gate order."""
     g = x.new_zeros(x.shape[0], w["prefix_gru.weight_hh_l0"].shape[1]) if g is None else g
     xr, xz, xn = F.linear(x, w["prefix_gru.weight_ih_l0"]).chunk(3, -1)
     hr, hz, hn = F.linear(g, w["prefix_gru.weight_hh_l0"]).chunk(3, -1)
@@ -2356,9 +2284,8 @@ def corrected(drafter, raw, rows, prev, state, k, embed_w):
 
 
 def chain_step(drafter, out, k, logits, drafted, given, sampling):
-    """Slot k of a chained proposal: out[:, k] = its draft, or with `given` tokens their probability under
-    softmax(logits / T) (the engines sample drafts at the temperature alone). Returns the token the next slot
-    follows."""
+    """Slot k of a chained proposal: out[:, k] = its draft, or with `given` tokens the probability of theirs under
+    softmax(logits / T) (engines sample drafts at the temperature alone). Returns the token the next slot follows."""
     if given is None:
         out[:, k] = drafted
         return drafted
@@ -2368,19 +2295,16 @@ def chain_step(drafter, out, k, logits, drafted, given, sampling):
 
 
 def chain_drafts(drafter, head, hidden, first, embed_w, prompt_id, given=None, sampling=None):
-    """DSpark and Domino, as the engines draft: slot by slot, each slot's logits corrected by the drafts before
-    it (DSpark: the Markov bias of the previous token, the anchor's for the first; Domino: past its pure-draft
-    prefix, the correction from a GRU run over the anchor's and the drafted tokens' embeddings), then the argmax
-    among the allowed tokens (--dspark-draft-topk, --domino-candidate-pool). Returns the drafts (n, B-1) as
-    target ids. Given tokens `given` (n, B-1), the chain follows them instead of its own drafts and returns the
-    probability (float64) that a drafter sampling at temperature T (SGLang's draft sampling, no top-p or top-k)
-    proposes each."""
+    """DSpark and Domino, as the engines draft: slot by slot, each slot's logits corrected by the drafts before it (the
+    Markov bias; Domino's GRU past its pure-draft prefix), then the argmax among allowed tokens: (n, B-1) target ids;
+    following `given` tokens, the float64 probability that a drafter sampling at temperature T (SGLang) drafts each."""
     n, S, _ = hidden.shape
     h = drafter.head
     out = torch.empty(n, S, dtype=torch.long if given is None else torch.float64, device=hidden.device)
     prev, state, allowed = first, None, None
     # The base logits in one lm_head call where they fit the logits budget: the sequential part is the heads alone
-    every = base_logits(drafter, head, hidden.reshape(n * S, -1)).view(n, S, -1) if n * S <= drafter.logit_rows else None
+    every = base_logits(drafter, head, hidden.reshape(n * S, -1)).view(n, S, -1) if n * S <= drafter.logit_rows \
+        else None
 
     def base(k):
         return every[:, k] if every is not None else base_logits(drafter, head, hidden[:, k])
@@ -2405,8 +2329,7 @@ def chain_drafts(drafter, head, hidden, first, embed_w, prompt_id, given=None, s
 
 
 def chained_round(d, context_kv, anchors, first, starts, embed_w, head, prompt_id, reference=None, sampling=None):
-    """DSpark's and Domino's round: the block through the backbone, then slot by slot, each draft corrected by the
-    ones before it; given `reference` tokens, also the probability that a sampling drafter proposes each."""
+    """DSpark's and Domino's round: (chained drafts, given `reference` tokens a sampling drafter's chance of each)."""
     hidden = proposal_rows(d, drafter_forward(d, context_kv, anchors, mask_block(d, first), embed_w, starts))
     drafts = chain_drafts(d, head, hidden, first, embed_w, prompt_id)
     return drafts, None if reference is None else chain_drafts(d, head, hidden, first, embed_w, prompt_id, reference,
@@ -2414,10 +2337,9 @@ def chained_round(d, context_kv, anchors, first, starts, embed_w, head, prompt_i
 
 
 def eagle3_config(cfg, name, layout):
-    """An EAGLE-3 config: the drafter's layer config at the top level, and under "eagle" what the engines read.
-    speculators keeps its layers in transformer_layer_config, its captured ids as hidden_states indices at the
-    top level, and vLLM fills norm_before_residual true where that layout omits it; SpecForge's
-    LlamaForCausalLMEagle3 is a Llama config, its ids (if any) in eagle_config as layer outputs."""
+    """An EAGLE-3 config: its layer config at the top level, what the engines read under "eagle". speculators keeps
+    layers in transformer_layer_config, ids as hidden_states indices, and vLLM fills norm_before_residual true there;
+    SpecForge's LlamaForCausalLMEagle3 is a Llama config, its ids (if any) in eagle_config as layer outputs."""
     where = f"drafter {name}: its EAGLE-3 config"
     layer = cfg.get("transformer_layer_config") if layout == "speculators" else cfg
     if not isinstance(layer, dict) or not layer.get("hidden_size"):
@@ -2498,8 +2420,7 @@ DRAFTER_KEYS = ("dflash_config", "speculators_model_type", "block_size", "target
 
 
 def is_target_directory(path):
-    """Whether `path` holds a target model (a ...ForCausalLM or ...ForConditionalGeneration checkpoint whose config
-    has none of the drafters' keys), whose MTP layer is then the drafter."""
+    """Whether `path` is a target (...ForCausalLM, ...ForConditionalGeneration; no drafter keys): its MTP drafts."""
     file = os.path.join(path, "config.json")
     if not os.path.isdir(path) or not os.path.isfile(file):
         return False
@@ -2509,10 +2430,8 @@ def is_target_directory(path):
 
 
 def load_mtp(name, path, target_cfg, settings, identify):
-    """A target's own MTP layer (Qwen3.5/3.6, Qwen3-Next): mtp.* in its safetensors, which transformers does not
-    load. x = fc([norm(embedding of token j + 1); norm(the last hidden state at j, after the final norm)]), one
-    full-attention layer of the target's kind, mtp.norm and the target's lm_head; the same layer drafts every step,
-    fed its own post-norm output back, as vLLM (method mtp) and SGLang (NEXTN) both draft it."""
+    """A target's own MTP layer (Qwen3.5/3.6, Qwen3-Next: mtp.* in its safetensors, which transformers does not load),
+    drafting every step fed its own post-norm output back, as vLLM (method mtp) and SGLang (NEXTN) draft it."""
     text, files = read_target_config(path), target_tensor_files(path)
     names = sorted(k for k in files if k.startswith("mtp."))
     where = f"drafter {name}: {path} is a {text.model_type} target"
@@ -2531,10 +2450,12 @@ def load_mtp(name, path, target_cfg, settings, identify):
     state = {k[len("mtp."):]: (1.0 + v.float() if "norm" in k.split(".")[-2] else v.float())
              for k, v in target_tensors(files, names).items()}
     for fused in [k for k in state if k.endswith("mlp.experts.gate_up_proj")]:   # transformers 5.x's fused experts
-        p, gate_up, down = fused[:-len("gate_up_proj")], state.pop(fused), state.pop(fused[:-len("gate_up_proj")] + "down_proj")
+        p, gate_up, down = (fused[:-len("gate_up_proj")], state.pop(fused),
+                            state.pop(fused[:-len("gate_up_proj")] + "down_proj"))
         for e in range(gate_up.shape[0]):
             g, u = gate_up[e].chunk(2, 0)
-            state.update({f"{p}{e}.gate_proj.weight": g, f"{p}{e}.up_proj.weight": u, f"{p}{e}.down_proj.weight": down[e]})
+            state.update({f"{p}{e}.gate_proj.weight": g, f"{p}{e}.up_proj.weight": u,
+                          f"{p}{e}.down_proj.weight": down[e]})
     cfg = {k: v for k, v in text.to_dict().items() if k in MTP_KEYS}   # no path: its identity is its content
     check_hidden(cfg, target_cfg, name)
     steps = (settings.get("block_size") or 4) - 1   # SGLang's default for Qwen: 3 steps, top-1
@@ -2567,8 +2488,7 @@ def eagle_fuse(d, features):
 
 
 def mlp(d, p, y):
-    """Layer p's MLP on rows y: SwiGLU, or (Qwen3-Next, Qwen3.5-MoE) a softmax router's top-k experts, their
-    weights renormalized with norm_topk_prob, plus a shared expert scaled by sigmoid(shared_expert_gate y)."""
+    """Layer p's MLP: SwiGLU, or a softmax router's top-k experts (norm_topk_prob) plus a gated shared expert."""
     w = d.weights
     if p + "mlp.gate.weight" not in w:
         return swiglu(w, p + "mlp.", y)
@@ -2583,12 +2503,9 @@ def mlp(d, p, y):
 
 
 def causal_layer(d, emb, g, positions, attend):
-    """The one decoder layer of EAGLE-3 or MTP on rows of (token embedding, hidden g); attend(q, k, v) gives the
-    attention (heads, n, head dim). EAGLE-3: q/k/v from [input_layernorm(embedding); hidden_norm(g)] (2H), the
-    residual g (its norm with norm_before_residual). MTP: x = fc([norm(embedding); norm(g)]), then the target's
-    own pre-norm layer over x: its attention gated per head (q_proj gives each head's query and gate), its MLP
-    dense or a mixture of experts. Returns the output before the final norm, and the rows' rotated keys and
-    values."""
+    """EAGLE-3's or MTP's one decoder layer on rows (token embedding, hidden g), attend(q, k, v) giving the attention.
+    EAGLE-3's q/k/v read [input_layernorm(embedding); hidden_norm(g)] (2H); MTP's fc([norm(embedding); norm(g)]) feeds
+    the target's own layer (gated attention, dense or MoE MLP). Returns (output before the final norm, keys, values)."""
     w, cfg, p = d.weights, d.cfg, "layers.0."
     eps, hd, n_heads = cfg.get("rms_norm_eps", 1e-6), head_dim_of(cfg), cfg["num_attention_heads"]
     if d.generation == "EAGLE-3":
@@ -2615,10 +2532,8 @@ def causal_layer(d, emb, g, positions, attend):
 
 
 def causal_pass(d, features, ids, embed_w, cache=None):
-    """EAGLE-3's and MTP's first step over the whole text, causal, as the engines' window prefill leaves their
-    draft cache: row j reads token j + 1's embedding and the target's features at j (EAGLE-3: the captured layers
-    fused by fc; MTP: the last hidden state, after the final norm), at position j. [(K, V, outputs)]. Given the
-    `cache` of a pass over the first rows, only the rows after it, attending to its rows too: one round's prefill."""
+    """[(K, V, outputs)] of EAGLE-3's and MTP's causal pass over the text, as engines prefill their cache: row j reads
+    token j + 1's embedding and the features at j. With `cache` (a pass over the first rows), only the rows after it."""
     n0 = 0 if cache is None else cache[0][0].shape[1]
     ids_t = torch.tensor(ids[n0 + 1:], device=features.device)
     g = features[n0:len(ids) - 1]
@@ -2639,12 +2554,9 @@ def causal_pass(d, features, ids, embed_w, cache=None):
 
 
 def causal_chain(d, context, anchors, starts, embed_w, head, prompt_id, given=None, sampling=None):
-    """EAGLE-3's and MTP's drafts (n, K), as the engines draft a chain: draft 1 from the text pass's row before
-    the anchor; each further step one layer pass over the previous draft's embedding and the hidden fed back
-    (EAGLE-3: before the final norm, or after it with norm_output; MTP: after mtp.norm), one position on,
-    attending to the text pass's rows before the anchor and to its own chain. With `given` tokens the chain
-    follows them and returns their probability under softmax(logits / T) (vLLM's probabilistic drafts), or
-    without `sampling` every step's logits (n, K, V), as training's test-time steps see them."""
+    """EAGLE-3's and MTP's drafts (n, K), chained as the engines do: draft 1 from the text pass's row before the anchor,
+    each next a layer pass over the previous draft's embedding and the fed-back hidden, one position on. Following
+    `given` tokens: their probability under softmax(logits / T) (vLLM), or, without `sampling`, each step's logits."""
     (k_ctx, v_ctx, h_ctx), = context
     w, eps, S, n = d.weights, d.cfg.get("rms_norm_eps", 1e-6), d.block_size - 1, anchors.shape[0]
     start = torch.zeros_like(anchors) if starts is None else starts
@@ -2653,7 +2565,8 @@ def causal_chain(d, context, anchors, starts, embed_w, head, prompt_id, given=No
     h, chain_k, chain_v, steps = h_ctx[0, start + anchors - 1], [], [], []
     for s in range(S):
         if s:
-            mask = block_mask(anchors, n_ctx, s, ("causal", None), starts)[torch.arange(n, device=anchors.device) * s + s - 1]
+            mask = block_mask(anchors, n_ctx, s, ("causal", None), starts)[
+                torch.arange(n, device=anchors.device) * s + s - 1]
 
             def attend(q, k, v):
                 chain_k.append(k), chain_v.append(v)
@@ -2674,8 +2587,7 @@ def causal_chain(d, context, anchors, starts, embed_w, head, prompt_id, given=No
 
 
 def causal_round(d, context, anchors, first, starts, embed_w, head, prompt_id, reference=None, sampling=None):
-    """EAGLE-3's and MTP's round: K one-layer steps from the pass over the text (no block); given `reference`
-    tokens, also the probability that a sampling drafter proposes each."""
+    """EAGLE-3's and MTP's round: (K chained drafts, given `reference` tokens a sampling drafter's chance of each)."""
     drafts = causal_chain(d, context, anchors, starts, embed_w, head, prompt_id)
     return drafts, None if reference is None else causal_chain(d, context, anchors, starts, embed_w, head, prompt_id,
                                                                reference, sampling)
@@ -2744,8 +2656,7 @@ def load_drafter(spec, target_cfg, settings, identify=True):
 
 
 def prompt_context(drafter, features, ids=None, embed_w=None):
-    """What the drafter's blocks attend to: DFlash-family context K/V per layer; EAGLE-3's and MTP's pass over the
-    text."""
+    """What the blocks attend to: DFlash-family context K/V per layer; EAGLE-3's and MTP's pass over the text."""
     features = torch.cat([features[L] for L in drafter.layers], dim=-1)
     if family(drafter).causal:
         return causal_pass(drafter, features, ids, embed_w)
@@ -2753,11 +2664,8 @@ def prompt_context(drafter, features, ids=None, embed_w=None):
 
 
 def tree_top_k(top, logits, done, B, top_k, after, n):
-    """The top_k float32 log-probs and token ids of these logit rows (rows done.. of the whole draft) that
-    DDTree builds from, kept in top = [log-probs, ids, which anchors need them] (allocated on the first
-    call). Given `after` (the reference token after each anchor), an anchor whose first slot ranks top_k or
-    more tokens strictly above that token gets none (ids -1): no tree of at most top_k nodes can hold the
-    reference's path there, so its DDTree acceptance is 1 without it."""
+    """DDTree's top_k float32 log-probs and ids of draft rows done.., in top = [log-probs, ids, anchors kept]. An anchor
+    whose first slot ranks top_k or more tokens above `after` gets ids -1: no top_k-node tree holds its path."""
     dev, k = logits.device, min(top_k, logits.shape[-1])
     if top is None:
         top = [torch.full((n * (B - 1), k), -math.inf, device=dev), torch.full((n * (B - 1), k), -1, device=dev),
@@ -2779,19 +2687,15 @@ def tree_top_k(top, logits, done, B, top_k, after, n):
 @torch.inference_mode()
 def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=0, prompt_id=None, starts=None,
                       after=None, reference=None, sampling=None, proposal=None):
-    """Drafts (n_anchors, B-1) for blocks [first token, MASK, ...] at `anchors`, many blocks per SDPA call:
-    per block, the backbone's hidden states, their logits, then the proposal (each slot's argmax; for DFlash 2
-    the selector's path). B is the round's span: the block's slots, plus one where the anchor's own slot drafts
-    (sample_from_anchor). With top_k > 0, also what DDTree builds from (see tree_top_k). Given `reference`
-    tokens (n_anchors, B-1), `sampling` and a `proposal` tensor of that shape, fills it with the probability
-    that a drafter sampling at those settings proposes each reference token (--draft-policy sample)."""
+    """Argmax drafts (n_anchors, B-1; DFlash 2: the selector's path) for blocks [first, MASK, ...] at `anchors`, many
+    per SDPA call; with top_k > 0 also DDTree's top-k. Given `reference`, `sampling` and `proposal`, fills proposal
+    with the probability that a sampling drafter proposes each reference token (B counts sample_from_anchor's slot)."""
     B, n, propose = drafter.block_size, anchors.shape[0], family(drafter).propose
     if n == 0:
         empty = torch.zeros(0, B - 1, max(top_k, 1))
         return torch.zeros(0, B - 1, dtype=torch.long), (empty, empty.long())
     dev = anchors.device
-    # Outputs are allocated once, up front: small tensors created between the big per-chunk logits would
-    # pin freed heap and grow the resident memory chunk after chunk.
+    # Outputs allocated up front: small tensors made between the big per-chunk logits would pin freed heap.
     drafts, top, done = torch.empty(n * (B - 1), dtype=torch.long, device=dev), None, 0
     picks = selector_buffers(drafter, n * (B - 1), dev) if drafter.selector_top_k else None
     per_call = max(1, ANCHOR_TOKENS_PER_CHUNK // B)
@@ -2800,15 +2704,15 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
         starts_part = None if starts is None else starts[part]
         if propose:   # a chain: each draft after the ones before it
             at = slice(done, done + first[part].shape[0] * (B - 1))
-            drafted, q = propose(drafter, context_kv, anchors[part], first[part], starts_part, embed_w, head, prompt_id,
-                                 None if proposal is None else reference[part].to(dev), sampling)
+            drafted, q = propose(drafter, context_kv, anchors[part], first[part], starts_part, embed_w, head,
+                                 prompt_id, None if proposal is None else reference[part].to(dev), sampling)
             drafts[at] = drafted.view(-1)
             if q is not None:
                 proposal[part] = q.to(proposal.device)
             done = at.stop
             continue
-        hidden = proposal_rows(drafter, drafter_forward(drafter, context_kv, anchors[part], mask_block(drafter, first[part]),
-                                                        embed_w, starts_part))
+        hidden = proposal_rows(drafter, drafter_forward(drafter, context_kv, anchors[part],
+                                                        mask_block(drafter, first[part]), embed_w, starts_part))
         for rows in hidden.reshape(-1, hidden.shape[-1]).split(drafter.logit_rows):
             at = slice(done, done + rows.shape[0])
             logits, drafts[at] = drafter_logits(drafter, head, rows, prompt_id)
@@ -2838,10 +2742,7 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
 @torch.inference_mode()
 def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, prompt_id=None, sampling=None,
                          generator=None):
-    """Decoding sped up by a drafter: draft a block, verify it in one cached target pass, keep the accepted
-    drafts and the target's own next token, roll the KV cache back. The target decides every token, so the
-    output is plain decoding's: greedy token for token, sampled in distribution; it needs a cache that can
-    roll back."""
+    """Draft a block, verify it in one cached pass, roll the cache back: the target decides every token."""
     _, _, embed, head = target_parts(model)
     logits_of = model_logits(model) if sampling else head   # the drafter reads the head alone
     layers = drafter.layers
@@ -2849,9 +2750,7 @@ def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, p
     check_finite(features, prompt_id)
     if is_hybrid(model.config):
         cache.activate_past_recording()   # after the prompt: recording it would keep every convolution input
-    # The drafter's context K/V grow with the accepted tokens only: re-projecting the whole context every
-    # round would make a generation quadratic in its length.
-    context_kv = prompt_context(drafter, features)
+    context_kv = prompt_context(drafter, features)   # grown by the accepted tokens only: re-projecting is quadratic
     tokens = [next_token(logits_of(last[-1:]), sampling, generator)]
     while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
         ids = prompt_ids + tokens
@@ -2874,16 +2773,14 @@ def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, p
 
 
 def generate_reference(model, it, settings, speculative, drafter, stops):
-    """The target's own reference for one prompt: greedy, or sampled at the run's settings (seeded per prompt and
-    sample); by speculative decoding with the first drafter where the cache can roll back (lossless: the same
-    text as plain greedy decoding, the same distribution as plain sampling)."""
+    """The target's reference for one prompt (greedy or sampled), by lossless speculative decoding where it can."""
     sampling, generator = sampling_of(settings), None
     if sampling:
-        generator = torch.Generator(device=model.device)
-        generator.manual_seed(sample_seed(settings, it["id"], it["sample"]))
+        generator = torch.Generator(device=model.device).manual_seed(sample_seed(settings, it["id"], it["sample"]))
     with timed("generate_s"):
         if speculative:
-            ids = speculative_generate(model, drafter, it["prompt_ids"], it["room"], stops, it["id"], sampling, generator)
+            ids = speculative_generate(model, drafter, it["prompt_ids"], it["room"], stops, it["id"], sampling,
+                                       generator)
         else:
             ids = plain_generate(model, it["prompt_ids"], it["room"], stops, sampling, generator)
     it.update(completion_ids=ids, source="target")
@@ -2910,8 +2807,7 @@ def post_json(url, body, settings, longest, what):
     import socket
     import urllib.error
     import urllib.request
-    data = json.dumps(body).encode()
-    retries = settings["server_retries"]
+    data, retries = json.dumps(body).encode(), settings["server_retries"]
     for attempt in range(retries + 1):
         last = attempt == retries
         try:
@@ -3004,8 +2900,7 @@ def server_batch(batch, settings, learned):
 
 
 def fetch_references(items, settings, learned, keep):
-    """References for `items` from --server (greedy, or sampled at the run's settings), each handed to
-    keep(item) as it arrives."""
+    """References for `items` from --server (greedy, or sampled), each handed to keep(item) as it arrives."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
     by_room = {}
     for it in items:  # one max_new_tokens (and one sample index: one seed) per request
@@ -3038,10 +2933,8 @@ def fitting_anchors(n_prompt, total_len, block_size):
 
 
 def walk(acceptance, anchor, total_len, block_size, rounds=None):
-    """The greedy speculative walk from `anchor`: the acceptance lengths of the rounds a real decoding loop
-    would take, `acceptance(anchor)` giving a round's length. A round is taken only while its block's B-1
-    drafted positions lie inside the reference. Returns (rounds, None); or, when `acceptance` answers None
-    (that anchor is not drafted yet), (rounds so far, the anchor to resume at)."""
+    """The greedy walk from `anchor`: round lengths `acceptance(anchor)`, while a block's B-1 drafts lie inside the
+    reference. Returns (rounds, None), or (rounds so far, anchor to resume at) when `acceptance` answers None."""
     rounds = [] if rounds is None else rounds
     while anchor + block_size - 1 <= total_len - 1:
         length = acceptance(anchor)
@@ -3078,13 +2971,9 @@ def context_sums(anchors, first_accepted, round_anchors, lengths, weights=None):
 
 
 def build_tree(logp, budget, until=None):
-    """Best-first DDTree over per-depth log-probs sorted high to low: logp[d][r] = rank r at depth d + 1.
-
-    A node is a path of ranks; its score is the sum of its log-probs. Start with rank 0 at depth 1; pop the
-    best candidate, add it, push its next sibling and its first child; stop at `budget` nodes (or once
-    `until` has joined). Equal scores: the lexicographically smaller rank path joins first. Returns the
-    paths in joining order, so the tree of any smaller budget is a prefix of this list.
-    """
+    """Best-first DDTree over sorted per-depth log-probs (logp[d][r]: rank r at depth d + 1), a node a rank path: pop
+    the best, push its next sibling and first child, until `budget` nodes (or `until`); ties: the smaller path first.
+    Returns the paths in joining order, so a smaller budget's tree is a prefix."""
     depth, width = len(logp), len(logp[0])
     heap = [(-logp[0][0], (0,), 0.0)]   # (-score, path, parent's score)
     order = []
@@ -3108,13 +2997,8 @@ def reference_ranks(top_ids, reference):
 
 
 def join_positions(top_logp, ranks, largest):
-    """Where each prefix of the reference's rank path joins the best-first tree of `largest` nodes
-    (`largest` when it never does): acceptance at budget b = 1 + the number of positions below b."""
-    path = []
-    for r in ranks:
-        if r < 0:
-            break
-        path.append(r)
+    """Where each prefix of the reference's rank path joins the tree of `largest` nodes (`largest` if never)."""
+    path = ranks[:ranks.index(-1)] if -1 in ranks else ranks   # up to the first rank missing from the top-k
     prefixes = [tuple(path[:d]) for d in range(1, len(path) + 1)]
     order = build_tree(top_logp.double().tolist(), largest, prefixes[-1]) if prefixes else []
     where = {p: j for j, p in enumerate(order)}
@@ -3122,9 +3006,8 @@ def join_positions(top_logp, ranks, largest):
 
 
 def tree_acceptance(entry, reference, budget, largest):
-    """DDTree acceptance at one anchor: 1 + the depth reached by following the reference's tokens down the
-    tree of `budget` nodes. entry = [top-k (log-probs, ids) per slot, join positions or None]: the tree is
-    built once, at the largest budget, when a walk first visits the anchor (a smaller tree is its first nodes)."""
+    """DDTree acceptance at one anchor: 1 + the depth the reference's tokens reach down the tree of `budget` nodes.
+    entry = [top-k (log-probs, ids), join positions]: built once, at the largest budget, on a walk's first visit."""
     if entry[1] is None:
         with timed("trees_s"):
             entry[1] = join_positions(entry[0][0], reference_ranks(entry[0][1][None], reference[None])[0], largest)
@@ -3132,8 +3015,7 @@ def tree_acceptance(entry, reference, budget, largest):
 
 
 def score_prompt(drafts, ids, n_prompt, block_size, top=None, budgets=()):
-    """Per anchor: matched drafts m (acceptance = 1 + m) and which drafts equal the reference; then the
-    chain walk, and the DDTree walk of every budget from the top-k log-probs `top`."""
+    """Per anchor: matched drafts m (acceptance 1 + m), drafts equal to the reference; the chain and DDTree walks."""
     with timed("metrics_s"):
         anchors = fitting_anchors(n_prompt, len(ids), block_size)
         reference = torch.tensor(ids)[anchors[:, None] + torch.arange(1, block_size)]
@@ -3151,11 +3033,8 @@ WALK_GROUP = 16   # prompts whose walks --anchors walk drafts together
 
 
 def score_walks_only(d, prompts, embed_w, head, budgets):
-    """--anchors walk over a group of prompts [(features, ids, n_prompt, prompt id)]: draft only the anchors
-    the chain and DDTree walks visit. Each step drafts, in one batched call, the anchor every unfinished
-    walk of every prompt waits for (contexts laid one after another, each block masked to its own prompt's);
-    walks share visited blocks. Rounds equal those of --anchors all; per-position statistics cover the
-    visited anchors."""
+    """--anchors walk: draft only the anchors the walks visit, each step one batched call over all prompts (contexts
+    end to end, each block masked to its own). Rounds equal --anchors all's; per-position stats: visited anchors."""
     B, top_k, kinds = d.block_size, max(budgets, default=0), [None, *budgets]   # None: the chain walk
     contexts = [prompt_context(d, features, ids, embed_w) for features, ids, *_ in prompts]
     context_kv = [tuple(torch.cat([c[i][j] for c in contexts], 1) for j in range(len(contexts[0][i])))
@@ -3200,16 +3079,12 @@ def score_walks_only(d, prompts, embed_w, head, budgets):
 
 
 def expected_walk(accept, n_prompt, total_len, block_size):
-    """Sampled decoding, given the committed text (DFLASH_NOTES, "Sampled decoding"): slot j of the round at
-    anchor a is accepted with probability accept[a, j] = min(1, q_j(r) / p_j(r)), independently, until the
-    first failure. A forward pass carries the probability that a round starts at each anchor (rows of
-    `accept`: the fitting anchors n_prompt..): E[rounds], E[committed tokens] and the expected histogram of
-    round lengths, over the rounds whose block lies inside the text. With 0/1 entries it is the greedy walk."""
+    """Sampled decoding (DFLASH_NOTES): slot j at anchor a is accepted with probability accept[a, j] until the first
+    failure; a forward pass over P(a round starts at a) gives E[rounds], E[committed], the expected histogram."""
     n = accept.shape[0]
     reach = torch.cat([torch.ones(n, 1, dtype=torch.float64), accept.double().cumprod(1)], dim=1)
     lengths = torch.cat([reach[:, :-1] - reach[:, 1:], reach[:, -1:]], dim=1).tolist()   # P(length = k + 1)
-    start = [0.0] * (n + block_size + 1)
-    start[0], histogram = 1.0, [0.0] * block_size
+    start, histogram = [1.0] + [0.0] * (n + block_size), [0.0] * block_size
     for i in range(n):
         if start[i]:
             for k, pk in enumerate(lengths[i]):
@@ -3222,18 +3097,15 @@ def expected_walk(accept, n_prompt, total_len, block_size):
 
 
 def add_expectations(res, block_size, n_prompt, total_len, p, q=None):
-    """Temperature > 0: the acceptance probability of each drafted slot (argmax proposals: 1 where the draft
-    is the text's token, else 0; sampled proposals: min(1, q / p), 0 where p is), then the expected walk and
-    the sums the per-position statistics pool. Argmax walks are the walk already taken."""
+    """Temperature > 0: each drafted slot's acceptance probability (argmax proposals: draft == text, the walk already
+    taken; sampled: min(1, q / p), 0 where p is), the expected walk and the per-position sums."""
     if q is None:
-        accept = res["equal"].double()
-        rounds = res["rounds"]
+        accept, rounds = res["equal"].double(), res["rounds"]
         expected = {"rounds": float(len(rounds)), "committed": float(sum(rounds)),
                     "histogram": [float(rounds.count(n)) for n in range(1, block_size + 1)]}
         res["by_context"] = context_sums(res["anchors"], accept[:, 0], walk_anchors(rounds, n_prompt), rounds)
     else:
-        at = res["anchors"][:, None] + torch.arange(1, block_size) - n_prompt
-        p_at = p[at]
+        p_at = p[res["anchors"][:, None] + torch.arange(1, block_size) - n_prompt]
         accept = torch.where(p_at > 0, (q / p_at.clamp_min(1e-300)).clamp(max=1.0), torch.zeros_like(q))
         expected = expected_walk(accept, n_prompt, total_len, block_size)
         res["rounds"] = None   # sampled proposals: no one walk, its expectation
@@ -3245,9 +3117,7 @@ def add_expectations(res, block_size, n_prompt, total_len, p, q=None):
 
 
 def score_drafter(d, prompts, group, embed_w, head, settings, budgets):
-    """One drafter's results on a group's prompts [(features, ids, n_prompt, prompt id)]: every anchor drafted
-    (or, --anchors walk, the anchors the walks visit), the walks, the expectations under sampling, and the
-    sums by context length."""
+    """One drafter's results on prompts [(features, ids, n_prompt, prompt id)]: drafts, walks, expectations, sums."""
     sampling = sampling_of(settings)
     sample_policy = sampling is not None and settings["draft_policy"] == "sample"
     walked = [res for lo in range(0, len(prompts), WALK_GROUP)
@@ -3264,16 +3134,17 @@ def score_drafter(d, prompts, group, embed_w, head, settings, budgets):
                 ids_t = torch.tensor(ids, device=anchors.device)
                 reference = ids_t[anchors[:, None] + torch.arange(1, d.block_size, device=anchors.device)]
                 q = torch.zeros(reference.shape, dtype=torch.float64) if sample_policy else None
-                drafts, top = draft_all_anchors(d, prompt_context(d, features, ids, embed_w), anchors, ids_t[anchors], embed_w,
-                                                head, max(budgets, default=0), prompt_id, after=ids_t[anchors + 1],
-                                                reference=reference, sampling=sampling, proposal=q)
+                drafts, top = draft_all_anchors(
+                    d, prompt_context(d, features, ids, embed_w), anchors, ids_t[anchors], embed_w, head,
+                    max(budgets, default=0), prompt_id, after=ids_t[anchors + 1], reference=reference,
+                    sampling=sampling, proposal=q)
             res = score_prompt(drafts, ids, n_prompt, d.block_size, top, budgets)
         with timed("metrics_s"):
             if sampling:
                 add_expectations(res, d.block_size, n_prompt, len(ids), group[i][0]["p"], q)
             else:
-                res["by_context"] = context_sums(res["anchors"], res["matched"] >= 1, walk_anchors(res["rounds"], n_prompt),
-                                                 res["rounds"])
+                res["by_context"] = context_sums(res["anchors"], res["matched"] >= 1,
+                                                 walk_anchors(res["rounds"], n_prompt), res["rounds"])
         out.append(res)
     return out
 
@@ -3339,8 +3210,7 @@ def check_mask_prompt(drafter, variants, features, ids, anchors, embed_w, head):
 
 
 def mask_check_summary(modes, per_prompt):
-    """Accuracy and mean acceptance per mode ({name: in-block mask labels}), and a warning when another mode
-    clearly beats the configured one."""
+    """Accuracy and mean acceptance per mode ({name: mask labels}); a warning when another mode clearly wins."""
     table = {}
     for name, labels in modes.items():
         hits, drafts, matched, anchors, wins, losses = (sum(c[name][i] for c in per_prompt) for i in range(6))
@@ -3362,8 +3232,7 @@ def mask_check_summary(modes, per_prompt):
 
 
 def evaluate_prompts(group, drafters, embed_w, head, settings):
-    """Every drafter on a group of prompts [(item, features, target argmax)]: scores, walks, the other served
-    depths, and the mask check when asked. One record per prompt."""
+    """Every drafter on prompts [(item, features, target argmax)]: scores, walks, other depths, the mask check."""
     prompts, sampling = [], sampling_of(settings)
     for it, features, argmax in group:
         check_finite(features, it["id"])
@@ -3399,8 +3268,7 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
 
 
 def support_of(p):
-    """The references under the target's sampling: (tokens inside its support, tokens, their summed log-prob,
-    the first completion position outside it or None)."""
+    """(reference tokens inside the target's sampling support, tokens, their log-prob sum, first one outside or None)"""
     inside = p > 0
     outside = (~inside).nonzero()[:, 0]
     return (int(inside.sum()), p.numel(), float(p[inside].log().sum()), int(outside[0]) if outside.numel() else None)
@@ -3430,9 +3298,8 @@ def ratio_ci95(committed, rounds):
 
 
 def prompt_totals(results, items):
-    """{prompt: (tokens committed, rounds)}, exact or expected. A prompt's samples and turns add up to one unit:
-    they share the prompt, so they are not independent draws, and two identical samples must not narrow an
-    interval."""
+    """{prompt: (tokens committed, rounds)}, exact or expected. A prompt's samples and turns are one unit: they are not
+    independent draws, and two identical samples must not narrow an interval."""
     totals = {}
     for res, it in zip(results, items):
         e = res.get("expected")
@@ -3443,9 +3310,8 @@ def prompt_totals(results, items):
 
 
 def paired_delta(ours, ref):
-    """tau(ours) - tau(ref) over the same prompts ({prompt: (committed, rounds)} each) with its paired 95%
-    interval: the difference of the two delta-method terms per prompt, so the prompt-to-prompt spread that both
-    drafters share cancels."""
+    """tau(ours) - tau(ref) over the same prompts ({prompt: (committed, rounds)}) with its paired 95% interval: per
+    prompt the difference of the delta-method terms, so the prompt-to-prompt spread both drafters share cancels."""
     keys = [k for k in ref if ref[k][1] or ours.get(k, (0, 0))[1]]
     if not keys or not sum(ref[k][1] for k in keys) or not sum(ours[k][1] for k in keys):
         return None, None
@@ -3467,9 +3333,8 @@ def round_stats(round_lists, block_size):
 
 
 def sums(res, block_size):
-    """One result's counts: tokens committed, rounds, the histogram of round lengths, how many anchors' drafts
-    reach each slot (all accepted before it: reach[0] = anchors), the drafts equal to the reference per slot.
-    Greedy: counted (integers); temperature > 0: their expectations (add_expectations)."""
+    """One result's counts (temperature > 0: expectations): tokens committed, rounds, the round-length histogram, how
+    many anchors' drafts reach each slot (reach[0] = anchors), and per slot the drafts equal to the reference."""
     if "expected" in res:
         return res["expected"]
     rounds, matched = res["rounds"], res["matched"]
@@ -3481,10 +3346,8 @@ def sums(res, block_size):
 
 
 def summarize(results, block_size):
-    """tau pooled (tokens committed / rounds, exact or expected), tau_prompt_mean, the histogram, and per-position
-    acceptance (conditional: of the anchors whose drafts reach a slot, the share accepted there) and accuracy
-    over every drafted anchor; counts are divided in Python (float64): a float32 mean would carry noise into the
-    7th digit."""
+    """tau pooled, tau_prompt_mean, the histogram, per-position acceptance (conditional on reaching the slot) and
+    accuracy; counts are divided in Python (float64): a float32 mean would carry noise into the 7th digit."""
     e = [sums(res, block_size) for res in results]
     committed, rounds = [x["committed"] for x in e], [x["rounds"] for x in e]
     reach = [sum(x["reach"][j] for x in e) for j in range(block_size)]
@@ -3497,7 +3360,8 @@ def summarize(results, block_size):
             "tau_prompt_mean": sum(per_prompt) / len(per_prompt) if per_prompt else None, "rounds": sum(rounds),
             "histogram": [sum(x["histogram"][k] for x in e) for k in range(block_size)],
             "tau_all_anchors": 1 + sum(reach[1:]) / anchors if anchors else None, "anchors": anchors,
-            "per_position": {"acceptance": [reach[j + 1] / reach[j] if reach[j] else None for j in range(block_size - 1)],
+            "per_position": {"acceptance": [reach[j + 1] / reach[j] if reach[j] else None
+                                            for j in range(block_size - 1)],
                              "accuracy": [h / anchors if anchors else None for h in hits]},
             "ddtree": ddtree}
 
@@ -3510,9 +3374,8 @@ DEPTH_KEYS = ("tau", "tau_ci95", "tau_prompt_mean", "rounds", "histogram", "tau_
 
 
 def engine_metrics(s, depth):
-    """What the engines' logs show for these rounds, under their names and definitions (vLLM 0.33
-    v1/spec_decode/metrics.py, SGLang 0.5.23's scheduler log): a draft is a round; accepted counts drafts, not
-    the target's own token. vLLM's per-position rate is unconditional, P(the first i drafts all accepted)."""
+    """The engines' logged figures (vLLM 0.33 v1/spec_decode/metrics.py, SGLang 0.5.23's scheduler log): a draft is a
+    round; accepted counts drafts, not the target's token; vLLM's per-position rate is P(first i drafts accepted)."""
     h = s["histogram"]
     drafts = sum(h)
     if not drafts:
@@ -3546,13 +3409,9 @@ def seconds_since(start):
 
 @torch.inference_mode()
 def measure_costs(model, drafters, settings, items):
-    """Seconds of what the tool's own decoding loops do, at the prompts' typical context L (the median of the
-    prompt plus half the reference): a plain decoding step (the target over one token, its argmax); a verify
-    pass over n = 1 + K tokens (1 + budget for a DDTree tree) with the drafters' feature layers captured, the
-    head over every row and the verdict; each drafter's round at depth K: its new context rows (K + 1 at most),
-    its context cache grown, the block of 1 + K through backbone, head and selector (EAGLE-3, MTP: the window's
-    K + 1 new rows through their layer over its cache, then K chained steps). Each the fastest of
-    COST_REPEATS rounds that take every size in turn (interference on a shared box only adds time)."""
+    """Seconds of the tool's own decoding steps at the prompts' median context L (prompt + half the reference): a
+    plain step; a verify pass over 1 + K tokens (1 + budget: DDTree) with features, head and verdict; each drafter's
+    round at depth K (new context rows, cache grown, block drafted; EAGLE-3, MTP: K + 1 rows, then K steps)."""
     _, _, embed, head = target_parts(model)
     depths = {d.block_size - 1 for d in drafters} | {k for d in drafters for k in served_depths(d, settings)}
     sizes = sorted({1 + k for k in depths} | {1 + b for b in settings["ddtree_budgets"]})
@@ -3599,7 +3458,8 @@ def measure_costs(model, drafters, settings, items):
                 at = torch.tensor([L + k], device=first.device)
             else:
                 new_kv = drafter_context(d, feats[L:L + k + 1], L)
-                grown = [(torch.cat([kc, kn], 1), torch.cat([vc, vn], 1)) for (kc, vc), (kn, vn) in zip(context, new_kv)]
+                grown = [(torch.cat([kc, kn], 1), torch.cat([vc, vn], 1))
+                         for (kc, vc), (kn, vn) in zip(context, new_kv)]
                 at = torch.tensor([L], device=first.device)
             draft_all_anchors(replace(d, block_size=k + 1), grown, at, first, embed.weight, head)
             return seconds_since(start)
@@ -3627,9 +3487,8 @@ def speedup(tau, one, verify_s, draft):
 
 
 def predicted_speedups(report, costs):
-    """speedup(K) = tau(K) * c_target(1) / (c_target(1 + K) + c_draft(K)) per depth of every drafter, and for every
-    DDTree budget b (verifying the tree's b nodes and the root: c_target(1 + b), the drafter's pass at its trained
-    depth); None where a cost is missing. What it leaves out: batching, scheduling, the engines' own overheads."""
+    """speedup(K) = tau(K) * c_target(1) / (c_target(1 + K) + c_draft(K)) per depth (DDTree budget b: c_target(1 + b),
+    the trained depth's draft); None where a cost is missing. Leaves out batching, scheduling, engine overheads."""
     for d in report["drafters"]:
         depths = d.get("depths") or {str(d["drafts_per_round"]): d}
         out = {}
@@ -3656,9 +3515,9 @@ def export_vllm_synthetic(report, path, depth):
              f"(--depths {depth}) or pick another with --export-depth")
     rates = stats["engine_metrics"]["vllm"]["per_position_acceptance_rate"]
     method = FAMILIES[d["generation"]].method
-    config = {"method": method, **({} if method == "mtp" else {"model": d["checkpoint"]}), "num_speculative_tokens": depth,
-              "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [round(r, 6) for r in rates],
-              "draft_sample_method": "greedy"}
+    config = {"method": method, **({} if method == "mtp" else {"model": d["checkpoint"]}),
+              "num_speculative_tokens": depth, "rejection_sample_method": "synthetic",
+              "synthetic_acceptance_rates": [round(r, 6) for r in rates], "draft_sample_method": "greedy"}
     with open(path, "w", encoding="utf-8") as f:
         json.dump(config, f, indent=1)
     return config
@@ -3678,12 +3537,9 @@ SELF_CHECK_TOLERANCE = 0.01   # share of its own reference tokens that may flip 
 
 
 def self_check(items, config):
-    """The references this tool generated itself must be what its own teacher-forced pass says the target
-    produces: greedy (or speculative) ones equal to its argmax, sampled ones inside its sampling support.
-    Exactly on CPU in float32; on GPU or in a 16-bit dtype, where the batch shape changes the rounding and can
-    flip near-ties, up to SELF_CHECK_TOLERANCE of the tokens. A failure is the tool's own generation and
-    evaluation disagreeing (a bug or numerics), never the references' fault. None when no reference was
-    generated here."""
+    """The references generated here checked against this tool's own teacher-forced pass (argmax, or sampling
+    support): exact on CPU in float32, else up to SELF_CHECK_TOLERANCE of tokens may flip near-ties with the batch
+    shape. A failure is a bug or numerics, never the references' fault. None when none was generated here."""
     own = [it for it in items if it["source"] == "target"]
     sampled = bool(own) and own[0].get("support") is not None
     counts = [(it["support"][0], it["support"][1], it["support"][3]) if sampled else
@@ -3718,25 +3574,24 @@ def self_check(items, config):
         log(config, f"note: self-check within tolerance ({rule}): {facts}")
     else:
         check["message"] = (f"the tool's own generation and evaluation disagree ({facts}; tolerance: {rule}). It "
-                            f"generated these references itself as the target's {'samples' if sampled else 'greedy output'}, "
-                            "so a bug in the tool or numerics is at fault, not the references: tau is not exact")
+                            "generated these references itself as the target's "
+                            f"{'samples' if sampled else 'greedy output'}, so a bug in the tool or numerics is at "
+                            "fault, not the references: tau is not exact")
     return check
 
 
 def reference_support(items):
-    """The references under the target's sampling distribution, pooled: the share of their tokens inside its
-    support and the mean log-probability of those (in place of argmax agreement at temperature > 0)."""
+    """Pooled, the share of reference tokens inside the target's sampling support and their mean log-probability."""
     inside, total, logp = (sum(it["support"][i] for it in items) for i in range(3))
     return {"reference_support": inside / total if total else None,
             "reference_mean_logprob": logp / inside if inside else None}
 
 
 def prompt_report(it, res, B):
-    """One reference's entry: where it came from, how it sits with the target, its rounds (or at temperature
-    > 0 their expectation, with the rounds too under argmax proposals)."""
+    """One reference's entry: its source, how it sits with the target, its rounds (or their expectation)."""
     entry = {"id": it["id"], **({"sample": it["sample"]} if it.get("sample") is not None else {}),
-             **({"turn": it["turn"]} if it.get("turn") is not None else {}),
-             "split": it["split"], "prompt_tokens": len(it["prompt_ids"]), "completion_tokens": len(it["completion_ids"]),
+             **({"turn": it["turn"]} if it.get("turn") is not None else {}), "split": it["split"],
+             "prompt_tokens": len(it["prompt_ids"]), "completion_tokens": len(it["completion_ids"]),
              "reference_generated": it["source"] != "file", "reference_source": it["source"],
              "first_divergence": it["first_divergence"], "divergence": it.get("divergence")}
     if "expected" in res:
@@ -3745,7 +3600,8 @@ def prompt_report(it, res, B):
         entry.update(reference_support=inside / total if total else None,
                      reference_mean_logprob=logp / inside if inside else None, first_outside_support=outside,
                      tau=e["committed"] / e["rounds"] if e["rounds"] else None, expected_rounds=e["rounds"],
-                     expected_committed=e["committed"], **({"rounds": res["rounds"]} if res["rounds"] is not None else {}))
+                     expected_committed=e["committed"],
+                     **({"rounds": res["rounds"]} if res["rounds"] is not None else {}))
     else:
         entry.update(target_agreement=it["agree"][0] / it["agree"][1] if it["agree"][1] else None,
                      tau=sum(res["rounds"]) / len(res["rounds"]) if res["rounds"] else None, rounds=res["rounds"])
@@ -3764,8 +3620,7 @@ def drafter_facts(d):
             "generation": d.generation, "layout": d.layout, **({"head": d.head} if d.head else {}),
             "block_size": d.block_size - d.from_anchor, "drafts_per_round": d.block_size - 1,
             **({"series": d.name.rpartition("@")[0], "step": d.step} if d.step is not None else {}),
-            "layers": d.layers, "mask_token_id": d.mask_token_id,
-            "block_mask": [rule_label(r) for r in d.rules],
+            "layers": d.layers, "mask_token_id": d.mask_token_id, "block_mask": [rule_label(r) for r in d.rules],
             "mask_modes": {name: [rule_label(r) for r in rules] for name, rules in d.mask_variants.items()}
             if d.mask_variants else None}
 
@@ -3813,15 +3668,18 @@ def drafter_report(d, results, items):
     whole = section(lambda it: True)
     splits = {split: section(lambda it: it["split"] == split) for split in sorted({it["split"] for it in items})}
     turns = {str(t): section(lambda it: it.get("turn") == t) for t in sorted({it.get("turn") for it in items} - {None})}
-    depths = {B - 1: whole, **{k: section(lambda it: True, k) for k in (results[0].get("depths", {}) if results else {})}}
+    depths = {B - 1: whole,
+              **{k: section(lambda it: True, k) for k in (results[0].get("depths", {}) if results else {})}}
     prompts = [prompt_report(it, res, B) for it, res in zip(items, results)]
-    return {**{k: v for k, v in d.items() if k != "mask_modes"}, **whole, "engine_metrics": engine_metrics(whole, B - 1),
+    return {**{k: v for k, v in d.items() if k != "mask_modes"}, **whole,
+            "engine_metrics": engine_metrics(whole, B - 1),
             **({"depths": {str(k): {**{key: s[key] for key in DEPTH_KEYS}, "engine_metrics": engine_metrics(s, k)}
                            for k, s in sorted(depths.items())}} if len(depths) > 1 else {}),
             "by_context": by_context([res["by_context"] for res in results]),
-            "warnings": d["warnings"] + acceptance_warning(whole), "splits": splits, **({"turns": turns} if turns else {}),
-            **({"mask_check": mask_check_summary(d["mask_modes"], [r["mask_check"] for r in results if "mask_check" in r])}
-               if d["mask_modes"] else {}), "prompts": prompts}
+            "warnings": d["warnings"] + acceptance_warning(whole), "splits": splits,
+            **({"turns": turns} if turns else {}), **({"mask_check": mask_check_summary(
+                d["mask_modes"], [r["mask_check"] for r in results if "mask_check" in r])} if d["mask_modes"] else {}),
+            "prompts": prompts}
 
 
 def against_first(totals):
@@ -3830,32 +3688,29 @@ def against_first(totals):
 
 
 def same_depths(drafters, results, items):
-    """Where the drafters draft different numbers of tokens a round (an MTP layer's 3 against a DFlash block's 15),
-    their taus are no comparison: {"at_depth": {K: rows as side_by_side's}} at every depth K that all of them were
-    evaluated at (--depths), each paired against the first drafter's tau at K."""
+    """Drafters drafting different numbers of tokens a round (an MTP layer's 3, a DFlash block's 15) compare only at
+    a shared depth: {"at_depth": {K: rows as side_by_side's}} at every --depths K of them all, paired at K."""
     trained = [d["drafts_per_round"] for d in drafters]
     if len(set(trained)) == 1:
         return {}
     shared = set.intersection(*({k, *(res[0].get("depths", {}) if res else {})} for k, res in zip(trained, results)))
     at_depth = {}
     for K in sorted(shared):
-        totals = [prompt_totals([r if K == k else r["depths"][K] for r in res], items) for k, res in zip(trained, results)]
-        at_depth[str(K)] = [{"name": d["name"], "tau": (d.get("depths") or {}).get(str(K), d)["tau"], "delta_tau": delta,
-                             "delta_tau_ci95": ci} for d, (delta, ci) in zip(drafters, against_first(totals))]
+        totals = [prompt_totals([r if K == k else r["depths"][K] for r in res], items)
+                  for k, res in zip(trained, results)]
+        at_depth[str(K)] = [{"name": d["name"], "tau": (d.get("depths") or {}).get(str(K), d)["tau"],
+                             "delta_tau": delta, "delta_tau_ci95": ci}
+                            for d, (delta, ci) in zip(drafters, against_first(totals))]
     return {"drafts_per_round": dict(zip((d["name"] for d in drafters), trained)), "at_depth": at_depth}
 
 
 def side_by_side(drafters, results, items):
-    """Several drafters over the same prompts: each one's tau, interval, first-position acceptance and DDTree
-    tau, and its paired difference from the first drafter."""
+    """Several drafters over the same prompts: each one's figures and its paired difference from the first's tau."""
     totals = [prompt_totals(res, items) for res in results]
-    rows = []
-    for d, (delta, ci) in zip(drafters, against_first(totals)):
-        rows.append({"name": d["name"], **{k: d[k] for k in ("series", "step") if k in d},
-                     "tau": d["tau"], "tau_ci95": d["tau_ci95"],
-                     "first_position_acceptance": d["per_position"]["acceptance"][0],
-                     "ddtree": {b: s["tau"] for b, s in (d["ddtree"] or {}).items()},
-                     "delta_tau": delta, "delta_tau_ci95": ci})
+    rows = [{"name": d["name"], **{k: d[k] for k in ("series", "step") if k in d}, "tau": d["tau"],
+             "tau_ci95": d["tau_ci95"], "first_position_acceptance": d["per_position"]["acceptance"][0],
+             "ddtree": {b: s["tau"] for b, s in (d["ddtree"] or {}).items()}, "delta_tau": delta, "delta_tau_ci95": ci}
+            for d, (delta, ci) in zip(drafters, against_first(totals))]
     series = {}
     for row in rows:
         if "series" in row and row["tau"] is not None:
@@ -3866,8 +3721,7 @@ def side_by_side(drafters, results, items):
 
 
 def make_report(config, facts, done, skipped, seconds, interrupted):
-    """The report of finished prompts' records (in item order): the target's reference check and self-check,
-    every drafter's statistics, what was skipped, timing."""
+    """The report of finished prompts' records (in item order): reference checks, drafters' figures, skips, timing."""
     finished = [r["item"] for r in done]
     check, given = self_check(finished, config), [it for it in finished if it["source"] != "target"]
     if sampling_of(config):
@@ -3896,16 +3750,14 @@ def make_report(config, facts, done, skipped, seconds, interrupted):
     for d in drafters:
         for warning in d["warnings"]:
             print(f"warning: drafter {d['name']}: {warning}", file=sys.stderr)
-    report = {
-        "config": config,
-        "target": {"path": config["target"], "device": config["device"], "dtype": config["dtype"],
-                   **reference_check, "self_check": check},
-        "drafters": drafters,
-        **({"comparison": side_by_side(drafters, results, finished)} if len(drafters) > 1 and done else {}),
-        "skipped": skipped,
-        "timing": {**{k: round(v, 4) for k, v in sorted(TIMING.items())}, "total_s": round(seconds, 4)},
-        "elapsed_s": seconds,
-    }
+    report = {"config": config,
+              "target": {"path": config["target"], "device": config["device"], "dtype": config["dtype"],
+                         **reference_check, "self_check": check},
+              "drafters": drafters,
+              **({"comparison": side_by_side(drafters, results, finished)} if len(drafters) > 1 and done else {}),
+              "skipped": skipped,
+              "timing": {**{k: round(v, 4) for k, v in sorted(TIMING.items())}, "total_s": round(seconds, 4)},
+              "elapsed_s": seconds}
     if config.get("costs_used"):
         predicted_speedups(report, config["costs_used"])
     if interrupted:
@@ -3930,8 +3782,7 @@ def reference_line(stats):
 
 
 def print_serving(d, out):
-    """Per served depth: tau, the engines' own figures under their names (to hold against a server's log), and
-    with --costs the predicted speedup per depth and DDTree budget."""
+    """Per served depth: tau, the engines' own figures under their names and, with --costs, predicted speedups."""
     depths = d.get("depths") or {str(d["drafts_per_round"]): {**d, "engine_metrics": d.get("engine_metrics")}}
     for k, s in depths.items():
         if not s.get("engine_metrics"):
@@ -3950,7 +3801,8 @@ def print_serving(d, out):
               f"{1e3 * p['plain_s']:.3g} ms a token / a round's cost (the target verifying 1 + K tokens, or a tree's "
               "nodes + 1, plus the drafter's pass; no batching or scheduling):", file=out)
         for name, r in p["rows"].items():
-            cost = "n/a" if None in (r["target_s"], r["draft_s"]) else f"{1e3 * r['target_s']:.3g} + {1e3 * r['draft_s']:.3g} ms"
+            cost = "n/a" if None in (r["target_s"], r["draft_s"]) else \
+                f"{1e3 * r['target_s']:.3g} + {1e3 * r['draft_s']:.3g} ms"
             speed = "n/a" if r["speedup"] is None else f"{r['speedup']:.2f}x"
             print(f"     {name:<12} tau {fmt(r['tau'])}  round {cost:<20} speedup {speed}"
                   + ("  <- best" if name == p["best"] else ""), file=out)
@@ -3965,11 +3817,12 @@ def print_comparison_table(c, out):
     print(f"   {'drafter':<{width}}    tau  95% interval      accept@1" + "".join(f"  DDTree {b:>4}" for b in budgets),
           file=out)
     for row in c["drafters"]:
-        best = "  <- best of " + row["series"] if "series" in row and c["best_steps"].get(row["series"]) == row["step"] \
+        best = "  <- best of " + row["series"] if "series" in row \
+            and c["best_steps"].get(row["series"]) == row["step"] \
             and len([r for r in c["drafters"] if r.get("series") == row.get("series")]) > 1 else ""
         print(f"   {row['name']:<{width}}  {fmt(row['tau']):>5}  {interval(row['tau_ci95']):<16}  "
-              f"{fmt(row['first_position_acceptance']):>8}" + "".join(f"  {fmt(row['ddtree'].get(b)):>11}" for b in budgets)
-              + best, file=out)
+              f"{fmt(row['first_position_acceptance']):>8}"
+              + "".join(f"  {fmt(row['ddtree'].get(b)):>11}" for b in budgets) + best, file=out)
 
     def deltas(rows, where=""):
         for row in rows[1:]:
@@ -4002,8 +3855,8 @@ def print_report(report, out=None):
           file=out)
     sampling = sampling_of(report["config"])
     if sampling:
-        print(f"sampled decoding at {describe_sampling(sampling)}, {report['config']['draft_policy']} proposals: tau is "
-              "the expected acceptance given each sampled reference, pooled, with a 95% interval over prompts",
+        print(f"sampled decoding at {describe_sampling(sampling)}, {report['config']['draft_policy']} proposals: tau "
+              "is the expected acceptance given each sampled reference, pooled, with a 95% interval over prompts",
               file=out)
     if target.get("self_check") and not target["self_check"]["passed"]:
         print(f"WARNING: self-check failed: {target['self_check']['message']}", file=out)
@@ -4019,7 +3872,8 @@ def print_report(report, out=None):
                if d["drafts_per_round"] == d["block_size"] else "")
               + f", layers {d['layers']}" + (f", step {d['step']}" if d.get("step") is not None else ""), file=out)
         if not chain:
-            print("   in-block mask per layer: " + "; ".join(f"{i}: {r}" for i, r in enumerate(d["block_mask"])), file=out)
+            print("   in-block mask per layer: " + "; ".join(f"{i}: {r}" for i, r in enumerate(d["block_mask"])),
+                  file=out)
         for warning in d.get("warnings", []):
             print(f"   WARNING: {warning}", file=out)
         sections = [("all", d)] + (sorted(d["splits"].items()) if len(d["splits"]) > 1 else []) + \
@@ -4049,8 +3903,7 @@ def print_report(report, out=None):
                   file=out)
             for name, t in d["mask_check"]["modes"].items():
                 print(f"   {name:>29}:  {fmt(t['accuracy']):>8}  {fmt(t['tau_all_anchors']):>15}  "
-                      f"{t['wins']:>5}/{t['losses']:<5}  "
-                      + "; ".join(t["block_mask"]), file=out)
+                      f"{t['wins']:>5}/{t['losses']:<5}  " + "; ".join(t["block_mask"]), file=out)
             if d["mask_check"]["warning"]:
                 print(f"   WARNING: {d['mask_check']['warning']}", file=out)
                 print(f"warning: drafter {d['name']}: {d['mask_check']['warning']}", file=sys.stderr)
@@ -4059,11 +3912,10 @@ def print_report(report, out=None):
             print("   by context length (the anchor's position): " + "; ".join(
                 f"{label}: tau {fmt(s['tau'])} over {s['rounds']:.0f} rounds, first-position acceptance "
                 f"{fmt(s['first_position_acceptance'])}" for label, s in d["by_context"].items()), file=out)
-        names = [name for name, _ in sections]
         if walked:
             print("   per-position rows and tau_all_anchors cover the anchors the walks visited (--anchors walk), not "
                   "every anchor", file=out)
-        print("   pos  " + "  ".join(f"{'accept ' + n:>14}" for n in names) + "  accuracy(all)", file=out)
+        print("   pos  " + "  ".join(f"{'accept ' + n:>14}" for n, _ in sections) + "  accuracy(all)", file=out)
         for k in range(d["drafts_per_round"]):
             accepts = [s["per_position"]["acceptance"][k] for _, s in sections]
             bar = "#" * round(40 * accepts[0]) if accepts[0] is not None else ""
@@ -4141,11 +3993,12 @@ def record_json(record):
 def result_from_json(r, drafts):
     bits = torch.tensor(r["equal"], dtype=torch.long).view(-1, 1)
     return {"rounds": r["rounds"], "ddtree_rounds": {int(b): v for b, v in r["ddtree_rounds"].items()},
-            "anchors": torch.tensor(r["anchors"], dtype=torch.long), "matched": torch.tensor(r["matched"], dtype=torch.long),
-            "equal": (bits >> torch.arange(drafts)) & 1 == 1, "by_context": r["by_context"],
-            **({"mask_check": r["mask_check"]} if r.get("mask_check") else {}),
+            "anchors": torch.tensor(r["anchors"], dtype=torch.long),
+            "matched": torch.tensor(r["matched"], dtype=torch.long), "equal": (bits >> torch.arange(drafts)) & 1 == 1,
+            "by_context": r["by_context"], **({"mask_check": r["mask_check"]} if r.get("mask_check") else {}),
             **({"expected": r["expected"]} if "expected" in r else {}),
-            **({"depths": {int(k): result_from_json(v, int(k)) for k, v in r["depths"].items()}} if "depths" in r else {})}
+            **({"depths": {int(k): result_from_json(v, int(k)) for k, v in r["depths"].items()}}
+               if "depths" in r else {})}
 
 
 def record_from_json(row, facts):
@@ -4160,7 +4013,8 @@ def collect(rows, facts):
 
 def partial_path(settings):
     """<output>.partial.jsonl; under torchrun one per rank: <output>.partial.rank<R>.jsonl."""
-    return settings["output"] + (f".partial.rank{settings['rank']}.jsonl" if settings["ranks"] > 1 else ".partial.jsonl")
+    return settings["output"] + (f".partial.rank{settings['rank']}.jsonl" if settings["ranks"] > 1
+                                 else ".partial.jsonl")
 
 
 def remove_partial(settings):
@@ -4189,8 +4043,7 @@ def open_partial(settings, learned, facts, records, references):
 
 
 def resume_records(settings, learned, facts):
-    """Finished prompts ({index: record}) and references not yet scored ({index: reference fields}) from
-    <output>.partial.jsonl, if it was written with the same settings."""
+    """({index: record} finished, {index: reference fields} not yet scored) from a same-settings partial file."""
     path = partial_path(settings)
     if not os.path.isfile(path):
         log(settings, f"note: --resume found no {path}; starting from the first prompt")
@@ -4238,8 +4091,7 @@ def interrupt_message(settings, finished, references):
 
 
 def mine(it, settings):
-    """Is this prompt line in this process's slice? Lines go round-robin over --shard K/N or the torchrun
-    ranks, with every sample and turn of a line in the same slice (a turn needs the reply before it)."""
+    """Is this prompt line in this process's slice (round-robin over --shard K/N or the ranks, turns together)?"""
     k, n = settings["shard"] or (settings["rank"] + 1, settings["ranks"])
     return it.get("line", it["index"]) % n == k - 1
 
@@ -4252,12 +4104,10 @@ def add_timing(timing):
 
 
 def gather_ranks(settings, learned, facts, records, skipped):
-    """torchrun: every rank's records to rank 0 ((records, skipped, interrupted) there, None elsewhere);
-    the stages' time is summed over the ranks."""
+    """torchrun: every rank's records to rank 0 ((records, skipped, interrupted) there, None elsewhere), times added."""
     import torch.distributed as dist
     everyone = [None] * settings["ranks"]
-    # torchrun passes Ctrl-C to every rank, and may pass it again: a rank that has stopped waits for the
-    # others here and must not die of it, or what every rank finished is lost.
+    # torchrun passes Ctrl-C to every rank, maybe twice: a rank waiting here must not die of it and lose it all
     held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)} \
         if is_main_thread() else {}
     try:
@@ -4279,9 +4129,8 @@ def gather_ranks(settings, learned, facts, records, skipped):
 
 
 def merge_shards(settings):
-    """--merge: one report from --shard outputs, recomputed from their per-prompt records (pooled statistics
-    from the rounds, never an average of averages). Shards of other settings, drafters or prompts, prompts
-    held twice or by none, and interrupted shards are refused, naming them."""
+    """--merge: one report recomputed from the --shard outputs' per-prompt records (never averaging averages);
+    shards of other settings, drafters or prompts, prompts held twice or by none, interrupted shards are refused."""
     shards = []
     for path in settings["merge"]:
         report = read_json(path)
@@ -4328,8 +4177,7 @@ SAVE_SHARD_BYTES = 2 << 30  # features held in memory before a shard is written
 
 
 def keep_hidden(saved, path, i, ids, x, layer_union):
-    """Hold one prompt's tensors (x: its Extraction) for --save-hidden; past SAVE_SHARD_BYTES write them out
-    as a shard file."""
+    """Hold one prompt's tensors (x: its Extraction) for --save-hidden; past SAVE_SHARD_BYTES write a shard."""
     gap = torch.zeros(len(x.argmax))
     gap[list(x.gaps)] = torch.tensor(list(x.gaps.values()))
     tensors = {f"{i}.ids": torch.tensor(ids), f"{i}.argmax": torch.tensor(x.argmax), f"{i}.gaps": gap,
@@ -4354,15 +4202,14 @@ def hidden_path(settings):
 
 def save_hidden(settings, learned, layer_union, items, saved):
     """The main file: the last tensors and the run metadata (naming any shards written before it)."""
-    meta = {"format": "eval_drafter.hidden/3", "target_hash": learned.target_hash,
-            "layers": layer_union, "dtype": settings["dtype"], "device": settings["device"],
-            "torch_version": torch.__version__, "transformers_version": settings["transformers_version"],
-            "prompts_file": settings["prompts"], "prompts_hash": file_hash(settings["prompts"]),
-            "chat_template": learned.chat_template == "applied", "enable_thinking": settings["enable_thinking"],
-            "sampling": sampling_of(settings),
-            "prompts": [{"id": it["id"], "index": it["index"], "line": it.get("line", it["index"]), "split": it["split"],
-                         "prompt_tokens": len(it["prompt_ids"]), "completion_tokens": len(it["completion_ids"]),
-                         "source": it["source"],
+    meta = {"format": "eval_drafter.hidden/3", "target_hash": learned.target_hash, "layers": layer_union,
+            "dtype": settings["dtype"], "device": settings["device"], "torch_version": torch.__version__,
+            "transformers_version": settings["transformers_version"], "prompts_file": settings["prompts"],
+            "prompts_hash": file_hash(settings["prompts"]), "chat_template": learned.chat_template == "applied",
+            "enable_thinking": settings["enable_thinking"], "sampling": sampling_of(settings),
+            "prompts": [{"id": it["id"], "index": it["index"], "line": it.get("line", it["index"]),
+                         "split": it["split"], "prompt_tokens": len(it["prompt_ids"]),
+                         "completion_tokens": len(it["completion_ids"]), "source": it["source"],
                          **{k: it[k] for k in ("sample", "turn") if it.get(k) is not None}}
                         for it in items], "shards": saved["shards"]}
     path = hidden_path(settings)
@@ -4377,9 +4224,8 @@ def save_hidden(settings, learned, layer_union, items, saved):
 
 
 def open_hidden(paths, settings, learned, target_cfg, layer_union, skip=lambda it: False):
-    """Prompts and a lazy stream of (item, features, argmax) from --save-hidden files, after checks; several
-    files (the caches of a run's shards or ranks) are joined in the run's prompt order. Items for which
-    skip(item) holds are not streamed."""
+    """Checked prompts and a lazy stream of (item, features, argmax), skip(item) ones left out, from --save-hidden
+    files (several: a run's shards' or ranks' caches, joined in prompt order)."""
     paths = [paths] if isinstance(paths, str) else list(paths)
     metas = [read_hidden_meta(path) for path in paths]
     sampling = sampling_of(settings)
@@ -4446,8 +4292,7 @@ FEATURES_PER_GROUP = 4 << 30   # bytes of features held for one group of prompts
 
 
 def prompt_groups(stream, size, budget=0):
-    """Lists of `size` stream items [(item, features, argmax)], or with a byte budget as many as keep their
-    features within it (at least one)."""
+    """Lists of `size` stream items, or with a byte budget as many as keep their features within it (at least 1)."""
     stream, group, held = iter(stream), [], 0
     for entry in stream:
         group.append(entry)
@@ -4460,11 +4305,9 @@ def prompt_groups(stream, size, budget=0):
 
 
 def extract_from_target(items, settings, learned, target_cfg, layer_union, done, drafter, keep):
-    """Load the target; then a stream of (item, features, argmax) per prompt, in order: its prompt tokenized
-    (a later turn after the replies before it), its reference generated if it has none (handed to keep(item)
-    the moment it exists: a reference is a result), one teacher-forced pass. With --server the references of
-    each turn are fetched together first, many in flight. Prompts in `done` are passed over; prompts too long
-    for the target are marked skipped. The features go to --save-hidden at the end when asked."""
+    """Load the target; then a stream of (item, features, argmax) per prompt not in `done`: tokenized (a turn after
+    the replies before it), its reference generated if missing (to keep(item) at once; --server fetches each turn's
+    together first), one teacher-forced pass. Too long prompts are skipped; features go to --save-hidden."""
     if settings["device"] == "cpu" and settings["dtype"] != "float32" and is_hybrid(target_cfg):
         print(f"warning: {settings['dtype']} on CPU with a hybrid (linear-attention) target: the CPU fallback of "
               "those layers drifts from the GPU kernels enough to garble drafts; use --dtype float32 on CPU, or "
@@ -4480,8 +4323,8 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
                       "linear-attention cache: references are generated by plain decoding")
     if speculative and family(drafter).causal:
         speculative = False
-        log(settings, f"note: references are generated by plain decoding (the speculative loop drafts with DFlash-family "
-                      f"drafters; {drafter.name} is {drafter.generation})")
+        log(settings, f"note: references are generated by plain decoding (the speculative loop drafts with "
+                      f"DFlash-family drafters; {drafter.name} is {drafter.generation})")
     learned.reference_generation = "speculative" if speculative else "plain"
     by_index, saved = {it["index"]: it for it in items}, saved_references(settings)
     todo = [it for it in items if it["index"] not in done]
@@ -4540,8 +4383,7 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
 
 
 def load_run(settings, learned):
-    """The target's config and every --ckpt drafter (a training run's steps wait on disk for their turn, the
-    first one excepted: it may generate the references), named apart, each with its load line."""
+    """The target's config and every --ckpt drafter, named apart (training-run steps after the first wait on disk)."""
     target_cfg = read_target_config(settings["target"])
     drafters = []
     for spec, step in checkpoint_specs(settings):
@@ -4567,9 +4409,8 @@ def load_run(settings, learned):
 
 
 def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
-    """Every prompt of this slice through the target (or the saved features) and every drafter, each reference
-    the run makes and each finished prompt appended to the partial file as it comes; Ctrl-C or SIGTERM ends the
-    loop with all of them kept. Returns (items, {index: record}, start time)."""
+    """This slice's prompts through the target (or saved features) and every drafter, each new reference and record
+    written to the partial file at once (Ctrl-C or SIGTERM keeps them). Returns (items, {index: record}, start)."""
     layer_union = sorted({L for d in drafters for L in d.layers})
     records, references = resume_records(settings, learned, facts) if settings["resume"] else ({}, {})
     for it in items or []:   # a finished turn's reply is the next turn's context
@@ -4618,9 +4459,7 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
 
 
 def scored_records(stream, drafters, embed_w, head, settings):
-    """The records of a stream of prompts' features. Steps of a training run are loaded once per group: a group
-    holds as many prompts' features as fit in FEATURES_PER_GROUP; otherwise one prompt at a time (walk mode:
-    WALK_GROUP, drafted together)."""
+    """The records of a stream of prompts' features; a training run's steps load once per FEATURES_PER_GROUP."""
     size = WALK_GROUP if settings["anchors"] == "walk" else 1
     budget = FEATURES_PER_GROUP if any(d.reload for d in drafters) else 0
     for group in prompt_groups(stream, size, budget):
@@ -4651,9 +4490,7 @@ def finish_run(settings, learned, items, records, drafters, facts, started):
 
 
 def evaluate(settings, learned):
-    """Drafters and prompts in, report dict out, over this process's slice of the prompts (--shard, or this
-    rank's under torchrun): loading the run, drafting the prompts, finishing the run. Under torchrun rank 0
-    reports every rank's records; the other ranks return None."""
+    """The report over this process's slice (--shard, or this rank's); under torchrun rank 0's covers all, else None."""
     items = expand(read_prompts(settings["prompts"], settings["limit"]), settings) \
         if not settings["load_hidden"] else None
     target_cfg, drafters = load_run(settings, learned)
@@ -4663,8 +4500,7 @@ def evaluate(settings, learned):
 
 
 def hidden_drafters(settings, path):
-    """--compare-hidden with --ckpt: the drafters' reports from one saved-features file, as a --load-hidden run
-    of it gives them (its notes off)."""
+    """--compare-hidden with --ckpt: the drafters' reports from one file, as a quiet --load-hidden run gives them."""
     quiet, learned = quietly(settings), Run()
     target_cfg, drafters = load_run(quiet, learned)
     layer_union = sorted({L for d in drafters for L in d.layers})
@@ -4710,8 +4546,7 @@ def compare_hidden(settings):
                 st["positions"] += cos.numel()
                 worst = int(diff.max(-1).values.argmax())
                 if float(diff[worst].max()) >= st["max_abs"]:
-                    st["max_abs"] = float(diff[worst].max())
-                    st["worst"] = {"prompt": row["id"], "position": worst}
+                    st.update(max_abs=float(diff[worst].max()), worst={"prompt": row["id"], "position": worst})
     per_layer = {str(L): {"relative_error": math.sqrt(st["diff_sq"] / st["ref_sq"]) if st["ref_sq"] else None,
                           "cosine_mean": st["cos_sum"] / st["positions"] if st["positions"] else None,
                           "cosine_min": st["cos_min"], "max_abs_diff": st["max_abs"], "worst": st["worst"]}
@@ -4731,9 +4566,8 @@ def run(settings):
     if settings["threads"]:
         torch.set_num_threads(settings["threads"])
     if str(settings.get("device")).startswith("cuda"):
-        # cuDNN attention builds a plan for every new sequence length, and generation and walks meet a new one
-        # at every step (suspected cause of the bf16 demo's 9x slowdown on CUDA against CPU; not measured yet);
-        # the flash and memory-efficient kernels need no plan.
+        # cuDNN attention plans each new sequence length, met at every generation or walk step (suspected, not
+        # measured, cause of the bf16 demo's 9x CUDA slowdown); the flash and memory-efficient kernels need none
         torch.backends.cuda.enable_cudnn_sdp(False)
     if settings["compare_hidden"]:
         return compare_hidden(settings)
@@ -4757,10 +4591,8 @@ def run(settings):
 
 
 def leave_ranks():
-    """torchrun, once every rank is past the gather: leave the process group before exiting. A rank that exits
-    with gloo's worker threads still holding tensors can abort while the interpreter shuts down ("terminate
-    called without an active exception"), failing the launch. (Not on the error path: destroying an NCCL group
-    is collective and would wait for ranks that are not coming.)"""
+    """torchrun, every rank past the gather: leave the process group, or gloo's threads can abort the exit
+    ("terminate called without an active exception"). Not on the error path: an NCCL group's destroy is collective."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):
