@@ -544,8 +544,7 @@ def read_costs(path):
     table = read_json(path)
     tables = table.get("batch_sizes", {"1": table})
     for batch, t in (tables.items() if isinstance(tables, dict) else [("?", None)]):
-        flat = ([v for part in ("target", "draft") for v in (t or {}).get(part, {}).values()]
-                if isinstance(t, dict) else [])
+        flat = [v for part in ("target", "draft") for v in t.get(part, {}).values()] if isinstance(t, dict) else []
         flat = [x for v in flat for x in (v.values() if isinstance(v, dict) else [v])]
         if not (isinstance(t, dict) and isinstance(t.get("target"), dict) and "1" in t["target"] and
                 isinstance(t.get("draft"), dict) and all(isinstance(x, (int, float)) and x > 0 for x in flat)):
@@ -656,11 +655,9 @@ def resolve_settings(args):
              "FILE (costs measured where the target runs), or measure in a run with the target")
     if shard and not args.output:
         fail("--shard needs --output: a shard's records are for --merge, which reads them from that file")
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif device == "cuda" and not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
+    device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     if args.device_map:
         import importlib.util
@@ -723,12 +720,10 @@ class Run:
 
 def run_config(settings, learned):
     """The settings as the report echoes them, then what the run learned."""
-    config = dict(settings)
-    config.update({k: v for k, v in (
+    return {**settings, **{k: v for k, v in (
         ("chat_template", learned.chat_template), ("costs_used", learned.costs_used),
         ("target_hash", learned.target_hash), ("reference_generation_used", learned.reference_generation),
-        ("server_ids", learned.server_ids), ("hidden_cache", learned.hidden_cache)) if v is not None})
-    return config
+        ("server_ids", learned.server_ids), ("hidden_cache", learned.hidden_cache)) if v is not None}}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -884,17 +879,14 @@ def expand(items, settings):
 
 def conversation(it, by_index, tokenizer):
     """A later turn's messages: each earlier user turn, the target's reply to it (as MT-bench runs), then this one."""
-    before, cur = [], it
+    messages, cur = [{"role": "user", "content": it["turns"][it["turn"] - 1]}], it
     while cur.get("previous") is not None:
         cur = by_index[cur["previous"]]
-        before.append(cur)
-    messages = []
-    for prev in reversed(before):
-        reply = prev["completion"] if isinstance(prev["completion"], str) else \
-            tokenizer.decode(prev["completion_ids"], skip_special_tokens=True)
-        messages += [{"role": "user", "content": prev["turns"][prev["turn"] - 1]},
-                     {"role": "assistant", "content": reply}]
-    return messages + [{"role": "user", "content": it["turns"][it["turn"] - 1]}]
+        reply = cur["completion"] if isinstance(cur["completion"], str) else \
+            tokenizer.decode(cur["completion_ids"], skip_special_tokens=True)
+        messages = [{"role": "user", "content": cur["turns"][cur["turn"] - 1]},
+                    {"role": "assistant", "content": reply}] + messages
+    return messages
 
 
 def encode_prompts(tokenizer, items, settings, noted=False):
@@ -1080,9 +1072,7 @@ def rewindable_cache(model):
     from transformers import DynamicCache
     if not is_hybrid(model.config):
         return DynamicCache()
-    if not hasattr(DynamicCache, "activate_past_recording"):
-        return None
-    return DynamicCache(config=model.config)
+    return DynamicCache(config=model.config) if hasattr(DynamicCache, "activate_past_recording") else None
 
 
 def recurrent_states(cache):
@@ -1094,10 +1084,8 @@ def recurrent_states(cache):
 def target_parts(model):
     """(decoder, its layers, embedding, head); under --device-map the head moves rows to its GPU and logits back."""
     decoder, embed, lm_head = model.get_decoder(), model.get_input_embeddings(), model.get_output_embeddings()
-    head = lm_head
-    if lm_head.weight.device != embed.weight.device:
-        def head(rows):
-            return lm_head(rows.to(lm_head.weight.device)).to(rows.device)
+    head = lm_head if lm_head.weight.device == embed.weight.device else \
+        (lambda rows: lm_head(rows.to(lm_head.weight.device)).to(rows.device))
     return decoder, decoder.layers, embed, head
 
 
@@ -1275,9 +1263,7 @@ def verify(block, logits, sampling, generator):
     sampled, argmax proposals accept d_j with probability p(d_j), a rejection draws from p without d_j. Lossless."""
     if sampling is None:
         greedy = logits.argmax(-1).tolist()   # greedy[j]: the target's token after block[:j + 1]
-        accepted = 0
-        while accepted < len(block) - 1 and block[accepted + 1] == greedy[accepted]:
-            accepted += 1
+        accepted = next((j for j in range(len(block) - 1) if block[j + 1] != greedy[j]), len(block) - 1)
         return accepted, greedy[accepted]
     probs = sampling_probs(logits, sampling)
     for j in range(len(block) - 1):
@@ -1359,15 +1345,10 @@ def checkpoint_specs(settings):
             specs.append((spec, None))
             continue
         any_run = True
-        if isinstance(picked, tuple):
-            chosen = sorted(steps)[-picked[1]:]
-        elif picked:
-            missing = [s for s in picked if s not in steps]
-            if missing:
-                fail(f"--steps {missing[0]}: {path} has no such step (it has {', '.join(map(str, sorted(steps)))})")
-            chosen = picked
-        else:
-            chosen = sorted(steps)
+        missing = [s for s in picked if s not in steps] if isinstance(picked, list) else []
+        if missing:
+            fail(f"--steps {missing[0]}: {path} has no such step (it has {', '.join(map(str, sorted(steps)))})")
+        chosen = sorted(steps)[-picked[1]:] if isinstance(picked, tuple) else picked or sorted(steps)
         specs += [(f"{name}@{s}={steps[s]}", s) for s in chosen]
     if settings["steps"].strip().lower() != "all" and not any_run:
         fail("--steps picks steps of a training run's directory, and no --ckpt is one (a directory of step "
@@ -1423,13 +1404,9 @@ def unwrap_state_dict(state, name, settings):
         state, rules = state[key], rules + [f"took ['{key}']"]
     if not isinstance(state, dict) or not state:
         fail(f"drafter {name}: the checkpoint holds no tensors")
-    stripped = True
-    while stripped:
-        stripped = False
-        for prefix in KEY_PREFIXES:
-            if all(k.startswith(prefix) for k in state):
-                state, stripped = {k[len(prefix):]: v for k, v in state.items()}, True
-                rules.append(f"stripped '{prefix}'")
+    while prefix := next((p for p in KEY_PREFIXES if all(k.startswith(p) for k in state)), None):
+        state = {k[len(prefix):]: v for k, v in state.items()}
+        rules.append(f"stripped '{prefix}'")
     if rules:
         log(settings, f"drafter {name}: {', '.join(rules)} to reach the public key layout")
     return state
@@ -1576,9 +1553,8 @@ def carried_copies(carried, vocab, target_dir):
         if key != "verifier_norm.weight" and vocab is not None:
             theirs = theirs[vocab[0]]   # the head rows of the draft vocabulary
         ours = carried[key].float()
-        same = ours.shape == theirs.shape and torch.allclose(ours, theirs, rtol=1e-2,
-                                                             atol=1e-2 * float(theirs.abs().max()))
-        if not same:
+        if not (ours.shape == theirs.shape and
+                torch.allclose(ours, theirs, rtol=1e-2, atol=1e-2 * float(theirs.abs().max()))):
             warnings.append(f"it carries {key} {tuple(ours.shape)}, which is not the target's {name} "
                             f"{tuple(theirs.shape)}: the tool uses the target's; {WRONG_DRAFTER_CHECK}")
     return warnings
@@ -1731,10 +1707,9 @@ def layer_rules(cfg, settings, layout="public"):
         sliding = kind == "sliding_attention" and window and settings["sliding_window"] == "train"
         if settings["block_mask"] != "auto":
             mode = settings["block_mask"]
-        elif forced is not None:
-            mode = "causal" if forced else "bidirectional"
         else:
-            causal = sliding and not (speculators and cfg["speculators"]["sliding_window_non_causal"])
+            causal = forced if forced is not None else \
+                sliding and not (speculators and cfg["speculators"]["sliding_window_non_causal"])
             mode = "causal" if causal else "bidirectional"
         if not sliding:
             rules.append((mode, None))
@@ -1769,8 +1744,7 @@ def head_dim_of(cfg):
 
 
 def rms_norm(x, weight, eps):
-    dtype = x.dtype
-    x = x.float()
+    dtype, x = x.dtype, x.float()
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
 
 
@@ -1805,9 +1779,8 @@ def block_mask(anchors, n_ctx, block_size, rule, starts=None):
     starts_i.. of a context holding several prompts one after another (as --anchors walk batches them)."""
     mode, window, *anchored = rule
     n, dev = anchors.shape[0], anchors.device
-    slot = torch.arange(block_size, device=dev)
     q_block = torch.arange(n, device=dev).repeat_interleave(block_size)
-    q_slot = slot.repeat(n)
+    q_slot = torch.arange(block_size, device=dev).repeat(n)
     q_pos = anchors[q_block] + q_slot
     start = (torch.zeros_like(anchors) if starts is None else starts)[q_block][:, None]
     ctx_pos = torch.arange(n_ctx, device=dev)[None, :] - start   # position within the block's own prompt
@@ -1998,8 +1971,7 @@ def speculators_config(cfg, name):
 
 def recognize(cfg, state, name):
     """(generation, layout, config, state) under the public DFlash keys and names: the native assistant's encoder.*
-    renamed, speculators' nested config unnested, DFlash 2's codebook `.weight` suffix dropped, SpecForge's older
-    DSpark logit_head.* unprefixed; DSpark and Domino name themselves in architectures or projector_type."""
+    renamed, speculators' config unnested, DFlash 2's codebook `.weight` and SpecForge's DSpark logit_head. dropped."""
     if ((cfg or {}).get("speculators_model_type") == "eagle3"
             or any("Eagle3" in a for a in (cfg or {}).get("architectures") or [])
             or any(k.startswith("midlayer.") for k in state)):
@@ -2136,8 +2108,7 @@ MARKOV_HEADS = ("vanilla", "gated", "rnn")
 
 
 def dspark_head(cfg, state, where, settings):
-    """What DSpark's proposal step reads: the Markov head's kind and rank (rank 0, SpecForge's default: no head, each
-    slot's argmax) from dflash_config (SpecForge) or the top level (engines), and --dspark-draft-topk."""
+    """What DSpark's proposal step reads: its Markov head's kind and rank (0: no head, each slot's argmax), the topk."""
     w1 = state.get("markov_head.markov_w1.weight")
     rank = dflash_value(cfg, "markov_rank", w1.shape[-1] if w1 is not None and w1.dim() == 2 else 0)
     kind = dflash_value(cfg, "markov_head_type", "vanilla")
@@ -2242,9 +2213,8 @@ def load_block(name, path, generation, cfg, state, layout, raw, target_cfg, sett
 
 
 def markov_bias(w, kind, prev, rows, state):
-    """(DSpark's Markov bias over the draft vocabulary, state) for slot rows h (n, H) after target ids `prev`: W2 e
-    with e = W1[prev], gated by sigmoid(Wg [h; e] + b) (gated), or (rnn) tanh(o) for (a, c, o) = Wj [s; e; h] + b,
-    a and c updating the block's state s (zero at its start)."""
+    """(DSpark's Markov bias over the draft vocabulary, state) for slot rows h after target ids `prev`: W2 e with
+    e = W1[prev], gated by sigmoid(Wg [h; e] + b), or (rnn) tanh(o) for (a, c, o) = Wj [s; e; h] + b, updating s."""
     m = "markov_head."
     e = F.embedding(prev, w[m + "markov_w1.weight"])
     if kind == "gated":
@@ -2295,11 +2265,9 @@ def chain_step(drafter, out, k, logits, drafted, given, sampling):
 
 
 def chain_drafts(drafter, head, hidden, first, embed_w, prompt_id, given=None, sampling=None):
-    """DSpark and Domino, as the engines draft: slot by slot, each slot's logits corrected by the drafts before it (the
-    Markov bias; Domino's GRU past its pure-draft prefix), then the argmax among allowed tokens: (n, B-1) target ids;
-    following `given` tokens, the float64 probability that a drafter sampling at temperature T (SGLang) drafts each."""
-    n, S, _ = hidden.shape
-    h = drafter.head
+    """DSpark and Domino, as the engines draft: slot by slot, logits corrected by the drafts before it, then the argmax
+    among allowed tokens: (n, B-1) target ids; with `given`, the float64 chance a drafter sampling at T drafts each."""
+    (n, S, _), h = hidden.shape, drafter.head
     out = torch.empty(n, S, dtype=torch.long if given is None else torch.float64, device=hidden.device)
     prev, state, allowed = first, None, None
     # The base logits in one lm_head call where they fit the logits budget: the sequential part is the heads alone
@@ -2337,9 +2305,8 @@ def chained_round(d, context_kv, anchors, first, starts, embed_w, head, prompt_i
 
 
 def eagle3_config(cfg, name, layout):
-    """An EAGLE-3 config: its layer config at the top level, what the engines read under "eagle". speculators keeps
-    layers in transformer_layer_config, ids as hidden_states indices, and vLLM fills norm_before_residual true there;
-    SpecForge's LlamaForCausalLMEagle3 is a Llama config, its ids (if any) in eagle_config as layer outputs."""
+    """An EAGLE-3 config: its layer config at the top level, what the engines read under "eagle". speculators nests the
+    layers (ids: hidden_states indices; vLLM: norm_before_residual true); SpecForge's is a Llama config."""
     where = f"drafter {name}: its EAGLE-3 config"
     layer = cfg.get("transformer_layer_config") if layout == "speculators" else cfg
     if not isinstance(layer, dict) or not layer.get("hidden_size"):
@@ -2503,9 +2470,8 @@ def mlp(d, p, y):
 
 
 def causal_layer(d, emb, g, positions, attend):
-    """EAGLE-3's or MTP's one decoder layer on rows (token embedding, hidden g), attend(q, k, v) giving the attention.
-    EAGLE-3's q/k/v read [input_layernorm(embedding); hidden_norm(g)] (2H); MTP's fc([norm(embedding); norm(g)]) feeds
-    the target's own layer (gated attention, dense or MoE MLP). Returns (output before the final norm, keys, values)."""
+    """EAGLE-3's or MTP's decoder layer on rows (embedding, hidden g); attend(q, k, v) gives the attention. EAGLE-3's
+    q/k/v read [norm(emb); norm(g)] (2H), MTP's fc of them feeds the target's layer. Returns (h pre-norm, k, v)."""
     w, cfg, p = d.weights, d.cfg, "layers.0."
     eps, hd, n_heads = cfg.get("rms_norm_eps", 1e-6), head_dim_of(cfg), cfg["num_attention_heads"]
     if d.generation == "EAGLE-3":
@@ -2554,9 +2520,8 @@ def causal_pass(d, features, ids, embed_w, cache=None):
 
 
 def causal_chain(d, context, anchors, starts, embed_w, head, prompt_id, given=None, sampling=None):
-    """EAGLE-3's and MTP's drafts (n, K), chained as the engines do: draft 1 from the text pass's row before the anchor,
-    each next a layer pass over the previous draft's embedding and the fed-back hidden, one position on. Following
-    `given` tokens: their probability under softmax(logits / T) (vLLM), or, without `sampling`, each step's logits."""
+    """EAGLE-3's and MTP's drafts (n, K) as the engines chain them: each step one layer pass over the previous draft and
+    the fed-back hidden; with `given`: their probability under softmax(logits / T) (vLLM), or (no `sampling`) logits."""
     (k_ctx, v_ctx, h_ctx), = context
     w, eps, S, n = d.weights, d.cfg.get("rms_norm_eps", 1e-6), d.block_size - 1, anchors.shape[0]
     start = torch.zeros_like(anchors) if starts is None else starts
@@ -2687,9 +2652,8 @@ def tree_top_k(top, logits, done, B, top_k, after, n):
 @torch.inference_mode()
 def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=0, prompt_id=None, starts=None,
                       after=None, reference=None, sampling=None, proposal=None):
-    """Argmax drafts (n_anchors, B-1; DFlash 2: the selector's path) for blocks [first, MASK, ...] at `anchors`, many
-    per SDPA call; with top_k > 0 also DDTree's top-k. Given `reference`, `sampling` and `proposal`, fills proposal
-    with the probability that a sampling drafter proposes each reference token (B counts sample_from_anchor's slot)."""
+    """Argmax drafts (n, B-1; DFlash 2: the selector's path) of blocks [first, MASK, ...] at `anchors`, DDTree's top_k;
+    given `reference`, fills `proposal`: a sampling drafter's chance of each (B counts sample_from_anchor's slot)."""
     B, n, propose = drafter.block_size, anchors.shape[0], family(drafter).propose
     if n == 0:
         empty = torch.zeros(0, B - 1, max(top_k, 1))
@@ -2778,11 +2742,8 @@ def generate_reference(model, it, settings, speculative, drafter, stops):
     if sampling:
         generator = torch.Generator(device=model.device).manual_seed(sample_seed(settings, it["id"], it["sample"]))
     with timed("generate_s"):
-        if speculative:
-            ids = speculative_generate(model, drafter, it["prompt_ids"], it["room"], stops, it["id"], sampling,
-                                       generator)
-        else:
-            ids = plain_generate(model, it["prompt_ids"], it["room"], stops, sampling, generator)
+        ids = (speculative_generate(model, drafter, it["prompt_ids"], it["room"], stops, it["id"], sampling, generator)
+               if speculative else plain_generate(model, it["prompt_ids"], it["room"], stops, sampling, generator))
     it.update(completion_ids=ids, source="target")
 
 
@@ -2820,22 +2781,19 @@ def post_json(url, body, settings, longest, what):
                 fail(f"{what}: the server at {url} answered with malformed JSON: {text[:100]!r}")
         except urllib.error.HTTPError as e:
             words = server_words(e)
-            if e.code >= 500 and not last:
-                time.sleep(0.5 * 2 ** attempt)
-                continue
             if e.code == 400 and ("context" in words.lower() or "too long" in words.lower()):
                 fail(f"prompt {longest['id']} ({len(longest['prompt_ids'])} prompt tokens, the longest in its request) "
                      f"does not fit the server's context: {words}")
-            fail(f"{what}: the server at {url} answered HTTP {e.code}: {words}")
+            if e.code < 500 or last:
+                fail(f"{what}: the server at {url} answered HTTP {e.code}: {words}")
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             reason = getattr(e, "reason", e)
             if isinstance(reason, ConnectionRefusedError):
                 fail(f"cannot reach the server at {url}: connection refused (is it running, and is --server right?)")
-            if not last:
-                time.sleep(0.5 * 2 ** attempt)
-                continue
-            kind = "timed out" if isinstance(reason, (TimeoutError, socket.timeout)) else f"failed ({reason})"
-            fail(f"{what}: the request to {url} {kind} after {retries + 1} tries")
+            if last:
+                kind = "timed out" if isinstance(reason, (TimeoutError, socket.timeout)) else f"failed ({reason})"
+                fail(f"{what}: the request to {url} {kind} after {retries + 1} tries")
+        time.sleep(0.5 * 2 ** attempt)   # a 5xx, a timeout or a reset: retried
 
 
 def reply_ids(entry, api, what):
@@ -2882,10 +2840,8 @@ def server_batch(batch, settings, learned):
         body = {"model": settings["server_model"], "prompt": [it["prompt_ids"] for it in batch], "max_tokens": room,
                 "ignore_eos": settings["ignore_eos"], "skip_special_tokens": False, **neutral,
                 **({"seed": sample_seed(settings, "request", batch[0]["sample"]) % 2**31} if sampling else {})}
-        if learned.server_ids == "logprobs":
-            body.update(logprobs=0, return_tokens_as_token_ids=True)
-        else:
-            body["return_token_ids"] = True
+        body.update({"logprobs": 0, "return_tokens_as_token_ids": True} if learned.server_ids == "logprobs"
+                    else {"return_token_ids": True})
         reply = post_json(url + "/v1/completions", body, settings, longest, what)
         entries = reply.get("choices") if isinstance(reply, dict) else None
         if not (isinstance(entries, list) and all(isinstance(c, dict) for c in entries)):
@@ -2933,8 +2889,7 @@ def fitting_anchors(n_prompt, total_len, block_size):
 
 
 def walk(acceptance, anchor, total_len, block_size, rounds=None):
-    """The greedy walk from `anchor`: round lengths `acceptance(anchor)`, while a block's B-1 drafts lie inside the
-    reference. Returns (rounds, None), or (rounds so far, anchor to resume at) when `acceptance` answers None."""
+    """The walk from `anchor` while blocks fit: (rounds, None), or (rounds so far, where `acceptance` answered None)."""
     rounds = [] if rounds is None else rounds
     while anchor + block_size - 1 <= total_len - 1:
         length = acceptance(anchor)
@@ -2958,8 +2913,7 @@ def context_bucket(position):
 
 
 def context_sums(anchors, first_accepted, round_anchors, lengths, weights=None):
-    """{context bucket: [tokens committed, rounds, first drafts accepted, anchors]} by the anchor's context length
-    (its position): the rounds (weighted by their probability under sampling) and every drafted anchor."""
+    """{context bucket: [committed, rounds, first drafts accepted, anchors]} by anchor position (rounds: P-weighted)."""
     totals = {}
     for a, ok in zip(anchors.tolist(), first_accepted.tolist()):
         s = totals.setdefault(context_bucket(a), [0.0, 0.0, 0.0, 0])
@@ -2971,9 +2925,8 @@ def context_sums(anchors, first_accepted, round_anchors, lengths, weights=None):
 
 
 def build_tree(logp, budget, until=None):
-    """Best-first DDTree over sorted per-depth log-probs (logp[d][r]: rank r at depth d + 1), a node a rank path: pop
-    the best, push its next sibling and first child, until `budget` nodes (or `until`); ties: the smaller path first.
-    Returns the paths in joining order, so a smaller budget's tree is a prefix."""
+    """Best-first DDTree over sorted per-depth log-probs (logp[d][r]: rank r at depth d + 1), nodes rank paths, until
+    `budget` nodes (or `until`), ties: the smaller path first. Joining order: a smaller budget's tree is a prefix."""
     depth, width = len(logp), len(logp[0])
     heap = [(-logp[0][0], (0,), 0.0)]   # (-score, path, parent's score)
     order = []
@@ -3185,10 +3138,9 @@ def mask_variants(drafter, settings):
                ("no sliding window", settings["block_mask"], "ignore")]
     if settings["sliding_window"] == "ignore":
         options.append(("sliding windows as trained", settings["block_mask"], "train"))
-    variants = {"configured": drafter.rules}
-    for name, mode, window in options:
-        variants[name] = layer_rules(drafter.cfg, {"block_mask": mode, "sliding_window": window}, drafter.layout)
-    return variants
+    return {"configured": drafter.rules,
+            **{name: layer_rules(drafter.cfg, {"block_mask": mode, "sliding_window": window}, drafter.layout)
+               for name, mode, window in options}}
 
 
 def check_mask_prompt(drafter, variants, features, ids, anchors, embed_w, head):
@@ -3249,13 +3201,12 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
             for res, other in zip(scored, score_drafter(replace(d, block_size=depth + 1), prompts, group, embed_w,
                                                         head, settings, [])):
                 res.setdefault("depths", {})[depth] = other
-        for i, res in enumerate(scored):
+        for (features, ids, n_prompt, _), res, kept in zip(prompts, scored, results):
             if d.mask_variants:
-                features, ids, n_prompt, _ = prompts[i]
                 with timed("mask_check_s"):
                     res["mask_check"] = check_mask_prompt(d, d.mask_variants, features, ids, fitting_anchors(
                         n_prompt, len(ids), d.block_size).to(settings["device"]), embed_w, head)
-            results[i].append(res)
+            kept.append(res)
     records = []
     keep = ("index", "id", "split", "prompt_ids", "completion_ids", "agree", "source", "sample", "support", "turn")
     for (it, _, argmax), res in zip(group, results):
@@ -3298,8 +3249,7 @@ def ratio_ci95(committed, rounds):
 
 
 def prompt_totals(results, items):
-    """{prompt: (tokens committed, rounds)}, exact or expected. A prompt's samples and turns are one unit: they are not
-    independent draws, and two identical samples must not narrow an interval."""
+    """{prompt: (committed, rounds)}, exact or expected; a prompt's samples and turns are one unit, not independent."""
     totals = {}
     for res, it in zip(results, items):
         e = res.get("expected")
@@ -3324,17 +3274,13 @@ def round_stats(round_lists, block_size):
     """tau pooled over all rounds, tau_prompt_mean over prompts, and the histogram of round lengths."""
     rounds = [r for rs in round_lists for r in rs]
     per_prompt = [sum(rs) / len(rs) for rs in round_lists if rs]
-    histogram = [0] * block_size
-    for r in rounds:
-        histogram[r - 1] += 1
     return {"tau": sum(rounds) / len(rounds) if rounds else None,
             "tau_prompt_mean": sum(per_prompt) / len(per_prompt) if per_prompt else None,
-            "rounds": len(rounds), "histogram": histogram}
+            "rounds": len(rounds), "histogram": [rounds.count(k) for k in range(1, block_size + 1)]}
 
 
 def sums(res, block_size):
-    """One result's counts (temperature > 0: expectations): tokens committed, rounds, the round-length histogram, how
-    many anchors' drafts reach each slot (reach[0] = anchors), and per slot the drafts equal to the reference."""
+    """One result's counts (T > 0: expected ones); reach[j]: anchors whose drafts reach slot j (reach[0]: all)."""
     if "expected" in res:
         return res["expected"]
     rounds, matched = res["rounds"], res["matched"]
@@ -3409,9 +3355,8 @@ def seconds_since(start):
 
 @torch.inference_mode()
 def measure_costs(model, drafters, settings, items):
-    """Seconds of the tool's own decoding steps at the prompts' median context L (prompt + half the reference): a
-    plain step; a verify pass over 1 + K tokens (1 + budget: DDTree) with features, head and verdict; each drafter's
-    round at depth K (new context rows, cache grown, block drafted; EAGLE-3, MTP: K + 1 rows, then K steps)."""
+    """Seconds of a plain step, a verify pass over 1 + K tokens (1 + budget: DDTree) and each drafter's round at
+    depth K, at the prompts' median context L (prompt + half the reference)."""
     _, _, embed, head = target_parts(model)
     depths = {d.block_size - 1 for d in drafters} | {k for d in drafters for k in served_depths(d, settings)}
     sizes = sorted({1 + k for k in depths} | {1 + b for b in settings["ddtree_budgets"]})
@@ -3455,17 +3400,15 @@ def measure_costs(model, drafters, settings, items):
             start = time.perf_counter()
             if causal:   # the window's k + 1 new rows through the layer, then K steps
                 grown = causal_pass(d, feats, ids[:L + k + 1], embed.weight, context)
-                at = torch.tensor([L + k], device=first.device)
             else:
-                new_kv = drafter_context(d, feats[L:L + k + 1], L)
                 grown = [(torch.cat([kc, kn], 1), torch.cat([vc, vn], 1))
-                         for (kc, vc), (kn, vn) in zip(context, new_kv)]
-                at = torch.tensor([L], device=first.device)
+                         for (kc, vc), (kn, vn) in zip(context, drafter_context(d, feats[L:L + k + 1], L))]
+            at = torch.tensor([L + k if causal else L], device=first.device)
             draft_all_anchors(replace(d, block_size=k + 1), grown, at, first, embed.weight, head)
             return seconds_since(start)
 
-        for k in [d.block_size - 1, *served_depths(d, settings)]:
-            timings[(d.name, str(k))] = [lambda k=k, draft=draft: draft(k)]
+        timings.update({(d.name, str(k)): [lambda k=k, draft=draft: draft(k)]
+                        for k in [d.block_size - 1, *served_depths(d, settings)]})
     for warm in (runs[0] for runs in timings.values()):   # warm-up
         warm()
     for _ in range(COST_REPEATS):   # every size in turn, so that a slow moment does not fall on one of them
@@ -3537,9 +3480,8 @@ SELF_CHECK_TOLERANCE = 0.01   # share of its own reference tokens that may flip 
 
 
 def self_check(items, config):
-    """The references generated here checked against this tool's own teacher-forced pass (argmax, or sampling
-    support): exact on CPU in float32, else up to SELF_CHECK_TOLERANCE of tokens may flip near-ties with the batch
-    shape. A failure is a bug or numerics, never the references' fault. None when none was generated here."""
+    """The references generated here against this tool's own teacher-forced pass (argmax, or sampling support):
+    exact on CPU in float32, else within SELF_CHECK_TOLERANCE; None when none was generated here."""
     own = [it for it in items if it["source"] == "target"]
     sampled = bool(own) and own[0].get("support") is not None
     counts = [(it["support"][0], it["support"][1], it["support"][3]) if sampled else
@@ -3655,15 +3597,14 @@ def drafter_report(d, results, items):
     no_trees = {"ddtree": None, "ddtree_note": note} if note else {}
     sampled = bool(results) and "expected" in results[0]
 
-    def check(chosen):   # greedy: target agreement; sampled: how the references sit in the target's support
-        return reference_support(chosen) if sampled else {"target_agreement": target_agreement(chosen)}
-
-    def section(keep, depth=None):
+    def section(keep, depth=None):   # greedy: target agreement; sampled: the references in the target's support
         chosen = [(res if depth is None else res["depths"][depth], it) for res, it in zip(results, items) if keep(it)]
         totals = list(prompt_totals(*zip(*chosen)).values()) if chosen else []
+        its = [it for _, it in chosen]
         return {**summarize([res for res, _ in chosen], B if depth is None else depth + 1),
                 "tau_ci95": ratio_ci95([c for c, _ in totals], [r for _, r in totals]),
-                **check([it for _, it in chosen]), **(no_trees if depth is None else {})}
+                **(reference_support(its) if sampled else {"target_agreement": target_agreement(its)}),
+                **(no_trees if depth is None else {})}
 
     whole = section(lambda it: True)
     splits = {split: section(lambda it: it["split"] == split) for split in sorted({it["split"] for it in items})}
@@ -3713,9 +3654,8 @@ def side_by_side(drafters, results, items):
             for d, (delta, ci) in zip(drafters, against_first(totals))]
     series = {}
     for row in rows:
-        if "series" in row and row["tau"] is not None:
-            best = series.setdefault(row["series"], row)
-            series[row["series"]] = row if row["tau"] > best["tau"] else best
+        if "series" in row and row["tau"] is not None and row["tau"] > series.setdefault(row["series"], row)["tau"]:
+            series[row["series"]] = row
     return {"reference": drafters[0]["name"], "prompts": len(totals[0]), "drafters": rows,
             "best_steps": {name: row["step"] for name, row in series.items()}, **same_depths(drafters, results, items)}
 
@@ -3757,11 +3697,9 @@ def make_report(config, facts, done, skipped, seconds, interrupted):
               **({"comparison": side_by_side(drafters, results, finished)} if len(drafters) > 1 and done else {}),
               "skipped": skipped,
               "timing": {**{k: round(v, 4) for k, v in sorted(TIMING.items())}, "total_s": round(seconds, 4)},
-              "elapsed_s": seconds}
+              "elapsed_s": seconds, **({"interrupted": True} if interrupted else {})}
     if config.get("costs_used"):
         predicted_speedups(report, config["costs_used"])
-    if interrupted:
-        report["interrupted"] = True
     return report
 
 
@@ -3848,8 +3786,7 @@ def print_report(report, out=None):
               f"{' (' + str(len(report['skipped'])) + ' skipped)' if report['skipped'] else ''}: nothing to report",
               file=out)
         return
-    target = report["target"]
-    cache = report["config"].get("hidden_cache")
+    target, cache = report["target"], report["config"].get("hidden_cache")
     extracted = f"; features extracted in {cache['dtype']} on {cache['device']}" if cache else ""
     print(f"target: {target['path']} ({target['device']}, {target['dtype']}{extracted}); {reference_line(target)}",
           file=out)
@@ -4083,10 +4020,9 @@ def is_main_thread():
 def interrupt_message(settings, finished, references):
     """What an interrupted run kept, and how to go on."""
     kept = f" and {references} references not yet scored" if references and settings["output"] else ""
-    if not settings["output"]:
-        how = "without --output nothing is kept for later: give --output, and --resume goes on from there"
-    else:
-        how = f"to finish, run the same {'torchrun ' if settings['ranks'] > 1 else ''}command with --resume"
+    how = (f"to finish, run the same {'torchrun ' if settings['ranks'] > 1 else ''}command with --resume"
+           if settings["output"] else
+           "without --output nothing is kept for later: give --output, and --resume goes on from there")
     return f"interrupted: reporting the {finished} prompts finished so far{kept}; {how}"
 
 
@@ -4129,8 +4065,7 @@ def gather_ranks(settings, learned, facts, records, skipped):
 
 
 def merge_shards(settings):
-    """--merge: one report recomputed from the --shard outputs' per-prompt records (never averaging averages);
-    shards of other settings, drafters or prompts, prompts held twice or by none, interrupted shards are refused."""
+    """--merge: one report recomputed from the --shard outputs' per-prompt records (never averaging averages)."""
     shards = []
     for path in settings["merge"]:
         report = read_json(path)
@@ -4305,9 +4240,8 @@ def prompt_groups(stream, size, budget=0):
 
 
 def extract_from_target(items, settings, learned, target_cfg, layer_union, done, drafter, keep):
-    """Load the target; then a stream of (item, features, argmax) per prompt not in `done`: tokenized (a turn after
-    the replies before it), its reference generated if missing (to keep(item) at once; --server fetches each turn's
-    together first), one teacher-forced pass. Too long prompts are skipped; features go to --save-hidden."""
+    """Load the target; then a stream of (item, features, argmax) per prompt not in `done`: tokenized, its reference
+    generated if missing (to keep(item) at once), one teacher-forced pass; features go to --save-hidden."""
     if settings["device"] == "cpu" and settings["dtype"] != "float32" and is_hybrid(target_cfg):
         print(f"warning: {settings['dtype']} on CPU with a hybrid (linear-attention) target: the CPU fallback of "
               "those layers drifts from the GPU kernels enough to garble drafts; use --dtype float32 on CPU, or "
@@ -4398,7 +4332,6 @@ def load_run(settings, learned):
         seen[d.name] = seen.get(d.name, 0) + 1
         if seen[d.name] > 1:
             d.name += f"#{seen[d.name]}"
-    for d in drafters:
         log(settings, f"drafter {d.name}: " + (f"{d.block_size - 1} steps a round, layers {d.layers}, no block (a "
                       "causal chain)" if family(d).causal else f"block {d.block_size - d.from_anchor}, layers "
                       f"{d.layers}, in-block mask per layer: {', '.join(rule_label(r) for r in d.rules)}"))
