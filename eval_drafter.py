@@ -282,13 +282,12 @@ FLAGS = [
     ("inputs", "--target", "", None, dict(help="target model directory in the Hugging Face layout (config.json, "
         "safetensors, tokenizer): Qwen3, Qwen3.5/3.6 hybrid (transformers 5.x), Llama, gpt-oss, or any decoder-only "
         "model whose layers and final norm transformers exposes")),
-    ("inputs", "--ckpt", "", None, dict(action="append", default=[], metavar="[NAME=]PATH",
-        help="a drafter (DFlash, DFlash 2, DSpark, Domino, EAGLE-3), repeated to compare several on one target pass; "
-             "NAME= labels it. Forms: a directory with config.json + model.safetensors (or "
-             "model.safetensors.index.json) in z-lab's, transformers' native, speculators' or SpecForge's layout; a "
-             ".safetensors file; a training .pt/.pth/.bin state dict, read with torch.load(weights_only=True), "
-             "nesting and prefixes unwrapped; a SpecForge step directory; a training run's directory of steps "
-             "(--steps); a target directory: its MTP layer (as --mtp)")),
+    ("inputs", "--ckpt", "", None, dict(action="append", default=[], metavar="[NAME=]PATH", help="a drafter (DFlash, "
+        "DFlash 2, DSpark, Domino, EAGLE-3), repeated to compare several on one target pass; NAME= labels it. Forms: a "
+        "directory with config.json + model.safetensors (or model.safetensors.index.json) in z-lab's, transformers' "
+        "native, speculators' or SpecForge's layout; a .safetensors file; a training .pt/.pth/.bin state dict, read "
+        "with torch.load(weights_only=True), nesting and prefixes unwrapped; a SpecForge step directory; a training "
+        "run's directory of steps (--steps); a target directory: its MTP layer (as --mtp)")),
     ("inputs", "--mtp", "", None, dict(action="store_true", help="also evaluate the target's own MTP layer "
         "(Qwen3.5/3.6, Qwen3-Next: mtp.* in its safetensors) as drafter mtp, the baseline a drafter must beat; the "
         "same as --ckpt mtp=TARGET_DIR")),
@@ -297,15 +296,13 @@ FLAGS = [
         "last:5 (default all); every step is a drafter of the report, all from one target pass")),
     ("inputs", "--prompts", "HC", None, dict(help="JSONL file of prompts: prompt / messages / turns / conversations "
         "lines, optionally with completion or completion_ids references (see README)")),
-    ("inputs", "--limit", "", AT_LEAST_1, dict(type=int, help="evaluate only the first N "
-        "prompts")),
+    ("inputs", "--limit", "", AT_LEAST_1, dict(type=int, help="evaluate only the first N prompts")),
     ("drafter", "--drafter-config", "", None, dict(metavar="FILE", help="config.json for checkpoint files that have "
         "none beside")),
     ("drafter", "--layers", "R", None, dict(help="target layer ids feeding the drafter, e.g. 1,16,31,46,61 (default: "
         "the checkpoint's dflash_config.target_layer_ids)")),
-    ("drafter", "--block-size", "R", BLOCK_RULE, dict(type=int,
-        help="block size (default: the checkpoint's block_size); EAGLE-3 and MTP: K + 1 for K steps a round (default "
-             "3 steps)")),
+    ("drafter", "--block-size", "R", BLOCK_RULE, dict(type=int, help="block size (default: the checkpoint's "
+        "block_size); EAGLE-3 and MTP: K + 1 for K steps a round (default 3 steps)")),
     ("drafter", "--mask-token-id", "R", AT_LEAST_0, dict(type=int,
         help="mask token id (default: the checkpoint config's)")),
     ("drafter", "--head-dim", "R", AT_LEAST_1, dict(type=int, help="drafter head dim, for "
@@ -318,10 +315,9 @@ FLAGS = [
         help="in-block attention; auto = checkpoint's is_causal, else per layer type")),
     ("drafter", "--sliding-window", "R", None, dict(default="train", choices=["train", "ignore"],
         help="train = window sliding layers as training did; ignore = public HF reference")),
-    ("drafter", "--engine", "R", None, dict(default="vllm", choices=["vllm", "sglang"],
-        help="whose convention decides where they differ (EAGLE-3's captured layer ids: vLLM reads "
-             "eagle_aux_hidden_state_layer_ids as hidden_states indices and ignores a nested eagle_config, SGLang "
-             "reads eagle_config's ids as layer outputs); default vllm")),
+    ("drafter", "--engine", "R", None, dict(default="vllm", choices=["vllm", "sglang"], help="whose convention decides "
+        "where they differ (EAGLE-3's captured layer ids: vLLM reads eagle_aux_hidden_state_layer_ids as hidden_states "
+        "indices and ignores a nested eagle_config, SGLang reads eagle_config's ids as layer outputs); default vllm")),
     ("drafter", "--dspark-draft-topk", "R", AT_LEAST_1, dict(type=int, metavar="K",
         help="DSpark: each slot drafts among its K best base-logit tokens only, the Markov bias added to those "
              "(vLLM's dspark_draft_topk); default: the exact argmax over the whole draft vocabulary")),
@@ -337,8 +333,7 @@ FLAGS = [
         "sits")),
     ("evaluation", "--dtype", "R", None, dict(default="auto", choices=["auto", "float32", "bfloat16", "float16"],
         help="auto = float32 on CPU (exact; bf16 CPU kernels of hybrid targets drift), bfloat16 on CUDA")),
-    ("evaluation", "--threads", "M", AT_LEAST_1, dict(type=int,
-        help="torch CPU threads")),
+    ("evaluation", "--threads", "M", AT_LEAST_1, dict(type=int, help="torch CPU threads")),
     ("evaluation", "--anchors", "R", None, dict(default="all", choices=["all", "walk"],
         help="all: draft every anchor (per-position statistics over every position); walk: only the anchors the walks "
              "visit (same rounds and tau, drafter cost / ~tau)")),
@@ -346,9 +341,8 @@ FLAGS = [
         "(default 8,32,128); 'none' for the chain only")),
     ("evaluation", "--check-mask", "R", None, dict(action="store_true", help="also draft a sample of anchors under "
         "the other in-block masks and flag a better one")),
-    ("evaluation", "--max-memory-gb", "", ("a finite number above 0", lambda v: 0 < v < math.inf),
-        dict(type=float, default=0.5, help="memory for the drafter's logits at a time (sets the rows per lm_head "
-                                            "call; default 0.5)")),
+    ("evaluation", "--max-memory-gb", "", ("a finite number above 0", lambda v: 0 < v < math.inf), dict(type=float,
+        default=0.5, help="memory for the drafter's logits at a time (sets the rows per lm_head call; default 0.5)")),
     ("references", "--max-new-tokens", "RHC", AT_LEAST_1, dict(type=int,
         help="length of generated references (default 256; 128 with --demo)")),
     ("references", "--ignore-eos", "RHC", None, dict(action="store_true", help="generate references past EOS")),
