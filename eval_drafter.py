@@ -261,16 +261,11 @@ start here:
 AT_LEAST_0, AT_LEAST_1 = ("at least 0", lambda v: v >= 0), ("at least 1", lambda v: v >= 1)
 BLOCK_RULE = ("at least 2 (a block needs the anchor and at least one draft)", lambda v: v >= 2)
 GROUPS = {  # --help's groups of flags
-    "inputs": "inputs",
-    "drafter": "drafter config (defaults come from the checkpoint's config.json)",
-    "evaluation": "evaluation",
-    "references": "references (prompts without a completion get the target's greedy one)",
-    "sampled": "sampled decoding (default: greedy)",
-    "cache": "hidden-state cache (extract once, evaluate anywhere)",
+    "inputs": "inputs", "drafter": "drafter config (defaults come from the checkpoint's config.json)",
+    "evaluation": "evaluation", "references": "references (prompts without a completion get the target's greedy one)",
+    "sampled": "sampled decoding (default: greedy)", "cache": "hidden-state cache (extract once, evaluate anywhere)",
     "long": "long runs (torchrun --nproc_per_node=N eval_drafter.py ... spreads the prompts over ranks)",
-    "deployment": "deployment (see README, Choosing what to serve)",
-    "output": "output",
-}
+    "deployment": "deployment (see README, Choosing what to serve)", "output": "output"}
 
 # The flags, one row each: (group, flag, modes, number rule, argparse arguments). Modes, a letter each: R, --resume
 # and --merge must agree on it (it changes the numbers); H, a run from saved features (--load-hidden) refuses it,
@@ -430,31 +425,27 @@ def parse_args(argv):
     return build_parser().parse_args(argv)
 
 
-def int_list(text):
-    """The distinct integers of a comma list, sorted; [] where it is not one."""
+def int_list(text, refusal):
+    """The distinct integers >= 1 of a comma list, sorted; else the refusal, as one clear error."""
     try:
-        return sorted({int(x) for x in text.split(",") if x.strip()})
+        values = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
-        return []
+        values = []
+    if not values or values[0] < 1:
+        fail(refusal)
+    return values
 
 
 def parse_budgets(text):
-    if text.strip().lower() == "none":
-        return []
-    budgets = int_list(text)
-    if not budgets or budgets[0] < 1:
-        fail(f"--ddtree-budgets must be positive integers like 8,32,128 (or none), got {text!r}")
-    return budgets
+    return [] if text.strip().lower() == "none" else \
+        int_list(text, f"--ddtree-budgets must be positive integers like 8,32,128 (or none), got {text!r}")
 
 
 def parse_depths(text):
     """--depths: None, "all" or a sorted list of depths >= 1."""
     if text is None or text.strip().lower() == "all":
         return text and "all"
-    depths = int_list(text)
-    if not depths or depths[0] < 1:
-        fail(f"--depths takes all or depths >= 1 like 3,5,7; got {text!r}")
-    return depths
+    return int_list(text, f"--depths takes all or depths >= 1 like 3,5,7; got {text!r}")
 
 
 def parse_steps(text):
