@@ -2885,11 +2885,6 @@ def walk(acceptance, anchor, total_len, block_size, rounds=None):
     return rounds, None
 
 
-def walk_anchors(rounds, n_prompt):
-    """The anchor of each round of a walk that starts at the first completion token."""
-    return [n_prompt + sum(rounds[:i]) for i in range(len(rounds))]
-
-
 CONTEXT_BUCKETS = ((512, "<512"), (2048, "512-2k"), (8192, "2k-8k"), (math.inf, ">=8k"))
 
 
@@ -2900,12 +2895,11 @@ def context_bucket(position):
 def context_sums(anchors, first_accepted, round_anchors, lengths, weights=None):
     """{context bucket: [committed, rounds, first drafts accepted, anchors]} by anchor position (rounds: P-weighted)."""
     totals = {}
-    for a, ok in zip(anchors.tolist(), first_accepted.tolist()):
-        s = totals.setdefault(context_bucket(a), [0.0, 0.0, 0.0, 0])
-        s[2], s[3] = s[2] + float(ok), s[3] + 1
-    for a, length, w in zip(round_anchors, lengths, weights or [1.0] * len(lengths)):
-        s = totals.setdefault(context_bucket(a), [0.0, 0.0, 0.0, 0])
-        s[0], s[1] = s[0] + w * length, s[1] + w
+    rows = [(a, [0.0, 0.0, float(ok), 1]) for a, ok in zip(anchors.tolist(), first_accepted.tolist())]
+    rows += [(a, [w * n, w, 0.0, 0]) for a, n, w in zip(round_anchors, lengths, weights or [1.0] * len(lengths))]
+    for a, values in rows:
+        bucket = context_bucket(a)
+        totals[bucket] = [x + y for x, y in zip(totals.get(bucket, [0.0, 0.0, 0.0, 0]), values)]
     return totals
 
 
@@ -2975,8 +2969,7 @@ def score_walks_only(d, prompts, embed_w, head, budgets):
     end to end, each block masked to its own). Rounds equal --anchors all's; per-position stats: visited anchors."""
     B, top_k, kinds = d.block_size, max(budgets, default=0), [None, *budgets]   # None: the chain walk
     contexts = [prompt_context(d, features, ids, embed_w) for features, ids, *_ in prompts]
-    context_kv = [tuple(torch.cat([c[i][j] for c in contexts], 1) for j in range(len(contexts[0][i])))
-                  for i in range(len(contexts[0]))]
+    context_kv = [tuple(torch.cat(parts, 1) for parts in zip(*layer)) for layer in zip(*contexts)]
     starts = [sum(c[0][0].shape[1] for c in contexts[:p]) for p in range(len(prompts))]
     ids_t, dev = [torch.tensor(ids) for _, ids, _, _ in prompts], context_kv[0][0].device
     seen = [{} for _ in prompts]   # per prompt: anchor -> (drafts, [top-k, join positions] for DDTree)
@@ -3034,14 +3027,17 @@ def expected_walk(accept, n_prompt, total_len, block_size):
             "length": [sum((k + 1) * pk for k, pk in enumerate(row)) for row in lengths]}
 
 
+def round_sums(rounds, block_size, number=int):
+    """A walk's rounds, committed tokens and histogram of round lengths."""
+    return {"rounds": number(len(rounds)), "committed": number(sum(rounds)),
+            "histogram": [number(rounds.count(n)) for n in range(1, block_size + 1)]}
+
+
 def add_expectations(res, block_size, n_prompt, total_len, p, q=None):
     """Temperature > 0: each drafted slot's acceptance probability (argmax proposals: draft == text, the walk already
-    taken; sampled: min(1, q / p), 0 where p is), the expected walk and the per-position sums."""
+    taken; sampled: min(1, q / p), 0 where p is), the expected walk and the per-position sums (sampled: by context)."""
     if q is None:
-        accept, rounds = res["equal"].double(), res["rounds"]
-        expected = {"rounds": float(len(rounds)), "committed": float(sum(rounds)),
-                    "histogram": [float(rounds.count(n)) for n in range(1, block_size + 1)]}
-        res["by_context"] = context_sums(res["anchors"], accept[:, 0], walk_anchors(rounds, n_prompt), rounds)
+        accept, expected = res["equal"].double(), round_sums(res["rounds"], block_size, float)
     else:
         p_at = p[res["anchors"][:, None] + torch.arange(1, block_size) - n_prompt]
         accept = torch.where(p_at > 0, (q / p_at.clamp_min(1e-300)).clamp(max=1.0), torch.zeros_like(q))
@@ -3078,11 +3074,12 @@ def score_drafter(d, prompts, group, embed_w, head, settings, budgets):
                     sampling=sampling, proposal=q)
             res = score_prompt(drafts, ids, n_prompt, d.block_size, top, budgets)
         with timed("metrics_s"):
+            if q is None:   # one walk, the argmax drafts': round i starts at n_prompt + the rounds before it
+                rounds = res["rounds"]
+                res["by_context"] = context_sums(res["anchors"], res["matched"] >= 1,
+                                                 [n_prompt + sum(rounds[:i]) for i in range(len(rounds))], rounds)
             if sampling:
                 add_expectations(res, d.block_size, n_prompt, len(ids), group[i][0]["p"], q)
-            else:
-                res["by_context"] = context_sums(res["anchors"], res["matched"] >= 1,
-                                                 walk_anchors(res["rounds"], n_prompt), res["rounds"])
         out.append(res)
     return out
 
@@ -3158,13 +3155,12 @@ def mask_check_summary(modes, per_prompt):
     base = table["configured"]["accuracy"]
     better = [name for name, t in table.items() if base is not None and t["accuracy"] is not None
               and t["accuracy"] >= base + MASK_CHECK_MIN_GAIN and t["z"] >= MASK_CHECK_Z]
-    warning = None
-    if better:
-        best = max(better, key=lambda n: table[n]["accuracy"])
-        t = table[best]
-        warning = (f"mode '{best}' drafts clearly better than the configured one (accuracy {t['accuracy']:.3f} vs "
-                   f"{base:.3f}; right where the configured mode is wrong {t['wins']} times, the reverse "
-                   f"{t['losses']}): the drafter was probably trained with that mask")
+    best = max(better, key=lambda n: table[n]["accuracy"], default=None)
+    t = table.get(best)
+    warning = None if t is None else (
+        f"mode '{best}' drafts clearly better than the configured one (accuracy {t['accuracy']:.3f} vs {base:.3f}; "
+        f"right where the configured mode is wrong {t['wins']} times, the reverse {t['losses']}): the drafter was "
+        "probably trained with that mask")
     return {"modes": table, "warning": warning}
 
 
@@ -3255,23 +3251,21 @@ def paired_delta(ours, ref):
     return delta, ci95(delta, [a - b for a, b in zip(terms_m, terms_r)])
 
 
-def round_stats(round_lists, block_size):
-    """tau pooled over all rounds, tau_prompt_mean over prompts, and the histogram of round lengths."""
-    rounds = [r for rs in round_lists for r in rs]
-    per_prompt = [sum(rs) / len(rs) for rs in round_lists if rs]
-    return {"tau": sum(rounds) / len(rounds) if rounds else None,
-            "tau_prompt_mean": sum(per_prompt) / len(per_prompt) if per_prompt else None,
-            "rounds": len(rounds), "histogram": [rounds.count(k) for k in range(1, block_size + 1)]}
+def pooled(e, block_size):
+    """tau pooled over the rounds of counts e (round_sums'), tau_prompt_mean over prompts, the histogram."""
+    committed, rounds = [x["committed"] for x in e], [x["rounds"] for x in e]
+    per_prompt = [c / r for c, r in zip(committed, rounds) if r]
+    return {"tau": sum(committed) / sum(rounds) if sum(rounds) else None,
+            "tau_prompt_mean": sum(per_prompt) / len(per_prompt) if per_prompt else None, "rounds": sum(rounds),
+            "histogram": [sum(x["histogram"][k] for x in e) for k in range(block_size)]}
 
 
 def sums(res, block_size):
     """One result's counts (T > 0: expected ones); reach[j]: anchors whose drafts reach slot j (reach[0]: all)."""
     if "expected" in res:
         return res["expected"]
-    rounds, matched = res["rounds"], res["matched"]
-    return {"committed": sum(rounds), "rounds": len(rounds),
-            "histogram": [rounds.count(n) for n in range(1, block_size + 1)],
-            "reach": [int((matched >= j).sum()) for j in range(block_size)],
+    matched = res["matched"]
+    return {**round_sums(res["rounds"], block_size), "reach": [int((matched >= j).sum()) for j in range(block_size)],
             "hits": [int(h) for h in res["equal"].sum(0)] if matched.numel() else [0] * (block_size - 1),
             "anchors": matched.numel()}
 
@@ -3280,21 +3274,15 @@ def summarize(results, block_size):
     """tau pooled, tau_prompt_mean, the histogram, per-position acceptance (conditional on reaching the slot) and
     accuracy; counts are divided in Python (float64): a float32 mean would carry noise into the 7th digit."""
     e = [sums(res, block_size) for res in results]
-    committed, rounds = [x["committed"] for x in e], [x["rounds"] for x in e]
     reach = [sum(x["reach"][j] for x in e) for j in range(block_size)]
     hits = [sum(x["hits"][j] for x in e) for j in range(block_size - 1)]
     anchors = sum(x["anchors"] for x in e)
-    per_prompt = [c / r for c, r in zip(committed, rounds) if r]
-    ddtree = {str(b): round_stats([res["ddtree_rounds"][b] for res in results], block_size)
-              for b in (results[0].get("ddtree_rounds", {}) if results else {})}
-    return {"tau": sum(committed) / sum(rounds) if sum(rounds) else None,
-            "tau_prompt_mean": sum(per_prompt) / len(per_prompt) if per_prompt else None, "rounds": sum(rounds),
-            "histogram": [sum(x["histogram"][k] for x in e) for k in range(block_size)],
-            "tau_all_anchors": 1 + sum(reach[1:]) / anchors if anchors else None, "anchors": anchors,
-            "per_position": {"acceptance": [reach[j + 1] / reach[j] if reach[j] else None
-                                            for j in range(block_size - 1)],
-                             "accuracy": [h / anchors if anchors else None for h in hits]},
-            "ddtree": ddtree}
+    return {**pooled(e, block_size), "tau_all_anchors": 1 + sum(reach[1:]) / anchors if anchors else None,
+            "anchors": anchors, "per_position": {"acceptance": [reach[j + 1] / reach[j] if reach[j] else None
+                                                                for j in range(block_size - 1)],
+                                                 "accuracy": [h / anchors if anchors else None for h in hits]},
+            "ddtree": {str(b): pooled([round_sums(res["ddtree_rounds"][b], block_size) for res in results], block_size)
+                       for b in (results[0].get("ddtree_rounds", {}) if results else {})}}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -3372,7 +3360,10 @@ def measure_costs(model, drafters, settings, items):
         cache.crop(-n)
         return elapsed
 
-    timings = {"1": [lambda: target_step(1, False)], **{str(n): [lambda n=n: target_step(n, True)] for n in sizes}}
+    costs = {"context": L, "repeats": COST_REPEATS, "device": settings["device"], "dtype": settings["dtype"],
+             "target": {}, "draft": {}}
+    timings = [(costs["target"], "1", lambda: target_step(1, False)),   # (where, key, a timed run)
+               *((costs["target"], str(n), lambda n=n: target_step(n, True)) for n in sizes)]
     for d in drafters:
         d = d if d.weights is not None else replace(d, weights=d.reload())
         g = torch.Generator().manual_seed(0)
@@ -3392,20 +3383,14 @@ def measure_costs(model, drafters, settings, items):
             draft_all_anchors(replace(d, block_size=k + 1), grown, at, first, embed.weight, head)
             return seconds_since(start)
 
-        timings.update({(d.name, str(k)): [lambda k=k, draft=draft: draft(k)]
-                        for k in [d.block_size - 1, *served_depths(d, settings)]})
-    for warm in (runs[0] for runs in timings.values()):   # warm-up
-        warm()
+        timings += [(costs["draft"].setdefault(d.name, {}), str(k), lambda k=k, draft=draft: draft(k))
+                    for k in [d.block_size - 1, *served_depths(d, settings)]]
+    seconds = [[run_once()] for _, _, run_once in timings]   # the warm-up, not counted
     for _ in range(COST_REPEATS):   # every size in turn, so that a slow moment does not fall on one of them
-        for runs in timings.values():
-            runs.append(runs[0]())
-    costs = {"context": L, "repeats": COST_REPEATS, "device": settings["device"], "dtype": settings["dtype"],
-             "target": {}, "draft": {}}
-    for key, runs in timings.items():
-        if isinstance(key, tuple):
-            costs["draft"].setdefault(key[0], {})[key[1]] = min(runs[1:])
-        else:
-            costs["target"][key] = min(runs[1:])
+        for (_, _, run_once), runs in zip(timings, seconds):
+            runs.append(run_once())
+    for (where, key, _), runs in zip(timings, seconds):
+        where[key] = min(runs[1:])
     return costs
 
 
@@ -3885,13 +3870,9 @@ def differences(a, b, keys=RESUME_KEYS):
     da, db = a.get("drafters", []), b.get("drafters", [])
     if len(da) != len(db):
         return named + [f"the drafters ({len(da)} against {len(db)})"]
+    aside = {"name": None, "checkpoint": None}   # a drafter's label and path do not make it another drafter
     return named + [f"drafter {x['name']} (its weights or resolved config)" for x, y in zip(da, db)
-                    if same_drafter(x) != same_drafter(y)]
-
-
-def same_drafter(facts):
-    """A drafter's facts without its label and path: what makes two of them the same drafter."""
-    return {k: v for k, v in facts.items() if k not in ("name", "checkpoint")}
+                    if {**x, **aside} != {**y, **aside}]
 
 
 def fingerprint(config, facts):
@@ -3917,20 +3898,16 @@ def result_from_json(r, drafts):
     return {"rounds": r["rounds"], "ddtree_rounds": {int(b): v for b, v in r["ddtree_rounds"].items()},
             "anchors": torch.tensor(r["anchors"], dtype=torch.long),
             "matched": torch.tensor(r["matched"], dtype=torch.long), "equal": (bits >> torch.arange(drafts)) & 1 == 1,
-            "by_context": r["by_context"], **({"mask_check": r["mask_check"]} if r.get("mask_check") else {}),
-            **({"expected": r["expected"]} if "expected" in r else {}),
+            "by_context": r["by_context"], **{k: r[k] for k in ("mask_check", "expected") if r.get(k)},
             **({"depths": {int(k): result_from_json(v, int(k)) for k, v in r["depths"].items()}}
                if "depths" in r else {})}
 
 
-def record_from_json(row, facts):
-    return {"item": {**row["item"], "agree": tuple(row["item"]["agree"])},
-            "results": [result_from_json(r, d["drafts_per_round"]) for r, d in zip(row["results"], facts)]}
-
-
 def collect(rows, facts):
     """{index: record} of record lines (a partial file's, a shard's, a rank's)."""
-    return {row["item"]["index"]: record_from_json(row, facts) for row in rows}
+    return {row["item"]["index"]: {"item": {**row["item"], "agree": tuple(row["item"]["agree"])},
+                                   "results": [result_from_json(r, d["drafts_per_round"])
+                                               for r, d in zip(row["results"], facts)]} for row in rows}
 
 
 def partial_path(settings):
@@ -3970,14 +3947,13 @@ def resume_records(settings, learned, facts):
     if not os.path.isfile(path):
         log(settings, f"note: --resume found no {path}; starting from the first prompt")
         return {}, {}
-    with open(path, encoding="utf-8") as f:
-        lines = [line for line in f if line.strip()]
     rows = []
-    for line in lines:  # a last line cut short by a hard kill is dropped: every complete one is kept
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
+    with open(path, encoding="utf-8") as f:
+        for line in filter(str.strip, f):  # a last line cut short by a hard kill is dropped: every complete one is kept
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
     header, rows = (rows[0] if rows and isinstance(rows[0], dict) else None), rows[1:]
     if not header or "fingerprint" not in header:
         fail(f"{path} is not a partial-results file of this tool; remove it or drop --resume")
@@ -3991,10 +3967,6 @@ def resume_records(settings, learned, facts):
     log(settings, f"resuming: {len(records)} prompts already finished in {path}" +
         (f", {len(set(references) - set(records))} more references generated" if references else ""))
     return records, references
-
-
-def raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 def is_main_thread():
@@ -4025,7 +3997,7 @@ def add_timing(timing):
 
 
 def gather_ranks(settings, learned, facts, records, skipped):
-    """torchrun: every rank's records to rank 0 ((records, skipped, interrupted) there, None elsewhere), times added."""
+    """torchrun: every rank's records to rank 0 ((records, skipped) there, None elsewhere); times, interrupts added."""
     import torch.distributed as dist
     everyone = [None] * settings["ranks"]
     # torchrun passes Ctrl-C to every rank, maybe twice: a rank waiting here must not die of it and lose it all
@@ -4040,13 +4012,10 @@ def gather_ranks(settings, learned, facts, records, skipped):
     learned.interrupted = any(cut for _, _, cut, _ in everyone)   # every rank keeps its partial file
     if settings["rank"] != 0:
         return None
-    merged, all_skipped = {}, []
-    for rank, (rows, skip, _, timing) in enumerate(everyone):
-        merged.update(collect(rows, facts))
-        all_skipped += skip
-        if rank:   # rank 0's own time is in TIMING already
-            add_timing(timing)
-    return merged, all_skipped, learned.interrupted
+    for *_, timing in everyone[1:]:   # rank 0's own time is in TIMING already
+        add_timing(timing)
+    return ({i: r for rows, *_ in everyone for i, r in collect(rows, facts).items()},
+            [s for _, skip, _, _ in everyone for s in skip])
 
 
 def merge_shards(settings):
@@ -4146,7 +4115,6 @@ def save_hidden(settings, learned, layer_union, items, saved):
 def open_hidden(paths, settings, learned, target_cfg, layer_union, skip=lambda it: False):
     """Checked prompts and a lazy stream of (item, features, argmax), skip(item) ones left out, from --save-hidden
     files (several: a run's shards' or ranks' caches, joined in prompt order)."""
-    paths = [paths] if isinstance(paths, str) else list(paths)
     metas = [read_hidden_meta(path) for path in paths]
     sampling = sampling_of(settings)
     for path, meta in zip(paths, metas):
@@ -4197,10 +4165,9 @@ def open_hidden(paths, settings, learned, target_cfg, layer_union, skip=lambda i
                           "prompt_ids": ids[:row["prompt_tokens"]], "completion_ids": ids[row["prompt_tokens"]:],
                           "sample": row.get("sample"), "turn": row.get("turn"), "cache": (j, i),
                           "source": row.get("source", "target" if row.get("generated") else "file")})
-    meta = metas[0]
-    learned.chat_template = "applied" if meta.get("chat_template") else "not applied"   # at extraction
-    learned.hidden_cache = {k: meta.get(k) for k in ("format", "dtype", "device", "torch_version",
-                                                         "transformers_version", "prompts_file", "layers")}
+    learned.chat_template = "applied" if metas[0].get("chat_template") else "not applied"   # at extraction
+    learned.hidden_cache = {k: metas[0].get(k) for k in ("format", "dtype", "device", "torch_version",
+                                                             "transformers_version", "prompts_file", "layers")}
     return items, stream()
 
 
@@ -4249,23 +4216,21 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
     todo = [it for it in items if it["index"] not in done]
 
     def prepare(it):   # tokens, length check, a saved reference; True when the reference is still to make
-        if it.get("prepared"):
-            return it["completion_ids"] is None and not it.get("skip")
-        it["prepared"] = True
-        if by_index.get(it.get("previous"), {}).get("skip"):   # no context without the turn before
-            it["skip"] = f"turn {it['turn'] - 1} of this conversation was skipped"
-            return False
-        if it.get("previous") is not None:
-            it["messages"] = conversation(it, by_index, tokenizer)
-        learned.chat_template = encode_prompts(tokenizer, [it], settings, learned.chat_template is not None)
-        total = len(it["prompt_ids"]) + len(it["completion_ids"] or [])
-        if len(it["prompt_ids"]) >= limit or total > limit:
-            it["skip"] = f"prompt + completion ({total} tokens) exceed the target's {limit} positions"
-            return False
-        if it["completion_ids"] is not None:
-            return False
-        it["room"] = min(settings["max_new_tokens"], limit - len(it["prompt_ids"]))
-        return not take_saved(it, saved, settings)
+        if not it.get("prepared"):
+            it["prepared"] = True
+            if by_index.get(it.get("previous"), {}).get("skip"):   # no context without the turn before
+                it["skip"] = f"turn {it['turn'] - 1} of this conversation was skipped"
+                return False
+            if it.get("previous") is not None:
+                it["messages"] = conversation(it, by_index, tokenizer)
+            learned.chat_template = encode_prompts(tokenizer, [it], settings, learned.chat_template is not None)
+            total = len(it["prompt_ids"]) + len(it["completion_ids"] or [])
+            if len(it["prompt_ids"]) >= limit or total > limit:
+                it["skip"] = f"prompt + completion ({total} tokens) exceed the target's {limit} positions"
+            elif it["completion_ids"] is None:
+                it["room"] = min(settings["max_new_tokens"], limit - len(it["prompt_ids"]))
+                take_saved(it, saved, settings)
+        return it["completion_ids"] is None and not it.get("skip")
 
     if settings["server"]:
         for turn in sorted({it.get("turn", 1) for it in todo}):   # a turn's context holds the replies before it
@@ -4348,7 +4313,7 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
             save.write((json.dumps(saved_line(it, settings, learned)) + "\n").encode())
 
     started = time.time()
-    previous = signal.signal(signal.SIGTERM, raise_interrupt) if is_main_thread() else None
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if is_main_thread() else None
     try:
         if settings["load_hidden"]:
             items, stream = open_hidden(settings["load_hidden"], settings, learned, target_cfg, layer_union,
@@ -4384,37 +4349,30 @@ def scored_records(stream, drafters, embed_w, head, settings):
         yield from evaluate_prompts(group, drafters, embed_w, head, settings)
 
 
-def finish_run(settings, learned, items, records, drafters, facts, started):
-    """The run's costs (--costs measure), every rank's records gathered, the report."""
+def evaluate(settings, learned):
+    """The report over this process's slice (--shard, or this rank's), with the run's costs (--costs measure); under
+    torchrun every rank's records go to rank 0, whose report covers all (None elsewhere)."""
+    items = None if settings["load_hidden"] else expand(read_prompts(settings["prompts"], settings["limit"]), settings)
+    target_cfg, drafters = load_run(settings, learned)
+    facts = [drafter_facts(d) for d in drafters]
+    items, records, started = draft_prompts(settings, learned, items, target_cfg, drafters, facts)
     skipped = [{"id": it["id"], "reason": it["skip"]} for it in items if it.get("skip")]
-    model, learned.model = learned.model, None
     if settings.get("costs") == "measure" and not learned.interrupted:
         with timed("costs_s"):
-            learned.costs_used = measure_costs(model, drafters, settings, [r["item"] for r in records.values()])
-    del model
-    interrupted = learned.interrupted
+            learned.costs_used = measure_costs(learned.model, drafters, settings, [r["item"] for r in records.values()])
+    learned.model = None   # the target's memory freed before the ranks gather
     if settings["ranks"] > 1:
         gathered = gather_ranks(settings, learned, facts, records, skipped)
         if gathered is None:
             return None
-        records, skipped, interrupted = gathered
+        records, skipped = gathered
     report = make_report(run_config(settings, learned), facts, [records[i] for i in sorted(records)], skipped,
-                         time.time() - started, interrupted)
+                         time.time() - started, learned.interrupted)
     if settings["shard"]:   # what --merge needs: every prompt's records, and the run's whole item list
         report["shard"] = {"slice": settings["shard"], "items": [(it["index"], it["id"], it.get("sample"),
                                                                   it.get("turn")) for it in items],
                            "facts": facts, "records": [record_json(records[i]) for i in sorted(records)]}
     return report
-
-
-def evaluate(settings, learned):
-    """The report over this process's slice (--shard, or this rank's); under torchrun rank 0's covers all, else None."""
-    items = expand(read_prompts(settings["prompts"], settings["limit"]), settings) \
-        if not settings["load_hidden"] else None
-    target_cfg, drafters = load_run(settings, learned)
-    facts = [drafter_facts(d) for d in drafters]
-    items, records, started = draft_prompts(settings, learned, items, target_cfg, drafters, facts)
-    return finish_run(settings, learned, items, records, drafters, facts, started)
 
 
 def hidden_drafters(settings, path):
@@ -4443,32 +4401,28 @@ def compare_hidden(settings):
         fail(f"{paths[0]} and {paths[1]} hold different prompts or references: extract both from one prompts file "
              "whose lines carry the references (completion_ids), so that both passes see the same tokens")
     layers = sorted(set(metas[0]["layers"]) & set(metas[1]["layers"]))
-    stats = {L: {"diff_sq": 0.0, "ref_sq": 0.0, "cos_sum": 0.0, "cos_min": 1.0, "positions": 0, "max_abs": 0.0,
-                 "worst": None} for L in layers}
+    # sums: squared differences, squared references, cosines, positions (float64, added prompt by prompt)
+    stats = {L: {"sums": torch.zeros(4, dtype=torch.float64), "cos_min": 1.0, "max_abs": 0.0, "worst": None}
+             for L in layers}
     same_argmax = total_argmax = 0
     with hidden_tensors(paths[0], metas[0]) as get_a, hidden_tensors(paths[1], metas[1]) as get_b:
         for i, row in enumerate(metas[0]["prompts"][:settings["limit"]]):
             if not torch.equal(get_a(f"{i}.ids"), get_b(f"{i}.ids")):
                 fail(f"prompt {row['id']}: the two files hold different token ids")
-            a_max, b_max = get_a(f"{i}.argmax"), get_b(f"{i}.argmax")
-            same_argmax += int((a_max == b_max).sum())
-            total_argmax += a_max.numel()
+            agree = get_a(f"{i}.argmax") == get_b(f"{i}.argmax")
+            same_argmax, total_argmax = same_argmax + int(agree.sum()), total_argmax + agree.numel()
             for L in layers:
                 a, b = get_a(f"{i}.layer{L}").double(), get_b(f"{i}.layer{L}").double()
-                st, diff = stats[L], (a - b).abs()
-                st["diff_sq"] += float((a - b).pow(2).sum())
-                st["ref_sq"] += float(b.pow(2).sum())
-                cos = F.cosine_similarity(a, b, dim=-1)
-                st["cos_sum"] += float(cos.sum())
+                st, diff, cos = stats[L], (a - b).abs(), F.cosine_similarity(a, b, dim=-1)
+                st["sums"] += torch.stack([diff.pow(2).sum(), b.pow(2).sum(), cos.sum(), cos.new_tensor(cos.numel())])
                 st["cos_min"] = min(st["cos_min"], float(cos.min()))
-                st["positions"] += cos.numel()
                 worst = int(diff.max(-1).values.argmax())
                 if float(diff[worst].max()) >= st["max_abs"]:
                     st.update(max_abs=float(diff[worst].max()), worst={"prompt": row["id"], "position": worst})
-    per_layer = {str(L): {"relative_error": math.sqrt(st["diff_sq"] / st["ref_sq"]) if st["ref_sq"] else None,
-                          "cosine_mean": st["cos_sum"] / st["positions"] if st["positions"] else None,
-                          "cosine_min": st["cos_min"], "max_abs_diff": st["max_abs"], "worst": st["worst"]}
-                 for L, st in stats.items()}
+    per_layer = {str(L): {"relative_error": math.sqrt(diff_sq / ref_sq) if ref_sq else None,
+                          "cosine_mean": cos_sum / n if n else None, "cosine_min": st["cos_min"],
+                          "max_abs_diff": st["max_abs"], "worst": st["worst"]}
+                 for L, st in stats.items() for diff_sq, ref_sq, cos_sum, n in [st["sums"].tolist()]}
     report = {"config": dict(settings), "files": [{"path": p, "dtype": m["dtype"], "device": m["device"],
                                                    "torch_version": m["torch_version"]} for p, m in zip(paths, metas)],
               "layers": per_layer, "argmax_agreement": same_argmax / total_argmax if total_argmax else None}
