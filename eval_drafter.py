@@ -4349,13 +4349,8 @@ def scored_records(stream, drafters, embed_w, head, settings):
         yield from evaluate_prompts(group, drafters, embed_w, head, settings)
 
 
-def evaluate(settings, learned):
-    """The report over this process's slice (--shard, or this rank's), with the run's costs (--costs measure); under
-    torchrun every rank's records go to rank 0, whose report covers all (None elsewhere)."""
-    items = None if settings["load_hidden"] else expand(read_prompts(settings["prompts"], settings["limit"]), settings)
-    target_cfg, drafters = load_run(settings, learned)
-    facts = [drafter_facts(d) for d in drafters]
-    items, records, started = draft_prompts(settings, learned, items, target_cfg, drafters, facts)
+def finish_run(settings, learned, items, records, drafters, facts, started):
+    """The run's costs (--costs measure), every rank's records gathered, the report."""
     skipped = [{"id": it["id"], "reason": it["skip"]} for it in items if it.get("skip")]
     if settings.get("costs") == "measure" and not learned.interrupted:
         with timed("costs_s"):
@@ -4373,6 +4368,15 @@ def evaluate(settings, learned):
                                                                   it.get("turn")) for it in items],
                            "facts": facts, "records": [record_json(records[i]) for i in sorted(records)]}
     return report
+
+
+def evaluate(settings, learned):
+    """The report over this process's slice (--shard, or this rank's); under torchrun rank 0's covers all, else None."""
+    items = None if settings["load_hidden"] else expand(read_prompts(settings["prompts"], settings["limit"]), settings)
+    target_cfg, drafters = load_run(settings, learned)
+    facts = [drafter_facts(d) for d in drafters]
+    items, records, started = draft_prompts(settings, learned, items, target_cfg, drafters, facts)
+    return finish_run(settings, learned, items, records, drafters, facts, started)
 
 
 def hidden_drafters(settings, path):
