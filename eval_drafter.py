@@ -1322,20 +1322,18 @@ def run_steps(path):
 
 def checkpoint_specs(settings):
     """[(NAME=PATH spec, step or None)] of the --ckpt flags; a run directory gives NAME@STEP per step --steps picks."""
-    specs, picked, any_run = [], parse_steps(settings["steps"]), False
+    specs, picked = [], parse_steps(settings["steps"])
     for spec in settings["ckpt"]:
         name, path = split_ckpt_spec(spec)
-        steps = run_steps(path)
-        if steps is None:
+        if (steps := run_steps(path)) is None:
             specs.append((spec, None))
             continue
-        any_run = True
         missing = [s for s in picked if s not in steps] if isinstance(picked, list) else []
         if missing:
             fail(f"--steps {missing[0]}: {path} has no such step (it has {', '.join(map(str, sorted(steps)))})")
         chosen = sorted(steps)[-picked[1]:] if isinstance(picked, tuple) else picked or sorted(steps)
         specs += [(f"{name}@{s}={steps[s]}", s) for s in chosen]
-    if settings["steps"].strip().lower() != "all" and not any_run:
+    if picked is not None and all(step is None for _, step in specs):   # no --ckpt is a run directory
         fail("--steps picks steps of a training run's directory, and no --ckpt is one (a directory of step "
              "checkpoints such as <run>-step400/)")
     return specs
@@ -1348,6 +1346,7 @@ KEY_PREFIXES = ("module.", "_orig_mod.", "draft_model.", "model.")    # stripped
 def read_checkpoint(path, name):
     """(config dict or None, raw state dict) of a directory (public, sharded or a SpecForge step), a .safetensors
     file or a training .pt/.pth/.bin (tensors only: weights_only=True, never unpickled)."""
+    config = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), "config.json")
     if os.path.isdir(path):
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
@@ -1360,9 +1359,8 @@ def read_checkpoint(path, name):
             fail(f"{path} is not a DFlash drafter: the directory has no model.safetensors "
                  f"(or model.safetensors.index.json, or a SpecForge {TRAINING_STATE})")
         state = {k: v for file in files for k, v in load_safetensors(file).items()}
-        config = os.path.join(path, "config.json")
     elif path.endswith(".safetensors"):
-        state, config = load_safetensors(path), os.path.join(os.path.dirname(path), "config.json")
+        state = load_safetensors(path)
     elif path.endswith((".pt", ".pth", ".bin")):
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
@@ -1370,7 +1368,6 @@ def read_checkpoint(path, name):
             fail(f"{path} is not a tensors-only torch checkpoint: torch.load(weights_only=True) refused it (it holds "
                  "Python objects, or is no torch file). Unpickling is never tried, since it can run code; "
                  "re-save the state dict alone")
-        config = os.path.join(os.path.dirname(path), "config.json")
         if os.path.basename(path) == TRAINING_STATE and not os.path.isfile(config):   # beside the step directories
             config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "config.json")
     else:
@@ -1395,14 +1392,6 @@ def unwrap_state_dict(state, name, settings):
     if rules:
         log(settings, f"drafter {name}: {', '.join(rules)} to reach the public key layout")
     return state
-
-
-def trained_values(raw):
-    """A SpecForge training state's dflash_* values (mask_token_id, block_size, ...) unprefixed; {} otherwise."""
-    if not (isinstance(raw, dict) and "draft_state_dict" in raw):
-        return {}
-    return {k[len("dflash_"):]: v for k, v in raw.items()
-            if k.startswith("dflash_") and not isinstance(v, torch.Tensor)}
 
 
 @dataclass
@@ -1448,9 +1437,11 @@ def default_layer_ids(num_target_layers, k):
     return [int(round(1 + i * (num_target_layers - 4) / (k - 1))) for i in range(k)]
 
 
-def infer_config(state, target_cfg, settings, name, trained=None):
+def infer_config(state, target_cfg, settings, name, raw):
     """A drafter config from the tensor shapes, flags, a training state and the target's config, logging sources."""
-    trained = trained or {}
+    # a SpecForge training state's dflash_* values (mask_token_id, block_size, ...), unprefixed
+    trained = {} if not (isinstance(raw, dict) and "draft_state_dict" in raw) else \
+        {k[len("dflash_"):]: v for k, v in raw.items() if k.startswith("dflash_") and not isinstance(v, torch.Tensor)}
     needed = ["fc.weight"] + [f"layers.0.{k}.weight" for k in ("self_attn.q_norm", "self_attn.q_proj",
                                                                  "self_attn.k_proj", "mlp.gate_proj")]
     missing = [k for k in needed if k not in state]
@@ -1460,8 +1451,7 @@ def infer_config(state, target_cfg, settings, name, trained=None):
     hidden = state["fc.weight"].shape[0]
     head_dim = settings["head_dim"] or state["layers.0.self_attn.q_norm.weight"].shape[0]
     q_width, kv_width = (state[f"layers.0.self_attn.{p}.weight"].shape[0] for p in ("q_proj", "k_proj"))
-    n_heads = settings["num_heads"] or q_width // head_dim
-    kv_heads = settings["num_kv_heads"] or kv_width // head_dim
+    n_heads, kv_heads = settings["num_heads"] or q_width // head_dim, settings["num_kv_heads"] or kv_width // head_dim
     if n_heads * head_dim != q_width or kv_heads * head_dim != kv_width:
         fail(f"drafter {name}: q/k widths {q_width}/{kv_width} do not fit {n_heads}/{kv_heads} heads of {head_dim}; "
              "check --head-dim, --num-heads and --num-kv-heads")
@@ -1576,9 +1566,11 @@ def draft_vocabulary(carried, cfg, target_cfg, name):
     return targets, draft_of
 
 
-def drafter_record(state, carried, vocab, target_cfg, settings, identify, facts, **fields):
-    """The Drafter on the run's device and dtype (its own lm_head for its own vocabulary); when identified (once, not
-    at each reload of a run's step), its hash over tensors and `facts`, and warnings for carried target copies."""
+def drafter_record(state, shapes, carried, vocab, target_cfg, settings, identify, facts, **fields):
+    """The Drafter, its tensors checked against `shapes`, on the run's device and dtype (its own lm_head for its own
+    vocabulary); when identified (once, not at each reload of a run's step), its hash over tensors and `facts`, and
+    warnings for carried target copies."""
+    check_drafter_tensors(state, shapes, fields["name"], fields["generation"])
     if vocab is not None:
         state["lm_head.weight"] = carried["lm_head.weight"]
     dtype, dev = getattr(torch, settings["dtype"]), settings["device"]
@@ -1657,10 +1649,10 @@ def drafter_layer_ids(cfg, state, target_cfg, settings, name):
     elif config_ids:
         layer_ids, source = [int(x) for x in config_ids], "the checkpoint config"
     else:
-        layer_ids = default_layer_ids(cfg.get("num_target_layers", n_target), fc_layers)
-        source = "the public default rule"
+        claimed = cfg.get("num_target_layers", n_target)
+        layer_ids, source = default_layer_ids(claimed, fc_layers), "the public default rule"
         log(settings, f"drafter {name}: no target_layer_ids in its config; using {layer_ids} (public default rule "
-                      f"for {fc_layers} layers of a {cfg.get('num_target_layers', n_target)}-layer target)")
+                      f"for {fc_layers} layers of a {claimed}-layer target)")
     if rem or fc_layers != len(layer_ids):
         fail(f"drafter {name}: fc expects {fc_layers} feature layers, {source} gives {len(layer_ids)} "
              f"({layer_ids}); it was trained with another layer set: pass --layers with {fc_layers} ids")
@@ -1690,18 +1682,11 @@ def layer_rules(cfg, settings, layout="public"):
     rules = []
     for kind in types[:n]:
         sliding = kind == "sliding_attention" and window and settings["sliding_window"] == "train"
-        if settings["block_mask"] != "auto":
-            mode = settings["block_mask"]
-        else:
-            causal = forced if forced is not None else \
-                sliding and not (speculators and cfg["speculators"]["sliding_window_non_causal"])
-            mode = "causal" if causal else "bidirectional"
-        if not sliding:
-            rules.append((mode, None))
-        elif speculators:
-            rules.append((mode, int(window), "anchor"))
-        else:
-            rules.append((mode, int(window) + (layout == "transformers-native assistant")))
+        causal = forced if forced is not None else \
+            sliding and not (speculators and cfg["speculators"]["sliding_window_non_causal"])
+        mode = settings["block_mask"] if settings["block_mask"] != "auto" else "causal" if causal else "bidirectional"
+        rules.append((mode, None) if not sliding else (mode, int(window), "anchor") if speculators else
+                     (mode, int(window) + (layout == "transformers-native assistant")))
     return rules
 
 
@@ -1756,6 +1741,24 @@ def heads(x, n_heads, head_dim):
     return x.view(x.shape[0], n_heads, head_dim).transpose(0, 1)
 
 
+def rope_heads(w, norm, y, cfg, cos, sin):
+    """Projected rows y as heads, normed by w[norm] where the layer has it (Llama's EAGLE-3 has none), rotated."""
+    y = heads(y, y.shape[-1] // head_dim_of(cfg), head_dim_of(cfg))
+    return apply_rope(rms_norm(y, w[norm], cfg.get("rms_norm_eps", 1e-6)) if norm in w else y, cos, sin)
+
+
+def keys_values(w, p, x, cfg, cos, sin):
+    """Attention p's keys (normed, rotated) and values of rows x, as heads."""
+    return (rope_heads(w, p + "k_norm.weight", linear(x, w, p + "k_proj"), cfg, cos, sin),
+            heads(linear(x, w, p + "v_proj"), cfg["num_key_value_heads"], head_dim_of(cfg)))
+
+
+def attention(q, k, v, mask=None, causal=False):
+    """SDPA of q's heads (heads, T, head_dim) over k/v's, each k/v head repeated for its group of query heads."""
+    k, v = (t.repeat_interleave(q.shape[0] // t.shape[0], 0)[None] for t in (k, v))
+    return F.scaled_dot_product_attention(q[None], k, v, attn_mask=mask, is_causal=causal)[0]
+
+
 def block_mask(anchors, n_ctx, block_size, rule, starts=None):
     """Boolean (n*B, n_ctx + n*B) mask for the blocks anchored at `anchors`, True = may attend. Query (block i, slot
     j) at position a_i + j sees context positions p < a_i and its own block's slots: all (bidirectional) or those
@@ -1787,16 +1790,9 @@ def block_mask(anchors, n_ctx, block_size, rule, starts=None):
 def drafter_context(drafter, features, start=0):
     """Project the target features (T, n_layers * H) of positions start.. once: per-layer context K/V."""
     w, cfg = drafter.weights, drafter.cfg
-    eps = cfg.get("rms_norm_eps", 1e-6)
-    ctx = rms_norm(F.linear(features, w["fc.weight"]), w["hidden_norm.weight"], eps)
-    n_kv, hd = cfg["num_key_value_heads"], head_dim_of(cfg)
+    ctx = rms_norm(F.linear(features, w["fc.weight"]), w["hidden_norm.weight"], cfg.get("rms_norm_eps", 1e-6))
     cos, sin = rope_cos_sin(drafter, torch.arange(start, start + ctx.shape[0], device=ctx.device), ctx.dtype)
-    kv = []
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"layers.{i}.self_attn."
-        k = rms_norm(heads(linear(ctx, w, p + "k_proj"), n_kv, hd), w[p + "k_norm.weight"], eps)
-        kv.append((apply_rope(k, cos, sin), heads(linear(ctx, w, p + "v_proj"), n_kv, hd)))
-    return kv
+    return [keys_values(w, f"layers.{i}.self_attn.", ctx, cfg, cos, sin) for i in range(cfg["num_hidden_layers"])]
 
 
 def conv_in(drafter, prefix, h, n):
@@ -1832,30 +1828,22 @@ def swiglu(w, p, y):
 def drafter_forward(drafter, context_kv, anchors, block_ids, embed_w, starts=None):
     """Final-normed hidden states (n, B, H) of blocks [token at anchor, MASK, ...] at `anchors` (context rows `starts`
     on). Embeddings: raw rows of `embed_w` times the config's scale (the public code bypasses the target's module)."""
-    w, cfg = drafter.weights, drafter.cfg
-    eps = cfg.get("rms_norm_eps", 1e-6)
+    w, cfg, eps = drafter.weights, drafter.cfg, drafter.cfg.get("rms_norm_eps", 1e-6)
     n, B = block_ids.shape
-    n_heads, n_kv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim_of(cfg)
     n_ctx = int((anchors if starts is None else anchors + starts).max())
     x = F.embedding(block_ids.reshape(-1), embed_w)
     if drafter.embed_scale != 1.0:
         x = x * drafter.embed_scale
-    positions = (anchors[:, None] + torch.arange(B, device=anchors.device)).reshape(-1)
-    cos, sin = rope_cos_sin(drafter, positions, x.dtype)
+    cos, sin = rope_cos_sin(drafter, (anchors[:, None] + torch.arange(B, device=anchors.device)).reshape(-1), x.dtype)
     masks = {rule: block_mask(anchors, n_ctx, B, rule, starts) for rule in set(drafter.rules)}
     for i, rule in enumerate(drafter.rules):
         p = f"layers.{i}."
         h, taps = conv_in(drafter, p + "attention_conv.", rms_norm(x, w[p + "input_layernorm.weight"], eps), n)
-        q = rms_norm(heads(linear(h, w, p + "self_attn.q_proj"), n_heads, hd), w[p + "self_attn.q_norm.weight"], eps)
-        k = rms_norm(heads(linear(h, w, p + "self_attn.k_proj"), n_kv, hd), w[p + "self_attn.k_norm.weight"], eps)
-        v = heads(linear(h, w, p + "self_attn.v_proj"), n_kv, hd)
+        q = rope_heads(w, p + "self_attn.q_norm.weight", linear(h, w, p + "self_attn.q_proj"), cfg, cos, sin)
+        k, v = keys_values(w, p + "self_attn.", h, cfg, cos, sin)
         k_ctx, v_ctx = context_kv[i]
-        k = torch.cat([k_ctx[:, :n_ctx], apply_rope(k, cos, sin)], dim=1)
-        v = torch.cat([v_ctx[:, :n_ctx], v], dim=1)
-        groups = n_heads // n_kv
-        attn = F.scaled_dot_product_attention(apply_rope(q, cos, sin)[None], k.repeat_interleave(groups, 0)[None],
-                                              v.repeat_interleave(groups, 0)[None], attn_mask=masks[rule])
-        attn = linear(attn[0].transpose(0, 1).reshape(n * B, n_heads * hd), w, p + "self_attn.o_proj")
+        attn = attention(q, torch.cat([k_ctx[:, :n_ctx], k], 1), torch.cat([v_ctx[:, :n_ctx], v], 1), masks[rule])
+        attn = linear(attn.transpose(0, 1).reshape(n * B, -1), w, p + "self_attn.o_proj")
         x = x + conv_out(drafter, p + "attention_conv.", attn, taps)
         h, taps = conv_in(drafter, p + "mlp_conv.", rms_norm(x, w[p + "post_attention_layernorm.weight"], eps), n)
         x = x + conv_out(drafter, p + "mlp_conv.", swiglu(w, p + "mlp.", h), taps)
@@ -1916,14 +1904,13 @@ NATIVE_DEFAULTS = {"rms_norm_eps": 1e-5, "sliding_window": 2048, "rope_theta": 5
 SELECTOR = "candidate_selector."
 
 # speculators 0.9.0 (the layout vLLM loads): the keys of its DFlash and DFlash 2 configs, and their defaults
+FAMILY_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "markov_rank",
+               "markov_head_type")
 SPECULATORS_KEYS = {"speculators_model_type", "architectures", "transformer_layer_config", "draft_vocab_size",
                     "block_size", "target_hidden_size", "aux_hidden_state_layer_ids", "mask_token_id",
                     "sliding_window_non_causal", "sample_from_anchor", "speculators_version", "speculators_config",
                     "transformers_version", "dtype", "torch_dtype", "tie_word_embeddings", "auto_map", "_name_or_path",
-                    "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "markov_rank",
-                    "markov_head_type", "enable_confidence_head", "confidence_head_with_markov"}
-FAMILY_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "markov_rank",
-               "markov_head_type")
+                    "enable_confidence_head", "confidence_head_with_markov", *FAMILY_KEYS}
 
 
 def speculators_config(cfg, name):
@@ -1957,34 +1944,32 @@ def speculators_config(cfg, name):
 def recognize(cfg, state, name):
     """(generation, layout, config, state) under the public DFlash keys and names: the native assistant's encoder.*
     renamed, speculators' config unnested, DFlash 2's codebook `.weight` and SpecForge's DSpark logit_head. dropped."""
-    if ((cfg or {}).get("speculators_model_type") == "eagle3"
-            or any("Eagle3" in a for a in (cfg or {}).get("architectures") or [])
-            or any(k.startswith("midlayer.") for k in state)):
-        layout = "speculators" if "speculators_model_type" in (cfg or {}) else "SpecForge"
-        return "EAGLE-3", layout, eagle3_config(cfg or {}, name, layout), \
+    given = cfg or {}
+    archs, speculators = given.get("architectures") or [], "speculators_model_type" in given
+    if given.get("speculators_model_type") == "eagle3" or any("Eagle3" in a for a in archs) \
+            or any(k.startswith("midlayer.") for k in state):
+        layout = "speculators" if speculators else "SpecForge"
+        return "EAGLE-3", layout, eagle3_config(given, name, layout), \
             {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()}
-    native = (cfg or {}).get("model_type") == "muse_glimmer_assistant" or "encoder.fc.weight" in state
-    layout = "speculators" if "speculators_model_type" in (cfg or {}) else \
-        "transformers-native assistant" if native else "public"
-    if layout == "speculators":
+    native = given.get("model_type") == "muse_glimmer_assistant" or "encoder.fc.weight" in state
+    layout = "speculators" if speculators else "transformers-native assistant" if native else "public"
+    if speculators:   # its architectures are kept
         cfg = speculators_config(cfg, name)
     if native:
         state = {NATIVE_NAMES.get(k, k): v for k, v in state.items()}
-    state = {(k[:-len(".weight")] if k.startswith(SELECTOR) and k.endswith("_codebook.weight") else k): v
-             for k, v in state.items()}
-    state = {(k[len("logit_head."):] if k.startswith("logit_head.") else k): v for k, v in state.items()}
-    named = next((f for f in ("DSpark", "Domino") for a in (cfg or {}).get("architectures") or [] if f in a), None) \
+    state = {(k[:-len(".weight")] if k.startswith(SELECTOR) and k.endswith("_codebook.weight") else
+              k.removeprefix("logit_head.")): v for k, v in state.items()}
+    named = next((f for f in ("DSpark", "Domino") for a in archs if f in a), None) \
         or {"dspark": "DSpark", "domino": "Domino"}.get(str(dflash_value(cfg or {}, "projector_type"))) \
         or ("DSpark" if "markov_head.markov_w1.weight" in state else "Domino" if "prefix_gru.weight_ih_l0" in state
             else None)
-    dflash2 = "DFlash2DraftModel" in ((cfg or {}).get("architectures") or []) or \
-        any(k.startswith(SELECTOR) or "_conv." in k for k in state)
+    dflash2 = "DFlash2DraftModel" in archs or any(k.startswith(SELECTOR) or "_conv." in k for k in state)
     return named or ("DFlash 2" if dflash2 else "DFlash"), layout, cfg, state
 
 
 def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab=None):
     """{name: shape} of every tensor a drafter of this config holds (None: a dimension checked elsewhere)."""
-    H, I, hd = cfg["hidden_size"], cfg.get("intermediate_size"), head_dim_of(cfg)
+    H, hd = cfg["hidden_size"], head_dim_of(cfg)
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     eagle = generation == "EAGLE-3"   # one layer, q/k/v over [embedding; features] (2H); Llama's has no q/k norm
     width = 2 * H if eagle else H
@@ -2013,8 +1998,7 @@ def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab
         if rank is None:   # from the tensor itself; the codebooks must agree with it
             rank = getattr(state.get(SELECTOR + "hidden_projection.weight"), "shape", (None,))[0]
         shapes.update({SELECTOR + "hidden_projection.weight": (rank, H),
-                       SELECTOR + "predecessor_codebook": (vocab, rank),
-                       SELECTOR + "successor_codebook": (vocab, rank)})
+                       **{f"{SELECTOR}{k}_codebook": (vocab, rank) for k in ("predecessor", "successor")}})
     if generation == "DSpark" and head["rank"]:   # W1 reads the previous token (target ids), W2 writes draft logits
         r, m = head["rank"], "markov_head."
         shapes.update({m + "markov_w1.weight": (vocab, r), m + "markov_w2.weight": (draft_vocab or vocab, r)})
@@ -2028,14 +2012,17 @@ def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab
                        "embed_proj.0.weight": (E, H + G), "embed_proj.2.weight": (vocab, E)})
     for i in range(1 if eagle else cfg.get("num_hidden_layers", 0)):
         shapes.update({f"layers.{i}.{k}": shape for k, shape in per_layer.items()})
+    if eagle:   # fc over the n captured layers' features, after their norms where the config asks for them
+        n = state["fc.weight"].shape[1] // H
+        shapes.update({"fc.weight": (H, n * H), **({"input_norm.weight": (n * H,)} if head["norm_before_fc"] else {}),
+                       **{f"fc_norm.{i}.weight": (H,) for i in range(n if head["fc_norm"] else 0)}})
     return shapes
 
 
 def dflash2_settings(cfg, state, name, settings):
     """((conv taps K, channels per group), selector candidates per slot): its config's, else inferred (and logged)."""
-    H, found = cfg["hidden_size"], {}
-    kernel, projection = state.get("layers.0.attention_conv.base_kernel"), \
-        state.get("layers.0.attention_conv.kernel_projection.weight")
+    H, found, p = cfg["hidden_size"], {}, "layers.0.attention_conv."
+    kernel, projection = state.get(p + "base_kernel"), state.get(p + "kernel_projection.weight")
     K = dflash_value(cfg, "conv_kernel_size")
     if K is None and kernel is not None and kernel.dim() == 3:
         K = found["conv_kernel_size"] = kernel.shape[1]
@@ -2141,7 +2128,7 @@ def load_block(name, path, generation, cfg, state, layout, raw, target_cfg, sett
     """A drafter of the block family (DFlash, DFlash 2, DSpark, Domino): [anchor, MASK, ...] over the context."""
     fam = FAMILIES[generation]
     if cfg is None:
-        cfg = infer_config(state, target_cfg, settings, name, trained_values(raw))
+        cfg = infer_config(state, target_cfg, settings, name, raw)
     if layout == "transformers-native assistant":
         cfg = {**NATIVE_DEFAULTS, "layer_types": ["sliding_attention"] * cfg.get("num_hidden_layers", 0), **cfg}
     if dflash_value(cfg, "block_size") is None and not cfg.get("dflash_config"):
@@ -2158,13 +2145,12 @@ def load_block(name, path, generation, cfg, state, layout, raw, target_cfg, sett
     from_anchor = spec_cfg.get("sample_from_anchor", fam.from_anchor and cfg.get("sample_from_anchor", True))
     check_hidden(cfg, target_cfg, name)
     layer_ids = drafter_layer_ids(cfg, state, target_cfg, settings, name)
-    mask_id = settings.get("mask_token_id")
-    mask_id = dflash_value(cfg, "mask_token_id") if mask_id is None else mask_id
+    mask_id = dflash_value(cfg, "mask_token_id") if settings.get("mask_token_id") is None else settings["mask_token_id"]
     if mask_id is None or not 0 <= int(mask_id) < target_cfg.vocab_size:
         fail(f"drafter {name}: mask_token_id {mask_id} is outside the target vocab ({target_cfg.vocab_size})")
-    block_size = settings["block_size"] or int(dflash_value(cfg, "block_size", 16))
-    if block_size < 2 - from_anchor:
-        fail(f"drafter {name}: block size {block_size} is too small (needs at least {2 - from_anchor})")
+    B = (settings["block_size"] or int(dflash_value(cfg, "block_size", 16))) + from_anchor   # with the anchor's slot
+    if B < 2:
+        fail(f"drafter {name}: block size {B - from_anchor} is too small (needs at least {2 - from_anchor})")
     carried = {k: state.pop(k) for k in CARRIED if k in state}
     vocab = draft_vocabulary(carried, cfg, target_cfg, name)
     if vocab is not None and fam.full_vocabulary:
@@ -2183,13 +2169,11 @@ def load_block(name, path, generation, cfg, state, layout, raw, target_cfg, sett
     for k in [k for k in state if k.startswith("confidence_head.")]:
         state.pop(k)   # DSpark's confidence head sizes SGLang's verify windows in its non-default modes, no draft
     conv, top_k = fam.conv(cfg, state, name, settings) if fam.conv else ((), 0)
-    check_drafter_tensors(state, expected_tensors(cfg, conv, generation, state, target_cfg.vocab_size, head,
-                                                  len(vocab[0]) if vocab is not None else None), name, generation)
-    facts = (cfg, layer_ids, block_size + from_anchor, int(mask_id), rules, generation, conv, top_k, head)
-    return drafter_record(state, carried, vocab, target_cfg, settings, identify, facts, name=name,
-                          checkpoint=os.path.abspath(path), cfg=cfg, layers=layer_ids,
-                          block_size=block_size + from_anchor, mask_token_id=int(mask_id), rules=rules,
-                          generation=generation, layout=layout,
+    shapes = expected_tensors(cfg, conv, generation, state, target_cfg.vocab_size, head, vocab and len(vocab[0]))
+    return drafter_record(state, shapes, carried, vocab, target_cfg, settings, identify,
+                          (cfg, layer_ids, B, int(mask_id), rules, generation, conv, top_k, head), name=name,
+                          checkpoint=os.path.abspath(path), cfg=cfg, layers=layer_ids, block_size=B,
+                          mask_token_id=int(mask_id), rules=rules, generation=generation, layout=layout,
                           embed_scale=float(dflash_value(cfg, "input_embedding_scale", 1.0)),
                           logit_multiplier=float(dflash_value(cfg, "output_multiplier", 1.0)),
                           softcap=float(dflash_value(cfg, "final_logit_softcapping", 0.0)), conv=conv,
@@ -2197,8 +2181,8 @@ def load_block(name, path, generation, cfg, state, layout, raw, target_cfg, sett
                           head=head)
 
 
-def markov_bias(w, kind, prev, rows, state):
-    """(DSpark's Markov bias over the draft vocabulary, state) for slot rows h after target ids `prev`: W2 e with
+def with_markov_bias(w, kind, raw, prev, rows, state):
+    """(raw + DSpark's Markov bias over the draft vocabulary, state) for slot rows h after target ids `prev`: W2 e with
     e = W1[prev], gated by sigmoid(Wg [h; e] + b), or (rnn) tanh(o) for (a, c, o) = Wj [s; e; h] + b, updating s."""
     m = "markov_head."
     e = F.embedding(prev, w[m + "markov_w1.weight"])
@@ -2210,7 +2194,7 @@ def markov_bias(w, kind, prev, rows, state):
                            w[m + "joint_proj.bias"]).chunk(3, -1)
         keep = torch.sigmoid(a)
         state, e = keep * state + (1 - keep) * torch.tanh(c), torch.tanh(o)
-    return F.linear(e, w[m + "markov_w2.weight"]), state
+    return raw + F.linear(e, w[m + "markov_w2.weight"]), state
 
 
 def gru_step(w, x, g):
@@ -2226,11 +2210,8 @@ def corrected(drafter, raw, rows, prev, state, k, embed_w):
     """Slot k's raw logits with its family's correction, given the token before it `prev` (target ids) and the
     chain's state: (logits, state). Training code calls this too, with the reference tokens as prev."""
     h, w = drafter.head, drafter.weights
-    if drafter.generation == "DSpark":
-        if not h["rank"]:
-            return raw, state
-        bias, state = markov_bias(w, h["kind"], prev, rows, state)
-        return raw + bias, state
+    if drafter.generation == "DSpark":   # no Markov head (markov_rank 0): the raw logits
+        return with_markov_bias(w, h["kind"], raw, prev, rows, state) if h["rank"] else (raw, state)
     state = gru_step(w, embed_w[prev], state)   # Domino: the GRU has read the anchor and the drafts up to prev
     if k + 1 <= h["prefix"]:
         return raw, state
@@ -2256,8 +2237,7 @@ def chain_drafts(drafter, head, hidden, first, embed_w, prompt_id, given=None, s
     out = torch.empty(n, S, dtype=torch.long if given is None else torch.float64, device=hidden.device)
     prev, state, allowed = first, None, None
     # The base logits in one lm_head call where they fit the logits budget: the sequential part is the heads alone
-    every = base_logits(drafter, head, hidden.reshape(n * S, -1)).view(n, S, -1) if n * S <= drafter.logit_rows \
-        else None
+    every = base_logits(drafter, head, hidden.flatten(0, 1)).view(n, S, -1) if n * S <= drafter.logit_rows else None
 
     def base(k):
         return every[:, k] if every is not None else base_logits(drafter, head, hidden[:, k])
@@ -2281,12 +2261,11 @@ def chain_drafts(drafter, head, hidden, first, embed_w, prompt_id, given=None, s
     return out
 
 
-def chained_round(d, context_kv, anchors, first, starts, embed_w, head, prompt_id, reference=None, sampling=None):
-    """DSpark's and Domino's round: (chained drafts, given `reference` tokens a sampling drafter's chance of each)."""
+def chained_round(d, context_kv, anchors, first, starts, embed_w, head, prompt_id, given=None, sampling=None):
+    """DSpark's and Domino's round: (chained drafts, with `given` tokens a sampling drafter's chance of each)."""
     hidden = proposal_rows(d, drafter_forward(d, context_kv, anchors, mask_block(d, first), embed_w, starts))
-    drafts = chain_drafts(d, head, hidden, first, embed_w, prompt_id)
-    return drafts, None if reference is None else chain_drafts(d, head, hidden, first, embed_w, prompt_id, reference,
-                                                               sampling)
+    return (chain_drafts(d, head, hidden, first, embed_w, prompt_id),
+            None if given is None else chain_drafts(d, head, hidden, first, embed_w, prompt_id, given, sampling))
 
 
 def eagle3_config(cfg, name, layout):
@@ -2329,12 +2308,11 @@ def eagle3_layers(e, target_cfg, settings, name, n_fc):
 
 def load_eagle3(name, path, generation, cfg, state, layout, raw, target_cfg, settings, identify):
     """An EAGLE-3 drafter: one decoder layer over [embedding; fused target features], chained K steps."""
-    e, H = cfg["eagle"], cfg["hidden_size"]
+    e = cfg["eagle"]
     check_hidden(cfg, target_cfg, name)
     if "fc.weight" not in state or "layers.0.hidden_norm.weight" not in state:
         fail(f"drafter {name}: an EAGLE-3 drafter needs fc.weight and layers.0.hidden_norm.weight (or midlayer.*)")
-    n_fc = state["fc.weight"].shape[1] // target_cfg.hidden_size
-    layers, source = eagle3_layers(e, target_cfg, settings, name, n_fc)
+    layers, source = eagle3_layers(e, target_cfg, settings, name, state["fc.weight"].shape[1] // target_cfg.hidden_size)
     carried = {k: state.pop(k) for k in CARRIED if k in state}
     vocab = draft_vocabulary(carried, {**cfg, "speculators": {"draft_vocab_size": e["draft_vocab_size"]}}, target_cfg,
                              name)
@@ -2348,18 +2326,11 @@ def load_eagle3(name, path, generation, cfg, state, layout, raw, target_cfg, set
                   f"{'post' if head['norm_output'] else 'pre'}-norm hidden" +
                   ("; SpecForge's norm_output means the norm before lm_head, the engines read it as the hidden fed "
                    "back: the engines' reading is used" if e["norm_output_given"] and layout == "SpecForge" else ""))
-    shapes = expected_tensors(cfg, (), "EAGLE-3", state, target_cfg.vocab_size)
-    shapes["fc.weight"] = (H, n_fc * target_cfg.hidden_size)
-    if head["norm_before_fc"]:
-        shapes["input_norm.weight"] = (n_fc * target_cfg.hidden_size,)
-    if head["fc_norm"]:
-        shapes.update({f"fc_norm.{i}.weight": (target_cfg.hidden_size,) for i in range(n_fc)})
-    check_drafter_tensors(state, shapes, name, "EAGLE-3")
     # its own lm_head is never the target's to warn about: vocab holds it (an identity mapping at full vocabulary)
-    return drafter_record(state, carried, vocab, target_cfg, settings, identify,
-                          (cfg, layers, steps + 1, "EAGLE-3", head), name=name, checkpoint=os.path.abspath(path),
-                          cfg=cfg, layers=layers, block_size=steps + 1, mask_token_id=-1, rules=[],
-                          generation="EAGLE-3", layout=layout, head=head, warnings=[])
+    return drafter_record(state, expected_tensors(cfg, (), "EAGLE-3", state, target_cfg.vocab_size, head), carried,
+                          vocab, target_cfg, settings, identify, (cfg, layers, steps + 1, "EAGLE-3", head), name=name,
+                          checkpoint=os.path.abspath(path), cfg=cfg, layers=layers, block_size=steps + 1,
+                          mask_token_id=-1, rules=[], generation="EAGLE-3", layout=layout, head=head, warnings=[])
 
 
 MTP_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")   # text model types whose MTP layer this tool runs
@@ -2373,10 +2344,8 @@ DRAFTER_KEYS = ("dflash_config", "speculators_model_type", "block_size", "target
 
 def is_target_directory(path):
     """Whether `path` is a target (...ForCausalLM, ...ForConditionalGeneration; no drafter keys): its MTP drafts."""
-    file = os.path.join(path, "config.json")
-    if not os.path.isdir(path) or not os.path.isfile(file):
-        return False
-    cfg = read_json(file)
+    file = os.path.join(path, "config.json")   # only a directory holds one
+    cfg = read_json(file) if os.path.isfile(file) else {}
     return not any(k in cfg for k in DRAFTER_KEYS) and any(
         str(a).endswith(("ForCausalLM", "ForConditionalGeneration")) for a in cfg.get("architectures") or [])
 
@@ -2401,29 +2370,26 @@ def load_mtp(name, path, target_cfg, settings, identify):
     # Qwen3.5's and Qwen3-Next's norms scale by 1 + weight (zero-centred): kept here as the plain scale
     state = {k[len("mtp."):]: (1.0 + v.float() if "norm" in k.split(".")[-2] else v.float())
              for k, v in target_tensors(files, names).items()}
-    for fused in [k for k in state if k.endswith("mlp.experts.gate_up_proj")]:   # transformers 5.x's fused experts
-        p, gate_up, down = (fused[:-len("gate_up_proj")], state.pop(fused),
-                            state.pop(fused[:-len("gate_up_proj")] + "down_proj"))
-        for e in range(gate_up.shape[0]):
-            g, u = gate_up[e].chunk(2, 0)
-            state.update({f"{p}{e}.gate_proj.weight": g, f"{p}{e}.up_proj.weight": u,
-                          f"{p}{e}.down_proj.weight": down[e]})
+    for p in [k[:-len("gate_up_proj")] for k in state if k.endswith("mlp.experts.gate_up_proj")]:
+        gate_up, down = state.pop(p + "gate_up_proj"), state.pop(p + "down_proj")   # transformers 5.x's fused experts
+        for e in range(gate_up.shape[0]):   # gate and up stacked in gate_up_proj
+            state.update(zip((f"{p}{e}.gate_proj.weight", f"{p}{e}.up_proj.weight"), gate_up[e].chunk(2, 0)))
+            state[f"{p}{e}.down_proj.weight"] = down[e]
     cfg = {k: v for k, v in text.to_dict().items() if k in MTP_KEYS}   # no path: its identity is its content
     check_hidden(cfg, target_cfg, name)
     steps = (settings.get("block_size") or 4) - 1   # SGLang's default for Qwen: 3 steps, top-1
     head = {"norm_output": True, "gate": bool(cfg.get("attn_output_gate", True))}
-    moe = "layers.0.mlp.gate.weight" in state
     if settings.get("layers") is not None:
         log(settings, f"drafter {name}: --layers does not apply to an MTP layer (it reads the last hidden state)")
     log(settings, f"drafter {name}: MTP, the target's own layer (mtp.* in its safetensors; transformers does not "
                   f"load it); {steps} steps a round, the one layer reused; reads the last hidden state after the final "
                   f"norm and feeds its own post-norm output back, as vLLM and SGLang draft it; " +
-                  (f"{cfg['num_experts']} experts, top {cfg['num_experts_per_tok']}, and a shared expert" if moe
-                   else "a dense MLP"))
-    check_drafter_tensors(state, expected_tensors(cfg, (), "MTP", state, target_cfg.vocab_size, head), name, "MTP")
+                  (f"{cfg['num_experts']} experts, top {cfg['num_experts_per_tok']}, and a shared expert"
+                   if "layers.0.mlp.gate.weight" in state else "a dense MLP"))
     layers = [target_cfg.num_hidden_layers - 1]   # this tool's id of the post-norm last hidden state
-    return drafter_record(state, {}, None, target_cfg, settings, identify, (cfg, layers, steps + 1, "MTP", head),
-                          name=name, checkpoint=os.path.abspath(path), cfg=cfg, layers=layers, block_size=steps + 1,
+    return drafter_record(state, expected_tensors(cfg, (), "MTP", state, target_cfg.vocab_size, head), {}, None,
+                          target_cfg, settings, identify, (cfg, layers, steps + 1, "MTP", head), name=name,
+                          checkpoint=os.path.abspath(path), cfg=cfg, layers=layers, block_size=steps + 1,
                           mask_token_id=-1, rules=[], generation="MTP", layout="target", head=head, warnings=[],
                           rope=target_rope(text, settings["device"]))
 
@@ -2457,8 +2423,7 @@ def mlp(d, p, y):
 def causal_layer(d, emb, g, positions, attend):
     """EAGLE-3's or MTP's decoder layer on rows (embedding, hidden g); attend(q, k, v) gives the attention. EAGLE-3's
     q/k/v read [norm(emb); norm(g)] (2H), MTP's fc of them feeds the target's layer. Returns (h pre-norm, k, v)."""
-    w, cfg, p = d.weights, d.cfg, "layers.0."
-    eps, hd, n_heads = cfg.get("rms_norm_eps", 1e-6), head_dim_of(cfg), cfg["num_attention_heads"]
+    w, cfg, p, eps = d.weights, d.cfg, "layers.0.", d.cfg.get("rms_norm_eps", 1e-6)
     if d.generation == "EAGLE-3":
         normed = rms_norm(g, w[p + "hidden_norm.weight"], eps)
         x = torch.cat([rms_norm(emb, w[p + "input_layernorm.weight"], eps), normed], -1)
@@ -2468,16 +2433,12 @@ def causal_layer(d, emb, g, positions, attend):
                                        rms_norm(g, w["pre_fc_norm_hidden.weight"], eps)], -1), w["fc.weight"])
         x = rms_norm(residual, w[p + "input_layernorm.weight"], eps)
     q, gate = linear(x, w, p + "self_attn.q_proj"), None
-    if d.head.get("gate"):
-        q, gate = q.view(x.shape[0], n_heads, 2, hd).unbind(2)
-        q, gate = q.reshape(x.shape[0], -1), gate.reshape(x.shape[0], -1)
-    q, k = heads(q, n_heads, hd), heads(linear(x, w, p + "self_attn.k_proj"), cfg["num_key_value_heads"], hd)
-    v = heads(linear(x, w, p + "self_attn.v_proj"), cfg["num_key_value_heads"], hd)
-    if p + "self_attn.q_norm.weight" in w:
-        q, k = rms_norm(q, w[p + "self_attn.q_norm.weight"], eps), rms_norm(k, w[p + "self_attn.k_norm.weight"], eps)
+    if d.head.get("gate"):   # each head's query, then its gate
+        q, gate = (t.reshape(x.shape[0], -1) for t in q.view(x.shape[0], cfg["num_attention_heads"], 2, -1).unbind(2))
     cos, sin = rope_cos_sin(d, positions, x.dtype)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    attn = attend(q, k, v).transpose(0, 1).reshape(x.shape[0], -1)
+    k, v = keys_values(w, p + "self_attn.", x, cfg, cos, sin)
+    attn = attend(rope_heads(w, p + "self_attn.q_norm.weight", q, cfg, cos, sin), k, v)
+    attn = attn.transpose(0, 1).reshape(x.shape[0], -1)
     h = residual + linear(attn if gate is None else attn * torch.sigmoid(gate), w, p + "self_attn.o_proj")
     return h + mlp(d, p, rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)), k, v
 
@@ -2494,9 +2455,8 @@ def causal_pass(d, features, ids, embed_w, cache=None):
     def attend(q, k, v):
         if cache is not None:
             k, v = torch.cat([cache[0][0], k], 1), torch.cat([cache[0][1], v], 1)
-        k, v = (t.repeat_interleave(q.shape[0] // t.shape[0], 0)[None] for t in (k, v))
-        mask = None if cache is None else torch.ones(q.shape[1], k.shape[2], dtype=torch.bool, device=q.device).tril(n0)
-        return F.scaled_dot_product_attention(q[None], k, v, attn_mask=mask, is_causal=cache is None)[0]
+        mask = None if cache is None else torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril(n0)
+        return attention(q, k, v, mask, cache is None)
     h, k, v = causal_layer(d, embed_w[ids_t], g, positions, attend)
     if cache is not None:
         (k0, v0, h0), = cache
@@ -2510,7 +2470,7 @@ def causal_chain(d, context, anchors, starts, embed_w, head, prompt_id, given=No
     (k_ctx, v_ctx, h_ctx), = context
     w, eps, S, n = d.weights, d.cfg.get("rms_norm_eps", 1e-6), d.block_size - 1, anchors.shape[0]
     start = torch.zeros_like(anchors) if starts is None else starts
-    n_ctx, groups = int((anchors + start).max()), d.cfg["num_attention_heads"] // d.cfg["num_key_value_heads"]
+    n_ctx = int((anchors + start).max())
     out = torch.empty(n, S, dtype=torch.long if given is None else torch.float64, device=anchors.device)
     h, chain_k, chain_v, steps = h_ctx[0, start + anchors - 1], [], [], []
     for s in range(S):
@@ -2522,8 +2482,7 @@ def causal_chain(d, context, anchors, starts, embed_w, head, prompt_id, given=No
                 chain_k.append(k), chain_v.append(v)
                 keys, values = (torch.cat([c[:, :n_ctx], torch.stack(rows, 2).flatten(1, 2)], 1)
                                 for c, rows in ((k_ctx, chain_k), (v_ctx, chain_v)))
-                return F.scaled_dot_product_attention(q[None], keys.repeat_interleave(groups, 0)[None],
-                                                      values.repeat_interleave(groups, 0)[None], attn_mask=mask)[0]
+                return attention(q, keys, values, mask)
             h = causal_layer(d, embed_w[prev], fed, anchors - 1 + s, attend)[0]
         normed = rms_norm(h, w["norm.weight"], eps)
         fed = normed if d.head["norm_output"] else h
@@ -2536,11 +2495,11 @@ def causal_chain(d, context, anchors, starts, embed_w, head, prompt_id, given=No
     return torch.stack(steps, 1) if steps else out
 
 
-def causal_round(d, context, anchors, first, starts, embed_w, head, prompt_id, reference=None, sampling=None):
-    """EAGLE-3's and MTP's round: (K chained drafts, given `reference` tokens a sampling drafter's chance of each)."""
-    drafts = causal_chain(d, context, anchors, starts, embed_w, head, prompt_id)
-    return drafts, None if reference is None else causal_chain(d, context, anchors, starts, embed_w, head, prompt_id,
-                                                               reference, sampling)
+def causal_round(d, context, anchors, first, starts, embed_w, head, prompt_id, given=None, sampling=None):
+    """EAGLE-3's and MTP's round: (K chained drafts, with `given` tokens a sampling drafter's chance of each)."""
+    return (causal_chain(d, context, anchors, starts, embed_w, head, prompt_id),
+            None if given is None else causal_chain(d, context, anchors, starts, embed_w, head, prompt_id, given,
+                                                    sampling))
 
 
 @dataclass
@@ -2596,11 +2555,10 @@ def load_drafter(spec, target_cfg, settings, identify=True):
     if is_target_directory(path):
         return load_mtp(name, path, target_cfg, settings, identify)
     cfg, raw = read_checkpoint(path, name)
-    if settings.get("drafter_config"):
-        if cfg is None:
-            cfg = read_json(settings["drafter_config"])
-        else:
-            log(settings, f"drafter {name}: --drafter-config ignored, the checkpoint has its own config.json")
+    if settings.get("drafter_config") and cfg is not None:
+        log(settings, f"drafter {name}: --drafter-config ignored, the checkpoint has its own config.json")
+    elif settings.get("drafter_config"):
+        cfg = read_json(settings["drafter_config"])
     generation, layout, cfg, state = recognize(cfg, unwrap_state_dict(raw, name, settings), name)
     return FAMILIES[generation].load(name, path, generation, cfg, state, layout, raw, target_cfg, settings, identify)
 
@@ -2608,9 +2566,8 @@ def load_drafter(spec, target_cfg, settings, identify=True):
 def prompt_context(drafter, features, ids=None, embed_w=None):
     """What the blocks attend to: DFlash-family context K/V per layer; EAGLE-3's and MTP's pass over the text."""
     features = torch.cat([features[L] for L in drafter.layers], dim=-1)
-    if family(drafter).causal:
-        return causal_pass(drafter, features, ids, embed_w)
-    return drafter_context(drafter, features)
+    return causal_pass(drafter, features, ids, embed_w) if family(drafter).causal else \
+        drafter_context(drafter, features)
 
 
 def tree_top_k(top, logits, done, B, top_k, after, n):
@@ -2639,11 +2596,10 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
                       after=None, reference=None, sampling=None, proposal=None):
     """Argmax drafts (n, B-1; DFlash 2: the selector's path) of blocks [first, MASK, ...] at `anchors`, DDTree's top_k;
     given `reference`, fills `proposal`: a sampling drafter's chance of each (B counts sample_from_anchor's slot)."""
-    B, n, propose = drafter.block_size, anchors.shape[0], family(drafter).propose
+    B, n, dev, propose = drafter.block_size, anchors.shape[0], anchors.device, family(drafter).propose
     if n == 0:
         empty = torch.zeros(0, B - 1, max(top_k, 1))
         return torch.zeros(0, B - 1, dtype=torch.long), (empty, empty.long())
-    dev = anchors.device
     # Outputs allocated up front: small tensors made between the big per-chunk logits would pin freed heap.
     drafts, top, done = torch.empty(n * (B - 1), dtype=torch.long, device=dev), None, 0
     picks = selector_buffers(drafter, n * (B - 1), dev) if drafter.selector_top_k else None
@@ -2652,13 +2608,11 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
         part = slice(lo, lo + per_call)
         starts_part = None if starts is None else starts[part]
         if propose:   # a chain: each draft after the ones before it
-            at = slice(done, done + first[part].shape[0] * (B - 1))
             drafted, q = propose(drafter, context_kv, anchors[part], first[part], starts_part, embed_w, head,
                                  prompt_id, None if proposal is None else reference[part].to(dev), sampling)
-            drafts[at] = drafted.view(-1)
+            drafts.view(n, B - 1)[part] = drafted
             if q is not None:
                 proposal[part] = q.to(proposal.device)
-            done = at.stop
             continue
         hidden = proposal_rows(drafter, drafter_forward(drafter, context_kv, anchors[part],
                                                         mask_block(drafter, first[part]), embed_w, starts_part))
