@@ -3394,10 +3394,24 @@ def export_vllm_synthetic(report, path, depth):
 # Report: built from the records, then printed
 
 
-def target_agreement(items):
-    """Fraction of reference tokens equal to the target's argmax given the reference prefix."""
-    hits, total = (sum(it["agree"][i] for it in items) for i in (0, 1))
-    return hits / total if total else None
+def reference_fit(items):
+    """The references against the target, pooled: (tokens that fit, tokens, their log-prob sum, [(item, its first
+    token that does not fit)] for the items that have one). Greedy, a token fits when it is the target's argmax given
+    the reference prefix; sampled (the item's "support"), when it lies inside the target's sampling support."""
+    fits = [it["support"] if it.get("support") is not None else (*it["agree"], 0.0, it["first_divergence"])
+            for it in items]
+    misses = [(it, f[3]) for it, f in zip(items, fits) if f[3] is not None]
+    return (*(sum(f[i] for f in fits) for i in range(3)), misses)
+
+
+def reference_keys(items, sampled, key="target_agreement"):
+    """The report's figures of reference_fit: greedy, the share of tokens that fit (under `key`); sampled, the share
+    inside the support and those tokens' mean log-probability."""
+    fit, total, logp, _ = reference_fit(items)
+    share = fit / total if total else None
+    if not sampled:
+        return {key: share}
+    return {"reference_support": share, "reference_mean_logprob": logp / fit if fit else None}
 
 
 SELF_CHECK_TOLERANCE = 0.01   # share of its own reference tokens that may flip on GPU or in a 16-bit dtype
@@ -3407,21 +3421,18 @@ def self_check(items, config):
     """The references generated here against this tool's own teacher-forced pass (argmax, or sampling support):
     exact on CPU in float32, else within SELF_CHECK_TOLERANCE; None when none was generated here."""
     own = [it for it in items if it["source"] == "target"]
-    sampled = bool(own) and own[0].get("support") is not None
-    counts = [(it["support"][0], it["support"][1], it["support"][3]) if sampled else
-              (it["agree"][0], it["agree"][1], it["first_divergence"]) for it in own]
-    tokens = sum(total for _, total, _ in counts)
+    fit, tokens, _, misses = reference_fit(own)
     if not tokens:
         return None
-    agreement = sum(hits for hits, _, _ in counts) / tokens
+    sampled, agreement = own[0].get("support") is not None, fit / tokens
     where = config.get("hidden_cache") or config   # where the references were generated and extracted
     strict = where["device"] == "cpu" and where["dtype"] == "float32"
     tolerance = 0.0 if strict else SELF_CHECK_TOLERANCE
     check = {"tokens": tokens, "agreement": agreement, "tolerance": tolerance, "passed": agreement >= 1 - tolerance,
              "first_divergence": None}
-    first, position = next(((it, c[2]) for it, c in zip(own, counts) if c[2] is not None), (None, None))
-    if first is None:
+    if not misses:
         return check
+    first, position = misses[0]
     token = first["completion_ids"][position] if sampled else None
     detail = check["first_divergence"] = {"prompt": first["id"], "position": position,
                                           **({"reference": token} if sampled else first.get("divergence") or {})}
@@ -3446,32 +3457,19 @@ def self_check(items, config):
     return check
 
 
-def reference_support(items):
-    """Pooled, the share of reference tokens inside the target's sampling support and their mean log-probability."""
-    inside, total, logp = (sum(it["support"][i] for it in items) for i in range(3))
-    return {"reference_support": inside / total if total else None,
-            "reference_mean_logprob": logp / inside if inside else None}
-
-
 def prompt_report(it, res, B):
     """One reference's entry: its source, how it sits with the target, its rounds (or their expectation)."""
-    entry = {"id": it["id"], **({"sample": it["sample"]} if it.get("sample") is not None else {}),
-             **({"turn": it["turn"]} if it.get("turn") is not None else {}), "split": it["split"],
+    sampled = "expected" in res
+    committed, rounds = prompt_totals([res], [it])[it["id"]]   # exact or expected
+    entry = {"id": it["id"], **{k: it[k] for k in ("sample", "turn") if it.get(k) is not None}, "split": it["split"],
              "prompt_tokens": len(it["prompt_ids"]), "completion_tokens": len(it["completion_ids"]),
              "reference_generated": it["source"] != "file", "reference_source": it["source"],
-             "first_divergence": it["first_divergence"], "divergence": it.get("divergence")}
-    if "expected" in res:
-        inside, total, logp, outside = it["support"]
-        e = res["expected"]
-        entry.update(reference_support=inside / total if total else None,
-                     reference_mean_logprob=logp / inside if inside else None, first_outside_support=outside,
-                     tau=e["committed"] / e["rounds"] if e["rounds"] else None, expected_rounds=e["rounds"],
-                     expected_committed=e["committed"],
-                     **({"rounds": res["rounds"]} if res["rounds"] is not None else {}))
-    else:
-        entry.update(target_agreement=it["agree"][0] / it["agree"][1] if it["agree"][1] else None,
-                     tau=sum(res["rounds"]) / len(res["rounds"]) if res["rounds"] else None, rounds=res["rounds"])
-    entry["ddtree_rounds"] = {str(b): r for b, r in res["ddtree_rounds"].items()}
+             "first_divergence": it["first_divergence"], "divergence": it.get("divergence"),
+             **reference_keys([it], sampled), **({"first_outside_support": it["support"][3]} if sampled else {}),
+             "tau": committed / rounds if rounds else None,
+             **({"expected_rounds": rounds, "expected_committed": committed} if sampled else {}),
+             **({"rounds": res["rounds"]} if res["rounds"] is not None else {}),
+             "ddtree_rounds": {str(b): r for b, r in res["ddtree_rounds"].items()}}
     if "depths" in res:
         entry["depth_rounds"] = {str(k): other["rounds"] for k, other in sorted(res["depths"].items())}
     if not (res["rounds"] or res.get("expected", {}).get("rounds")):
@@ -3524,11 +3522,9 @@ def drafter_report(d, results, items):
     def section(keep, depth=None):   # greedy: target agreement; sampled: the references in the target's support
         chosen = [(res if depth is None else res["depths"][depth], it) for res, it in zip(results, items) if keep(it)]
         totals = list(prompt_totals(*zip(*chosen)).values()) if chosen else []
-        its = [it for _, it in chosen]
         return {**summarize([res for res, _ in chosen], B if depth is None else depth + 1),
                 "tau_ci95": ratio_ci95([c for c, _ in totals], [r for _, r in totals]),
-                **(reference_support(its) if sampled else {"target_agreement": target_agreement(its)}),
-                **(no_trees if depth is None else {})}
+                **reference_keys([it for _, it in chosen], sampled), **(no_trees if depth is None else {})}
 
     whole = section(lambda it: True)
     splits = {split: section(lambda it: it["split"] == split) for split in sorted({it["split"] for it in items})}
@@ -3547,63 +3543,50 @@ def drafter_report(d, results, items):
             "prompts": prompts}
 
 
-def against_first(totals):
-    """Each drafter's (delta tau, its paired 95% interval) against the first's, from their prompt totals."""
-    return [(None, None), *(paired_delta(t, totals[0]) for t in totals[1:])]
-
-
-def same_depths(drafters, results, items):
-    """Drafters drafting different numbers of tokens a round (an MTP layer's 3, a DFlash block's 15) compare only at
-    a shared depth: {"at_depth": {K: rows as side_by_side's}} at every --depths K of them all, paired at K."""
-    trained = [d["drafts_per_round"] for d in drafters]
-    if len(set(trained)) == 1:
-        return {}
-    shared = set.intersection(*({k, *(res[0].get("depths", {}) if res else {})} for k, res in zip(trained, results)))
-    at_depth = {}
-    for K in sorted(shared):
-        totals = [prompt_totals([r if K == k else r["depths"][K] for r in res], items)
-                  for k, res in zip(trained, results)]
-        at_depth[str(K)] = [{"name": d["name"], "tau": (d.get("depths") or {}).get(str(K), d)["tau"],
-                             "delta_tau": delta, "delta_tau_ci95": ci}
-                            for d, (delta, ci) in zip(drafters, against_first(totals))]
-    return {"drafts_per_round": dict(zip((d["name"] for d in drafters), trained)), "at_depth": at_depth}
-
-
 def side_by_side(drafters, results, items):
-    """Several drafters over the same prompts: each one's figures and its paired difference from the first's tau."""
-    totals = [prompt_totals(res, items) for res in results]
-    rows = [{"name": d["name"], **{k: d[k] for k in ("series", "step") if k in d}, "tau": d["tau"],
-             "tau_ci95": d["tau_ci95"], "first_position_acceptance": d["per_position"]["acceptance"][0],
-             "ddtree": {b: s["tau"] for b, s in (d["ddtree"] or {}).items()}, "delta_tau": delta, "delta_tau_ci95": ci}
-            for d, (delta, ci) in zip(drafters, against_first(totals))]
+    """Several drafters over the same prompts: each one's figures and its paired difference from the first's tau.
+    Drafters drafting different numbers of tokens a round (an MTP layer's 3, a DFlash block's 15) compare only at a
+    shared depth: "at_depth": {K: rows} at every --depths K of them all, paired at K."""
+    trained = [d["drafts_per_round"] for d in drafters]
+
+    def paired(rows, K=None):   # each row with its tau's difference from the first's, paired on the prompts
+        totals = [prompt_totals([r if K in (None, k) else r["depths"][K] for r in res], items)
+                  for k, res in zip(trained, results)]
+        deltas = [(None, None), *(paired_delta(t, totals[0]) for t in totals[1:])]
+        return [{**row, "delta_tau": delta, "delta_tau_ci95": ci} for row, (delta, ci) in zip(rows, deltas)]
+
+    rows = paired([{"name": d["name"], **{k: d[k] for k in ("series", "step") if k in d}, "tau": d["tau"],
+                    "tau_ci95": d["tau_ci95"], "first_position_acceptance": d["per_position"]["acceptance"][0],
+                    "ddtree": {b: s["tau"] for b, s in (d["ddtree"] or {}).items()}} for d in drafters])
     series = {}
     for row in rows:
         if "series" in row and row["tau"] is not None and row["tau"] > series.setdefault(row["series"], row)["tau"]:
             series[row["series"]] = row
-    return {"reference": drafters[0]["name"], "prompts": len(totals[0]), "drafters": rows,
-            "best_steps": {name: row["step"] for name, row in series.items()}, **same_depths(drafters, results, items)}
+    comparison = {"reference": drafters[0]["name"], "prompts": len({it["id"] for it in items}), "drafters": rows,
+                  "best_steps": {name: row["step"] for name, row in series.items()}}
+    if len(set(trained)) > 1:
+        shared = set.intersection(*({k, *(res[0].get("depths", {}) if res else {})}
+                                    for k, res in zip(trained, results)))
+        comparison.update(drafts_per_round=dict(zip((d["name"] for d in drafters), trained)), at_depth={
+            str(K): paired([{"name": d["name"], "tau": (d.get("depths") or {}).get(str(K), d)["tau"]}
+                            for d in drafters], K) for K in sorted(shared)})
+    return comparison
 
 
 def make_report(config, facts, done, skipped, seconds, interrupted):
     """The report of finished prompts' records (in item order): reference checks, drafters' figures, skips, timing."""
-    finished = [r["item"] for r in done]
-    check, given = self_check(finished, config), [it for it in finished if it["source"] != "target"]
-    if sampling_of(config):
-        reference_check = reference_support(finished)
-        outside = [it for it in given if it["support"][3] is not None]
-        if outside:
-            print(f"warning: {sum(it['support'][1] - it['support'][0] for it in outside)} reference tokens of "
-                  f"{len(outside)} prompts lie outside the target's sampling support at "
-                  f"{describe_sampling(sampling_of(config))} (first: prompt {outside[0]['id']}, completion position "
-                  f"{outside[0]['support'][3]}): those references were not sampled at these settings; their rounds "
-                  "there count as rejected", file=sys.stderr)
-    else:
-        reference_check = {"agreement": target_agreement(finished)}
-        given = target_agreement(given)
-        if given is not None and given < AGREEMENT_WARN:
-            print(f"warning: target agreement {given:.4f} < {AGREEMENT_WARN} on the references from the prompts file "
-                  "or server: they are not the target's greedy output here, so tau is approximate (see README)",
-                  file=sys.stderr)
+    finished, sampling = [r["item"] for r in done], sampling_of(config)
+    check, reference_check = self_check(finished, config), reference_keys(finished, sampling, "agreement")
+    fit, total, _, misses = reference_fit([it for it in finished if it["source"] != "target"])
+    if sampling and misses:
+        print(f"warning: {total - fit} reference tokens of {len(misses)} prompts lie outside the target's sampling "
+              f"support at {describe_sampling(sampling)} (first: prompt {misses[0][0]['id']}, completion position "
+              f"{misses[0][1]}): those references were not sampled at these settings; their rounds there count as "
+              "rejected", file=sys.stderr)
+    if not sampling and total and fit / total < AGREEMENT_WARN:
+        print(f"warning: target agreement {fit / total:.4f} < {AGREEMENT_WARN} on the references from the prompts "
+              "file or server: they are not the target's greedy output here, so tau is approximate (see README)",
+              file=sys.stderr)
     if check and not check["passed"]:
         print(f"warning: self-check failed: {check['message']}", file=sys.stderr)
     if skipped:
@@ -3643,151 +3626,146 @@ def reference_line(stats):
     return f"target agreement {fmt(stats.get('target_agreement', stats.get('agreement')), 4)}"
 
 
-def print_serving(d, out):
+def serving_lines(d):
     """Per served depth: tau, the engines' own figures under their names and, with --costs, predicted speedups."""
-    depths = d.get("depths") or {str(d["drafts_per_round"]): {**d, "engine_metrics": d.get("engine_metrics")}}
+    depths = d.get("depths") or {str(d["drafts_per_round"]): d}
     for k, s in depths.items():
         if not s.get("engine_metrics"):
             continue
         v, g = s["engine_metrics"]["vllm"], s["engine_metrics"]["sglang"]
         if len(depths) > 1:
             ci = f" {interval(s.get('tau_ci95'))}" if s.get("tau_ci95") else ""
-            print(f"   depth {k}: tau {fmt(s['tau'])}{ci}, {s['rounds']:.0f} rounds", file=out)
-        print(f"     vLLM (num_speculative_tokens {k}): Mean acceptance length {v['mean_acceptance_length']:.2f}, "
-              f"Per-position acceptance rate {', '.join(f'{x:.3f}' for x in v['per_position_acceptance_rate'])}, "
-              f"Avg Draft acceptance rate {v['avg_draft_acceptance_rate']:.1f}%", file=out)
-        print(f"     SGLang (--speculative-num-draft-tokens {g['speculative_num_draft_tokens']}): accept len "
-              f"{g['accept_len']:.2f}, accept rate {g['accept_rate']:.3f}", file=out)
+            yield f"   depth {k}: tau {fmt(s['tau'])}{ci}, {s['rounds']:.0f} rounds"
+        yield (f"     vLLM (num_speculative_tokens {k}): Mean acceptance length {v['mean_acceptance_length']:.2f}, "
+               f"Per-position acceptance rate {', '.join(f'{x:.3f}' for x in v['per_position_acceptance_rate'])}, "
+               f"Avg Draft acceptance rate {v['avg_draft_acceptance_rate']:.1f}%")
+        yield (f"     SGLang (--speculative-num-draft-tokens {g['speculative_num_draft_tokens']}): accept len "
+               f"{g['accept_len']:.2f}, accept rate {g['accept_rate']:.3f}")
     for batch, p in (d.get("predicted_speedup") or {}).items():
-        print(f"   predicted speedup{'' if batch == '1' else f' at batch size {batch}'} = tau x plain decoding's "
-              f"{1e3 * p['plain_s']:.3g} ms a token / a round's cost (the target verifying 1 + K tokens, or a tree's "
-              "nodes + 1, plus the drafter's pass; no batching or scheduling):", file=out)
+        yield (f"   predicted speedup{'' if batch == '1' else f' at batch size {batch}'} = tau x plain decoding's "
+               f"{1e3 * p['plain_s']:.3g} ms a token / a round's cost (the target verifying 1 + K tokens, or a tree's "
+               "nodes + 1, plus the drafter's pass; no batching or scheduling):")
         for name, r in p["rows"].items():
             cost = "n/a" if None in (r["target_s"], r["draft_s"]) else \
                 f"{1e3 * r['target_s']:.3g} + {1e3 * r['draft_s']:.3g} ms"
             speed = "n/a" if r["speedup"] is None else f"{r['speedup']:.2f}x"
-            print(f"     {name:<12} tau {fmt(r['tau'])}  round {cost:<20} speedup {speed}"
-                  + ("  <- best" if name == p["best"] else ""), file=out)
+            yield (f"     {name:<12} tau {fmt(r['tau'])}  round {cost:<20} speedup {speed}"
+                   + ("  <- best" if name == p["best"] else ""))
 
 
-def print_comparison_table(c, out):
+def comparison_lines(c):
     """Several drafters side by side, each against the first, paired on the same prompts."""
     budgets = sorted({b for row in c["drafters"] for b in row["ddtree"]}, key=int)
     width = max(len("drafter"), *(len(row["name"]) for row in c["drafters"]))
-    print(f"\n== side by side over {c['prompts']} prompts (95% intervals over prompts; differences paired on the "
-          "same prompts)", file=out)
-    print(f"   {'drafter':<{width}}    tau  95% interval      accept@1" + "".join(f"  DDTree {b:>4}" for b in budgets),
-          file=out)
+    yield (f"\n== side by side over {c['prompts']} prompts (95% intervals over prompts; differences paired on the "
+           "same prompts)")
+    yield f"   {'drafter':<{width}}    tau  95% interval      accept@1" + "".join(f"  DDTree {b:>4}" for b in budgets)
     for row in c["drafters"]:
         best = "  <- best of " + row["series"] if "series" in row \
             and c["best_steps"].get(row["series"]) == row["step"] \
             and len([r for r in c["drafters"] if r.get("series") == row.get("series")]) > 1 else ""
-        print(f"   {row['name']:<{width}}  {fmt(row['tau']):>5}  {interval(row['tau_ci95']):<16}  "
-              f"{fmt(row['first_position_acceptance']):>8}"
-              + "".join(f"  {fmt(row['ddtree'].get(b)):>11}" for b in budgets) + best, file=out)
+        yield (f"   {row['name']:<{width}}  {fmt(row['tau']):>5}  {interval(row['tau_ci95']):<16}  "
+               f"{fmt(row['first_position_acceptance']):>8}"
+               + "".join(f"  {fmt(row['ddtree'].get(b)):>11}" for b in budgets) + best)
 
     def deltas(rows, where=""):
         for row in rows[1:]:
             ci = row["delta_tau_ci95"]
             delta = "n/a" if row["delta_tau"] is None else f"{row['delta_tau']:+.2f}"
-            print(f"   {row['name']} − {c['reference']}{where}: Δτ {delta}" +
-                  (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else ""), file=out)
-    deltas(c["drafters"])
+            yield f"   {row['name']} − {c['reference']}{where}: Δτ {delta}" + \
+                (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "")
+    yield from deltas(c["drafters"])
     if "at_depth" in c:
-        print("   the drafters draft different numbers of tokens a round (" + ", ".join(
+        yield ("   the drafters draft different numbers of tokens a round (" + ", ".join(
             f"{n} {k}" for n, k in c["drafts_per_round"].items()) + "): their taus compare only at the same depth" +
             ("" if c["at_depth"] else "; add it to --depths (e.g. --depths " + str(min(c["drafts_per_round"].values()))
-             + ")"), file=out)
+             + ")"))
         for K, rows in c["at_depth"].items():
-            print(f"   at depth {K}: " + ", ".join(f"{r['name']} {fmt(r['tau'])}" for r in rows), file=out)
-            deltas(rows, f" at depth {K}")
+            yield f"   at depth {K}: " + ", ".join(f"{r['name']} {fmt(r['tau'])}" for r in rows)
+            yield from deltas(rows, f" at depth {K}")
 
 
-def print_report(report, out=None):
-    out = out or sys.stdout
+def report_lines(report):
+    """The printed report, line by line (a mask check's warning also goes to stderr, as it is reached)."""
     if not any(d["prompts"] for d in report["drafters"]):
-        print(f"no prompt {'finished before the interruption' if report.get('interrupted') else 'was scored'}"
-              f"{' (' + str(len(report['skipped'])) + ' skipped)' if report['skipped'] else ''}: nothing to report",
-              file=out)
+        yield (f"no prompt {'finished before the interruption' if report.get('interrupted') else 'was scored'}"
+               f"{' (' + str(len(report['skipped'])) + ' skipped)' if report['skipped'] else ''}: nothing to report")
         return
-    target, cache = report["target"], report["config"].get("hidden_cache")
+    config, target = report["config"], report["target"]
+    cache, sampling = config.get("hidden_cache"), sampling_of(config)
     extracted = f"; features extracted in {cache['dtype']} on {cache['device']}" if cache else ""
-    print(f"target: {target['path']} ({target['device']}, {target['dtype']}{extracted}); {reference_line(target)}",
-          file=out)
-    sampling = sampling_of(report["config"])
+    yield f"target: {target['path']} ({target['device']}, {target['dtype']}{extracted}); {reference_line(target)}"
     if sampling:
-        print(f"sampled decoding at {describe_sampling(sampling)}, {report['config']['draft_policy']} proposals: tau "
-              "is the expected acceptance given each sampled reference, pooled, with a 95% interval over prompts",
-              file=out)
+        yield (f"sampled decoding at {describe_sampling(sampling)}, {config['draft_policy']} proposals: tau is the "
+               "expected acceptance given each sampled reference, pooled, with a 95% interval over prompts")
     if target.get("self_check") and not target["self_check"]["passed"]:
-        print(f"WARNING: self-check failed: {target['self_check']['message']}", file=out)
+        yield f"WARNING: self-check failed: {target['self_check']['message']}"
     if cache:
-        print(f"features: from {report['config']['load_hidden']} (torch {cache['torch_version']}, "
-              f"transformers {cache['transformers_version']})", file=out)
-    walked = report["config"].get("anchors") == "walk"
+        yield (f"features: from {config['load_hidden']} (torch {cache['torch_version']}, transformers "
+               f"{cache['transformers_version']})")
     for d in report["drafters"]:
         chain = FAMILIES[d.get("generation", "DFlash")].causal
-        print(f"\n== drafter {d['name']}: {d.get('generation', 'DFlash')} ({d.get('layout', 'public')} layout), " +
-              (f"{d['drafts_per_round']} steps a round" if chain else f"block {d['block_size']}") +
-              (f" ({d['drafts_per_round']} drafts a round: the anchor's slot drafts too)"
-               if d["drafts_per_round"] == d["block_size"] else "")
-              + f", layers {d['layers']}" + (f", step {d['step']}" if d.get("step") is not None else ""), file=out)
+        yield (f"\n== drafter {d['name']}: {d.get('generation', 'DFlash')} ({d.get('layout', 'public')} layout), "
+               + (f"{d['drafts_per_round']} steps a round" if chain else f"block {d['block_size']}")
+               + (f" ({d['drafts_per_round']} drafts a round: the anchor's slot drafts too)"
+                  if d["drafts_per_round"] == d["block_size"] else "")
+               + f", layers {d['layers']}" + (f", step {d['step']}" if d.get("step") is not None else ""))
         if not chain:
-            print("   in-block mask per layer: " + "; ".join(f"{i}: {r}" for i, r in enumerate(d["block_mask"])),
-                  file=out)
-        for warning in d.get("warnings", []):
-            print(f"   WARNING: {warning}", file=out)
+            yield "   in-block mask per layer: " + "; ".join(f"{i}: {r}" for i, r in enumerate(d["block_mask"]))
+        yield from (f"   WARNING: {warning}" for warning in d.get("warnings", []))
         sections = [("all", d)] + (sorted(d["splits"].items()) if len(d["splits"]) > 1 else []) + \
             [(f"turn {t}", s) for t, s in d.get("turns", {}).items()]
         for name, s in sections:
             ci = f" {interval(s.get('tau_ci95'))}" if s.get("tau_ci95") else ""
             rounds = f"{s['rounds']:.1f} expected" if sampling else f"{s['rounds']}"
-            print(f"-- {name}: tau {fmt(s['tau'])}{ci} (pooled, {rounds} rounds)  tau_prompt_mean "
-                  f"{fmt(s['tau_prompt_mean'])}  tau_all_anchors {fmt(s['tau_all_anchors'])}  {reference_line(s)}",
-                  file=out)
-            print(f"   {'expected ' if sampling else ''}rounds by acceptance length: " + "  ".join(
-                f"{n}:{c:.4g}" if sampling else f"{n}:{c}" for n, c in enumerate(s["histogram"], 1) if c), file=out)
+            yield (f"-- {name}: tau {fmt(s['tau'])}{ci} (pooled, {rounds} rounds)  tau_prompt_mean "
+                   f"{fmt(s['tau_prompt_mean'])}  tau_all_anchors {fmt(s['tau_all_anchors'])}  {reference_line(s)}")
+            yield f"   {'expected ' if sampling else ''}rounds by acceptance length: " + "  ".join(
+                f"{n}:{c:.4g}" if sampling else f"{n}:{c}" for n, c in enumerate(s["histogram"], 1) if c)
             if s.get("ddtree_note") and name == "all":
-                print(f"   no DDTree rows: {s['ddtree_note']}", file=out)
+                yield f"   no DDTree rows: {s['ddtree_note']}"
             for budget, t in (s["ddtree"] or {}).items():
-                print(f"   DDTree budget {budget:>4}: tau {fmt(t['tau'])} (chain {fmt(s['tau'])})  tau_prompt_mean "
-                      f"{fmt(t['tau_prompt_mean'])}  rounds by length: "
-                      + " ".join(f"{n}:{c}" for n, c in enumerate(t["histogram"], 1) if c), file=out)
+                yield (f"   DDTree budget {budget:>4}: tau {fmt(t['tau'])} (chain {fmt(s['tau'])})  tau_prompt_mean "
+                       f"{fmt(t['tau_prompt_mean'])}  rounds by length: "
+                       + " ".join(f"{n}:{c}" for n, c in enumerate(t["histogram"], 1) if c))
             below = [b for b, t in (s["ddtree"] or {}).items()   # as printed: 7.149 against 7.149 is no fall
                      if None not in (t["tau"], s["tau"]) and round(t["tau"], 3) < round(s["tau"], 3)]
             if below:
-                print(f"   (budget {', '.join(below)} below the chain: a tree spends its nodes on the likeliest paths, "
-                      f"so it need not hold the chain's whole depth-{d['drafts_per_round']} path; a bigger budget's "
-                      "tree holds every smaller one's: see README, DDTree rows)", file=out)
+                yield (f"   (budget {', '.join(below)} below the chain: a tree spends its nodes on the likeliest "
+                       f"paths, so it need not hold the chain's whole depth-{d['drafts_per_round']} path; a bigger "
+                       "budget's tree holds every smaller one's: see README, DDTree rows)")
         if "mask_check" in d:
-            print("   mask check on sampled anchors:  accuracy  tau_all_anchors  wins/losses  in-block mask per layer",
-                  file=out)
+            yield "   mask check on sampled anchors:  accuracy  tau_all_anchors  wins/losses  in-block mask per layer"
             for name, t in d["mask_check"]["modes"].items():
-                print(f"   {name:>29}:  {fmt(t['accuracy']):>8}  {fmt(t['tau_all_anchors']):>15}  "
-                      f"{t['wins']:>5}/{t['losses']:<5}  " + "; ".join(t["block_mask"]), file=out)
+                yield (f"   {name:>29}:  {fmt(t['accuracy']):>8}  {fmt(t['tau_all_anchors']):>15}  "
+                       f"{t['wins']:>5}/{t['losses']:<5}  " + "; ".join(t["block_mask"]))
             if d["mask_check"]["warning"]:
-                print(f"   WARNING: {d['mask_check']['warning']}", file=out)
+                yield f"   WARNING: {d['mask_check']['warning']}"
                 print(f"warning: drafter {d['name']}: {d['mask_check']['warning']}", file=sys.stderr)
-        print_serving(d, out)
+        yield from serving_lines(d)
         if d.get("by_context") and len(d["by_context"]) > 1:
-            print("   by context length (the anchor's position): " + "; ".join(
+            yield "   by context length (the anchor's position): " + "; ".join(
                 f"{label}: tau {fmt(s['tau'])} over {s['rounds']:.0f} rounds, first-position acceptance "
-                f"{fmt(s['first_position_acceptance'])}" for label, s in d["by_context"].items()), file=out)
-        if walked:
-            print("   per-position rows and tau_all_anchors cover the anchors the walks visited (--anchors walk), not "
-                  "every anchor", file=out)
-        print("   pos  " + "  ".join(f"{'accept ' + n:>14}" for n, _ in sections) + "  accuracy(all)", file=out)
+                f"{fmt(s['first_position_acceptance'])}" for label, s in d["by_context"].items())
+        if config.get("anchors") == "walk":
+            yield ("   per-position rows and tau_all_anchors cover the anchors the walks visited (--anchors walk), not "
+                   "every anchor")
+        yield "   pos  " + "  ".join(f"{'accept ' + n:>14}" for n, _ in sections) + "  accuracy(all)"
         for k in range(d["drafts_per_round"]):
             accepts = [s["per_position"]["acceptance"][k] for _, s in sections]
             bar = "#" * round(40 * accepts[0]) if accepts[0] is not None else ""
-            print(f"   {k + 1:>3}  " + "  ".join(f"{fmt(a):>14}" for a in accepts)
-                  + f"  {fmt(d['per_position']['accuracy'][k]):>13}  |{bar}", file=out)
+            yield (f"   {k + 1:>3}  " + "  ".join(f"{fmt(a):>14}" for a in accepts)
+                   + f"  {fmt(d['per_position']['accuracy'][k]):>13}  |{bar}")
     if report.get("comparison"):
-        print_comparison_table(report["comparison"], out)
+        yield from comparison_lines(report["comparison"])
+
+
+def print_report(report, out=None):
+    for line in report_lines(report):
+        print(line, file=out)
 
 
 def print_comparison(report, out=None):
-    out = out or sys.stdout
     a, b = report["files"]
     print(f"A: {a['path']} ({a['dtype']}, {a['device']})\nB: {b['path']} ({b['dtype']}, {b['device']})", file=out)
     print(f"target argmax agreement A vs B: {fmt(report['argmax_agreement'], 4)}", file=out)
