@@ -3394,24 +3394,18 @@ def export_vllm_synthetic(report, path, depth):
 # Report: built from the records, then printed
 
 
-def reference_fit(items):
-    """The references against the target, pooled: (tokens that fit, tokens, their log-prob sum, [(item, its first
-    token that does not fit)] for the items that have one). Greedy, a token fits when it is the target's argmax given
-    the reference prefix; sampled (the item's "support"), when it lies inside the target's sampling support."""
+def reference_fit(items, sampled=None, key="target_agreement"):
+    """The references against the target, pooled: a token fits when it is the target's argmax given the reference
+    prefix (greedy) or inside its sampling support (sampled: the item's "support"). Gives the report's figures
+    (greedy: the share that fits, under `key`; sampled: that share and the fitting tokens' mean log-probability),
+    the tokens that fit, all tokens, and [(item, its first token that does not fit)] for the items that have one."""
     fits = [it["support"] if it.get("support") is not None else (*it["agree"], 0.0, it["first_divergence"])
             for it in items]
-    misses = [(it, f[3]) for it, f in zip(items, fits) if f[3] is not None]
-    return (*(sum(f[i] for f in fits) for i in range(3)), misses)
-
-
-def reference_keys(items, sampled, key="target_agreement"):
-    """The report's figures of reference_fit: greedy, the share of tokens that fit (under `key`); sampled, the share
-    inside the support and those tokens' mean log-probability."""
-    fit, total, logp, _ = reference_fit(items)
+    fit, total, logp = (sum(f[i] for f in fits) for i in range(3))
     share = fit / total if total else None
-    if not sampled:
-        return {key: share}
-    return {"reference_support": share, "reference_mean_logprob": logp / fit if fit else None}
+    figures = {"reference_support": share, "reference_mean_logprob": logp / fit if fit else None} if sampled \
+        else {key: share}
+    return figures, fit, total, [(it, f[3]) for it, f in zip(items, fits) if f[3] is not None]
 
 
 SELF_CHECK_TOLERANCE = 0.01   # share of its own reference tokens that may flip on GPU or in a 16-bit dtype
@@ -3421,7 +3415,7 @@ def self_check(items, config):
     """The references generated here against this tool's own teacher-forced pass (argmax, or sampling support):
     exact on CPU in float32, else within SELF_CHECK_TOLERANCE; None when none was generated here."""
     own = [it for it in items if it["source"] == "target"]
-    fit, tokens, _, misses = reference_fit(own)
+    _, fit, tokens, misses = reference_fit(own)
     if not tokens:
         return None
     sampled, agreement = own[0].get("support") is not None, fit / tokens
@@ -3433,18 +3427,16 @@ def self_check(items, config):
     if not misses:
         return check
     first, position = misses[0]
-    token = first["completion_ids"][position] if sampled else None
-    detail = check["first_divergence"] = {"prompt": first["id"], "position": position,
-                                          **({"reference": token} if sampled else first.get("divergence") or {})}
+    detail = check["first_divergence"] = {"prompt": first["id"], "position": position, **(
+        {"reference": first["completion_ids"][position]} if sampled else first.get("divergence") or {})}
+    facts = f"prompt {first['id']}, completion position {position}: generated token {detail.get('reference')}"
     if sampled:
-        facts = (f"prompt {first['id']}, completion position {position}: generated token {token} has probability 0 "
-                 f"under its own teacher-forced sampling distribution; {agreement:.4f} of {tokens} generated tokens "
-                 "inside the support")
+        facts += (f" has probability 0 under its own teacher-forced sampling distribution; {agreement:.4f} of "
+                  f"{tokens} generated tokens inside the support")
     else:
         gap = "" if detail.get("logit_gap") is None else f", logit gap {detail['logit_gap']:.3g}"
-        facts = (f"prompt {first['id']}, completion position {position}: generated token {detail.get('reference')}, "
-                 f"teacher-forced argmax {detail.get('argmax')}{gap}; agreement {agreement:.4f} over {tokens} "
-                 "generated tokens")
+        facts += (f", teacher-forced argmax {detail.get('argmax')}{gap}; agreement {agreement:.4f} over {tokens} "
+                  "generated tokens")
     rule = "none on CPU in float32" if strict else \
         f"{tolerance:.0%} of tokens on {where['device']} in {where['dtype']}, where batch shapes can flip near-ties"
     if check["passed"]:
@@ -3465,7 +3457,7 @@ def prompt_report(it, res, B):
              "prompt_tokens": len(it["prompt_ids"]), "completion_tokens": len(it["completion_ids"]),
              "reference_generated": it["source"] != "file", "reference_source": it["source"],
              "first_divergence": it["first_divergence"], "divergence": it.get("divergence"),
-             **reference_keys([it], sampled), **({"first_outside_support": it["support"][3]} if sampled else {}),
+             **reference_fit([it], sampled)[0], **({"first_outside_support": it["support"][3]} if sampled else {}),
              "tau": committed / rounds if rounds else None,
              **({"expected_rounds": rounds, "expected_committed": committed} if sampled else {}),
              **({"rounds": res["rounds"]} if res["rounds"] is not None else {}),
@@ -3505,11 +3497,9 @@ def acceptance_warning(s):
         return []
     z = 1.96
     upper = (first + z * z / (2 * n) + z * math.sqrt(first * (1 - first) / n + z * z / (4 * n * n))) / (1 + z * z / n)
-    if upper >= LOW_FIRST_ACCEPTANCE:
-        return []
     return [f"first-position acceptance {first:.3f} over {n:.0f} anchors (95% upper bound {upper:.3f}) on the "
             f"target's own text: a drafter trained for this target and layer set accepts far more (0.5-0.9), so "
-            f"this one cannot have been; {WRONG_DRAFTER_CHECK}"]
+            f"this one cannot have been; {WRONG_DRAFTER_CHECK}"] if upper < LOW_FIRST_ACCEPTANCE else []
 
 
 def drafter_report(d, results, items):
@@ -3519,19 +3509,17 @@ def drafter_report(d, results, items):
     no_trees = {"ddtree": None, "ddtree_note": note} if note else {}
     sampled = bool(results) and "expected" in results[0]
 
-    def section(keep, depth=None):   # greedy: target agreement; sampled: the references in the target's support
+    def section(keep=lambda it: True, depth=None):   # the kept prompts' figures, at the trained depth or `depth`
         chosen = [(res if depth is None else res["depths"][depth], it) for res, it in zip(results, items) if keep(it)]
         totals = list(prompt_totals(*zip(*chosen)).values()) if chosen else []
         return {**summarize([res for res, _ in chosen], B if depth is None else depth + 1),
                 "tau_ci95": ratio_ci95([c for c, _ in totals], [r for _, r in totals]),
-                **reference_keys([it for _, it in chosen], sampled), **(no_trees if depth is None else {})}
+                **reference_fit([it for _, it in chosen], sampled)[0], **(no_trees if depth is None else {})}
 
-    whole = section(lambda it: True)
+    whole = section()
     splits = {split: section(lambda it: it["split"] == split) for split in sorted({it["split"] for it in items})}
     turns = {str(t): section(lambda it: it.get("turn") == t) for t in sorted({it.get("turn") for it in items} - {None})}
-    depths = {B - 1: whole,
-              **{k: section(lambda it: True, k) for k in (results[0].get("depths", {}) if results else {})}}
-    prompts = [prompt_report(it, res, B) for it, res in zip(items, results)]
+    depths = {B - 1: whole, **{k: section(depth=k) for k in (results[0].get("depths", {}) if results else {})}}
     return {**{k: v for k, v in d.items() if k != "mask_modes"}, **whole,
             "engine_metrics": engine_metrics(whole, B - 1),
             **({"depths": {str(k): {**{key: s[key] for key in DEPTH_KEYS}, "engine_metrics": engine_metrics(s, k)}
@@ -3540,7 +3528,7 @@ def drafter_report(d, results, items):
             "warnings": d["warnings"] + acceptance_warning(whole), "splits": splits,
             **({"turns": turns} if turns else {}), **({"mask_check": mask_check_summary(
                 d["mask_modes"], [r["mask_check"] for r in results if "mask_check" in r])} if d["mask_modes"] else {}),
-            "prompts": prompts}
+            "prompts": [prompt_report(it, res, B) for it, res in zip(items, results)]}
 
 
 def side_by_side(drafters, results, items):
@@ -3565,8 +3553,7 @@ def side_by_side(drafters, results, items):
     comparison = {"reference": drafters[0]["name"], "prompts": len({it["id"] for it in items}), "drafters": rows,
                   "best_steps": {name: row["step"] for name, row in series.items()}}
     if len(set(trained)) > 1:
-        shared = set.intersection(*({k, *(res[0].get("depths", {}) if res else {})}
-                                    for k, res in zip(trained, results)))
+        shared = set.intersection(*({k, *res[0].get("depths", {})} for k, res in zip(trained, results)))
         comparison.update(drafts_per_round=dict(zip((d["name"] for d in drafters), trained)), at_depth={
             str(K): paired([{"name": d["name"], "tau": (d.get("depths") or {}).get(str(K), d)["tau"]}
                             for d in drafters], K) for K in sorted(shared)})
@@ -3576,8 +3563,8 @@ def side_by_side(drafters, results, items):
 def make_report(config, facts, done, skipped, seconds, interrupted):
     """The report of finished prompts' records (in item order): reference checks, drafters' figures, skips, timing."""
     finished, sampling = [r["item"] for r in done], sampling_of(config)
-    check, reference_check = self_check(finished, config), reference_keys(finished, sampling, "agreement")
-    fit, total, _, misses = reference_fit([it for it in finished if it["source"] != "target"])
+    check = self_check(finished, config)
+    _, fit, total, misses = reference_fit([it for it in finished if it["source"] != "target"])
     if sampling and misses:
         print(f"warning: {total - fit} reference tokens of {len(misses)} prompts lie outside the target's sampling "
               f"support at {describe_sampling(sampling)} (first: prompt {misses[0][0]['id']}, completion position "
@@ -3597,10 +3584,9 @@ def make_report(config, facts, done, skipped, seconds, interrupted):
     for d in drafters:
         for warning in d["warnings"]:
             print(f"warning: drafter {d['name']}: {warning}", file=sys.stderr)
-    report = {"config": config,
-              "target": {"path": config["target"], "device": config["device"], "dtype": config["dtype"],
-                         **reference_check, "self_check": check},
-              "drafters": drafters,
+    target = {"path": config["target"], "device": config["device"], "dtype": config["dtype"],
+              **reference_fit(finished, sampling, "agreement")[0], "self_check": check}
+    report = {"config": config, "target": target, "drafters": drafters,
               **({"comparison": side_by_side(drafters, results, finished)} if len(drafters) > 1 and done else {}),
               "skipped": skipped,
               "timing": {**{k: round(v, 4) for k, v in sorted(TIMING.items())}, "total_s": round(seconds, 4)},
@@ -3661,9 +3647,8 @@ def comparison_lines(c):
            "same prompts)")
     yield f"   {'drafter':<{width}}    tau  95% interval      accept@1" + "".join(f"  DDTree {b:>4}" for b in budgets)
     for row in c["drafters"]:
-        best = "  <- best of " + row["series"] if "series" in row \
-            and c["best_steps"].get(row["series"]) == row["step"] \
-            and len([r for r in c["drafters"] if r.get("series") == row.get("series")]) > 1 else ""
+        best = "  <- best of " + row["series"] if "series" in row and c["best_steps"].get(row["series"]) == \
+            row["step"] and sum(r.get("series") == row["series"] for r in c["drafters"]) > 1 else ""
         yield (f"   {row['name']:<{width}}  {fmt(row['tau']):>5}  {interval(row['tau_ci95']):<16}  "
                f"{fmt(row['first_position_acceptance']):>8}"
                + "".join(f"  {fmt(row['ddtree'].get(b)):>11}" for b in budgets) + best)
@@ -3676,10 +3661,10 @@ def comparison_lines(c):
                 (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "")
     yield from deltas(c["drafters"])
     if "at_depth" in c:
-        yield ("   the drafters draft different numbers of tokens a round (" + ", ".join(
-            f"{n} {k}" for n, k in c["drafts_per_round"].items()) + "): their taus compare only at the same depth" +
-            ("" if c["at_depth"] else "; add it to --depths (e.g. --depths " + str(min(c["drafts_per_round"].values()))
-             + ")"))
+        hint = "" if c["at_depth"] else f"; add it to --depths (e.g. --depths {min(c['drafts_per_round'].values())})"
+        yield ("   the drafters draft different numbers of tokens a round ("
+               + ", ".join(f"{n} {k}" for n, k in c["drafts_per_round"].items())
+               + f"): their taus compare only at the same depth{hint}")
         for K, rows in c["at_depth"].items():
             yield f"   at depth {K}: " + ", ".join(f"{r['name']} {fmt(r['tau'])}" for r in rows)
             yield from deltas(rows, f" at depth {K}")
@@ -3704,11 +3689,10 @@ def report_lines(report):
         yield (f"features: from {config['load_hidden']} (torch {cache['torch_version']}, transformers "
                f"{cache['transformers_version']})")
     for d in report["drafters"]:
-        chain = FAMILIES[d.get("generation", "DFlash")].causal
+        drafts, chain = d["drafts_per_round"], FAMILIES[d.get("generation", "DFlash")].causal
         yield (f"\n== drafter {d['name']}: {d.get('generation', 'DFlash')} ({d.get('layout', 'public')} layout), "
-               + (f"{d['drafts_per_round']} steps a round" if chain else f"block {d['block_size']}")
-               + (f" ({d['drafts_per_round']} drafts a round: the anchor's slot drafts too)"
-                  if d["drafts_per_round"] == d["block_size"] else "")
+               + (f"{drafts} steps a round" if chain else f"block {d['block_size']}")
+               + (f" ({drafts} drafts a round: the anchor's slot drafts too)" if drafts == d["block_size"] else "")
                + f", layers {d['layers']}" + (f", step {d['step']}" if d.get("step") is not None else ""))
         if not chain:
             yield "   in-block mask per layer: " + "; ".join(f"{i}: {r}" for i, r in enumerate(d["block_mask"]))
@@ -3732,7 +3716,7 @@ def report_lines(report):
                      if None not in (t["tau"], s["tau"]) and round(t["tau"], 3) < round(s["tau"], 3)]
             if below:
                 yield (f"   (budget {', '.join(below)} below the chain: a tree spends its nodes on the likeliest "
-                       f"paths, so it need not hold the chain's whole depth-{d['drafts_per_round']} path; a bigger "
+                       f"paths, so it need not hold the chain's whole depth-{drafts} path; a bigger "
                        "budget's tree holds every smaller one's: see README, DDTree rows)")
         if "mask_check" in d:
             yield "   mask check on sampled anchors:  accuracy  tau_all_anchors  wins/losses  in-block mask per layer"
@@ -3751,7 +3735,7 @@ def report_lines(report):
             yield ("   per-position rows and tau_all_anchors cover the anchors the walks visited (--anchors walk), not "
                    "every anchor")
         yield "   pos  " + "  ".join(f"{'accept ' + n:>14}" for n, _ in sections) + "  accuracy(all)"
-        for k in range(d["drafts_per_round"]):
+        for k in range(drafts):
             accepts = [s["per_position"]["acceptance"][k] for _, s in sections]
             bar = "#" * round(40 * accepts[0]) if accepts[0] is not None else ""
             yield (f"   {k + 1:>3}  " + "  ".join(f"{fmt(a):>14}" for a in accepts)
