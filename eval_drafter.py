@@ -3395,12 +3395,10 @@ def export_vllm_synthetic(report, path, depth):
 
 
 def reference_fit(items, sampled=None, key="target_agreement"):
-    """The references against the target, pooled: a token fits when it is the target's argmax given the reference
-    prefix (greedy) or inside its sampling support (sampled: the item's "support"). Gives the report's figures
-    (greedy: the share that fits, under `key`; sampled: that share and the fitting tokens' mean log-probability),
-    the tokens that fit, all tokens, and [(item, its first token that does not fit)] for the items that have one."""
-    fits = [it["support"] if it.get("support") is not None else (*it["agree"], 0.0, it["first_divergence"])
-            for it in items]
+    """The references against the target, pooled (a token fits as the target's argmax given the reference prefix or,
+    sampled, inside its sampling support): the report's figures (the share that fits, under `key`, or sampled, that
+    share and its mean log-prob), the tokens that fit, all tokens, [(item, its first misfit)] for items with one."""
+    fits = [it.get("support") or (*it["agree"], 0.0, it["first_divergence"]) for it in items]
     fit, total, logp = (sum(f[i] for f in fits) for i in range(3))
     share = fit / total if total else None
     figures = {"reference_support": share, "reference_mean_logprob": logp / fit if fit else None} if sampled \
