@@ -3395,9 +3395,9 @@ def export_vllm_synthetic(report, path, depth):
 
 
 def reference_fit(items, sampled=None, key="target_agreement"):
-    """The references against the target, pooled (a token fits as the target's argmax given the reference prefix or,
-    sampled, inside its sampling support): the report's figures (the share that fits, under `key`, or sampled, that
-    share and its mean log-prob), the tokens that fit, all tokens, [(item, its first misfit)] for items with one."""
+    """The references against the target, pooled; a token fits as the target's argmax given the reference prefix
+    (greedy) or inside its sampling support (sampled). Gives the report's figures (`key`: the share that fits;
+    sampled: that share and the fitting tokens' mean log-prob), the tokens that fit, all, and [(item, first misfit)]."""
     fits = [it.get("support") or (*it["agree"], 0.0, it["first_divergence"]) for it in items]
     fit, total, logp = (sum(f[i] for f in fits) for i in range(3))
     share = fit / total if total else None
