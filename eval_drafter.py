@@ -2526,11 +2526,10 @@ FAMILIES = {
         "engine runs)")),
     "DSpark": Family(load_block, chained_round, head=dspark_head, note=dspark_note, from_anchor=True, method="dspark",
                      ddtree_note="DSpark drafts a chain: each slot's Markov bias depends on the token drafted before "
-                                 "it, and neither vLLM nor SGLang verifies DSpark trees, so no DDTree rows"),
+                     "it, and neither vLLM nor SGLang verifies DSpark trees, so no DDTree rows"),
     "Domino": Family(load_block, chained_round, head=domino_head, note=domino_note, full_vocabulary="correction scores",
                      greedy=True, ddtree_note="Domino drafts a chain: each proposal reads a GRU state over the tokens "
-                                              "drafted before it, and SGLang serves it as a chain only, so no DDTree "
-                                              "rows"),
+                     "drafted before it, and SGLang serves it as a chain only, so no DDTree rows"),
     "EAGLE-3": Family(load_eagle3, causal_round, causal=True, method="eagle3", ddtree_note=(
         "EAGLE-3 drafts a chain here, as vLLM serves it (SGLang's token trees are out of scope), so no DDTree rows")),
     # the MTP layer is read from a target directory: load_drafter takes it to load_mtp before any checkpoint is read
