@@ -476,36 +476,23 @@ def check_flags(args):
             fail(f"{flag} {value}: must be {number[0]}")
     defaults = build_parser()
     given = {k for k, v in vars(args).items() if v != defaults.get_default(k)}
-    if args.merge:
-        unused, why = given - set(flag_names("M")), "--merge rebuilds a report from shard outputs alone"
-    elif args.compare_hidden:
-        unused, why = given & set(flag_names("C")), \
-            "--compare-hidden reads the prompts and references of the two saved files"
-    elif args.load_hidden:
-        unused, why = given & set(flag_names("H")), \
-            "--load-hidden takes the prompts and references from the saved file (they were fixed at extraction)"
-    else:
-        unused, why = (given & set(flag_names("S")) if not args.server else set()), \
-            "these flags set up --server, not given"
-    if unused:
-        fail(f"{why}; drop {', '.join(sorted('--' + k.replace('_', '-') for k in unused))}")
+    for mode, chosen, why in (  # the first mode chosen refuses the flags it ignores (--merge: all but its own)
+            ("M", args.merge, "--merge rebuilds a report from shard outputs alone"),
+            ("C", args.compare_hidden, "--compare-hidden reads the prompts and references of the two saved files"),
+            ("H", args.load_hidden, "--load-hidden takes the prompts and references from the saved file (they were "
+                                    "fixed at extraction)"),
+            ("S", not args.server, "these flags set up --server, not given")):
+        if chosen:
+            unused = given - set(flag_names(mode)) if mode == "M" else given & set(flag_names(mode))
+            if unused:
+                fail(f"{why}; drop {', '.join(sorted('--' + k.replace('_', '-') for k in unused))}")
+            break
     notes = []
     if "seed" in given and not args.temperature:
         notes.append(f"--seed {args.seed} does nothing at --temperature 0: greedy references need no seed")
     if "reference_generation" in given and args.server:
         notes.append("--reference-generation is for local generation: with --server the server generates")
     return notes
-
-
-def check_sampling(args):
-    if args.temperature == 0 and (args.samples_per_prompt > 1 or args.draft_policy != "argmax"):
-        fail("--samples-per-prompt and --draft-policy sample need --temperature > 0: greedy decoding has one text "
-             "per prompt and argmax drafts")
-    if args.temperature == 0 and (args.top_p < 1 or args.top_k):
-        fail("--top-p and --top-k shape sampling; at --temperature 0 (greedy) they do nothing: give a temperature")
-    if args.draft_policy == "sample" and args.anchors == "walk":
-        fail("--anchors walk follows one walk; with --draft-policy sample every anchor can start a round: "
-             "use --anchors all")
 
 
 def version_tuple(text):
@@ -621,7 +608,14 @@ def resolve_settings(args):
         fail(f"--server must be an http:// or https:// URL, got {args.server!r}")
     if args.server and args.server_api == "openai" and not args.server_model:
         fail("--server-api openai needs --server-model (the name the server serves the target under)")
-    check_sampling(args)
+    if args.temperature == 0 and (args.samples_per_prompt > 1 or args.draft_policy != "argmax"):
+        fail("--samples-per-prompt and --draft-policy sample need --temperature > 0: greedy decoding has one text "
+             "per prompt and argmax drafts")
+    if args.temperature == 0 and (args.top_p < 1 or args.top_k):
+        fail("--top-p and --top-k shape sampling; at --temperature 0 (greedy) they do nothing: give a temperature")
+    if args.draft_policy == "sample" and args.anchors == "walk":
+        fail("--anchors walk follows one walk; with --draft-policy sample every anchor can start a round: "
+             "use --anchors all")
     if args.resume and not args.output:
         fail("--resume needs --output: the partial results live in <output>.partial.jsonl")
     if args.resume and args.save_hidden:
@@ -839,8 +833,7 @@ def expand(items, settings):
     sampling, recorded, out = sampling_of(settings), sampling_record(settings), []
     for it in items:
         turns = (it.get("turns") or [None])[:1 if settings["turns"] == "first" else None]
-        given = (it["completion"] is not None or it["completion_ids"] is not None
-                 or any(it.get("turn_references") or []))
+        given = it["completion"] is not None or it["completion_ids"] is not None or any(it.get("turn_references") or [])
         if sampling and given and it["row"].get("sampling") not in (None, recorded):
             log(settings, f"note: prompt {it['id']}'s reference records other sampling settings "
                           f"({it['row']['sampling']}) than this run's ({recorded})")
@@ -876,17 +869,14 @@ def conversation(it, by_index, tokenizer):
 
 def encode_prompts(tokenizer, items, settings, noted=False):
     """Token ids of each prompt (chat template) and of its reference; returns what was done with the chat template."""
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    use_template = not settings["no_chat_template"] and has_template
-    if not settings["no_chat_template"] and not has_template and not noted:
+    use_template = not settings["no_chat_template"] and bool(getattr(tokenizer, "chat_template", None))
+    if not settings["no_chat_template"] and not use_template and not noted:
         log(settings, "note: the target's tokenizer has no chat template; prompts are tokenized as plain text")
     vocab = len(tokenizer)
     for item in items:
-        if use_template:
-            text = tokenizer.apply_chat_template(item["messages"], tokenize=False, add_generation_prompt=True,
-                                                 enable_thinking=settings["enable_thinking"])
-        else:
-            text = "\n".join(m["content"] for m in item["messages"])
+        text = "\n".join(m["content"] for m in item["messages"]) if not use_template else \
+            tokenizer.apply_chat_template(item["messages"], tokenize=False, add_generation_prompt=True,
+                                          enable_thinking=settings["enable_thinking"])
         item["prompt_ids"] = tokenizer(text, add_special_tokens=not use_template)["input_ids"]
         if item["completion_ids"] is None and item["completion"] is not None:
             item["completion_ids"] = tokenizer(item["completion"], add_special_tokens=False)["input_ids"]
@@ -1022,10 +1012,7 @@ def read_embed_head(path, target_cfg, settings):
 
 def eos_ids(model, tokenizer):
     ids = getattr(model.generation_config, "eos_token_id", None)
-    ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
+    return {*(ids if isinstance(ids, list) else [ids]), tokenizer.eos_token_id} - {None}
 
 
 def cache_kwarg(module, cache):
@@ -1114,8 +1101,7 @@ def sampling_probs(logits, sampling):
     temperature, top_p, top_k = sampling
     z = logits.float() / temperature
     if 0 < top_k < z.shape[-1]:
-        kth = z.topk(top_k, dim=-1).values[:, -1:]
-        z = z.masked_fill(z < kth, -math.inf)
+        z = z.masked_fill(z < z.topk(top_k, dim=-1).values[:, -1:], -math.inf)
     probs = z.softmax(-1)
     if top_p < 1.0:
         ordered, order = probs.sort(dim=-1, descending=True)
@@ -1167,13 +1153,9 @@ def model_logits(model):
 
     def logits(rows):
         z = head(rows)
-        if scale:
-            z = z * scale
-        if divide:
-            z = z / divide
-        if softcap:
-            z = torch.tanh(z / softcap) * softcap
-        return z
+        z = z * scale if scale else z
+        z = z / divide if divide else z
+        return torch.tanh(z / softcap) * softcap if softcap else z
 
     probe = torch.arange(4, 12, device=model.device)[None] % cfg.vocab_size
     with torch.inference_mode():
@@ -1231,15 +1213,14 @@ def next_token(logits, sampling, generator):
 @torch.inference_mode()
 def plain_generate(model, prompt_ids, max_new_tokens, stop_ids, sampling=None, generator=None):
     """Plain decoding with the KV cache: greedy (the reference speculative decoding would commit), or one sample."""
-    device = model.device
-    out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True, logits_to_keep=1)
+    out = model(input_ids=torch.tensor([prompt_ids], device=model.device), use_cache=True, logits_to_keep=1)
     tokens = []
     while True:
         token = next_token(out.logits[0, -1:], sampling, generator)
         tokens.append(token)
         if len(tokens) >= max_new_tokens or token in stop_ids:
             return tokens
-        out = model(input_ids=torch.tensor([[token]], device=device), use_cache=True,
+        out = model(input_ids=torch.tensor([[token]], device=model.device), use_cache=True,
                     **cache_kwarg(model, returned_cache(out)))
 
 
@@ -2655,12 +2636,10 @@ def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, p
     context_kv = prompt_context(drafter, features)   # grown by the accepted tokens only: re-projecting is quadratic
     tokens = [next_token(logits_of(last[-1:]), sampling, generator)]
     while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
-        ids = prompt_ids + tokens
-        anchor = len(ids) - 1   # its hidden state is not context: the cache holds positions < anchor
+        anchor = len(prompt_ids) + len(tokens) - 1   # not yet context: the cache holds positions < anchor
         drafts, _ = draft_all_anchors(drafter, context_kv, torch.tensor([anchor], device=model.device),
-                                      torch.tensor([ids[anchor]], device=model.device), embed.weight, head, 0,
-                                      prompt_id)
-        block = [ids[anchor]] + drafts[0].tolist()
+                                      torch.tensor(tokens[-1:], device=model.device), embed.weight, head, 0, prompt_id)
+        block = tokens[-1:] + drafts[0].tolist()
         new_feats, accepted, bonus = verify_pass(
             model, block, layers, cache, lambda last: verify(block, logits_of(last), sampling, generator))
         check_finite(new_feats, prompt_id)
