@@ -2535,10 +2535,11 @@ def load_drafter(spec, target_cfg, settings, identify=True):
     if is_target_directory(path):
         return load_mtp(name, path, target_cfg, settings, identify)
     cfg, raw = read_checkpoint(path, name)
-    if settings.get("drafter_config") and cfg is not None:
-        log(settings, f"drafter {name}: --drafter-config ignored, the checkpoint has its own config.json")
-    elif settings.get("drafter_config"):
-        cfg = read_json(settings["drafter_config"])
+    if settings.get("drafter_config"):
+        if cfg is None:
+            cfg = read_json(settings["drafter_config"])
+        else:
+            log(settings, f"drafter {name}: --drafter-config ignored, the checkpoint has its own config.json")
     generation, layout, cfg, state = recognize(cfg, unwrap_state_dict(raw, name, settings), name)
     return FAMILIES[generation].load(name, path, generation, cfg, state, layout, raw, target_cfg, settings, identify)
 
