@@ -47,8 +47,17 @@ import time
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
-import torch
-import torch.nn.functional as F
+if __name__ == "__main__":   # run as a script, not imported (a training loop's process is its own)
+    # Ctrl-C while torch imports (seconds): one line, not a traceback from inside torch
+    signal.signal(signal.SIGINT, lambda *_: (print("interrupted while starting: nothing was computed yet",
+                                                   file=sys.stderr), os._exit(130)))
+    # torch's OpenMP threads spin (libgomp: 300k times) before they sleep between parallel regions: on a box whose
+    # cores are busy with other work they take turns with it, and the demo ran 2-5x slower than on one thread. A
+    # short spin keeps the idle speed and gives the cores back. A user's own setting wins.
+    if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
+        os.environ["GOMP_SPINCOUNT"] = "1000"
+import torch  # noqa: E402 - after the spin setting, which OpenMP reads once, when torch loads it
+import torch.nn.functional as F  # noqa: E402
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -328,7 +337,8 @@ FLAGS = [
         "sits")),
     ("evaluation", "--dtype", "R", None, dict(default="auto", choices=["auto", "float32", "bfloat16", "float16"],
         help="auto = float32 on CPU (exact; bf16 CPU kernels of hybrid targets drift), bfloat16 on CUDA")),
-    ("evaluation", "--threads", "M", AT_LEAST_1, dict(type=int, help="torch CPU threads")),
+    ("evaluation", "--threads", "M", AT_LEAST_1, dict(type=int,
+        help="torch CPU threads (default: the cores this process may use)")),
     ("evaluation", "--anchors", "R", None, dict(default="all", choices=["all", "walk"],
         help="all: draft every anchor (per-position statistics over every position); walk: only the anchors the walks "
              "visit (same rounds and tau, drafter cost / ~tau)")),
@@ -551,21 +561,28 @@ def resolve_merge(args):
             "threads": args.threads, "compare_hidden": None}
 
 
+def default_threads():
+    """torch's CPU threads without --threads: the cores this process may use (its affinity: taskset, a container's
+    cpuset), no more than torch's own pick (the physical cores), shared by the torchrun ranks on this machine."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return max(1, min(cores, torch.get_num_threads()) // local_ranks)
+
+
 def rank_setup(settings):
-    """Under torchrun: join the process group, take this rank's GPU or share of CPU cores; returns its settings."""
+    """Under torchrun: join the process group, take this rank's GPU (its CPU threads: default_threads); returns its
+    settings."""
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
     if ranks < 2 or settings.get("compare_hidden"):
         return {}
     import torch.distributed as dist
     if settings["shard"]:
         fail("--shard and torchrun both slice the prompts: use one of them")
-    local, local_ranks = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
     device = settings["device"]
     if device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
-    elif not settings["threads"]:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     rank = dist.get_rank()
@@ -664,7 +681,7 @@ def resolve_settings(args):
                 # identities by content, which --resume and --merge compare (the target's and drafters' come later)
                 "prompts_hash": file_hash(args.prompts) if args.prompts and not from_file else None,
                 "hidden_hashes": [hidden_hash(path) for path in args.load_hidden] if args.load_hidden else None,
-                "device": device, "dtype": dtype, "layers": layers,
+                "device": device, "dtype": dtype, "layers": layers, "threads": args.threads or default_threads(),
                 # what happened, once the tokenizer is read: applied / off (--no-chat-template) / none in the tokenizer
                 "chat_template": "off" if args.no_chat_template else None,
                 "ddtree_budgets": parse_budgets(args.ddtree_budgets), "depths": parse_depths(args.depths),
@@ -3867,13 +3884,23 @@ def is_main_thread():
     return threading.current_thread() is threading.main_thread()
 
 
-def interrupt_message(settings, finished, references):
+def interrupt_message(settings, finished, references, during=""):
     """What an interrupted run kept, and how to go on."""
     kept = f" and {references} references not yet scored" if references and settings["output"] else ""
     how = (f"to finish, run the same {'torchrun ' if settings['ranks'] > 1 else ''}command with --resume"
            if settings["output"] else
            "without --output nothing is kept for later: give --output, and --resume goes on from there")
-    return f"interrupted: reporting the {finished} prompts finished so far{kept}; {how}"
+    return f"interrupted{during}: reporting the {finished} prompts finished so far{kept}; {how}"
+
+
+def interrupted_outside(settings):
+    """What a Ctrl-C outside the prompts' loop (starting, loading, writing the report) leaves behind."""
+    path = partial_path(settings) if settings and settings.get("output") and "ranks" in settings else None
+    if path and os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            if sum(1 for _ in f) > 1:   # more than its header
+                return f"the finished work is kept in {path}: run the same command with --resume to go on"
+    return "nothing was finished yet, nothing to keep"
 
 
 def mine(it, settings):
@@ -4222,6 +4249,8 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
                 write_row(partial, record_json(record))
                 bar.update()
     except KeyboardInterrupt:
+        if not (records or made or references):   # still loading: no report of nothing (main says so in one line)
+            raise
         learned.interrupted = True
         print(interrupt_message(settings, len(records), len((set(made) | set(references)) - set(records))),
               file=sys.stderr)
@@ -4246,8 +4275,14 @@ def finish_run(settings, learned, items, records, drafters, facts, started):
     """The run's costs (--costs measure), every rank's records gathered, the report."""
     skipped = [{"id": it["id"], "reason": it["skip"]} for it in items if it.get("skip")]
     if settings.get("costs") == "measure" and not learned.interrupted:
-        with timed("costs_s"):
-            learned.costs_used = measure_costs(learned.model, drafters, settings, [r["item"] for r in records.values()])
+        try:
+            with timed("costs_s"):
+                learned.costs_used = measure_costs(learned.model, drafters, settings,
+                                                   [r["item"] for r in records.values()])
+        except KeyboardInterrupt:   # the prompts are all finished: report them, without the costs
+            learned.interrupted = True
+            print(interrupt_message(settings, len(records), 0, " while measuring costs (none are reported)"),
+                  file=sys.stderr)
     learned.model = None   # the target's memory freed before the ranks gather
     if settings["ranks"] > 1:
         gathered = gather_ranks(settings, learned, facts, records, skipped)
@@ -4334,6 +4369,8 @@ def compare_hidden(settings):
 def run(settings):
     if settings["threads"]:
         torch.set_num_threads(settings["threads"])
+    if not settings.get("merge"):
+        log(settings, f"device {settings['device']} ({settings['dtype']}), {torch.get_num_threads()} CPU threads")
     if str(settings.get("device")).startswith("cuda"):
         # cuDNN attention plans each new sequence length, met at every generation or walk step (suspected, not
         # measured, cause of the bf16 demo's 9x CUDA slowdown); the flash and memory-efficient kernels need none
@@ -4371,6 +4408,9 @@ def leave_ranks():
 def main(argv=None):
     with contextlib.suppress(AttributeError, ValueError):   # a report line holds Δτ: never die of the locale
         sys.stdout.reconfigure(errors="replace")
+    if is_main_thread():   # from here Ctrl-C is a KeyboardInterrupt, which the prompts' loop keeps its work on
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    settings = None
     try:
         settings = resolve_settings(parse_args(argv))
         report = run(settings)
@@ -4379,6 +4419,10 @@ def main(argv=None):
         if int(os.environ.get("RANK", "0")) == 0:   # under torchrun every rank stops; one says why
             print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:   # outside the prompts' loop, which reports what it finished itself
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"interrupted: {interrupted_outside(settings)}", file=sys.stderr)
+        return 130
     except BrokenPipeError:   # the report piped into `head`: what was read is what was wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

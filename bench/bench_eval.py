@@ -36,6 +36,8 @@ target's own greedy output (given as completion_ids, so no generation is timed i
      the same hidden size drafting as many tokens (their causal pass over the text and their chained steps).
   i. local references for a hybrid target (the bundled hybrid demo pair, Qwen3.5 layers): plain greedy
      decoding against speculative decoding with the state snapshot (goal: >= 2x at tau >= 4); equal tokens.
+  m. the demo as a user runs it, on an idle box and with 2 x cores other processes spinning: the default threads
+     against --threads 1 (goal: within 2x on the busy box) and against libgomp's own spin count, the old default.
   Also: whole-process time of `eval_drafter.py --demo --limit 2 --quiet` split into imports and the rest;
   b with --anchors walk (one run); plain vs speculative reference generation (--reference-generation) on
   the benchmark pair and on the bundled demo pair; a cProfile of one b run and of the tool's
@@ -146,7 +148,7 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="2 prompts, 1 run each, no RESULTS.md")
     p.add_argument("--only", help="run only these rows, e.g. j,k (no RESULTS.md): j = the --depths sweep's cost, "
                                   "k = predicted against measured speedup on the demo pair, l = DSpark and Domino "
-                                  "against DFlash")
+                                  "against DFlash, m = the demo on a busy box, default threads against --threads 1")
     p.add_argument("--write-results", action=argparse.BooleanOptionalAction,
                    help="write bench/RESULTS.md (default on, off with --quick)")
     args = p.parse_args(argv)
@@ -787,6 +789,46 @@ def demo_process(args, work):
             "timing": {k: best([t.get(k, 0.0) for t in timings]) for k in keys}}
 
 
+BUSY_SPINCOUNTS = {"default": None, "libgomp's own spin": "300000", "--threads 1": None}
+
+
+def busy_box(args):
+    """Whole-process wall time of `eval_drafter.py --demo --quiet` on an idle box and with 2 x cores other
+    processes spinning: the tool's default threads, the same with libgomp's own spin count (what the default was
+    before the tool shortened it), and --threads 1. Goal: the default within 2x of --threads 1 on the busy box."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    figures = {}
+    for busy in (0, 2 * cores):
+        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+        try:
+            for label, spin in BUSY_SPINCOUNTS.items():
+                env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+                env.update({"GOMP_SPINCOUNT": spin} if spin else {})
+                cmd = [sys.executable, TOOL, "--demo", "--quiet"] + (["--threads", "1"] if "threads" in label else [])
+                walls = []
+                for _ in range(1 if busy else max(2, args.repeats)):
+                    start = time.perf_counter()
+                    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
+                    walls.append(time.perf_counter() - start)
+                figures[(busy, label)] = best(walls)
+        finally:
+            for p in spinners:
+                p.kill()
+                p.wait()
+    return {"cores": cores, "busy": 2 * cores, "walls": figures}
+
+
+def report_busy(m):
+    for busy in (0, m["busy"]):
+        say(f"busy box: `eval_drafter.py --demo --quiet` with {busy} spinning processes on {m['cores']} cores: "
+            + ", ".join(f"{label} {m['walls'][(busy, label)]:.1f} s" for label in BUSY_SPINCOUNTS))
+
+
+def busy_verdict(m):
+    ratio = m["walls"][(m["busy"], "default")] / m["walls"][(m["busy"], "--threads 1")]
+    return verdict(ratio <= 2, f"demo on a busy box with the default threads <= 2 x --threads 1: x{ratio:.2f}")
+
+
 def reference_generation(paths, args, work):
     """generate_s of the tool's plain vs speculative reference generation: on the benchmark pair (random
     drafter, first prompt, GEN_TOKENS tokens with EOS ignored, one run each: slow) and on the bundled demo
@@ -1208,6 +1250,7 @@ def verdicts_of(f):
                 f"sampled evaluation at Qwen3's settings <= 1.1 x b (argmax) and <= 1.5 x b (sample): "
                 f"x{f['h']['argmax']['work_s'] / b['work_s']:.2f} and x{f['h']['sample']['work_s'] / b['work_s']:.2f}"),
         *([speedup_verdict(f["k"])] if f.get("k") else []),
+        *([busy_verdict(f["m"])] if f.get("m") else []),
         *([verdict(f["i"]["tau"] >= 4 and f["i"]["plain_s"] >= 2 * f["i"]["spec_s"],
                    f"hybrid speculative references >= 2 x plain greedy at tau >= 4: x"
                    f"{f['i']['plain_s'] / f['i']['spec_s']:.2f} at tau {f['i']['tau']:.2f}")] if f.get("i") else []),
@@ -1242,6 +1285,10 @@ def main(argv=None):
                 f["k"] = measure_speedup(args, work)
                 report_speedup(f["k"])
                 speedup_verdict(f["k"])
+            if "m" in rows:
+                f["m"] = busy_box(args)
+                report_busy(f["m"])
+                busy_verdict(f["m"])
         return
     with contextlib.ExitStack() as stack:
         work = args.workdir or stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_eval_"))
@@ -1297,6 +1344,8 @@ def main(argv=None):
         with watch("process"):
             f["proc"] = demo_process(args, work)
         report_process(f["proc"])
+        f["m"] = busy_box(args)   # not watched: it makes the other processes itself
+        report_busy(f["m"])
         if has_flag("--reference-generation"):
             with watch("generation"):
                 generation = reference_generation(paths, args, work)
