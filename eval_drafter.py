@@ -90,9 +90,18 @@ def timed(stage):
         TIMING[stage] = TIMING.get(stage, 0.0) + time.perf_counter() - start
 
 
+def say(message):
+    """A line on stderr, above any live progress bar: a plain print would land inside the bar's line."""
+    bars = sys.modules.get("tqdm")
+    if bars is not None and getattr(bars.tqdm, "_instances", None):
+        bars.tqdm.write(message, file=sys.stderr)
+    else:
+        print(message, file=sys.stderr)
+
+
 def log(settings, message):
     if not settings.get("quiet"):
-        print(message, file=sys.stderr)
+        say(message)
 
 
 def progress(settings, total, desc, position=0):
@@ -478,6 +487,17 @@ def parse_shard(text):
     return [int(k), int(n)]
 
 
+def repeated(text):
+    """The values a comma list gives more than once (8 and 08 are one), in order of first repetition."""
+    seen, twice = set(), []
+    for x in (text or "").split(","):
+        value = int(x) if x.strip().isdigit() else x.strip().lower()
+        if value in seen and value not in twice:
+            twice.append(value)
+        seen.add(value)
+    return [str(v) for v in twice if v != ""]
+
+
 def check_flags(args):
     """Numbers within their rules, and no flag the chosen mode would ignore (exit 2); returns notes on harmless ones."""
     for _, flag, _, number, _ in FLAGS:
@@ -502,6 +522,12 @@ def check_flags(args):
         notes.append(f"--seed {args.seed} does nothing at --temperature 0: greedy references need no seed")
     if "reference_generation" in given and args.server:
         notes.append("--reference-generation is for local generation: with --server the server generates")
+    if args.enable_thinking and args.no_chat_template:
+        notes.append("--enable-thinking does nothing with --no-chat-template: thinking is a chat template's switch")
+    for flag in ("--ddtree-budgets", "--depths", "--steps"):
+        text = getattr(args, flag[2:].replace("-", "_"))
+        if repeated(text):
+            notes.append(f"{flag} {text}: {', '.join(repeated(text))} given more than once, counted once")
     return notes
 
 
@@ -3365,6 +3391,9 @@ def predicted_speedups(report, costs):
             best = max((r for r in rows.items() if r[1]["speedup"]), key=lambda r: r[1]["speedup"], default=None)
             out[batch] = {"plain_s": t["target"]["1"], "rows": rows, "best": best[0] if best else None}
         d["predicted_speedup"] = out
+    for row, d in zip((report.get("comparison") or {}).get("drafters", []), report["drafters"]):
+        row["predicted_speedup"] = {batch: {"best": p["best"], "speedup": p["rows"][p["best"]]["speedup"] if p["best"]
+                                            else None} for batch, p in d["predicted_speedup"].items()}
 
 
 def export_vllm_synthetic(report, path, depth):
@@ -3639,13 +3668,20 @@ def comparison_lines(c):
     width = max(len("drafter"), *(len(row["name"]) for row in c["drafters"]))
     yield (f"\n== side by side over {c['prompts']} prompts (95% intervals over prompts; differences paired on the "
            "same prompts)")
-    yield f"   {'drafter':<{width}}    tau  95% interval      accept@1" + "".join(f"  DDTree {b:>4}" for b in budgets)
+    predicted = [row["predicted_speedup"] for row in c["drafters"] if row.get("predicted_speedup")]
+    batch = ("1" if "1" in predicted[0] else min(predicted[0], key=int)) if predicted else None
+    yield (f"   {'drafter':<{width}}    tau  95% interval      accept@1" + "".join(f"  DDTree {b:>4}" for b in budgets)
+           + (f"  predicted speedup{'' if batch == '1' else f' (batch {batch})'}" if batch else ""))
+
+    def speed(row):   # the drafter's best predicted speedup and where (a depth K, a DDTree budget)
+        p = (row.get("predicted_speedup") or {}).get(batch) or {}
+        return "  n/a" if p.get("speedup") is None else f"  {p['speedup']:>5.2f}x at {p['best']}"
     for row in c["drafters"]:
         best = "  <- best of " + row["series"] if "series" in row and c["best_steps"].get(row["series"]) == \
             row["step"] and sum(r.get("series") == row["series"] for r in c["drafters"]) > 1 else ""
         yield (f"   {row['name']:<{width}}  {fmt(row['tau']):>5}  {interval(row['tau_ci95']):<16}  "
                f"{fmt(row['first_position_acceptance']):>8}"
-               + "".join(f"  {fmt(row['ddtree'].get(b)):>11}" for b in budgets) + best)
+               + "".join(f"  {fmt(row['ddtree'].get(b)):>11}" for b in budgets) + (speed(row) if batch else "") + best)
 
     def deltas(rows, where=""):
         for row in rows[1:]:
@@ -3720,7 +3756,12 @@ def report_lines(report):
             if d["mask_check"]["warning"]:
                 yield f"   WARNING: {d['mask_check']['warning']}"
                 print(f"warning: drafter {d['name']}: {d['mask_check']['warning']}", file=sys.stderr)
-        yield from serving_lines(d)
+        served = list(serving_lines(d))
+        if served and len(sections) > 1:   # labelled: else they would read as the last split's or turn's
+            over = " and ".join(w for w, many in (("split", len(d["splits"]) > 1), ("turn", d.get("turns"))) if many)
+            yield (f"-- all, pooled over every {over}: the engines' figures"
+                   + (" and the predicted speedup" if d.get("predicted_speedup") else ""))
+        yield from served
         if d.get("by_context") and len(d["by_context"]) > 1:
             yield "   by context length (the anchor's position): " + "; ".join(
                 f"{label}: tau {fmt(s['tau'])} over {s['rounds']:.0f} rounds, first-position acceptance "
@@ -4115,9 +4156,9 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
     """Load the target; then a stream of (item, features, argmax) per prompt not in `done`: tokenized, its reference
     generated if missing (to keep(item) at once), one teacher-forced pass; features go to --save-hidden."""
     if settings["device"] == "cpu" and settings["dtype"] != "float32" and is_hybrid(target_cfg):
-        print(f"warning: {settings['dtype']} on CPU with a hybrid (linear-attention) target: the CPU fallback of "
-              "those layers drifts from the GPU kernels enough to garble drafts; use --dtype float32 on CPU, or "
-              "extract on a GPU", file=sys.stderr)
+        say(f"warning: {settings['dtype']} on CPU with a hybrid (linear-attention) target: the CPU fallback of "
+            "those layers drifts from the GPU kernels enough to garble drafts; use --dtype float32 on CPU, or "
+            "extract on a GPU")
     with timed("load_s"):
         model, tokenizer = load_target(settings)
     limit = target_cfg.max_position_embeddings
@@ -4186,6 +4227,17 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
     return stream(), embed.weight, head
 
 
+def note_maskless(drafters, settings):
+    """One note naming the in-block mask flags given and the drafters (EAGLE-3, MTP) they do nothing for."""
+    maskless = [f"{d.name} ({d.generation})" for d in drafters if not d.rules]
+    given = [flag for flag, on in (("--check-mask", settings["check_mask"]),
+                                   ("--block-mask", settings["block_mask"] != "auto"),
+                                   ("--sliding-window", settings["sliding_window"] != "train")) if on]
+    if maskless and given:
+        log(settings, f"note: {', '.join(given)} ignored for drafter{'s' * (len(maskless) > 1)} {', '.join(maskless)}: "
+                      "a causal chain has no in-block mask")
+
+
 def load_run(settings, learned):
     """The target's config and every --ckpt drafter, named apart (training-run steps after the first wait on disk)."""
     target_cfg = read_target_config(settings["target"])
@@ -4201,11 +4253,14 @@ def load_run(settings, learned):
     for d in drafters:  # run1/ckpt and run2/ckpt would both be "ckpt": keep names apart
         seen[d.name] = seen.get(d.name, 0) + 1
         if seen[d.name] > 1:
+            log(settings, f"note: a drafter named {d.name} came before; this one ({d.checkpoint}) is "
+                          f"{d.name}#{seen[d.name]} in the report (name drafters apart with --ckpt NAME=PATH)")
             d.name += f"#{seen[d.name]}"
         log(settings, f"drafter {d.name}: " + (f"{d.block_size - 1} steps a round, layers {d.layers}, no block (a "
                       "causal chain)" if family(d).causal else f"block {d.block_size - d.from_anchor}, layers "
                       f"{d.layers}, in-block mask per layer: {', '.join(rule_label(r) for r in d.rules)}"))
         d.mask_variants = mask_variants(d, settings) if settings["check_mask"] and d.rules else None
+    note_maskless(drafters, settings)
     learned.target_hash = target_hash(settings["target"])
     check_depths(drafters, settings)
     return target_cfg, drafters
@@ -4252,8 +4307,7 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
         if not (records or made or references):   # still loading: no report of nothing (main says so in one line)
             raise
         learned.interrupted = True
-        print(interrupt_message(settings, len(records), len((set(made) | set(references)) - set(records))),
-              file=sys.stderr)
+        say(interrupt_message(settings, len(records), len((set(made) | set(references)) - set(records))))
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
