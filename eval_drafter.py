@@ -4335,8 +4335,7 @@ def finish_run(settings, learned, items, records, drafters, facts, started):
                                                    [r["item"] for r in records.values()])
         except KeyboardInterrupt:   # the prompts are all finished: report them, without the costs
             learned.interrupted = True
-            print(interrupt_message(settings, len(records), 0, " while measuring costs (none are reported)"),
-                  file=sys.stderr)
+            say(interrupt_message(settings, len(records), 0, " while measuring costs (none are reported)"))
     learned.model = None   # the target's memory freed before the ranks gather
     if settings["ranks"] > 1:
         gathered = gather_ranks(settings, learned, facts, records, skipped)
