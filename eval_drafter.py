@@ -552,10 +552,11 @@ def read_costs(path):
     table = read_json(path)
     tables = table.get("batch_sizes", {"1": table})
     for batch, t in (tables.items() if isinstance(tables, dict) else [("?", None)]):
-        flat = [v for part in ("target", "draft") for v in t.get(part, {}).values()] if isinstance(t, dict) else []
-        flat = [x for v in flat for x in (v.values() if isinstance(v, dict) else [v])]
-        if not (isinstance(t, dict) and isinstance(t.get("target"), dict) and "1" in t["target"] and
-                isinstance(t.get("draft"), dict) and all(isinstance(x, (int, float)) and x > 0 for x in flat)):
+        parts = [t.get(part) for part in ("target", "draft")] if isinstance(t, dict) else []
+        flat = [x for p in parts if isinstance(p, dict) for v in p.values()
+                for x in (v.values() if isinstance(v, dict) else [v])]
+        if not (len(parts) == 2 and all(isinstance(p, dict) for p in parts) and "1" in parts[0] and
+                all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in flat)):
             fail(f"--costs {path}: batch size {batch} needs \"target\" (seconds per n new tokens, \"1\" among them) "
                  "and \"draft\" (seconds per depth, or per drafter and depth), every value a number above 0")
     return {"file": os.path.abspath(path), "batch_sizes": tables}
@@ -628,7 +629,7 @@ def resolve_settings(args):
     if args.merge:
         return MappingProxyType(resolve_merge(args))
     comparing, from_file = bool(args.compare_hidden), bool(args.load_hidden or args.compare_hidden)
-    if not args.target and (args.ckpt or not comparing):
+    if not args.target and (args.ckpt or args.mtp or not comparing):
         fail("--target is required (or run --demo for the bundled example)")
     if not args.ckpt and not args.mtp and not comparing:
         fail("--ckpt is required: give at least one drafter checkpoint (or --mtp for the target's own MTP layer)")
@@ -947,7 +948,9 @@ def saved_references(settings):
     """{(id, sample, turn): line} of the --save-references file, for reuse (a line cut short by a kill is skipped)."""
     path, saved = settings["save_references"], {}
     if path and os.path.isfile(path):
-        for line in open(path, encoding="utf-8", errors="replace").read().splitlines():
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+        for line in lines:
             with contextlib.suppress(json.JSONDecodeError):
                 row = json.loads(line)
                 if isinstance(row, dict) and isinstance(row.get("completion_ids"), list):

@@ -4,10 +4,11 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import eval_drafter as ed
-from conftest import ROOT, interrupt_at
+from conftest import ROOT, interrupt_at, refused_in_one_line
 
 DEMO = ["--demo", "--limit", "3", "--max-new-tokens", "48"]
 
@@ -128,3 +129,18 @@ def test_openmp_spins_briefly_unless_the_user_says(monkeypatch):
     assert spin_settings({}) == ["1000", "None"]
     assert spin_settings({"GOMP_SPINCOUNT": "50"}) == ["50", "None"]
     assert spin_settings({"OMP_WAIT_POLICY": "active"}) == ["None", "active"]
+
+
+# Bad input found on the way: one line each, exit 2, where a traceback came before.
+
+@pytest.mark.parametrize("costs", [{"target": 5}, {"target": {"1": 0.1}, "draft": [1]},
+                                   {"target": {"1": 0.1}, "draft": {"3": True}}])
+def test_malformed_costs_file_is_one_line(tmp_path, capsys, costs):
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(costs))
+    refused_in_one_line(capsys, [*DEMO, "--costs", str(path)], f"--costs {path}: batch size 1 needs")
+
+
+def test_compare_hidden_with_mtp_needs_the_target(tmp_path, capsys):
+    refused_in_one_line(capsys, ["--compare-hidden", str(tmp_path / "a"), str(tmp_path / "b"), "--mtp"],
+                        "--target is required")
