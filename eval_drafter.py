@@ -42,6 +42,8 @@ import math
 import os
 import re
 import signal
+import socket
+import stat
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -126,11 +128,46 @@ def read_json(path):
     return value
 
 
+def streamed(path):
+    """Is `path` something other than a regular file (a device, a FIFO, a terminal, /dev/stdout, a link to one)? Such
+    an output is written straight: replacing it would put a file where the device was, and nothing stands beside it."""
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:   # not there yet (or a dangling link): a file will be made
+        return False
+
+
+def names_stdout(path):
+    """Does `path` name this process's standard output (/dev/stdout, /proc/self/fd/1, the file it is redirected to)?"""
+    try:
+        a, b = os.stat(path), os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):   # not there, or stdout is no file (captured)
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
 def write_json(path, report):
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
-    os.replace(tmp, path)
+    """The report at `path`: a regular file (a link's target for a link: the link stays) replaced atomically, anything
+    else written straight (/dev/stdout: this process's stdout); a failed write is one clear error, never half a file."""
+    try:
+        if names_stdout(path):
+            json.dump(report, sys.stdout, indent=1)
+            print(flush=True)
+        elif streamed(path):
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(report, f, indent=1)
+        else:
+            target = os.path.realpath(path)
+            tmp = f"{target}.tmp{os.getpid()}"
+            try:
+                with open(tmp, "w", encoding="utf-8") as f:
+                    json.dump(report, f, indent=1)
+                os.replace(tmp, target)
+            finally:
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+    except OSError as e:
+        fail(f"cannot write {path}: {e.strerror or e}")
 
 
 def index_weight_map(path):
@@ -404,6 +441,9 @@ FLAGS = [
         help="compare two --save-hidden files layer by layer (and drafters' tau from each with --ckpt)")),
     ("long", "--resume", "C", None, dict(action="store_true", help="continue an interrupted run from "
         "<output>.partial.jsonl (same settings required)")),
+    ("long", "--overwrite", "C", None, dict(action="store_true", help="start over although <output>.partial.jsonl "
+        "holds an earlier run's finished work (without it such a run is refused: add --resume to continue it); the "
+        "old partial file is kept as a backup, <output>.partial.jsonl.bak")),
     ("long", "--shard", "C", None, dict(metavar="K/N", help="evaluate the K-th of N deterministic slices of the "
         "prompts (K = 1..N) into its own --output; --merge rebuilds one report from the N outputs")),
     ("long", "--merge", "M", None, dict(nargs="+", metavar="SHARD.json", help="rebuild one report from --shard "
@@ -420,7 +460,8 @@ FLAGS = [
     ("deployment", "--export-depth", "", AT_LEAST_1, dict(type=int,
         help="the depth K of --export-vllm-synthetic (default: the trained one)")),
     ("output", "--output", "M", None, dict(help="write the full results as JSON to this file (atomically; finished "
-        "prompts go to <output>.partial.jsonl as the run goes)")),
+        "prompts go to <output>.partial.jsonl as the run goes; one run at a time, never over an input of the run); "
+        "a device, FIFO or /dev/stdout is written straight, with no partial file")),
     ("output", "--quiet", "M", None, dict(action="store_true", help="no progress bars or notes on stderr")),
 ]
 
@@ -577,15 +618,32 @@ def sampling_record(settings):
     return None if not sampling else dict(zip(("temperature", "top_p", "top_k"), sampling), seed=settings["seed"])
 
 
+def check_writable(flag, path):
+    """An output the run can write, checked before anything loads: a file in a writable directory (a link's target's),
+    or a writable device, FIFO or terminal."""
+    if os.path.isdir(path):
+        fail(f"{flag} {path} is a directory: give a file name")
+    if streamed(path):
+        if not os.access(path, os.W_OK):
+            fail(f"{flag} {path} is not writable")
+        return
+    where = os.path.dirname(os.path.realpath(path))
+    if not os.path.isdir(where):
+        fail(f"{flag} {path}: its directory does not exist; create it first")
+    if not os.access(where, os.W_OK | os.X_OK):
+        fail(f"{flag} {path}: its directory {where} is not writable (read-only or not yours); pick another path")
+
+
 def resolve_merge(args):
     """--merge settings: the shard files and the output (every other flag belongs to the shards)."""
     missing = [path for path in args.merge if not os.path.isfile(path)]
     if missing:
         fail(f"--merge: {missing[0]} not found")
-    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
-        fail(f"--output {args.output}: its directory does not exist; create it first")
+    if args.output:
+        check_writable("--output", args.output)
     return {"merge": [os.path.abspath(path) for path in args.merge], "output": args.output, "quiet": args.quiet,
-            "threads": args.threads, "compare_hidden": None}
+            "threads": args.threads, "compare_hidden": None,
+            "output_streamed": bool(args.output) and streamed(args.output)}
 
 
 def default_threads():
@@ -646,8 +704,8 @@ def resolve_settings(args):
     for flag, path in (("--output", args.output), ("--save-hidden", args.save_hidden),
                        ("--save-references", args.save_references),
                        ("--export-vllm-synthetic", args.export_vllm_synthetic)):
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            fail(f"{flag} {path}: its directory does not exist; create it first")
+        if path:
+            check_writable(flag, path)
     if args.server and not args.server.startswith(("http://", "https://")):
         fail(f"--server must be an http:// or https:// URL, got {args.server!r}")
     if args.server and args.server_api == "openai" and not args.server_model:
@@ -662,6 +720,14 @@ def resolve_settings(args):
              "use --anchors all")
     if args.resume and not args.output:
         fail("--resume needs --output: the partial results live in <output>.partial.jsonl")
+    if args.resume and args.overwrite:
+        fail("--resume continues the partial file and --overwrite starts over: give one of them")
+    if args.overwrite and not args.output:
+        fail("--overwrite starts over an --output's partial file: without --output there is none; drop --overwrite")
+    output_streamed = bool(args.output) and streamed(args.output)
+    if output_streamed and (args.resume or args.overwrite):
+        fail(f"--output {args.output} is not a regular file (a device, FIFO or terminal): no partial file is kept "
+             f"beside it, so there is nothing to {'resume' if args.resume else 'overwrite'}; give --output a file")
     if args.resume and args.save_hidden:
         fail("--resume cannot add to a --save-hidden file; extract in one uninterrupted run, or drop --save-hidden")
     if args.drafter_config and not os.path.isfile(args.drafter_config):
@@ -713,10 +779,14 @@ def resolve_settings(args):
                 "chat_template": "off" if args.no_chat_template else None,
                 "ddtree_budgets": parse_budgets(args.ddtree_budgets), "depths": parse_depths(args.depths),
                 "costs_used": read_costs(args.costs) if args.costs and args.costs != "measure" else None,
-                "shard": shard, "ranks": 1, "rank": 0,
+                "shard": shard, "ranks": 1, "rank": 0, "output_streamed": output_streamed,
                 "walk_rule": "first anchor = first completion token; next anchor = anchor + acceptance; "
                              "stop when the next block's drafts would pass the end of the reference",
                 "torch_version": torch.__version__, "transformers_version": transformers_version}
+    if output_streamed:
+        notes.append(f"--output {args.output} is not a regular file: the JSON is written to it straight at the end"
+                     f"{' (the report is printed on stderr)' if names_stdout(args.output) else ''}, with no partial "
+                     "file or lock beside it, so an interrupted run cannot be resumed")
     for note in notes:
         log(settings, f"note: {note}")
     settings.update(rank_setup(settings))
@@ -3413,8 +3483,7 @@ def export_vllm_synthetic(report, path, depth):
     config = {"method": method, **({} if method == "mtp" else {"model": d["checkpoint"]}),
               "num_speculative_tokens": depth, "rejection_sample_method": "synthetic",
               "synthetic_acceptance_rates": [round(r, 6) for r in rates], "draft_sample_method": "greedy"}
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=1)
+    write_json(path, config)
     return config
 
 
@@ -3871,6 +3940,8 @@ def partial_path(settings):
 
 
 def remove_partial(settings):
+    if settings.get("output_streamed"):   # none was kept beside a device or FIFO
+        return
     with contextlib.suppress(FileNotFoundError):
         os.remove(partial_path(settings))
 
@@ -3884,7 +3955,7 @@ def write_row(f, row):
 
 def open_partial(settings, learned, facts, records, references):
     """The partial file, begun again with what a resumed run already has (None without --output)."""
-    if not settings["output"]:
+    if not settings["output"] or settings.get("output_streamed"):
         return None
     f = open(partial_path(settings), "w", encoding="utf-8")
     write_row(f, {"fingerprint": fingerprint(run_config(settings, learned), facts)})
@@ -3915,12 +3986,194 @@ def resume_records(settings, learned, facts):
                          RESUME_KEYS + SLICE_KEYS)
     if differ:
         fail(f"--resume: {path} was written with other settings ({', '.join(differ)} differ); rerun with the "
-             "same settings, or without --resume to start over")
+             "same settings, or with --overwrite instead of --resume to start over")
     records = collect([row for row in rows if "item" in row], facts)
     references = {row["reference"]["index"]: row["reference"] for row in rows if "reference" in row}
     log(settings, f"resuming: {len(records)} prompts already finished in {path}" +
         (f", {len(set(references) - set(records))} more references generated" if references else ""))
     return records, references
+
+
+def partial_work(path):
+    """(finished prompts, references not yet scored, a file of this tool?) in a partial file; (0, 0, True) for none."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line for line in f if line.strip()]
+    except FileNotFoundError:
+        return 0, 0, True
+    except (OSError, UnicodeDecodeError):
+        return 0, 0, False
+    rows = []
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:   # a last line cut short by a hard kill
+            break
+    rows = [row for row in rows if isinstance(row, dict)]
+    ours = not lines or bool(rows) and "fingerprint" in rows[0]
+    done = {str(row["item"].get("index")) for row in rows if isinstance(row.get("item"), dict)}
+    made = {str(row["reference"].get("index")) for row in rows if isinstance(row.get("reference"), dict)}
+    return len(done), len(made - done), ours
+
+
+def partial_held(path):
+    """What an earlier run left in its partial file that a new one must not lose (None when nothing)."""
+    finished, references, ours = partial_work(path)
+    if not ours:
+        return "lines that are not this tool's partial results"
+    if finished or references:
+        return f"{finished} finished prompts" + (f" and {references} references not yet scored" if references else "")
+    return None
+
+
+def partial_refusal(settings):
+    """Why this run must not begin its partial file again (None when it may): an earlier run's work there, and
+    neither --resume (go on with it) nor --overwrite (start over, keeping it as a backup)."""
+    path = partial_path(settings)
+    held = None if settings["resume"] or settings.get("overwrite") else partial_held(path)
+    return held and (f"{path} holds {held} of an earlier run on --output {settings['output']}: add --resume to "
+                     "continue that run, or --overwrite to start over (the file is kept as a backup)")
+
+
+def back_up_partial(settings):
+    """--overwrite: an earlier run's partial file with work in it moved aside, never over an earlier backup."""
+    path = partial_path(settings)
+    held = partial_held(path)
+    if not held:
+        return
+    backup, n = f"{path}.bak", 1
+    while os.path.lexists(backup):
+        n += 1
+        backup = f"{path}.bak{n}"
+    os.rename(path, backup)
+    log(settings, f"note: --overwrite: the earlier run's {path} ({held}) is kept as {backup}")
+
+
+def lock_path(settings):
+    return os.path.realpath(settings["output"]) + ".lock"
+
+
+def lock_owner(path):
+    """(pid, host) of a lock file, None for either that cannot be read."""
+    with contextlib.suppress(OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        with open(path, encoding="utf-8") as f:
+            owner = json.load(f)
+        return owner.get("pid"), owner.get("host")
+    return None, None
+
+
+def gone(pid, host):
+    """Has the process that wrote a lock ended? Known only for a process of this host."""
+    if host != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:   # PermissionError: alive, another user's
+        return False
+    return False
+
+
+def take_lock(settings):
+    """<output>.lock created for this run (its PID and host); a lock whose process has ended is taken over with a
+    note. Returns None, or why the output is not this run's to write."""
+    path = lock_path(settings)
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            pid, host = lock_owner(path)
+            if not gone(pid, host):
+                break
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+            log(settings, f"note: {path} was left by process {pid}, which has ended: this run takes it over")
+            continue
+        except OSError as e:
+            return f"--output {settings['output']}: cannot create its lock {path} ({e.strerror or e})"
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+        return None
+    pid, host = lock_owner(path)
+    return (f"--output {settings['output']} is being written by another run (process {pid} on {host}, lock {path}): "
+            f"wait for it to end or pick another --output; if no run is using it, remove {path}")
+
+
+def run_files(settings):
+    """(what, path) of every file the run reads and of its other outputs; directories (the target, a checkpoint
+    directory) stand for every file under them."""
+    s = settings
+    named = [("the prompts file (--prompts)", s.get("prompts")), ("the --drafter-config file", s.get("drafter_config")),
+             ("the --costs file", s.get("costs") if s.get("costs") != "measure" else None),
+             ("the target (--target)", s.get("target")), ("the --save-hidden file", s.get("save_hidden")),
+             ("the --save-references file", s.get("save_references")),
+             ("the --export-vllm-synthetic file", s.get("export_vllm_synthetic"))]
+    named += [("a --load-hidden file", path) for path in s.get("load_hidden") or []]
+    named += [("a --compare-hidden file", path) for path in s.get("compare_hidden") or []]
+    named += [("a --merge input", path) for path in s.get("merge") or []]
+    named += [(f"checkpoint --ckpt {spec}", split_ckpt_spec(spec)[1]) for spec in s.get("ckpt") or []]
+    return [(what, path) for what, path in named if path]
+
+
+def replaced_input(output, files):
+    """The (what, path) of `files` that writing `output` would replace, by identity (links and spellings followed)."""
+    try:
+        mine = os.stat(output)
+    except OSError:   # not there yet: only another output spelled to the same place can be it
+        mine = None
+    report = False   # an earlier report of this tool, written into a model's directory, is none of the model's files
+    with contextlib.suppress(OSError), open(output, "rb") as f:
+        report = f.read(12) == b'{\n "config":'
+    for what, path in files:
+        if os.path.realpath(path) == os.path.realpath(output):
+            return what, path
+        if mine is None or not os.path.exists(path) or report and os.path.isdir(path):
+            continue
+        tree = os.walk(path) if os.path.isdir(path) else [("", [], [path])]
+        for root, _, names in tree:
+            for name in names:
+                with contextlib.suppress(OSError):
+                    st = os.stat(os.path.join(root, name))
+                    if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                        return what, path
+    return None
+
+
+@contextlib.contextmanager
+def output_claimed(settings):
+    """--output for this run alone, checked before anything loads: no input or other output of the run replaced,
+    a lock beside it, an earlier run's finished work in the partial file not begun again without --resume
+    (--overwrite keeps it as a backup). The lock goes at the end, whichever way the run ends. Under torchrun rank 0
+    holds the lock, each rank checks its own partial file, and all refuse together."""
+    output = settings.get("output")
+    if not output or settings.get("output_streamed"):
+        yield
+        return
+    clash = replaced_input(output, run_files(settings))
+    if clash:
+        fail(f"--output {output} is {clash[0]} ({clash[1]}): the report would replace it; pick another --output")
+    evaluating = not (settings.get("merge") or settings.get("compare_hidden"))
+    locked = False
+    try:
+        why = take_lock(settings) if settings.get("rank", 0) == 0 else None
+        locked = why is None and settings.get("rank", 0) == 0
+        if evaluating and not why:
+            why = partial_refusal(settings)
+        if settings.get("ranks", 1) > 1:
+            import torch.distributed as dist
+            everyone = [None] * settings["ranks"]
+            dist.all_gather_object(everyone, why)
+            why = next(filter(None, everyone), None)
+        if why:
+            fail(why)
+        if evaluating and settings.get("overwrite"):
+            back_up_partial(settings)
+        yield
+    finally:
+        if locked:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(lock_path(settings))
 
 
 def is_main_thread():
@@ -3930,9 +4183,12 @@ def is_main_thread():
 
 def interrupt_message(settings, finished, references, during=""):
     """What an interrupted run kept, and how to go on."""
-    kept = f" and {references} references not yet scored" if references and settings["output"] else ""
+    kept_file = settings["output"] and not settings.get("output_streamed")
+    kept = f" and {references} references not yet scored" if references and kept_file else ""
     how = (f"to finish, run the same {'torchrun ' if settings['ranks'] > 1 else ''}command with --resume"
-           if settings["output"] else
+           if kept_file else
+           f"--output {settings['output']} is not a regular file, so nothing is kept for later: give --output a file, "
+           "and --resume goes on from there" if settings["output"] else
            "without --output nothing is kept for later: give --output, and --resume goes on from there")
     return f"interrupted{during}: reporting the {finished} prompts finished so far{kept}; {how}"
 
@@ -4416,7 +4672,7 @@ def compare_hidden(settings):
               "layers": per_layer, "argmax_agreement": same_argmax / total_argmax if total_argmax else None}
     if settings["ckpt"]:
         report["drafters"] = [hidden_drafters(settings, path) for path in paths]
-    print_comparison(report)
+    print_comparison(report, sys.stderr if settings["output"] and names_stdout(settings["output"]) else None)
     if settings["output"]:
         write_json(settings["output"], report)
     return report
@@ -4439,11 +4695,18 @@ def run(settings):
         if not learned.interrupted and settings["output"]:
             remove_partial(settings)
         return {"interrupted": True} if learned.interrupted else {}
+    shown = sys.stderr if settings["output"] and names_stdout(settings["output"]) else None   # stdout: the JSON
     if settings["output"]:   # before printing: a closed pipe on stdout must not cost the results
-        write_json(settings["output"], report)
+        try:
+            write_json(settings["output"], report)
+        except UsageError as e:   # the report is still shown; a partial file stays for --resume
+            print_report(report, shown)
+            kept = not (settings.get("merge") or settings.get("output_streamed"))
+            fail(f"{e}" + (f"; the finished prompts stay in {partial_path(settings)}: once --output can be written, "
+                           "the same command with --resume writes the report" if kept else ""))
         if not report.get("interrupted") and not settings.get("merge"):
             remove_partial(settings)
-    print_report(report)
+    print_report(report, shown)
     if settings.get("export_vllm_synthetic") and not report.get("interrupted"):
         export_vllm_synthetic(report, settings["export_vllm_synthetic"], settings.get("export_depth"))
         log(settings, f"wrote {settings['export_vllm_synthetic']} (vLLM's speculative config, synthetic profile)")
@@ -4469,7 +4732,8 @@ def main(argv=None):
     settings = None
     try:
         settings = resolve_settings(parse_args(argv))
-        report = run(settings)
+        with output_claimed(settings):
+            report = run(settings)
         leave_ranks()
     except UsageError as e:
         if int(os.environ.get("RANK", "0")) == 0:   # under torchrun every rank stops; one says why
