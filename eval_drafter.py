@@ -4195,12 +4195,10 @@ def interrupt_message(settings, finished, references, during=""):
 
 def interrupted_outside(settings):
     """What a Ctrl-C outside the prompts' loop (starting, loading, writing the report) leaves behind."""
-    path = partial_path(settings) if settings and settings.get("output") and "ranks" in settings else None
-    if path and os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            if sum(1 for _ in f) > 1:   # more than its header
-                return f"the finished work is kept in {path}: run the same command with --resume to go on"
-    return "nothing was finished yet, nothing to keep"
+    path = settings and settings.get("output") and "ranks" in settings and partial_path(settings)
+    held = path and not settings["output_streamed"] and partial_held(path)
+    return f"{path} keeps {held}: run the same command with --resume to go on" if held else \
+        "nothing was finished yet, nothing to keep"
 
 
 def mine(it, settings):
