@@ -222,9 +222,21 @@ EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.w
 TARGET_NORM_NAMES = ("model.norm.weight", "model.language_model.norm.weight")
 
 
+STDIN = {}   # --prompts -: what was read from stdin, which cannot be read twice (resolve_settings empties it)
+
+
+def read_bytes(path):
+    """A file's bytes; "-" is stdin, read once per run and kept (its hash and its prompts come from the same read)."""
+    if path != "-":
+        with open(path, "rb") as f:
+            return f.read()
+    if "bytes" not in STDIN:
+        STDIN["bytes"] = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+    return STDIN["bytes"]
+
+
 def file_hash(path):
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+    return hashlib.sha256(read_bytes(path)).hexdigest()
 
 
 def content_hash(tensors, *facts):
@@ -344,8 +356,9 @@ FLAGS = [
     ("inputs", "--steps", "", None, dict(default="all", help="with --ckpt NAME=RUN_DIR (a training run's directory of "
         "step checkpoints: SpecForge's <run>-step<N>, checkpoint-<N>, step_<N>.pt, ...): which steps, e.g. 400,800 or "
         "last:5 (default all); every step is a drafter of the report, all from one target pass")),
-    ("inputs", "--prompts", "HC", None, dict(help="JSONL file of prompts: prompt / messages / turns / conversations "
-        "lines, optionally with completion or completion_ids references (see README)")),
+    ("inputs", "--prompts", "HC", None, dict(help="JSONL file of prompts (or one JSON array of them; - reads stdin): "
+        "prompt / messages / turns / conversations / question / instruction lines, optionally with completion or "
+        "completion_ids references (see README)")),
     ("inputs", "--limit", "", AT_LEAST_1, dict(type=int, help="evaluate only the first N prompts")),
     ("drafter", "--drafter-config", "", None, dict(metavar="FILE", help="config.json for checkpoint files that have "
         "none beside")),
@@ -674,6 +687,12 @@ def rank_setup(settings):
     return {"device": device, "rank": rank, "ranks": dist.get_world_size(), **({"quiet": True} if rank else {})}
 
 
+# The files a tokenizer's vocabulary comes in (transformers' fast, BPE, SentencePiece, WordPiece, Mistral layouts):
+# without one, AutoTokenizer gives an empty tokenizer (transformers 5) or a protobuf error (4.x).
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+                   "vocab.txt", "tekken.json")
+
+
 def resolve_settings(args):
     """Every choice the run makes, in one dict: it is echoed into the JSON output."""
     notes = check_flags(args)
@@ -699,8 +718,17 @@ def resolve_settings(args):
         fail("--save-hidden, --load-hidden and --compare-hidden go in separate runs")
     if not from_file and not args.prompts:
         fail("--prompts is required (or run --demo for the bundled example)")
-    if not from_file and not os.path.isfile(args.prompts):
+    if not from_file and args.prompts == "-":
+        if sys.stdin is None or sys.stdin.isatty():
+            fail("--prompts - reads the prompts from stdin, which is a terminal: pipe them in (... < prompts.jsonl)")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            fail("--prompts - reads stdin, which torchrun does not give every rank: save the prompts to a file")
+        STDIN.clear()   # this run's stdin, read once: its hash (for --resume) and its prompts come from that read
+    elif not from_file and not os.path.isfile(args.prompts):
         fail(f"prompts file not found: {args.prompts} (pass a JSONL file to --prompts)")
+    if not from_file and not any(os.path.isfile(os.path.join(args.target, name)) for name in TOKENIZER_FILES):
+        fail(f"the target {args.target} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the model's "
+             "tokenizer files beside its config.json")
     for flag, path in (("--output", args.output), ("--save-hidden", args.save_hidden),
                        ("--save-references", args.save_references),
                        ("--export-vllm-synthetic", args.export_vllm_synthetic)):
@@ -770,7 +798,7 @@ def resolve_settings(args):
     transformers_version = check_transformers()
     settings = {**vars(args),  # every flag as given, then what was resolved from it
                 "target": os.path.abspath(args.target) if args.target else None,
-                "prompts": os.path.abspath(args.prompts) if args.prompts else None,
+                "prompts": os.path.abspath(args.prompts) if args.prompts not in (None, "-") else args.prompts,
                 # identities by content, which --resume and --merge compare (the target's and drafters' come later)
                 "prompts_hash": file_hash(args.prompts) if args.prompts and not from_file else None,
                 "hidden_hashes": [hidden_hash(path) for path in args.load_hidden] if args.load_hidden else None,
@@ -852,20 +880,44 @@ def join_turn(items, conversations, key, item, turn, limit, where):
     first["turn_references"][number - 1] = ids
 
 
+def turn_text(content, where):
+    """A chat turn's text: a string, or OpenAI's content parts ([{"type": "text", "text": ...}], joined by newlines
+    as vLLM and SGLang join them for a text-only model); an image, audio or file part is refused by its type."""
+    if isinstance(content, str) or not isinstance(content, list):
+        return content
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            what = f"a part of type {kind!r}" if isinstance(kind, str) else "a part that is not {\"type\": \"text\"}"
+            fail(f"{where}: a chat turn holds {what}; only text parts can be evaluated (targets are read as text "
+                 "models): drop that part or the line")
+    return "\n".join(part["text"] for part in content)
+
+
 def chat_turn(turn, where):
     roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
              "system": "system", "bot": "assistant", "model": "assistant", "tool": "tool"}
     role = turn.get("role", turn.get("from")) if isinstance(turn, dict) else None
-    content = turn.get("content", turn.get("value")) if isinstance(turn, dict) else None
+    content = turn_text(turn.get("content", turn.get("value")), where) if isinstance(turn, dict) else None
     if role not in roles or not isinstance(content, str):
-        fail(f"{where}: a chat turn needs a role/from ({', '.join(sorted(roles))}) and text")
+        fail(f"{where}: a chat turn needs a role/from ({', '.join(sorted(roles))}) and text (a string, or a list "
+             "of {\"type\": \"text\", \"text\": ...} parts)")
     return {"role": roles[role], "content": content}
 
 
-def parse_prompt_row(row, path, lineno):
-    where = f"{path} line {lineno}"
+# A line's id: the first of these keys it has (HumanEval's task_id, MT-bench's question_id, ...), else its number.
+ID_KEYS = ("id", "task_id", "question_id", "idx", "sample_id")
+# Dataset answers that are not the target's replies: as references they would make tau approximate, so they are
+# left out and the target generates its own.
+FOREIGN_ANSWERS = {"answer": "GSM8K's \"answer\" is a person's solution",
+                   "output": "Alpaca's \"output\" is text-davinci-003's reply"}
+
+
+def parse_prompt_row(row, where, number):
+    """One prompt line (or array element) `number` into an item; an empty prompt is marked skip, not refused."""
     # A file's reference is the file's, even one this tool made: the self-check is for this run's own references.
-    item = {"id": str(row.get("id", lineno)), "split": str(row.get("split", "all")), "row": row,
+    name = next((k for k in ID_KEYS if row.get(k) is not None), None)
+    item = {"id": str(row[name] if name else number), "split": str(row.get("split", "all")), "row": row,
             "completion": row.get("completion"), "completion_ids": row.get("completion_ids"),
             "source": "server" if row.get("reference_source") == "server" else "file"}
     if isinstance(row.get("prompt"), str):
@@ -893,51 +945,86 @@ def parse_prompt_row(row, path, lineno):
             item["completion"] = turns[last]["content"]
         if not item["messages"]:
             fail(f"{where}: the conversation has nothing before its last assistant turn")
+    elif isinstance(row.get("question"), str):   # GSM8K
+        item["messages"] = [{"role": "user", "content": row["question"]}]
+        item["ignored"] = "answer" if "answer" in row else None
+    elif isinstance(row.get("instruction"), str) and isinstance(row.get("input") or "", str):   # Alpaca
+        # Alpaca's template sets the input below the instruction, a blank line apart; the chat template wraps both
+        text = "\n\n".join(t for t in (row["instruction"], row.get("input") or "") if t.strip())
+        item["messages"] = [{"role": "user", "content": text}]
+        item["ignored"] = "output" if "output" in row else None
     else:
-        fail(f"{where}: no prompt field; give one of \"prompt\", \"messages\", \"turns\", \"conversations\"")
+        fail(f"{where}: no prompt field; give one of \"prompt\", \"messages\", \"turns\", \"conversations\", "
+             "\"question\" (GSM8K), \"instruction\" (Alpaca)")
     ids = item["completion_ids"]
     if ids is not None and not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
         fail(f"{where}: \"completion_ids\" must be a list of integer token ids")
+    blank = [n for n, t in enumerate(item.get("turns", []), 1) if not t.strip()]
+    if blank or not any(m["content"].strip() for m in item["messages"]):
+        item["skip"] = f"the prompt{f' (turn {blank[0]})' if blank else ''} is empty ({where})"
     return item
 
 
+def prompt_rows(path, name):
+    """(label, number, row) per prompt: JSONL lines, or the elements of one JSON array; a UTF-8 BOM is dropped."""
+    data = read_bytes(path)
+    data = data[3:] if data.startswith(b"\xef\xbb\xbf") else data   # a BOM, as Windows editors save UTF-8
+    if data.lstrip()[:1] == b"[":   # JSONL lines are objects: a file that opens a list is one JSON array
+        try:
+            rows = json.loads(data.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            fail(f"{name}: not valid UTF-8 (byte {e.start}); save the file as UTF-8")
+        except json.JSONDecodeError as e:
+            what = re.sub(r"\s+at$", "", e.msg)
+            fail(f"{name} line {e.lineno}, column {e.colno}: not valid JSON ({what}); a file that starts with [ must "
+                 "be one JSON array of prompt objects")
+        yield from ((f"item {n}", n, row) for n, row in enumerate(rows, 1))
+        return
+    for lineno, raw in enumerate(data.split(b"\n"), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            fail(f"{name} line {lineno}: not valid UTF-8 (byte {e.start}); save the file as UTF-8")
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line.rstrip("\r\n"))   # so that columns count within the line
+        except json.JSONDecodeError as e:
+            what = re.sub(r"\s+at$", "", e.msg)   # json's "Invalid control character at" reads cut off
+            fail(f"{name} line {lineno}, column {e.colno}: not valid JSON ({what}); each line must be one JSON "
+                 "object")
+        yield f"line {lineno}", lineno, row
+
+
 def read_prompts(path, limit=None):
-    """Parse the JSONL file into items {index, id, split, messages, completion | completion_ids}."""
-    items, lines_of, turns_of = [], {}, {}
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                fail(f"{path} line {lineno}: not valid UTF-8 (byte {e.start}); save the file as UTF-8")
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line.rstrip("\r\n"))   # so that columns count within the line
-            except json.JSONDecodeError as e:
-                what = re.sub(r"\s+at$", "", e.msg)   # json's "Invalid control character at" reads cut off
-                fail(f"{path} line {lineno}, column {e.colno}: not valid JSON ({what}); each line must be one JSON "
-                     "object")
-            if not isinstance(row, dict):
-                fail(f"{path} line {lineno}: expected a JSON object, got {type(row).__name__}")
-            turn = saved_turn(row)
-            if turn:   # one turn's reference, as --save-references writes it: joins the line of its conversation
-                row = {k: v for k, v in row.items() if k not in SAVED_REFERENCE_KEYS or k in ("sample", "sampling")}
-            item = parse_prompt_row(row, path, lineno)
-            # saved sampled references: one line per (id, sample, seed)
-            key = (item["id"], row.get("sample"), (row.get("sampling") or {}).get("seed"))
-            if turn:
-                join_turn(items, turns_of, key, item, turn, limit, f"{path} line {lineno}")
-                continue
-            if key in lines_of:
-                fail(f"{path} line {lineno}: id {item['id']!r} was already used on line {lines_of[key]}; "
-                     "ids must be unique")
-            lines_of[key] = lineno
-            items.append({**item, "index": len(items), "line": len(items)})
-            if limit and len(items) >= limit:
-                break
+    """Parse the prompts (JSONL, a JSON array, or "-": stdin) into items {index, id, split, messages, completion |
+    completion_ids}; an empty prompt's item carries skip (the others run), every prompt empty is refused."""
+    items, lines_of, turns_of, empty, name = [], {}, {}, [], "stdin" if path == "-" else path
+    for label, lineno, row in prompt_rows(path, name):
+        where = f"{name} {label}"
+        if not isinstance(row, dict):
+            fail(f"{where}: expected a JSON object, got {type(row).__name__}")
+        turn = saved_turn(row)
+        if turn:   # one turn's reference, as --save-references writes it: joins the line of its conversation
+            row = {k: v for k, v in row.items() if k not in SAVED_REFERENCE_KEYS or k in ("sample", "sampling")}
+        item = parse_prompt_row(row, where, lineno)
+        # saved sampled references: one line per (id, sample, seed)
+        key = (item["id"], row.get("sample"), (row.get("sampling") or {}).get("seed"))
+        if turn:
+            join_turn(items, turns_of, key, item, turn, limit, where)
+            continue
+        if key in lines_of:
+            fail(f"{where}: id {item['id']!r} was already used on {lines_of[key]}; ids must be unique")
+        lines_of[key] = label
+        empty += [label] if item.get("skip") else []
+        items.append({**item, "index": len(items), "line": len(items)})
+        if limit and len(items) >= limit:
+            break
     if not items:
-        fail(f"{path} holds no prompts")
+        fail(f"{name} holds no prompts")
+    if all(it.get("skip") for it in items):
+        fail(f"every prompt of {name} is empty ({', '.join(empty[:10])}{', ...' if len(empty) > 10 else ''}): "
+             "nothing to evaluate; give each line its text")
     return items
 
 
@@ -945,7 +1032,15 @@ def expand(items, settings):
     """One scored item per (prompt line, sample, turn), in that order. At temperature > 0 a line without a reference
     is --samples-per-prompt samples (a given one is one); a "turns" line (--turns all) is one item per turn."""
     sampling, recorded, out = sampling_of(settings), sampling_record(settings), []
+    ignored = sorted({it["ignored"] for it in items if it.get("ignored") and it["completion"] is None and
+                      it["completion_ids"] is None})
+    if ignored:
+        log(settings, f"note: {'; '.join(FOREIGN_ANSWERS[k] for k in ignored)}: not the target's own, so not used as "
+                      "the reference; the target generates its own, as tau needs (to score such a text, name it "
+                      "\"completion\")")
     for it in items:
+        if it.get("skip"):
+            log(settings, f"note: skipping prompt {it['id']}: {it['skip']}; the report lists it under \"skipped\"")
         turns = (it.get("turns") or [None])[:1 if settings["turns"] == "first" else None]
         given = it["completion"] is not None or it["completion_ids"] is not None or any(it.get("turn_references") or [])
         if sampling and given and it["row"].get("sampling") not in (None, recorded):
@@ -1094,6 +1189,9 @@ def load_target(settings):
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as e:  # noqa: BLE001
         fail(f"cannot load a tokenizer from {path}: {str(e).splitlines()[0]}")
+    if len(tokenizer) < 2:   # transformers 5 builds an empty one where the vocabulary file is missing
+        fail(f"the target {path} has no usable tokenizer (its vocabulary is empty): copy the model's tokenizer files "
+             "beside its config.json")
     if settings["quiet"] or not sys.stderr.isatty():
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
@@ -3772,9 +3870,22 @@ def comparison_lines(c):
             yield from deltas(rows, f" at depth {K}")
 
 
+def no_tau(entries, block):
+    """Why a section's tau is n/a, from its prompts' entries: what their completions lack."""
+    if all(e["completion_tokens"] == 0 for e in entries):
+        return "no anchors: every completion is empty"
+    if all(e["completion_tokens"] < block for e in entries):
+        return f"no rounds: every completion is shorter than one block of {block} tokens"
+    return "no rounds scored"
+
+
 def report_lines(report):
     """The printed report, line by line (a mask check's warning also goes to stderr, as it is reached)."""
     if not any(d["prompts"] for d in report["drafters"]):
+        if report["skipped"] and not report.get("interrupted"):
+            yield (f"tau n/a: every prompt was skipped ({len(report['skipped'])}, listed under \"skipped\"; the "
+                   f"first: {report['skipped'][0]['reason']}): nothing to report")
+            return
         yield (f"no prompt {'finished before the interruption' if report.get('interrupted') else 'was scored'}"
                f"{' (' + str(len(report['skipped'])) + ' skipped)' if report['skipped'] else ''}: nothing to report")
         return
@@ -3804,7 +3915,9 @@ def report_lines(report):
         for name, s in sections:
             ci = f" {interval(s.get('tau_ci95'))}" if s.get("tau_ci95") else ""
             rounds = f"{s['rounds']:.1f} expected" if sampling else f"{s['rounds']}"
-            yield (f"-- {name}: tau {fmt(s['tau'])}{ci} (pooled, {rounds} rounds)  tau_prompt_mean "
+            entries = [e for e in d["prompts"] if name in ("all", e["split"], f"turn {e.get('turn')}")]
+            tau = fmt(s["tau"]) if s["tau"] is not None else f"n/a ({no_tau(entries, drafts + 1)})"
+            yield (f"-- {name}: tau {tau}{ci} (pooled, {rounds} rounds)  tau_prompt_mean "
                    f"{fmt(s['tau_prompt_mean'])}  tau_all_anchors {fmt(s['tau_all_anchors'])}  {reference_line(s)}")
             yield f"   {'expected ' if sampling else ''}rounds by acceptance length: " + "  ".join(
                 f"{n}:{c:.4g}" if sampling else f"{n}:{c}" for n, c in enumerate(s["histogram"], 1) if c)
@@ -4434,7 +4547,7 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
     todo = [it for it in items if it["index"] not in done]
 
     def prepare(it):   # tokens, length check, a saved reference; True when the reference is still to make
-        if not it.get("prepared"):
+        if not it.get("prepared") and not it.get("skip"):   # an empty prompt is skipped as its line is read
             it["prepared"] = True
             if by_index.get(it.get("previous"), {}).get("skip"):   # no context without the turn before
                 it["skip"] = f"turn {it['turn'] - 1} of this conversation was skipped"
@@ -4584,7 +4697,7 @@ def scored_records(stream, drafters, embed_w, head, settings):
 
 def finish_run(settings, learned, items, records, drafters, facts, started):
     """The run's costs (--costs measure), every rank's records gathered, the report."""
-    skipped = [{"id": it["id"], "reason": it["skip"]} for it in items if it.get("skip")]
+    skipped = [{"id": it["id"], "reason": it["skip"]} for it in items if it.get("skip") and mine(it, settings)]
     if settings.get("costs") == "measure" and not learned.interrupted:
         try:
             with timed("costs_s"):

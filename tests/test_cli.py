@@ -69,7 +69,7 @@ BAD_INPUTS = {
     "bad_json_line": (lambda e: base_argv(e, **{"--prompts": write_jsonl(
         e["tmp"] / "p.jsonl", [{"prompt": "w1"}, "{not json", {"prompt": "w2"}])}), "line 2, column 2: not valid JSON"),
     "no_prompt_field": (lambda e: base_argv(e, **{"--prompts": write_jsonl(
-        e["tmp"] / "p.jsonl", [{"prompt": "w1"}, {"question": "w2"}])}), "line 2: no prompt field"),
+        e["tmp"] / "p.jsonl", [{"prompt": "w1"}, {"query": "w2"}])}), "line 2: no prompt field"),
     "not_dflash_config": (lambda e: base_argv(e, **{"--ckpt": broken_drafter(e, _drop_dflash_keys)}),
                           "neither block_size nor dflash_config"),
     "target_as_ckpt": (lambda e: base_argv(e, **{"--ckpt": e["target"]}),
