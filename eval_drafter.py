@@ -188,10 +188,22 @@ def load_safetensors(path):
 
 
 def write_safetensors(path, tensors, metadata=None):
+    """Written under a temporary name and renamed: a file of this name is always whole. A failed write (disk full, no
+    permission) is one error naming the file, and leaves no temporary behind."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
     tmp = f"{path}.tmp{os.getpid()}"
-    save_file({k: v.cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
-    os.replace(tmp, path)
+    try:
+        save_file({k: v.cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    except (OSError, SafetensorError) as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        fail(f"cannot write {path} ({getattr(e, 'strerror', None) or str(e).splitlines()[0]})")
+    except BaseException:   # Ctrl-C mid-write: no half-written temporary left behind
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def target_tensor_files(path):
@@ -298,17 +310,26 @@ def hidden_hash(path):
 
 @contextlib.contextmanager
 def hidden_tensors(path, meta, device="cpu"):
-    """get(name) over a --save-hidden file and its shards, which lie beside it."""
+    """get(name) over a --save-hidden file and its shards, which lie beside it. A long run's cache has a shard per
+    prompt, more than a process may hold open: one file is open at a time (prompts are read in order)."""
     from safetensors import safe_open
     files = [path] + [os.path.join(os.path.dirname(os.path.abspath(path)), s) for s in meta.get("shards", [])]
+    where = {}
+    for name in files:
+        if not os.path.isfile(name):
+            fail(f"{path} names a shard {name} that is missing: copy the shards along with the file")
+        with safe_open(name, "pt") as f:
+            where.update(dict.fromkeys(f.keys(), name))
     with contextlib.ExitStack() as stack:
-        where = {}
-        for name in files:
-            if not os.path.isfile(name):
-                fail(f"{path} names a shard {name} that is missing: copy the shards along with the file")
-            f = stack.enter_context(safe_open(name, "pt", device=device))
-            where.update(dict.fromkeys(f.keys(), f))
-        yield lambda key: where[key].get_tensor(key)
+        current = {}
+
+        def get(key):
+            if where[key] not in current:
+                stack.close()
+                current.clear()
+                current[where[key]] = stack.enter_context(safe_open(where[key], "pt", device=device))
+            return current[where[key]].get_tensor(key)
+        yield get
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -756,8 +777,6 @@ def resolve_settings(args):
     if output_streamed and (args.resume or args.overwrite):
         fail(f"--output {args.output} is not a regular file (a device, FIFO or terminal): no partial file is kept "
              f"beside it, so there is nothing to {'resume' if args.resume else 'overwrite'}; give --output a file")
-    if args.resume and args.save_hidden:
-        fail("--resume cannot add to a --save-hidden file; extract in one uninterrupted run, or drop --save-hidden")
     if args.drafter_config and not os.path.isfile(args.drafter_config):
         fail(f"--drafter-config file not found: {args.drafter_config}")
     shard = parse_shard(args.shard) if args.shard else None
@@ -4294,16 +4313,18 @@ def is_main_thread():
     return threading.current_thread() is threading.main_thread()
 
 
-def interrupt_message(settings, finished, references, during=""):
-    """What an interrupted run kept, and how to go on."""
+def interrupt_message(settings, finished, references, during="", features=None):
+    """What an interrupted run kept (features: the prefix of --save-hidden's parts), and how to go on."""
     kept_file = settings["output"] and not settings.get("output_streamed")
     kept = f" and {references} references not yet scored" if references and kept_file else ""
+    saved = f" (their features kept in {features}*)" if features and kept_file else ""
+    nor = " (nor the features)" if features else ""
     how = (f"to finish, run the same {'torchrun ' if settings['ranks'] > 1 else ''}command with --resume"
            if kept_file else
-           f"--output {settings['output']} is not a regular file, so nothing is kept for later: give --output a file, "
-           "and --resume goes on from there" if settings["output"] else
-           "without --output nothing is kept for later: give --output, and --resume goes on from there")
-    return f"interrupted{during}: reporting the {finished} prompts finished so far{kept}; {how}"
+           f"--output {settings['output']} is not a regular file, so nothing is kept for later{nor}: give --output a "
+           "file, and --resume goes on from there" if settings["output"] else
+           f"without --output nothing is kept for later{nor}: give --output, and --resume goes on from there")
+    return f"interrupted{during}: reporting the {finished} prompts finished so far{saved}{kept}; {how}"
 
 
 def interrupted_outside(settings):
@@ -4393,22 +4414,7 @@ def merge_shards(settings):
                        sum(report["timing"]["total_s"] for _, report in shards), False)
 
 
-SAVE_SHARD_BYTES = 2 << 30  # features held in memory before a shard is written
-
-
-def keep_hidden(saved, path, i, ids, x, layer_union):
-    """Hold one prompt's tensors (x: its Extraction) for --save-hidden; past SAVE_SHARD_BYTES write a shard."""
-    gap = torch.zeros(len(x.argmax))
-    gap[list(x.gaps)] = torch.tensor(list(x.gaps.values()))
-    tensors = {f"{i}.ids": torch.tensor(ids), f"{i}.argmax": torch.tensor(x.argmax), f"{i}.gaps": gap,
-               **({f"{i}.p": x.p} if x.p is not None else {}),
-               **{f"{i}.layer{L}": x.features[L].contiguous() for L in layer_union}}
-    saved["tensors"].update(tensors)
-    saved["bytes"] += sum(t.numel() * t.element_size() for t in tensors.values())
-    if saved["bytes"] >= SAVE_SHARD_BYTES:
-        shard = f"{path}.{saved['run']}.shard{len(saved['shards']) + 1}"  # never over a live cache's shards
-        write_safetensors(shard, saved["tensors"])
-        saved.update(tensors={}, bytes=0, shards=saved["shards"] + [os.path.basename(shard)])
+SAVE_SHARD_BYTES = 2 << 30  # a cache up to this size is one file; past it each prompt's part stays as its own shard
 
 
 def hidden_path(settings):
@@ -4420,27 +4426,114 @@ def hidden_path(settings):
     return f"{stem}.rank{settings['rank']}-of-{settings['ranks']}{ext or '.safetensors'}"
 
 
-def save_hidden(settings, learned, layer_union, items, saved):
-    """The main file: the last tensors and the run metadata (naming any shards written before it)."""
+def part_files(prefix):
+    """The files named <prefix>* (parts, and any temporary a kill left mid-write)."""
+    folder, stem = os.path.split(os.path.abspath(prefix))
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return [os.path.join(folder, n) for n in sorted(names) if n.startswith(stem)]
+
+
+def read_part(path):
+    """A part's metadata, or None where the file is not a whole part (a kill cut it short, or it is a temporary)."""
+    from safetensors import safe_open
+    try:
+        with safe_open(path, "pt") as f:
+            return json.loads(f.metadata()["eval_drafter_part"])
+    except Exception:  # noqa: BLE001 - cut, foreign or unreadable: done again either way
+        return None
+
+
+def resume_features(settings, learned, facts, items, records):
+    """--save-hidden writes every prompt's features the moment they exist, to <file>.partial.<position>.safetensors
+    (Ctrl-C, SIGTERM or a kill keeps them; the finished cache is made of them). Returns the run's state: with --resume
+    the parts of the finished prompts, else none (an earlier run's parts are removed). A finished prompt whose part is
+    missing or cut is dropped from `records`, with every one after it, to be done again: positions stay in order.
+    Parts of no use (another run's, cut, past the finished ones) are removed when the first part is written."""
+    prefix = hidden_path(settings) + ".partial."
+    aside = [{**f, "name": None, "checkpoint": None} for f in facts]   # as --resume compares drafters
+    this = hashlib.sha256(json.dumps(fingerprint(run_config(settings, learned), aside), sort_keys=True,
+                                    default=str).encode()).hexdigest()
+    found, stale = {}, []
+    for path in part_files(prefix):
+        meta = read_part(path) if settings["resume"] else None
+        if meta and meta["run"] == this:   # parts of a run with other settings are no use
+            found[meta["position"]] = (path, meta["row"])
+        else:
+            stale.append(path)
+    parts = []
+    for index in sorted(i for i in records if i < len(items)):
+        path, row = found.get(len(parts), (None, {}))
+        if row.get("index") != index:
+            lost = [i for i in records if i >= index]
+            log(settings, f"note: --resume: {len(lost)} finished prompts have no saved features in {prefix}*; "
+                          "they are done again")
+            for i in lost:
+                del records[i]
+            break
+        parts.append((path, row))
+    stale += [path for position, (path, _) in found.items() if position >= len(parts)]
+    return {"prefix": prefix, "run": this, "parts": parts, "stale": stale, "id": f"{os.getpid()}-{time.time_ns()}",
+            "then": "; the finished prompts and their features are kept: make room, then run the same command with "
+                    "--resume" if settings["output"] else ""}
+
+
+def write_part(saved, path, tensors, metadata):
+    """A file of the cache (a part, the main file), the stale parts removed first; a failed write says what is kept."""
+    for name in saved["stale"]:
+        with contextlib.suppress(OSError):
+            os.remove(name)
+    saved["stale"] = []
+    try:
+        write_safetensors(path, tensors, metadata)
+    except UsageError as e:
+        fail(f"{e}{saved['then']}")
+
+
+def keep_hidden(saved, it, ids, x, layer_union):
+    """One prompt's tensors (x: its Extraction) written at once as the run's next part, named by its position."""
+    i = len(saved["parts"])
+    gap = torch.zeros(len(x.argmax))
+    gap[list(x.gaps)] = torch.tensor(list(x.gaps.values()))
+    tensors = {f"{i}.ids": torch.tensor(ids), f"{i}.argmax": torch.tensor(x.argmax), f"{i}.gaps": gap,
+               **({f"{i}.p": x.p} if x.p is not None else {}),
+               **{f"{i}.layer{L}": x.features[L].contiguous() for L in layer_union}}
+    row = {"id": it["id"], "index": it["index"], "line": it.get("line", it["index"]), "split": it["split"],
+           "prompt_tokens": len(it["prompt_ids"]), "completion_tokens": len(it["completion_ids"]),
+           "source": it["source"], **{k: it[k] for k in ("sample", "turn") if it.get(k) is not None}}
+    path = f"{saved['prefix']}{i}.safetensors"
+    write_part(saved, path, tensors, {"eval_drafter_part": json.dumps({"run": saved["run"], "position": i,
+                                                                       "row": row})})
+    saved["parts"].append((path, row))
+
+
+def save_hidden(settings, learned, layer_union, saved):
+    """The cache from the run's parts: up to SAVE_SHARD_BYTES read back into one file (a second write of at most that
+    much); past it every part is renamed into a shard (nothing written twice) that the main file names."""
+    from safetensors.torch import load_file
+    path, parts = hidden_path(settings), [p for p, _ in saved["parts"]]
+    whole = sum(os.path.getsize(p) for p in parts) <= SAVE_SHARD_BYTES
+    shards = [] if whole else [f"{os.path.basename(path)}.{saved['id']}.shard{k + 1}" for k in range(len(parts))]
     meta = {"format": "eval_drafter.hidden/3", "target_hash": learned.target_hash, "layers": layer_union,
             "dtype": settings["dtype"], "device": settings["device"], "torch_version": torch.__version__,
             "transformers_version": settings["transformers_version"], "prompts_file": settings["prompts"],
             "prompts_hash": file_hash(settings["prompts"]), "chat_template": learned.chat_template == "applied",
             "enable_thinking": settings["enable_thinking"], "sampling": sampling_of(settings),
-            "prompts": [{"id": it["id"], "index": it["index"], "line": it.get("line", it["index"]),
-                         "split": it["split"], "prompt_tokens": len(it["prompt_ids"]),
-                         "completion_tokens": len(it["completion_ids"]), "source": it["source"],
-                         **{k: it[k] for k in ("sample", "turn") if it.get(k) is not None}}
-                        for it in items], "shards": saved["shards"]}
-    path = hidden_path(settings)
+            "prompts": [row for _, row in saved["parts"]], "shards": shards}
+    folder = os.path.dirname(os.path.abspath(path))
     old_shards = []
     with contextlib.suppress(UsageError):  # what was there may be no cache at all
         old_shards = read_hidden_meta(path).get("shards", []) if os.path.isfile(path) else []
-    write_safetensors(path, saved["tensors"], metadata={"eval_drafter": json.dumps(meta)})
-    for shard in set(old_shards) - set(saved["shards"]):  # the replaced cache's shards
-        with contextlib.suppress(OSError):
-            os.remove(os.path.join(os.path.dirname(os.path.abspath(path)), shard))
-    log(settings, f"wrote hidden states of {len(items)} prompts, layers {layer_union}, to {path}")
+    try:   # never over a live cache's shards: these names hold this run's id
+        for part, shard in zip(parts, shards):
+            os.replace(part, os.path.join(folder, shard))
+    except OSError as e:
+        fail(f"cannot write {os.path.join(folder, shard)} ({e.strerror}){saved['then']}")
+    tensors = {k: v for part in parts for k, v in load_file(part).items()} if whole else {}
+    write_part(saved, path, tensors, {"eval_drafter": json.dumps(meta)})
+    for name in (parts if whole else []) + [os.path.join(folder, s) for s in set(old_shards) - set(shards)]:
+        with contextlib.suppress(OSError):   # the parts folded in, and the replaced cache's shards
+            os.remove(name)
+    log(settings, f"wrote hidden states of {len(parts)} prompts, layers {layer_union}, to {path}")
 
 
 def open_hidden(paths, settings, learned, target_cfg, layer_union, skip=lambda it: False):
@@ -4522,9 +4615,10 @@ def prompt_groups(stream, size, budget=0):
         yield group
 
 
-def extract_from_target(items, settings, learned, target_cfg, layer_union, done, drafter, keep):
+def extract_from_target(items, settings, learned, target_cfg, layer_union, done, drafter, keep, features=None):
     """Load the target; then a stream of (item, features, argmax) per prompt not in `done`: tokenized, its reference
-    generated if missing (to keep(item) at once), one teacher-forced pass; features go to --save-hidden."""
+    generated if missing (to keep(item) at once), one teacher-forced pass; features go to --save-hidden (`features`,
+    as resume_features begins it)."""
     if settings["device"] == "cpu" and settings["dtype"] != "float32" and is_hybrid(target_cfg):
         say(f"warning: {settings['dtype']} on CPU with a hybrid (linear-attention) target: the CPU fallback of "
             "those layers drifts from the GPU kernels enough to garble drafts; use --dtype float32 on CPU, or "
@@ -4570,9 +4664,6 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
                                  keep)
 
     def stream():
-        kept = {"tensors": {}, "bytes": 0, "shards": [], "run": f"{os.getpid()}-{time.time_ns()}"} \
-            if settings["save_hidden"] else None
-        extracted = []
         with progress(settings, len(todo), "target", 0) as bar:
             for it in todo:
                 if prepare(it):
@@ -4585,12 +4676,11 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
                 with timed("target_s"):
                     x = extract_hidden(model, ids, layer_union, len(it["prompt_ids"]), sampling_of(settings))
                 it.update(gaps=x.gaps, p=x.p)
-                if kept is not None:
-                    keep_hidden(kept, hidden_path(settings), len(extracted), ids, x, layer_union)
-                extracted.append(it)
+                if features is not None:
+                    keep_hidden(features, it, ids, x, layer_union)
                 yield it, x.features, x.argmax
-        if kept is not None:
-            save_hidden(settings, learned, layer_union, extracted, kept)
+        if features is not None:
+            save_hidden(settings, learned, layer_union, features)
 
     _, _, embed, head = target_parts(model)
     learned.model = model   # for --costs measure, after the prompts
@@ -4641,6 +4731,7 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
     written to the partial file at once (Ctrl-C or SIGTERM keeps them). Returns (items, {index: record}, start)."""
     layer_union = sorted({L for d in drafters for L in d.layers})
     records, references = resume_records(settings, learned, facts) if settings["resume"] else ({}, {})
+    saved = resume_features(settings, learned, facts, items, records) if settings["save_hidden"] else None
     for it in items or []:   # a finished turn's reply is the next turn's context
         if it["index"] in records:
             it.update({k: records[it["index"]]["item"][k] for k in ("prompt_ids", "completion_ids")})
@@ -4666,7 +4757,7 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
             embed_w, head = read_embed_head(settings["target"], target_cfg, settings)
         else:
             stream, embed_w, head = extract_from_target([it for it in items if mine(it, settings)], settings, learned,
-                                                      target_cfg, layer_union, set(records), drafters[0], keep)
+                                                      target_cfg, layer_union, set(records), drafters[0], keep, saved)
         records = {i: r for i, r in records.items() if i < len(items)}  # resumed with a smaller --limit
         with progress(settings, sum(mine(it, settings) for it in items) - len(records), "draft", 1) as bar:
             for record in scored_records(stream, drafters, embed_w, head, settings):
@@ -4674,10 +4765,14 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
                 write_row(partial, record_json(record))
                 bar.update()
     except KeyboardInterrupt:
+        kept = settings["output"] and not settings["output_streamed"]
+        for path in part_files(saved["prefix"]) if saved and not kept else []:
+            os.remove(path)   # without a partial file there is no --resume to use them
         if not (records or made or references):   # still loading: no report of nothing (main says so in one line)
             raise
         learned.interrupted = True
-        say(interrupt_message(settings, len(records), len((set(made) | set(references)) - set(records))))
+        say(interrupt_message(settings, len(records), len((set(made) | set(references)) - set(records)),
+                              features=saved and saved["prefix"]))
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
