@@ -147,6 +147,41 @@ def test_a_kill_that_cut_the_files_resumes_equal(whole, tmp_path, monkeypatch):
     assert left_behind(tmp_path) == []
 
 
+KILLED_MID_WRITE = """import os, signal, sys
+sys.path.insert(0, {root!r})
+import safetensors.torch
+import eval_drafter
+real, calls = safetensors.torch.save_file, []
+
+def killed(tensors, filename, metadata=None):   # the 4th prompt's part: half of it on disk, then SIGKILL
+    calls.append(filename)
+    if len(calls) == 4:
+        real(tensors, filename, metadata=metadata)
+        with open(filename, "r+b") as f:
+            f.truncate(os.path.getsize(filename) // 2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(tensors, filename, metadata=metadata)
+
+safetensors.torch.save_file = killed
+sys.exit(eval_drafter.main(sys.argv[1:]))
+"""
+
+
+def test_a_real_kill_mid_write_resumes_equal(whole, tmp_path):
+    """SIGKILL while the 4th prompt's part is half written (no handler runs): the three finished prompts' records
+    and features are on disk, and --resume completes the uninterrupted run's cache and JSON."""
+    argv = argv_in(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", KILLED_MID_WRITE.format(root=ROOT), *argv], cwd=str(tmp_path),
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert [n for n in os.listdir(tmp_path) if ".tmp" in n], "the kill left no cut temporary"
+    assert ed.main([*argv, "--resume"]) == 0
+    assert results(json.loads((tmp_path / "out.json").read_text())) == \
+        results(json.loads((whole / "out.json").read_text()))
+    assert_same_cache(tmp_path / "h.safetensors", whole / "h.safetensors")
+    assert left_behind(tmp_path) == []
+
+
 def test_interrupted_after_shards_resumes_equal(tmp_path, monkeypatch):
     """Past SAVE_SHARD_BYTES every prompt's part becomes a shard of the cache (renamed, not written again): an
     interruption after some were written resumes to a cache equal to an uninterrupted sharded one."""
