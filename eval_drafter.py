@@ -146,6 +146,78 @@ def names_stdout(path):
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
+def is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)   # true is an int to Python, never to a config
+
+
+def is_number(v):
+    return (is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+# What a config value must be, by key, wherever it stands (top level or a nest of CONFIG_NESTS): (what it must be,
+# its type test, its range test). null means "not set": the code reading the key takes its default or refuses.
+# A wrong type must stop here: "64" would read as another hidden size, "1e4" break the RoPE, "1,3,4" three digits.
+SIZE = ("an integer >= 1", is_int, lambda v: v >= 1)
+COUNT = ("an integer >= 0", is_int, lambda v: v >= 0)
+POSITIVE = ("a number > 0", is_number, lambda v: v > 0)
+NUMBER = ("a number", is_number, None)
+SWITCH = ("true or false", lambda v: isinstance(v, bool), None)
+IDS = ("a list of integers >= 0", lambda v: isinstance(v, (list, tuple)), None)   # and each entry a COUNT
+CONFIG_KINDS = {
+    **dict.fromkeys(("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings", "block_size", "vocab_size",
+                     "num_target_layers", "target_hidden_size", "sliding_window", "swa_window_size", "draft_vocab_size",
+                     "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "num_experts_per_tok",
+                     "moe_intermediate_size", "shared_expert_intermediate_size", "emb_dim", "gru_hidden_dim"), SIZE),
+    **dict.fromkeys(("mask_token_id", "max_window_layers", "markov_rank", "pure_draft_prefix_len", "num_experts"),
+                    COUNT),
+    **dict.fromkeys(("rms_norm_eps", "rope_theta"), POSITIVE),
+    **dict.fromkeys(("input_embedding_scale", "output_multiplier", "final_logit_softcapping",
+                     "partial_rotary_factor"), NUMBER),
+    **dict.fromkeys(("attention_bias", "use_sliding_window", "is_causal", "causal", "sliding_window_non_causal",
+                     "sample_from_anchor", "tie_word_embeddings", "norm_before_residual", "norm_before_fc", "fc_norm",
+                     "norm_output", "shift_label", "attn_output_gate", "norm_topk_prob"), SWITCH),
+    **dict.fromkeys(("target_layer_ids", "aux_hidden_state_layer_ids", "eagle_aux_hidden_state_layer_ids"), IDS)}
+CONFIG_NESTS = ("dflash_config", "transformer_layer_config", "eagle_config", "text_config", "rope_parameters",
+                "rope_scaling")
+# The target config's keys the tool itself reads (its own, and its MTP layer's); transformers checks the rest
+TARGET_CONFIG_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "max_position_embeddings", "rms_norm_eps",
+                      "rope_theta", "tie_word_embeddings", "intermediate_size", "num_attention_heads",
+                      "num_key_value_heads", "head_dim", "attention_bias", "attn_output_gate", "num_experts",
+                      "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                      "norm_topk_prob", "partial_rotary_factor")
+JSON_TYPES = {str: "a string", bool: "a boolean", float: "a float", int: "an integer", list: "a list",
+              dict: "an object"}
+
+
+def config_value_error(key, value, kind, entry=False):
+    """Why `value` is not what `key` must be (kind: a CONFIG_KINDS entry; entry: one of a list's), or None."""
+    expected, of_type, in_range = kind
+    shown = json.dumps(value, default=str)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    if not of_type(value):
+        return f"{key} is {shown} ({JSON_TYPES.get(type(value), type(value).__name__)}); expected {expected}"
+    if in_range and not in_range(value):
+        return f"{key} is {shown}; expected {expected}" + ("" if entry else " (or null)")
+    if kind is IDS:
+        return next((config_value_error(f"{key}[{i}]", v, COUNT, True) for i, v in enumerate(value)
+                     if config_value_error("", v, COUNT, True)), None)
+    return None
+
+
+def check_config(cfg, where, keys=None, prefix=""):
+    """Refuse, in one line naming the file, the key and the value, a config value of the wrong kind (CONFIG_KINDS),
+    at the top level and in its CONFIG_NESTS; `keys` limits the check to the keys the tool reads."""
+    for key, value in cfg.items():
+        if isinstance(value, dict) and key in CONFIG_NESTS:
+            check_config(value, where, keys, f"{prefix}{key}.")
+        elif value is not None and key in CONFIG_KINDS and (keys is None or key in keys):
+            error = config_value_error(prefix + key, value, CONFIG_KINDS[key])
+            if error:
+                fail(f"{where}: {error}")
+    return cfg
+
+
 def write_json(path, report):
     """The report at `path`: a regular file (a link's target for a link: the link stays) replaced atomically, anything
     else written straight (/dev/stdout: this process's stdout); a failed write is one clear error, never half a file."""
@@ -206,26 +278,35 @@ def write_safetensors(path, tensors, metadata=None):
         raise
 
 
+def open_safetensors(path, device="cpu"):
+    """safe_open of a target's file; one cut short (an interrupted download) or damaged is refused naming it."""
+    from safetensors import safe_open
+    if not os.path.isfile(path):
+        fail(f"{path} is missing: the checkpoint's index names it")
+    try:
+        return safe_open(path, "pt", device=device)
+    except Exception as e:  # noqa: BLE001 - SafetensorError and OSError: the file is damaged either way
+        fail(f"{path} is not a readable safetensors file ({str(e).splitlines()[0]}): download it again")
+
+
 def target_tensor_files(path):
     """{tensor name: safetensors file} of a checkpoint directory, sharded (index) or not."""
-    from safetensors import safe_open
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         return {k: os.path.join(path, v) for k, v in index_weight_map(index).items()}
     names = {}
     for name in sorted(os.listdir(path)):
         if name.endswith(".safetensors"):
-            with safe_open(os.path.join(path, name), "pt") as f:
+            with open_safetensors(os.path.join(path, name)) as f:
                 names.update(dict.fromkeys(f.keys(), os.path.join(path, name)))
     return names
 
 
 def target_tensors(files, names, device="cpu"):
     """The named tensors of a checkpoint ({name: file}, as target_tensor_files gives), each file opened once."""
-    from safetensors import safe_open
     out = {}
     for file in sorted({files[n] for n in names}):
-        with safe_open(file, "pt", device=device) as f:
+        with open_safetensors(file, device) as f:
             out.update({n: f.get_tensor(n) for n in names if files[n] == file})
     return out
 
@@ -265,13 +346,12 @@ def target_hash(path, version=3):
     """The target's identity by content: config.json and every tensor's dtype, shape and first values (up to 256
     of the first row; every byte of a 27B target would take minutes), taken as a set, so copies agree however
     sharded or named. Older caches hashed the config alone (version 1) or with a few embedding/head rows (2)."""
-    from safetensors import safe_open
     digest = hashlib.sha256(json.dumps(read_json(os.path.join(path, "config.json")), sort_keys=True).encode())
     files = target_tensor_files(path) if version > 1 else {}
     names = sorted(files) if version > 2 else [n for n in EMBED_NAMES + ("lm_head.weight",) if n in files]
     entries = []
     with contextlib.ExitStack() as stack:
-        opened = {file: stack.enter_context(safe_open(file, "pt")) for file in {files[n] for n in names}}
+        opened = {file: stack.enter_context(open_safetensors(file)) for file in {files[n] for n in names}}
         for name in names:
             part = opened[files[name]].get_slice(name)
             shape = part.get_shape()
@@ -1173,6 +1253,9 @@ def target_config(path):
     transformers 4.x, which reads only rope_theta / rope_scaling and would silently run the default RoPE."""
     import transformers
     from transformers import AutoConfig
+    file = os.path.join(path, "config.json")
+    if os.path.isfile(file):
+        check_config(read_json(file), file, TARGET_CONFIG_KEYS)
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - any failure here means "not a model directory we can read"
@@ -1217,8 +1300,16 @@ def load_target(settings):
     config, rewritten = target_config(path)
     # Load straight into the run dtype: casting afterwards would also cast rotary buffers (`dtype=`: since 4.56).
     placement = {"device_map": "auto"} if settings.get("device_map") else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False, **placement,
-                                                 **({"config": config} if rewritten else {}))
+    from safetensors import SafetensorError
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False, **placement,
+                                                     **({"config": config} if rewritten else {}))
+    except SafetensorError as e:   # a file cut short (an interrupted download) or damaged: the first one is named
+        for name in sorted(n for n in os.listdir(path) if n.endswith(".safetensors")):
+            with open_safetensors(os.path.join(path, name)):
+                pass
+        fail(f"the target checkpoint in {path} has a damaged safetensors file ({str(e).splitlines()[0]}): "
+             "download it again")
     if not placement:
         model.to(settings["device"])
     return model.eval(), tokenizer
@@ -1586,7 +1677,7 @@ def read_checkpoint(path, name):
             config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "config.json")
     else:
         fail(f"{path}: unknown checkpoint form; give a drafter directory, a .safetensors file or a .pt/.pth/.bin")
-    return (read_json(config) if os.path.isfile(config) else None), state
+    return (check_config(read_json(config), config) if os.path.isfile(config) else None), state
 
 
 def unwrap_state_dict(state, name, settings):
@@ -1636,6 +1727,7 @@ class Drafter:
     step: int = None            # one step of a training run (--ckpt NAME=RUN_DIR): loaded when its turn comes
     reload: object = None       # () -> its weights, for a step released between groups of prompts
     head: dict = None           # DSpark: {kind, rank, topk}; Domino: {prefix, shift, pool}; EAGLE-3: its norms
+    defaults: dict = None       # {key: (value, why)} of the settings that change numbers taken by default
 
 
 def dflash_value(cfg, name, default=None):
@@ -1656,6 +1748,7 @@ def infer_config(state, target_cfg, settings, name, raw):
     # a SpecForge training state's dflash_* values (mask_token_id, block_size, ...), unprefixed
     trained = {} if not (isinstance(raw, dict) and "draft_state_dict" in raw) else \
         {k[len("dflash_"):]: v for k, v in raw.items() if k.startswith("dflash_") and not isinstance(v, torch.Tensor)}
+    check_config(trained, f"drafter {name}: its training state's dflash_* values")
     needed = ["fc.weight"] + [f"layers.0.{k}.weight" for k in ("self_attn.q_norm", "self_attn.q_proj",
                                                                  "self_attn.k_proj", "mlp.gate_proj")]
     missing = [k for k in needed if k not in state]
@@ -1672,6 +1765,9 @@ def infer_config(state, target_cfg, settings, name, raw):
     mask_id, block = settings["mask_token_id"], settings["block_size"]
     mask_from = "--mask-token-id" if mask_id is not None else "the training state"
     mask_id = trained.get("mask_token_id") if mask_id is None else mask_id
+    if block and trained.get("block_size") and block > trained["block_size"]:
+        fail(f"--block-size {block}: drafter {name} was trained with block {trained['block_size']} (its training "
+             "state); a block cannot exceed what it was trained for")
     block_from = "--block-size" if block else "the training state" if trained.get("block_size") else "default"
     block = block or trained.get("block_size") or 16
     if mask_id is None:
@@ -1874,6 +1970,40 @@ def drafter_layer_ids(cfg, state, target_cfg, settings, name):
     if bad:
         fail(f"drafter {name}: layer id {bad[0]} is outside the target's {n_target} layers (0..{n_target - 1})")
     return layer_ids
+
+
+def config_defaults(cfg, settings, layer_ids):
+    """{key: (value, why)} of what changes a block drafter's numbers and was taken by default: its load line says so."""
+    defaults = {}
+    if not settings["block_size"] and dflash_value(cfg, "block_size") is None:
+        defaults["block_size"] = (16, "default: the config has no block_size")
+    if settings["layers"] is None and not dflash_value(cfg, "target_layer_ids"):
+        defaults["target_layer_ids"] = (layer_ids, "the public default rule: the config lacks target_layer_ids")
+    if not (cfg.get("rope_theta") or (cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}).get("rope_theta")):
+        defaults["rope_theta"] = (10000.0, "default: the config has none")   # build_rope's
+    if cfg.get("rms_norm_eps") is None:
+        defaults["rms_norm_eps"] = (1e-6, "default: the config has none")    # the block pass's
+    return defaults
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")   # the drafter layers' attention this tool runs
+
+
+def check_layer_types(cfg, name):
+    """A config's layer_types, when given, names one known type per layer (a short list would run fewer layers)."""
+    types, n = cfg.get("layer_types"), cfg["num_hidden_layers"]
+    where = f"drafter {name}: its config's layer_types"
+    if types is None:
+        return
+    if not isinstance(types, list):
+        fail(f"{where} is {json.dumps(types)[:60]}, not a list; give one type per layer ({' or '.join(LAYER_TYPES)})")
+    if len(types) != n:
+        fail(f"{where} has {len(types)} entr{'y' if len(types) == 1 else 'ies'} for its {n} layers "
+             f"(num_hidden_layers); give one per layer ({' or '.join(LAYER_TYPES)})")
+    bad = next((i for i, kind in enumerate(types) if kind not in LAYER_TYPES), None)
+    if bad is not None:
+        fail(f"{where} names {json.dumps(types[bad])} for layer {bad}, a type this tool does not run; it knows "
+             f"{', '.join(LAYER_TYPES)}")
 
 
 def layer_rules(cfg, settings, layout="public"):
@@ -2360,9 +2490,15 @@ def load_block(name, path, generation, cfg, state, layout, raw, target_cfg, sett
     check_hidden(cfg, target_cfg, name)
     layer_ids = drafter_layer_ids(cfg, state, target_cfg, settings, name)
     mask_id = dflash_value(cfg, "mask_token_id") if settings.get("mask_token_id") is None else settings["mask_token_id"]
-    if mask_id is None or not 0 <= int(mask_id) < target_cfg.vocab_size:
+    if mask_id is None:
+        fail(f"drafter {name}: its config has no mask_token_id (dflash_config.mask_token_id); pass --mask-token-id")
+    if not 0 <= int(mask_id) < target_cfg.vocab_size:
         fail(f"drafter {name}: mask_token_id {mask_id} is outside the target vocab ({target_cfg.vocab_size})")
-    B = (settings["block_size"] or int(dflash_value(cfg, "block_size", 16))) + from_anchor   # with the anchor's slot
+    trained = dflash_value(cfg, "block_size")
+    if settings["block_size"] and trained is not None and settings["block_size"] > trained:
+        fail(f"--block-size {settings['block_size']}: drafter {name} was trained with block {trained}; a block "
+             "cannot exceed what it was trained for (--depths serves fewer drafts a round)")
+    B = (settings["block_size"] or trained or 16) + from_anchor   # with the anchor's slot
     if B < 2:
         fail(f"drafter {name}: block size {B - from_anchor} is too small (needs at least {2 - from_anchor})")
     carried = {k: state.pop(k) for k in CARRIED if k in state}
@@ -2371,6 +2507,7 @@ def load_block(name, path, generation, cfg, state, layout, raw, target_cfg, sett
         fail(f"drafter {name}: a {generation} drafter with a reduced draft vocabulary (d2t, t2d): its "
              f"{fam.full_vocabulary} score target-vocabulary tokens, and no trainer makes one with a reduced "
              "vocabulary")
+    check_layer_types(cfg, name)
     rules = layer_rules(cfg, settings, layout)
     head = fam.head(cfg, state, f"drafter {name}: a {generation} drafter", settings) if fam.head else None
     for flag in (f for f in ("dspark_draft_topk", "domino_candidate_pool") if not fam.head and settings.get(f)):
@@ -2392,7 +2529,7 @@ def load_block(name, path, generation, cfg, state, layout, raw, target_cfg, sett
                           logit_multiplier=float(dflash_value(cfg, "output_multiplier", 1.0)),
                           softcap=float(dflash_value(cfg, "final_logit_softcapping", 0.0)), conv=conv,
                           selector_top_k=top_k, from_anchor=from_anchor, warnings=config_warnings(cfg, target_cfg),
-                          head=head)
+                          head=head, defaults=config_defaults(cfg, settings, layer_ids))
 
 
 def with_markov_bias(w, kind, raw, prev, rows, state):
@@ -2770,7 +2907,7 @@ def load_drafter(spec, target_cfg, settings, identify=True):
     cfg, raw = read_checkpoint(path, name)
     if settings.get("drafter_config"):
         if cfg is None:
-            cfg = read_json(settings["drafter_config"])
+            cfg = check_config(read_json(settings["drafter_config"]), settings["drafter_config"])
         else:
             log(settings, f"drafter {name}: --drafter-config ignored, the checkpoint has its own config.json")
     generation, layout, cfg, state = recognize(cfg, unwrap_state_dict(raw, name, settings), name)
@@ -4639,6 +4776,7 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
     learned.reference_generation = "speculative" if speculative else "plain"
     by_index, saved = {it["index"]: it for it in items}, saved_references(settings)
     todo = [it for it in items if it["index"] not in done]
+    capped = []   # the note on --max-new-tokens past the target's positions is made once
 
     def prepare(it):   # tokens, length check, a saved reference; True when the reference is still to make
         if not it.get("prepared") and not it.get("skip"):   # an empty prompt is skipped as its line is read
@@ -4654,6 +4792,11 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
                 it["skip"] = f"prompt + completion ({total} tokens) exceed the target's {limit} positions"
             elif it["completion_ids"] is None:
                 it["room"] = min(settings["max_new_tokens"], limit - len(it["prompt_ids"]))
+                if it["room"] < settings["max_new_tokens"] and not capped:
+                    capped.append(it["index"])   # once a run, not once a prompt
+                    log(settings, f"note: --max-new-tokens {settings['max_new_tokens']} runs past the target's "
+                                  f"{limit} positions (max_position_embeddings): a reference stops where prompt + "
+                                  f"completion reach {limit} tokens")
                 take_saved(it, saved, settings)
         return it["completion_ids"] is None and not it.get("skip")
 
@@ -4716,9 +4859,13 @@ def load_run(settings, learned):
             log(settings, f"note: a drafter named {d.name} came before; this one ({d.checkpoint}) is "
                           f"{d.name}#{seen[d.name]} in the report (name drafters apart with --ckpt NAME=PATH)")
             d.name += f"#{seen[d.name]}"
+        defaults = d.defaults or {}
+        why = {k: f" ({defaults[k][1]})" if k in defaults else "" for k in ("block_size", "target_layer_ids")}
         log(settings, f"drafter {d.name}: " + (f"{d.block_size - 1} steps a round, layers {d.layers}, no block (a "
-                      "causal chain)" if family(d).causal else f"block {d.block_size - d.from_anchor}, layers "
-                      f"{d.layers}, in-block mask per layer: {', '.join(rule_label(r) for r in d.rules)}"))
+                      "causal chain)" if family(d).causal else f"block {d.block_size - d.from_anchor}"
+                      f"{why['block_size']}, layers {d.layers}{why['target_layer_ids']}, in-block mask per layer: "
+                      f"{', '.join(rule_label(r) for r in d.rules)}") +
+            "".join(f"; {k} {v} ({text})" for k, (v, text) in defaults.items() if k not in why))
         d.mask_variants = mask_variants(d, settings) if settings["check_mask"] and d.rules else None
     note_maskless(drafters, settings)
     learned.target_hash = target_hash(settings["target"])
