@@ -4762,6 +4762,7 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
             "extract on a GPU")
     with timed("load_s"):
         model, tokenizer = load_target(settings)
+    log(settings, f"target loaded on {settings['device']} ({settings['dtype']}), {torch.get_num_threads()} CPU threads")
     limit = target_cfg.max_position_embeddings
     stops = set() if settings["ignore_eos"] else eos_ids(model, tokenizer)
     speculative = settings["reference_generation"] == "speculative"
@@ -5034,8 +5035,6 @@ def compare_hidden(settings):
 def run(settings):
     if settings["threads"]:
         torch.set_num_threads(settings["threads"])
-    if not settings.get("merge"):
-        log(settings, f"device {settings['device']} ({settings['dtype']}), {torch.get_num_threads()} CPU threads")
     if str(settings.get("device")).startswith("cuda"):
         # cuDNN attention plans each new sequence length, met at every generation or walk step (suspected, not
         # measured, cause of the bf16 demo's 9x CUDA slowdown); the flash and memory-efficient kernels need none
