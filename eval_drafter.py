@@ -3467,8 +3467,52 @@ def mask_check_summary(modes, per_prompt):
     return {"modes": table, "warning": warning}
 
 
+FEATURE_CHECK_ANCHORS = 32   # anchors per prompt, evenly spaced, drafted again with the target's features shuffled
+
+
+def shuffled_features(features, layers):
+    """A prompt's features of `layers` at other positions: one fixed permutation of its rows, the same for every layer.
+    Each row keeps its statistics (its norm, each layer's scale), so the drafter reads features of the usual kind that
+    no longer say what comes next here; zeros would be a state no target produces, and a drafter fed them could do
+    worse than it does with another target's features, making any drafter look like it reads them."""
+    order = torch.randperm(features[layers[0]].shape[0], generator=torch.Generator().manual_seed(0))
+    return {L: features[L][order.to(features[L].device)] for L in layers}
+
+
+def feature_check_prompt(drafter, res, features, ids, embed_w, head, device):
+    """[anchors, first drafts right with the target's features, with them shuffled, drafts matched (the round's
+    accepted ones) with them, shuffled, sum of the squared paired differences of matched drafts] on a sample of the
+    anchors drafted in `res` (their argmax drafts against the reference, at any temperature): only the shuffled
+    features' drafts are new."""
+    n = res["anchors"].numel()
+    if n == 0:
+        return [0] * 6
+    pick = torch.linspace(0, n - 1, min(FEATURE_CHECK_ANCHORS, n)).long()
+    sample, ids_t = res["anchors"][pick], torch.tensor(ids)
+    reference = ids_t[sample[:, None] + torch.arange(1, drafter.block_size)]
+    context_kv = prompt_context(drafter, shuffled_features(features, drafter.layers), ids, embed_w)
+    drafts, _ = draft_all_anchors(drafter, context_kv, sample.to(device), ids_t[sample].to(device), embed_w, head)
+    matched = [res["equal"][pick].long().cumprod(1).sum(1), (drafts == reference).long().cumprod(1).sum(1)]
+    return [sample.numel(), *(int((m > 0).sum()) for m in matched), *(int(m.sum()) for m in matched),
+            int(((matched[0] - matched[1]) ** 2).sum())]
+
+
+def feature_check_summary(per_prompt):
+    """First-position acceptance and matched drafts per anchor with the target's features and with them shuffled, on
+    the same anchors, and the paired difference of matched drafts: its 95% upper bound and z."""
+    n, first, first_shuffled, matched, shuffled, squares = (sum(c[i] for c in per_prompt) for i in range(6))
+    if not n:
+        return None
+    gain = (matched - shuffled) / n
+    se = math.sqrt(max(squares / n - gain * gain, 1 / n) / n)   # at least one anchor's difference of one draft
+    return {"anchors": n, "first_acceptance": first / n, "first_acceptance_shuffled": first_shuffled / n,
+            "matched": matched / n, "matched_shuffled": shuffled / n, "gain": gain, "gain_upper95": gain + 1.96 * se,
+            "z": round(gain / se, 2)}
+
+
 def evaluate_prompts(group, drafters, embed_w, head, settings):
-    """Every drafter on prompts [(item, features, target argmax)]: scores, walks, other depths, the mask check."""
+    """Every drafter on prompts [(item, features, target argmax)]: scores, walks, other depths, the mask and feature
+    checks."""
     prompts, sampling = [], sampling_of(settings)
     for it, features, argmax in group:
         check_finite(features, it["id"])
@@ -3490,6 +3534,8 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
                 with timed("mask_check_s"):
                     res["mask_check"] = check_mask_prompt(d, d.mask_variants, features, ids, fitting_anchors(
                         n_prompt, len(ids), d.block_size).to(settings["device"]), embed_w, head)
+            with timed("feature_check_s"):
+                res["feature_check"] = feature_check_prompt(d, res, features, ids, embed_w, head, settings["device"])
             kept.append(res)
     records = []
     keep = ("index", "id", "split", "prompt_ids", "completion_ids", "agree", "source", "sample", "support", "turn")
@@ -3830,25 +3876,32 @@ def drafter_facts(d):
             if d.mask_variants else None}
 
 
-# A drafter trained for its target and layer set accepts 0.5-0.9 of its first drafts; one that reads another
-# target's features, or another layer set's, keeps only what the anchor token alone predicts. Warn when the
-# first-position acceptance is below LOW_FIRST_ACCEPTANCE with 95% confidence (the Wilson interval's upper end),
-# and only where the references are the target's own (agreement or support at least TRUSTED_REFERENCES):
-# against foreign references low acceptance says nothing of the drafter.
-LOW_FIRST_ACCEPTANCE = 0.2
+# A drafter trained for its target and layer set reads the target's features: fed the same features shuffled across
+# positions (feature_check_prompt) it keeps only what the anchor token alone predicts. One that reads another
+# target's features, or another layer set's, does no better with them than shuffled. A fixed floor on acceptance
+# cannot tell it from a right drafter that is weak, early in training or sampled at a high temperature, which
+# accepts little but still far more with the features than without. So warn when, on the same sampled anchors,
+# the real features do not match significantly more drafts (z below FEATURE_CHECK_Z) AND, with 95% confidence,
+# add less than FEATURE_CHECK_MARGIN drafts per anchor: the margin keeps a handful of anchors from a verdict.
+# Only where the references are the target's own (agreement or support at least TRUSTED_REFERENCES): against
+# foreign references neither figure says anything of the drafter.
+FEATURE_CHECK_Z = 1.96
+FEATURE_CHECK_MARGIN = 0.1
 TRUSTED_REFERENCES = 0.9
 
 
-def acceptance_warning(s):
-    first, n = s["per_position"]["acceptance"][0], s["anchors"]
+def acceptance_warning(s, check):
+    """The wrong-drafter warning from the feature check's summary (feature_check_summary) of references s."""
     trust = s.get("target_agreement", s.get("reference_support"))
-    if first is None or not n or trust is None or trust < TRUSTED_REFERENCES:
+    if check is None or trust is None or trust < TRUSTED_REFERENCES or check["z"] >= FEATURE_CHECK_Z \
+            or check["gain_upper95"] >= FEATURE_CHECK_MARGIN:
         return []
-    z = 1.96
-    upper = (first + z * z / (2 * n) + z * math.sqrt(first * (1 - first) / n + z * z / (4 * n * n))) / (1 + z * z / n)
-    return [f"first-position acceptance {first:.3f} over {n:.0f} anchors (95% upper bound {upper:.3f}) on the "
-            f"target's own text: a drafter trained for this target and layer set accepts far more (0.5-0.9), so "
-            f"this one cannot have been; {WRONG_DRAFTER_CHECK}"] if upper < LOW_FIRST_ACCEPTANCE else []
+    return [f"first-position acceptance {check['first_acceptance']:.3f} with the target's features and "
+            f"{check['first_acceptance_shuffled']:.3f} with them shuffled across positions, "
+            f"{check['matched']:.3f} and {check['matched_shuffled']:.3f} drafts accepted per anchor (the same "
+            f"{check['anchors']} anchors of the target's own text; the features add at most "
+            f"{check['gain_upper95']:.3f}, 95% bound): it does not read this target's features, as a drafter "
+            f"trained for this target and layer set does; {WRONG_DRAFTER_CHECK}"]
 
 
 def drafter_report(d, results, items):
@@ -3866,6 +3919,7 @@ def drafter_report(d, results, items):
                 **reference_fit([it for _, it in chosen], sampled)[0], **(no_trees if depth is None else {})}
 
     whole = section()
+    check = feature_check_summary([res["feature_check"] for res in results if "feature_check" in res])
     splits = {split: section(lambda it: it["split"] == split) for split in sorted({it["split"] for it in items})}
     turns = {str(t): section(lambda it: it.get("turn") == t) for t in sorted({it.get("turn") for it in items} - {None})}
     depths = {B - 1: whole, **{k: section(depth=k) for k in (results[0].get("depths", {}) if results else {})}}
@@ -3874,7 +3928,7 @@ def drafter_report(d, results, items):
             **({"depths": {str(k): {**{key: s[key] for key in DEPTH_KEYS}, "engine_metrics": engine_metrics(s, k)}
                            for k, s in sorted(depths.items())}} if len(depths) > 1 else {}),
             "by_context": by_context([res["by_context"] for res in results]),
-            "warnings": d["warnings"] + acceptance_warning(whole), "splits": splits,
+            "feature_check": check, "warnings": d["warnings"] + acceptance_warning(whole, check), "splits": splits,
             **({"turns": turns} if turns else {}), **({"mask_check": mask_check_summary(
                 d["mask_modes"], [r["mask_check"] for r in results if "mask_check" in r])} if d["mask_modes"] else {}),
             "prompts": [prompt_report(it, res, B) for it, res in zip(items, results)]}
@@ -4176,7 +4230,7 @@ def result_json(r):
             "anchors": r["anchors"].tolist(), "matched": r["matched"].tolist(),
             "equal": [int(sum(1 << k for k, e in enumerate(row) if e)) for row in r["equal"].tolist()],
             "mask_check": r.get("mask_check"), "by_context": r["by_context"],
-            **({"expected": r["expected"]} if "expected" in r else {}),
+            **{k: r[k] for k in ("expected", "feature_check") if k in r},
             **({"depths": {str(k): result_json(v) for k, v in r["depths"].items()}} if "depths" in r else {})}
 
 
@@ -4190,7 +4244,7 @@ def result_from_json(r, drafts):
     return {"rounds": r["rounds"], "ddtree_rounds": {int(b): v for b, v in r["ddtree_rounds"].items()},
             "anchors": torch.tensor(r["anchors"], dtype=torch.long),
             "matched": torch.tensor(r["matched"], dtype=torch.long), "equal": (bits >> torch.arange(drafts)) & 1 == 1,
-            "by_context": r["by_context"], **{k: r[k] for k in ("mask_check", "expected") if r.get(k)},
+            "by_context": r["by_context"], **{k: r[k] for k in ("mask_check", "expected", "feature_check") if r.get(k)},
             **({"depths": {int(k): result_from_json(v, int(k)) for k, v in r["depths"].items()}}
                if "depths" in r else {})}
 

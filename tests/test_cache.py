@@ -188,7 +188,7 @@ def test_load_feeds_drafters_identical_tensors(tiny, monkeypatch):
     direct, calls[:] = list(calls), []
     ok(*load_argv(tiny["target"], tiny["union"], f"p={tiny['p']}", f"q={tiny['q']}"))
     loaded = calls
-    assert len(direct) == len(loaded) == 2 * len(TINY_ROWS)
+    assert len(direct) == len(loaded) == 4 * len(TINY_ROWS)   # per drafter and prompt: as extracted, shuffled
     probe_ids = torch.arange(tiny["cfg"].vocab_size)
     probe_x = torch.randn(5, tiny["cfg"].hidden_size, generator=torch.Generator().manual_seed(0))
     for d, l in zip(direct, loaded):

@@ -241,8 +241,8 @@ def test_saved_features_and_shards_give_the_same_results(tmp_path, whole):
 
 @needs_qwen35
 def test_an_interruption_inside_the_chain_loses_nothing(tmp_path, monkeypatch, whole):
-    out = tmp_path / "cut.json"   # cut in the third prompt's MTP chain (per prompt: depths 3, 2, 5)
-    resumed = interrupted_then_resumed(monkeypatch, [*ARGV, "--quiet", "--output", str(out)], out, "causal_chain", 7, 2)
+    out = tmp_path / "cut.json"   # cut in the third prompt's MTP chain (per prompt: depths 3, 2, 5, feature check)
+    resumed = interrupted_then_resumed(monkeypatch, [*ARGV, "--quiet", "--output", str(out)], out, "causal_chain", 9, 2)
     assert results(resumed) == results(whole)
 
 
