@@ -186,28 +186,24 @@ TARGET_CONFIG_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "max_pos
                       "num_key_value_heads", "head_dim", "attention_bias", "attn_output_gate", "num_experts",
                       "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
                       "norm_topk_prob", "partial_rotary_factor")
-JSON_TYPES = {str: "a string", bool: "a boolean", float: "a float", int: "an integer", list: "a list",
-              dict: "an object"}
 
 
 def config_value_error(key, value, kind, entry=False):
     """Why `value` is not what `key` must be (kind: a CONFIG_KINDS entry; entry: one of a list's), or None."""
     expected, of_type, in_range = kind
+    types = {str: "a string", bool: "a boolean", float: "a float", int: "an integer", list: "a list", dict: "an object"}
     shown = json.dumps(value, default=str)
     shown = shown if len(shown) <= 60 else shown[:57] + "..."
     if not of_type(value):
-        return f"{key} is {shown} ({JSON_TYPES.get(type(value), type(value).__name__)}); expected {expected}"
+        return f"{key} is {shown} ({types.get(type(value), type(value).__name__)}); expected {expected}"
     if in_range and not in_range(value):
         return f"{key} is {shown}; expected {expected}" + ("" if entry else " (or null)")
-    if kind is IDS:
-        return next((config_value_error(f"{key}[{i}]", v, COUNT, True) for i, v in enumerate(value)
-                     if config_value_error("", v, COUNT, True)), None)
-    return None
+    entries = enumerate(value) if kind is IDS else ()
+    return next(filter(None, (config_value_error(f"{key}[{i}]", v, COUNT, True) for i, v in entries)), None)
 
 
 def check_config(cfg, where, keys=None, prefix=""):
-    """Refuse, in one line naming the file, the key and the value, a config value of the wrong kind (CONFIG_KINDS),
-    at the top level and in its CONFIG_NESTS; `keys` limits the check to the keys the tool reads."""
+    """Refuse a value of the wrong kind (CONFIG_KINDS), naming file, key and value; nests too; `keys`: only those."""
     for key, value in cfg.items():
         if isinstance(value, dict) and key in CONFIG_NESTS:
             check_config(value, where, keys, f"{prefix}{key}.")
@@ -260,8 +256,7 @@ def load_safetensors(path):
 
 
 def write_safetensors(path, tensors, metadata=None):
-    """Written under a temporary name and renamed: a file of this name is always whole. A failed write (disk full, no
-    permission) is one error naming the file, and leaves no temporary behind."""
+    """Written under a temporary name and renamed: a file of this name is always whole; a failed write is one error."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
     tmp = f"{path}.tmp{os.getpid()}"
@@ -269,13 +264,10 @@ def write_safetensors(path, tensors, metadata=None):
         save_file({k: v.cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
         os.replace(tmp, path)
     except (OSError, SafetensorError) as e:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
         fail(f"cannot write {path} ({getattr(e, 'strerror', None) or str(e).splitlines()[0]})")
-    except BaseException:   # Ctrl-C mid-write: no half-written temporary left behind
+    finally:   # failed, or Ctrl-C mid-write: no half-written temporary left behind (once renamed, there is none)
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        raise
 
 
 def open_safetensors(path, device="cpu"):
@@ -644,13 +636,8 @@ def parse_shard(text):
 
 def repeated(text):
     """The values a comma list gives more than once (8 and 08 are one), in order of first repetition."""
-    seen, twice = set(), []
-    for x in (text or "").split(","):
-        value = int(x) if x.strip().isdigit() else x.strip().lower()
-        if value in seen and value not in twice:
-            twice.append(value)
-        seen.add(value)
-    return [str(v) for v in twice if v != ""]
+    values = [int(x) if x.strip().isdigit() else x.strip().lower() for x in (text or "").split(",")]
+    return list(dict.fromkeys(str(v) for i, v in enumerate(values) if v != "" and v in values[:i]))
 
 
 def check_flags(args):
@@ -679,8 +666,7 @@ def check_flags(args):
         notes.append("--reference-generation is for local generation: with --server the server generates")
     if args.enable_thinking and args.no_chat_template:
         notes.append("--enable-thinking does nothing with --no-chat-template: thinking is a chat template's switch")
-    for flag in ("--ddtree-budgets", "--depths", "--steps"):
-        text = getattr(args, flag[2:].replace("-", "_"))
+    for flag, text in (("--ddtree-budgets", args.ddtree_budgets), ("--depths", args.depths), ("--steps", args.steps)):
         if repeated(text):
             notes.append(f"{flag} {text}: {', '.join(repeated(text))} given more than once, counted once")
     return notes
@@ -707,11 +693,11 @@ def read_costs(path):
     table = read_json(path)
     tables = table.get("batch_sizes", {"1": table})
     for batch, t in (tables.items() if isinstance(tables, dict) else [("?", None)]):
-        parts = [t.get(part) for part in ("target", "draft")] if isinstance(t, dict) else []
+        parts = [t.get(part) for part in ("target", "draft")] if isinstance(t, dict) else [None]
         flat = [x for p in parts if isinstance(p, dict) for v in p.values()
                 for x in (v.values() if isinstance(v, dict) else [v])]
-        if not (len(parts) == 2 and all(isinstance(p, dict) for p in parts) and "1" in parts[0] and
-                all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in flat)):
+        if not (all(isinstance(p, dict) for p in parts) and "1" in parts[0] and
+                all((is_int(x) or isinstance(x, float)) and x > 0 for x in flat)):
             fail(f"--costs {path}: batch size {batch} needs \"target\" (seconds per n new tokens, \"1\" among them) "
                  "and \"draft\" (seconds per depth, or per drafter and depth), every value a number above 0")
     return {"file": os.path.abspath(path), "batch_sizes": tables}
@@ -733,18 +719,16 @@ def sampling_record(settings):
 
 
 def check_writable(flag, path):
-    """An output the run can write, checked before anything loads: a file in a writable directory (a link's target's),
-    or a writable device, FIFO or terminal."""
+    """Before anything loads: `path` is a file in a writable directory (a link's target's), or a writable device."""
+    where = os.path.dirname(os.path.realpath(path))
     if os.path.isdir(path):
         fail(f"{flag} {path} is a directory: give a file name")
-    if streamed(path):
+    elif streamed(path):
         if not os.access(path, os.W_OK):
             fail(f"{flag} {path} is not writable")
-        return
-    where = os.path.dirname(os.path.realpath(path))
-    if not os.path.isdir(where):
+    elif not os.path.isdir(where):
         fail(f"{flag} {path}: its directory does not exist; create it first")
-    if not os.access(where, os.W_OK | os.X_OK):
+    elif not os.access(where, os.W_OK | os.X_OK):
         fail(f"{flag} {path}: its directory {where} is not writable (read-only or not yours); pick another path")
 
 
@@ -769,8 +753,7 @@ def default_threads():
 
 
 def rank_setup(settings):
-    """Under torchrun: join the process group, take this rank's GPU (its CPU threads: default_threads); returns its
-    settings."""
+    """Under torchrun: join the process group, take this rank's GPU (threads: default_threads); returns its settings."""
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
     if ranks < 2 or settings.get("compare_hidden"):
         return {}
@@ -982,7 +965,7 @@ def join_turn(items, conversations, key, item, turn, limit, where):
 def turn_text(content, where):
     """A chat turn's text: a string, or OpenAI's content parts ([{"type": "text", "text": ...}], joined by newlines
     as vLLM and SGLang join them for a text-only model); an image, audio or file part is refused by its type."""
-    if isinstance(content, str) or not isinstance(content, list):
+    if not isinstance(content, list):
         return content
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
@@ -1068,31 +1051,23 @@ def prompt_rows(path, name):
     """(label, number, row) per prompt: JSONL lines, or the elements of one JSON array; a UTF-8 BOM is dropped."""
     data = read_bytes(path)
     data = data[3:] if data.startswith(b"\xef\xbb\xbf") else data   # a BOM, as Windows editors save UTF-8
-    if data.lstrip()[:1] == b"[":   # JSONL lines are objects: a file that opens a list is one JSON array
-        try:
-            rows = json.loads(data.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            fail(f"{name}: not valid UTF-8 (byte {e.start}); save the file as UTF-8")
-        except json.JSONDecodeError as e:
-            what = re.sub(r"\s+at$", "", e.msg)
-            fail(f"{name} line {e.lineno}, column {e.colno}: not valid JSON ({what}); a file that starts with [ must "
-                 "be one JSON array of prompt objects")
-        yield from ((f"item {n}", n, row) for n, row in enumerate(rows, 1))
-        return
-    for lineno, raw in enumerate(data.split(b"\n"), 1):
+    array = data.lstrip()[:1] == b"["   # JSONL lines are objects: a file that opens a list is one JSON array
+    for lineno, raw in enumerate([data] if array else data.split(b"\n"), 1):
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            fail(f"{name} line {lineno}: not valid UTF-8 (byte {e.start}); save the file as UTF-8")
+            fail(f"{name}{'' if array else f' line {lineno}'}: not valid UTF-8 (byte {e.start}); save the file as "
+                 "UTF-8")
         if not line.strip():
             continue
         try:
-            row = json.loads(line.rstrip("\r\n"))   # so that columns count within the line
+            row = json.loads(line if array else line.rstrip("\r\n"))   # a line's columns count within the line
         except json.JSONDecodeError as e:
             what = re.sub(r"\s+at$", "", e.msg)   # json's "Invalid control character at" reads cut off
-            fail(f"{name} line {lineno}, column {e.colno}: not valid JSON ({what}); each line must be one JSON "
-                 "object")
-        yield f"line {lineno}", lineno, row
+            fail(f"{name} line {lineno + e.lineno - 1}, column {e.colno}: not valid JSON ({what}); " +
+                 ("a file that starts with [ must be one JSON array of prompt objects" if array else
+                  "each line must be one JSON object"))
+        yield from ((f"item {n}", n, r) for n, r in enumerate(row, 1)) if array else [(f"line {lineno}", lineno, row)]
 
 
 def read_prompts(path, limit=None):
@@ -1213,12 +1188,11 @@ def saved_references(settings):
     path, saved = settings["save_references"], {}
     if path and os.path.isfile(path):
         with open(path, encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
-        for line in lines:
-            with contextlib.suppress(json.JSONDecodeError):
-                row = json.loads(line)
-                if isinstance(row, dict) and isinstance(row.get("completion_ids"), list):
-                    saved[(row.get("id"), row.get("sample"), row.get("turn"))] = row
+            for line in f.read().splitlines():
+                with contextlib.suppress(json.JSONDecodeError):
+                    row = json.loads(line)
+                    if isinstance(row, dict) and isinstance(row.get("completion_ids"), list):
+                        saved[(row.get("id"), row.get("sample"), row.get("turn"))] = row
     return saved
 
 
