@@ -203,7 +203,7 @@ def config_value_error(key, value, kind, entry=False):
 
 
 def check_config(cfg, where, keys=None, prefix=""):
-    """Refuse a value of the wrong kind (CONFIG_KINDS), naming file, key and value; nests too; `keys`: only those."""
+    """Refuse a value of the wrong kind (CONFIG_KINDS; its nests too) naming file, key and value; `keys`: only those."""
     for key, value in cfg.items():
         if isinstance(value, dict) and key in CONFIG_NESTS:
             check_config(value, where, keys, f"{prefix}{key}.")
