@@ -1280,8 +1280,7 @@ def load_target(settings):
                                                      **({"config": config} if rewritten else {}))
     except SafetensorError as e:   # a file cut short (an interrupted download) or damaged: the first one is named
         for name in sorted(n for n in os.listdir(path) if n.endswith(".safetensors")):
-            with open_safetensors(os.path.join(path, name)):
-                pass
+            open_safetensors(os.path.join(path, name))
         fail(f"the target checkpoint in {path} has a damaged safetensors file ({str(e).splitlines()[0]}): "
              "download it again")
     if not placement:
@@ -1960,24 +1959,22 @@ def config_defaults(cfg, settings, layer_ids):
     return defaults
 
 
-LAYER_TYPES = ("full_attention", "sliding_attention")   # the drafter layers' attention this tool runs
-
-
 def check_layer_types(cfg, name):
     """A config's layer_types, when given, names one known type per layer (a short list would run fewer layers)."""
     types, n = cfg.get("layer_types"), cfg["num_hidden_layers"]
-    where = f"drafter {name}: its config's layer_types"
+    known = ("full_attention", "sliding_attention")   # the drafter layers' attention this tool runs
+    where, kinds = f"drafter {name}: its config's layer_types", " or ".join(known)
     if types is None:
         return
     if not isinstance(types, list):
-        fail(f"{where} is {json.dumps(types)[:60]}, not a list; give one type per layer ({' or '.join(LAYER_TYPES)})")
+        fail(f"{where} is {json.dumps(types)[:60]}, not a list; give one type per layer ({kinds})")
     if len(types) != n:
         fail(f"{where} has {len(types)} entr{'y' if len(types) == 1 else 'ies'} for its {n} layers "
-             f"(num_hidden_layers); give one per layer ({' or '.join(LAYER_TYPES)})")
-    bad = next((i for i, kind in enumerate(types) if kind not in LAYER_TYPES), None)
+             f"(num_hidden_layers); give one per layer ({kinds})")
+    bad = next((i for i, kind in enumerate(types) if kind not in known), None)
     if bad is not None:
         fail(f"{where} names {json.dumps(types[bad])} for layer {bad}, a type this tool does not run; it knows "
-             f"{', '.join(LAYER_TYPES)}")
+             f"{', '.join(known)}")
 
 
 def layer_rules(cfg, settings, layout="public"):
@@ -3446,18 +3443,15 @@ FEATURE_CHECK_ANCHORS = 32   # anchors per prompt, evenly spaced, drafted again 
 
 def shuffled_features(features, layers):
     """A prompt's features of `layers` at other positions: one fixed permutation of its rows, the same for every layer.
-    Each row keeps its statistics (its norm, each layer's scale), so the drafter reads features of the usual kind that
-    no longer say what comes next here; zeros would be a state no target produces, and a drafter fed them could do
-    worse than it does with another target's features, making any drafter look like it reads them."""
+    Each row keeps its statistics and loses its position (zeros would be a state no target produces: README)."""
     order = torch.randperm(features[layers[0]].shape[0], generator=torch.Generator().manual_seed(0))
     return {L: features[L][order.to(features[L].device)] for L in layers}
 
 
 def feature_check_prompt(drafter, res, features, ids, embed_w, head, device):
-    """[anchors, first drafts right with the target's features, with them shuffled, drafts matched (the round's
-    accepted ones) with them, shuffled, sum of the squared paired differences of matched drafts] on a sample of the
-    anchors drafted in `res` (their argmax drafts against the reference, at any temperature): only the shuffled
-    features' drafts are new."""
+    """[anchors, first drafts right with the target's features, shuffled, drafts matched (accepted) with them,
+    shuffled, sum of the squared paired differences of matched drafts] on a sample of the anchors drafted in `res`
+    (their argmax drafts against the reference): only the shuffled features' drafts are new."""
     n = res["anchors"].numel()
     if n == 0:
         return [0] * 6
@@ -3485,8 +3479,7 @@ def feature_check_summary(per_prompt):
 
 
 def evaluate_prompts(group, drafters, embed_w, head, settings):
-    """Every drafter on prompts [(item, features, target argmax)]: scores, walks, other depths, the mask and feature
-    checks."""
+    """Every drafter on prompts [(item, features, target argmax)]: scores, walks, other depths, mask/feature checks."""
     prompts, sampling = [], sampling_of(settings)
     for it, features, argmax in group:
         check_finite(features, it["id"])
@@ -3850,15 +3843,11 @@ def drafter_facts(d):
             if d.mask_variants else None}
 
 
-# A drafter trained for its target and layer set reads the target's features: fed the same features shuffled across
-# positions (feature_check_prompt) it keeps only what the anchor token alone predicts. One that reads another
-# target's features, or another layer set's, does no better with them than shuffled. A fixed floor on acceptance
-# cannot tell it from a right drafter that is weak, early in training or sampled at a high temperature, which
-# accepts little but still far more with the features than without. So warn when, on the same sampled anchors,
-# the real features do not match significantly more drafts (z below FEATURE_CHECK_Z) AND, with 95% confidence,
-# add less than FEATURE_CHECK_MARGIN drafts per anchor: the margin keeps a handful of anchors from a verdict.
-# Only where the references are the target's own (agreement or support at least TRUSTED_REFERENCES): against
-# foreign references neither figure says anything of the drafter.
+# A drafter trained for this target and layer set drafts far better with its features than with them shuffled across
+# positions (feature_check_prompt); one trained for another does not (README, Warnings: why no fixed acceptance floor).
+# Warn when, on the same anchors, the real features match no significantly more drafts (z below FEATURE_CHECK_Z) AND,
+# with 95% confidence, add less than FEATURE_CHECK_MARGIN drafts per anchor (a few anchors give no verdict); only on
+# the target's own references (agreement or support >= TRUSTED_REFERENCES): foreign ones say nothing of the drafter.
 FEATURE_CHECK_Z = 1.96
 FEATURE_CHECK_MARGIN = 0.1
 TRUSTED_REFERENCES = 0.9
@@ -3870,12 +3859,11 @@ def acceptance_warning(s, check):
     if check is None or trust is None or trust < TRUSTED_REFERENCES or check["z"] >= FEATURE_CHECK_Z \
             or check["gain_upper95"] >= FEATURE_CHECK_MARGIN:
         return []
-    return [f"first-position acceptance {check['first_acceptance']:.3f} with the target's features and "
-            f"{check['first_acceptance_shuffled']:.3f} with them shuffled across positions, "
-            f"{check['matched']:.3f} and {check['matched_shuffled']:.3f} drafts accepted per anchor (the same "
-            f"{check['anchors']} anchors of the target's own text; the features add at most "
-            f"{check['gain_upper95']:.3f}, 95% bound): it does not read this target's features, as a drafter "
-            f"trained for this target and layer set does; {WRONG_DRAFTER_CHECK}"]
+    return ["first-position acceptance {first_acceptance:.3f} with the target's features and "
+            "{first_acceptance_shuffled:.3f} with them shuffled across positions, {matched:.3f} and "
+            "{matched_shuffled:.3f} drafts accepted per anchor (the same {anchors} anchors of the target's own text; "
+            "the features add at most {gain_upper95:.3f}, 95% bound): it does not read this target's features, as a "
+            "drafter trained for this target and layer set does; ".format(**check) + WRONG_DRAFTER_CHECK]
 
 
 def drafter_report(d, results, items):
@@ -4026,16 +4014,14 @@ def comparison_lines(c):
     batch = ("1" if "1" in predicted[0] else min(predicted[0], key=int)) if predicted else None
     yield (f"   {'drafter':<{width}}    tau  95% interval      accept@1" + "".join(f"  DDTree {b:>4}" for b in budgets)
            + (f"  predicted speedup{'' if batch == '1' else f' (batch {batch})'}" if batch else ""))
-
-    def speed(row):   # the drafter's best predicted speedup and where (a depth K, a DDTree budget)
-        p = (row.get("predicted_speedup") or {}).get(batch) or {}
-        return "  n/a" if p.get("speedup") is None else f"  {p['speedup']:>5.2f}x at {p['best']}"
     for row in c["drafters"]:
         best = "  <- best of " + row["series"] if "series" in row and c["best_steps"].get(row["series"]) == \
             row["step"] and sum(r.get("series") == row["series"] for r in c["drafters"]) > 1 else ""
+        p = (row.get("predicted_speedup") or {}).get(batch) or {}   # the best speedup and where (a depth, a budget)
+        speed = "" if not batch else "  n/a" if p.get("speedup") is None else f"  {p['speedup']:>5.2f}x at {p['best']}"
         yield (f"   {row['name']:<{width}}  {fmt(row['tau']):>5}  {interval(row['tau_ci95']):<16}  "
                f"{fmt(row['first_position_acceptance']):>8}"
-               + "".join(f"  {fmt(row['ddtree'].get(b)):>11}" for b in budgets) + (speed(row) if batch else "") + best)
+               + "".join(f"  {fmt(row['ddtree'].get(b)):>11}" for b in budgets) + speed + best)
 
     def deltas(rows, where=""):
         for row in rows[1:]:
@@ -4054,24 +4040,14 @@ def comparison_lines(c):
             yield from deltas(rows, f" at depth {K}")
 
 
-def no_tau(entries, block):
-    """Why a section's tau is n/a, from its prompts' entries: what their completions lack."""
-    if all(e["completion_tokens"] == 0 for e in entries):
-        return "no anchors: every completion is empty"
-    if all(e["completion_tokens"] < block for e in entries):
-        return f"no rounds: every completion is shorter than one block of {block} tokens"
-    return "no rounds scored"
-
-
 def report_lines(report):
     """The printed report, line by line (a mask check's warning also goes to stderr, as it is reached)."""
     if not any(d["prompts"] for d in report["drafters"]):
-        if report["skipped"] and not report.get("interrupted"):
-            yield (f"tau n/a: every prompt was skipped ({len(report['skipped'])}, listed under \"skipped\"; the "
-                   f"first: {report['skipped'][0]['reason']}): nothing to report")
-            return
-        yield (f"no prompt {'finished before the interruption' if report.get('interrupted') else 'was scored'}"
-               f"{' (' + str(len(report['skipped'])) + ' skipped)' if report['skipped'] else ''}: nothing to report")
+        skipped, stopped = report["skipped"], report.get("interrupted")
+        yield (f"tau n/a: every prompt was skipped ({len(skipped)}, listed under \"skipped\"; the first: "
+               f"{skipped[0]['reason']}): nothing to report" if skipped and not stopped else
+               f"no prompt {'finished before the interruption' if stopped else 'was scored'}"
+               f"{' (' + str(len(skipped)) + ' skipped)' if skipped else ''}: nothing to report")
         return
     config, target = report["config"], report["target"]
     cache, sampling = config.get("hidden_cache"), sampling_of(config)
@@ -4099,8 +4075,11 @@ def report_lines(report):
         for name, s in sections:
             ci = f" {interval(s.get('tau_ci95'))}" if s.get("tau_ci95") else ""
             rounds = f"{s['rounds']:.1f} expected" if sampling else f"{s['rounds']}"
-            entries = [e for e in d["prompts"] if name in ("all", e["split"], f"turn {e.get('turn')}")]
-            tau = fmt(s["tau"]) if s["tau"] is not None else f"n/a ({no_tau(entries, drafts + 1)})"
+            longest = max((e["completion_tokens"] for e in d["prompts"]
+                           if name in ("all", e["split"], f"turn {e.get('turn')}")), default=0)
+            why = "no anchors: every completion is empty" if not longest else "no rounds scored" if longest > drafts \
+                else f"no rounds: every completion is shorter than one block of {drafts + 1} tokens"
+            tau = fmt(s["tau"]) if s["tau"] is not None else f"n/a ({why})"   # why: what its completions lack
             yield (f"-- {name}: tau {tau}{ci} (pooled, {rounds} rounds)  tau_prompt_mean "
                    f"{fmt(s['tau_prompt_mean'])}  tau_all_anchors {fmt(s['tau_all_anchors'])}  {reference_line(s)}")
             yield f"   {'expected ' if sampling else ''}rounds by acceptance length: " + "  ".join(
