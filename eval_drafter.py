@@ -4216,10 +4216,9 @@ def partial_path(settings):
 
 
 def remove_partial(settings):
-    if settings.get("output_streamed"):   # none was kept beside a device or FIFO
-        return
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(partial_path(settings))
+    if not settings.get("output_streamed"):   # none was kept beside a device or FIFO
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(partial_path(settings))
 
 
 def write_row(f, row):
@@ -4242,23 +4241,29 @@ def open_partial(settings, learned, facts, records, references):
     return f
 
 
+def partial_rows(path):
+    """The JSON objects of a partial file: [] for an empty one, None for one that is not this tool's (its first object
+    no fingerprint). A last line cut short by a hard kill is dropped: every complete one is kept."""
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    rows = []
+    with contextlib.suppress(json.JSONDecodeError):
+        for line in lines:
+            rows.append(json.loads(line))
+    rows = [row for row in rows if isinstance(row, dict)]
+    return rows if not lines or rows and "fingerprint" in rows[0] else None
+
+
 def resume_records(settings, learned, facts):
     """({index: record} finished, {index: reference fields} not yet scored) from a same-settings partial file."""
     path = partial_path(settings)
     if not os.path.isfile(path):
         log(settings, f"note: --resume found no {path}; starting from the first prompt")
         return {}, {}
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line in filter(str.strip, f):  # a last line cut short by a hard kill is dropped: every complete one is kept
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
-    header, rows = (rows[0] if rows and isinstance(rows[0], dict) else None), rows[1:]
-    if not header or "fingerprint" not in header:
+    rows = partial_rows(path)
+    if not rows:
         fail(f"{path} is not a partial-results file of this tool; remove it or drop --resume")
-    differ = differences(header["fingerprint"], fingerprint(run_config(settings, learned), facts),
+    differ = differences(rows[0]["fingerprint"], fingerprint(run_config(settings, learned), facts),
                          RESUME_KEYS + SLICE_KEYS)
     if differ:
         fail(f"--resume: {path} was written with other settings ({', '.join(differ)} differ); rerun with the "
@@ -4270,97 +4275,48 @@ def resume_records(settings, learned, facts):
     return records, references
 
 
-def partial_work(path):
-    """(finished prompts, references not yet scored, a file of this tool?) in a partial file; (0, 0, True) for none."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = [line for line in f if line.strip()]
-    except FileNotFoundError:
-        return 0, 0, True
-    except (OSError, UnicodeDecodeError):
-        return 0, 0, False
-    rows = []
-    for line in lines:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:   # a last line cut short by a hard kill
-            break
-    rows = [row for row in rows if isinstance(row, dict)]
-    ours = not lines or bool(rows) and "fingerprint" in rows[0]
-    done = {str(row["item"].get("index")) for row in rows if isinstance(row.get("item"), dict)}
-    made = {str(row["reference"].get("index")) for row in rows if isinstance(row.get("reference"), dict)}
-    return len(done), len(made - done), ours
-
-
 def partial_held(path):
     """What an earlier run left in its partial file that a new one must not lose (None when nothing)."""
-    finished, references, ours = partial_work(path)
-    if not ours:
+    try:
+        rows = partial_rows(path)
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError):
+        rows = None
+    if rows is None:
         return "lines that are not this tool's partial results"
-    if finished or references:
-        return f"{finished} finished prompts" + (f" and {references} references not yet scored" if references else "")
+    done = {str(row["item"].get("index")) for row in rows if isinstance(row.get("item"), dict)}
+    made = {str(row["reference"].get("index")) for row in rows if isinstance(row.get("reference"), dict)} - done
+    if done or made:
+        return f"{len(done)} finished prompts" + (f" and {len(made)} references not yet scored" if made else "")
     return None
 
 
-def partial_refusal(settings):
-    """Why this run must not begin its partial file again (None when it may): an earlier run's work there, and
-    neither --resume (go on with it) nor --overwrite (start over, keeping it as a backup)."""
-    path = partial_path(settings)
-    held = None if settings["resume"] or settings.get("overwrite") else partial_held(path)
-    return held and (f"{path} holds {held} of an earlier run on --output {settings['output']}: add --resume to "
-                     "continue that run, or --overwrite to start over (the file is kept as a backup)")
-
-
-def back_up_partial(settings):
-    """--overwrite: an earlier run's partial file with work in it moved aside, never over an earlier backup."""
-    path = partial_path(settings)
-    held = partial_held(path)
-    if not held:
-        return
-    backup, n = f"{path}.bak", 1
-    while os.path.lexists(backup):
-        n += 1
-        backup = f"{path}.bak{n}"
-    os.rename(path, backup)
-    log(settings, f"note: --overwrite: the earlier run's {path} ({held}) is kept as {backup}")
-
-
-def lock_path(settings):
-    return os.path.realpath(settings["output"]) + ".lock"
-
-
 def lock_owner(path):
-    """(pid, host) of a lock file, None for either that cannot be read."""
-    with contextlib.suppress(OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-        with open(path, encoding="utf-8") as f:
-            owner = json.load(f)
-        return owner.get("pid"), owner.get("host")
-    return None, None
+    """(pid, host, ended?) of a lock file, None for what cannot be read; ended is known only for this host's process."""
+    pid = host = None
+    with contextlib.suppress(UsageError):
+        owner = read_json(path)
+        pid, host = owner.get("pid"), owner.get("host")
+    if host == socket.gethostname() and isinstance(pid, int) and pid > 0:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return pid, host, True
+        except OSError:   # PermissionError: alive, another user's
+            pass
+    return pid, host, False
 
 
-def gone(pid, host):
-    """Has the process that wrote a lock ended? Known only for a process of this host."""
-    if host != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:   # PermissionError: alive, another user's
-        return False
-    return False
-
-
-def take_lock(settings):
-    """<output>.lock created for this run (its PID and host); a lock whose process has ended is taken over with a
+def take_lock(settings, path):
+    """The lock `path` created for this run (its PID and host); a lock whose process has ended is taken over with a
     note. Returns None, or why the output is not this run's to write."""
-    path = lock_path(settings)
     for _ in range(2):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
-            pid, host = lock_owner(path)
-            if not gone(pid, host):
+            pid, host, ended = lock_owner(path)
+            if not ended:
                 break
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
@@ -4371,15 +4327,15 @@ def take_lock(settings):
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
         return None
-    pid, host = lock_owner(path)
+    pid, host, _ = lock_owner(path)
     return (f"--output {settings['output']} is being written by another run (process {pid} on {host}, lock {path}): "
             f"wait for it to end or pick another --output; if no run is using it, remove {path}")
 
 
-def run_files(settings):
-    """(what, path) of every file the run reads and of its other outputs; directories (the target, a checkpoint
-    directory) stand for every file under them."""
-    s = settings
+def replaced_input(settings):
+    """The (what, path) of the run's inputs and other outputs that writing --output would replace, by identity (links
+    and spellings followed; a directory (the target, a checkpoint directory) stands for every file under it)."""
+    s, output = settings, settings["output"]
     named = [("the prompts file (--prompts)", s.get("prompts")), ("the --drafter-config file", s.get("drafter_config")),
              ("the --costs file", s.get("costs") if s.get("costs") != "measure" else None),
              ("the target (--target)", s.get("target")), ("the --save-hidden file", s.get("save_hidden")),
@@ -4389,53 +4345,42 @@ def run_files(settings):
     named += [("a --compare-hidden file", path) for path in s.get("compare_hidden") or []]
     named += [("a --merge input", path) for path in s.get("merge") or []]
     named += [(f"checkpoint --ckpt {spec}", split_ckpt_spec(spec)[1]) for spec in s.get("ckpt") or []]
-    return [(what, path) for what, path in named if path]
-
-
-def replaced_input(output, files):
-    """The (what, path) of `files` that writing `output` would replace, by identity (links and spellings followed)."""
-    try:
-        mine = os.stat(output)
-    except OSError:   # not there yet: only another output spelled to the same place can be it
-        mine = None
+    mine = os.stat(output) if os.path.exists(output) else None   # else only an output spelled to its place can be it
     report = False   # an earlier report of this tool, written into a model's directory, is none of the model's files
     with contextlib.suppress(OSError), open(output, "rb") as f:
         report = f.read(12) == b'{\n "config":'
-    for what, path in files:
+    for what, path in [(what, path) for what, path in named if path]:
         if os.path.realpath(path) == os.path.realpath(output):
             return what, path
-        if mine is None or not os.path.exists(path) or report and os.path.isdir(path):
+        if mine is None or report and os.path.isdir(path):
             continue
-        tree = os.walk(path) if os.path.isdir(path) else [("", [], [path])]
-        for root, _, names in tree:
-            for name in names:
-                with contextlib.suppress(OSError):
-                    st = os.stat(os.path.join(root, name))
-                    if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
-                        return what, path
+        for name in [os.path.join(r, n) for r, _, ns in os.walk(path) for n in ns] if os.path.isdir(path) else [path]:
+            with contextlib.suppress(OSError):   # a file not there is none of them
+                if os.path.samestat(os.stat(name), mine):
+                    return what, path
     return None
 
 
 @contextlib.contextmanager
 def output_claimed(settings):
-    """--output for this run alone, checked before anything loads: no input or other output of the run replaced,
-    a lock beside it, an earlier run's finished work in the partial file not begun again without --resume
-    (--overwrite keeps it as a backup). The lock goes at the end, whichever way the run ends. Under torchrun rank 0
-    holds the lock, each rank checks its own partial file, and all refuse together."""
+    """--output for this run alone, checked before anything loads (README, "Nothing overwritten"); the lock goes at the
+    end, whichever way the run ends. Under torchrun rank 0 holds the lock, and all ranks refuse together."""
     output = settings.get("output")
     if not output or settings.get("output_streamed"):
         yield
         return
-    clash = replaced_input(output, run_files(settings))
+    clash = replaced_input(settings)
     if clash:
         fail(f"--output {output} is {clash[0]} ({clash[1]}): the report would replace it; pick another --output")
-    evaluating = not (settings.get("merge") or settings.get("compare_hidden"))
-    locked = False
+    path = None if settings.get("merge") or settings.get("compare_hidden") else partial_path(settings)
+    lock, locked = os.path.realpath(output) + ".lock", False
     try:
-        why = take_lock(settings) if settings.get("rank", 0) == 0 else None
+        why = take_lock(settings, lock) if settings.get("rank", 0) == 0 else None
         locked = why is None and settings.get("rank", 0) == 0
-        if evaluating and not why:
-            why = partial_refusal(settings)
+        held = path and not why and not settings["resume"] and partial_held(path)   # an earlier run's work
+        if held and not settings.get("overwrite"):
+            why = (f"{path} holds {held} of an earlier run on --output {output}: add --resume to continue that run, "
+                   "or --overwrite to start over (the file is kept as a backup)")
         if settings.get("ranks", 1) > 1:
             import torch.distributed as dist
             everyone = [None] * settings["ranks"]
@@ -4443,13 +4388,18 @@ def output_claimed(settings):
             why = next(filter(None, everyone), None)
         if why:
             fail(why)
-        if evaluating and settings.get("overwrite"):
-            back_up_partial(settings)
+        if held:   # --overwrite: moved aside, never over an earlier backup
+            backup, n = f"{path}.bak", 1
+            while os.path.lexists(backup):
+                n += 1
+                backup = f"{path}.bak{n}"
+            os.rename(path, backup)
+            log(settings, f"note: --overwrite: the earlier run's {path} ({held}) is kept as {backup}")
         yield
     finally:
         if locked:
             with contextlib.suppress(FileNotFoundError):
-                os.remove(lock_path(settings))
+                os.remove(lock)
 
 
 def is_main_thread():
@@ -4469,14 +4419,6 @@ def interrupt_message(settings, finished, references, during="", features=None):
            "file, and --resume goes on from there" if settings["output"] else
            f"without --output nothing is kept for later{nor}: give --output, and --resume goes on from there")
     return f"interrupted{during}: reporting the {finished} prompts finished so far{saved}{kept}; {how}"
-
-
-def interrupted_outside(settings):
-    """What a Ctrl-C outside the prompts' loop (starting, loading, writing the report) leaves behind."""
-    path = settings and settings.get("output") and "ranks" in settings and partial_path(settings)
-    held = path and not settings["output_streamed"] and partial_held(path)
-    return f"{path} keeps {held}: run the same command with --resume to go on" if held else \
-        "nothing was finished yet, nothing to keep"
 
 
 def mine(it, settings):
@@ -4577,33 +4519,22 @@ def part_files(prefix):
     return [os.path.join(folder, n) for n in sorted(names) if n.startswith(stem)]
 
 
-def read_part(path):
-    """A part's metadata, or None where the file is not a whole part (a kill cut it short, or it is a temporary)."""
-    from safetensors import safe_open
-    try:
-        with safe_open(path, "pt") as f:
-            return json.loads(f.metadata()["eval_drafter_part"])
-    except Exception:  # noqa: BLE001 - cut, foreign or unreadable: done again either way
-        return None
-
-
 def resume_features(settings, learned, facts, items, records):
-    """--save-hidden writes every prompt's features the moment they exist, to <file>.partial.<position>.safetensors
-    (Ctrl-C, SIGTERM or a kill keeps them; the finished cache is made of them). Returns the run's state: with --resume
-    the parts of the finished prompts, else none (an earlier run's parts are removed). A finished prompt whose part is
-    missing or cut is dropped from `records`, with every one after it, to be done again: positions stay in order.
-    Parts of no use (another run's, cut, past the finished ones) are removed when the first part is written."""
+    """--save-hidden's state (README, "Saved features are results too"): with --resume the finished prompts' parts; one
+    whose part is missing or cut is dropped from `records`, with every one after it (positions stay in order). Parts of
+    no use (another run's, cut, past those) are removed when the first part is written."""
+    from safetensors import safe_open
     prefix = hidden_path(settings) + ".partial."
     aside = [{**f, "name": None, "checkpoint": None} for f in facts]   # as --resume compares drafters
     this = hashlib.sha256(json.dumps(fingerprint(run_config(settings, learned), aside), sort_keys=True,
                                     default=str).encode()).hexdigest()
-    found, stale = {}, []
-    for path in part_files(prefix):
-        meta = read_part(path) if settings["resume"] else None
-        if meta and meta["run"] == this:   # parts of a run with other settings are no use
-            found[meta["position"]] = (path, meta["row"])
-        else:
-            stale.append(path)
+    files, found = part_files(prefix), {}
+    for path in files if settings["resume"] else []:
+        with contextlib.suppress(Exception):   # cut by a kill, a temporary, foreign or unreadable: done again
+            with safe_open(path, "pt") as f:
+                meta = json.loads(f.metadata()["eval_drafter_part"])
+            if meta["run"] == this:   # parts of a run with other settings are no use
+                found[meta["position"]] = (path, meta["row"])
     parts = []
     for index in sorted(i for i in records if i < len(items)):
         path, row = found.get(len(parts), (None, {}))
@@ -4615,7 +4546,7 @@ def resume_features(settings, learned, facts, items, records):
                 del records[i]
             break
         parts.append((path, row))
-    stale += [path for position, (path, _) in found.items() if position >= len(parts)]
+    stale = [path for path in files if path not in {p for p, _ in parts}]
     return {"prefix": prefix, "run": this, "parts": parts, "stale": stale, "id": f"{os.getpid()}-{time.time_ns()}",
             "then": "; the finished prompts and their features are kept: make room, then run the same command with "
                     "--resume" if settings["output"] else ""}
@@ -4920,8 +4851,7 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
                 write_row(partial, record_json(record))
                 bar.update()
     except KeyboardInterrupt:
-        kept = settings["output"] and not settings["output_streamed"]
-        for path in part_files(saved["prefix"]) if saved and not kept else []:
+        for path in part_files(saved["prefix"]) if saved and partial is None else []:
             os.remove(path)   # without a partial file there is no --resume to use them
         if not (records or made or references):   # still loading: no report of nothing (main says so in one line)
             raise
@@ -4997,7 +4927,7 @@ def hidden_drafters(settings, path):
                        False)["drafters"]
 
 
-def compare_hidden(settings):
+def compare_hidden(settings, shown):
     """Two extractions of the same prompts, layer by layer; with drafters, their tau from each side by side."""
     paths = settings["compare_hidden"]
     metas = [read_hidden_meta(p) for p in paths]
@@ -5033,7 +4963,7 @@ def compare_hidden(settings):
               "layers": per_layer, "argmax_agreement": same_argmax / total_argmax if total_argmax else None}
     if settings["ckpt"]:
         report["drafters"] = [hidden_drafters(settings, path) for path in paths]
-    print_comparison(report, sys.stderr if settings["output"] and names_stdout(settings["output"]) else None)
+    print_comparison(report, shown)
     if settings["output"]:
         write_json(settings["output"], report)
     return report
@@ -5046,23 +4976,23 @@ def run(settings):
         # cuDNN attention plans each new sequence length, met at every generation or walk step (suspected, not
         # measured, cause of the bf16 demo's 9x CUDA slowdown); the flash and memory-efficient kernels need none
         torch.backends.cuda.enable_cudnn_sdp(False)
+    shown = sys.stderr if settings["output"] and names_stdout(settings["output"]) else None   # stdout: the JSON
     if settings["compare_hidden"]:
-        return compare_hidden(settings)
+        return compare_hidden(settings, shown)
     learned = Run()
     report = merge_shards(settings) if settings.get("merge") else evaluate(settings, learned)
     if report is None:   # a torchrun rank other than 0: rank 0 reports for all
         if not learned.interrupted and settings["output"]:
             remove_partial(settings)
         return {"interrupted": True} if learned.interrupted else {}
-    shown = sys.stderr if settings["output"] and names_stdout(settings["output"]) else None   # stdout: the JSON
     if settings["output"]:   # before printing: a closed pipe on stdout must not cost the results
         try:
             write_json(settings["output"], report)
         except UsageError as e:   # the report is still shown; a partial file stays for --resume
             print_report(report, shown)
-            kept = not (settings.get("merge") or settings.get("output_streamed"))
-            fail(f"{e}" + (f"; the finished prompts stay in {partial_path(settings)}: once --output can be written, "
-                           "the same command with --resume writes the report" if kept else ""))
+            fail(f"{e}" + ("" if settings.get("merge") or settings.get("output_streamed") else
+                           f"; the finished prompts stay in {partial_path(settings)}: once --output can be written, "
+                           "the same command with --resume writes the report"))
         if not report.get("interrupted") and not settings.get("merge"):
             remove_partial(settings)
     print_report(report, shown)
@@ -5098,9 +5028,12 @@ def main(argv=None):
         if int(os.environ.get("RANK", "0")) == 0:   # under torchrun every rank stops; one says why
             print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:   # outside the prompts' loop, which reports what it finished itself
+    except KeyboardInterrupt:   # outside the prompts' loop (starting, loading, the report), which reports itself
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"interrupted: {interrupted_outside(settings)}", file=sys.stderr)
+            path = settings and settings.get("output") and "ranks" in settings and partial_path(settings)
+            held = path and not settings["output_streamed"] and partial_held(path)
+            print("interrupted: " + (f"{path} keeps {held}: run the same command with --resume to go on" if held else
+                                     "nothing was finished yet, nothing to keep"), file=sys.stderr)
         return 130
     except BrokenPipeError:   # the report piped into `head`: what was read is what was wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
