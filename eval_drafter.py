@@ -4700,7 +4700,9 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
             "extract on a GPU")
     with timed("load_s"):
         model, tokenizer = load_target(settings)
-    log(settings, f"target loaded on {settings['device']} ({settings['dtype']}), {torch.get_num_threads()} CPU threads")
+    threads = torch.get_num_threads()
+    log(settings, f"target loaded on {settings['device']} ({settings['dtype']}), {threads} CPU "
+                  f"thread{'s' * (threads > 1)}")
     limit = target_cfg.max_position_embeddings
     stops = set() if settings["ignore_eos"] else eos_ids(model, tokenizer)
     speculative = settings["reference_generation"] == "speculative"

@@ -76,7 +76,7 @@ def test_numbers_do_not_depend_on_threads(tmp_path, capsys):
         for threads in (1, 2):
             out = tmp_path / f"t{threads}.json"
             assert ed.main([*DEMO, "--threads", str(threads), "--output", str(out)]) == 0
-            assert f"{threads} CPU threads" in capsys.readouterr().err
+            assert f"{threads} CPU thread{'s' * (threads > 1)}\n" in capsys.readouterr().err
             reports.append(json.loads(out.read_text()))
     finally:
         torch.set_num_threads(1)   # as conftest set it
