@@ -358,6 +358,92 @@ def target_hash(path, version=3):
     return digest.hexdigest()
 
 
+def gguf_file(path):
+    """The GGUF file a --target names: the file itself, or the one .gguf of a directory that has no config.json."""
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return path
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        found = sorted(name for name in os.listdir(path) if name.endswith(".gguf"))
+        if len(found) > 1:
+            fail(f"--target {path} holds {len(found)} GGUF files ({', '.join(found[:4])}): name the one to use")
+        return os.path.join(path, found[0]) if found else None
+    return None
+
+
+def gguf_facts(path):
+    """What the GGUF file says of itself: its quantization (the commonest tensor type) and special tokens."""
+    import gguf
+    reader = gguf.GGUFReader(path)
+    types = [t.tensor_type.name for t in reader.tensors]
+    quantized = [t for t in types if t not in ("F32", "F16", "BF16")] or types
+
+    def field(key):
+        f = reader.fields.get(key)
+        return int(f.parts[f.data[0]][0]) if f is not None and f.data else None
+    return {"file": os.path.abspath(path), "bytes": os.path.getsize(path), "sha256": file_hash(path),
+            "type": max(set(quantized), key=quantized.count),
+            **{name: field(f"tokenizer.ggml.{key}") for name, key in (("bos_token_id", "bos_token_id"),
+                                                                      ("eos_token_id", "eos_token_id"),
+                                                                      ("pad_token_id", "padding_token_id"))}}
+
+
+def gguf_target(path, settings_quiet):
+    """A GGUF target as a transformers directory, made once beside the file (<file>.hf; in ~/.cache/eval_drafter when
+    that directory is read-only): transformers' own GGUF loader dequantizes it to float32; bos, eos and pad come from
+    the GGUF's metadata (transformers' converter has taken eos from the bos id). The config records the file's
+    sha256, so the target hash covers the file. Returns (the directory, the GGUF facts)."""
+    import importlib.util
+    out = path + ".hf"
+    if not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+        home = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
+        out = os.path.join(home, "eval_drafter", os.path.basename(path) + ".hf")
+    stamp = os.path.join(out, "gguf.json")
+    if os.path.isfile(stamp):
+        facts = read_json(stamp)
+        if facts.get("bytes") == os.path.getsize(path) and facts.get("mtime") == os.path.getmtime(path):
+            return out, facts
+    for package in ("gguf", "accelerate"):
+        if importlib.util.find_spec(package) is None:
+            fail(f"--target {path} is a GGUF file, which transformers reads with the {package} package: "
+                 f"pip install gguf accelerate")
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    facts = {**gguf_facts(path), "mtime": os.path.getmtime(path)}
+    if not settings_quiet:
+        print(f"note: converting {path} (GGUF {facts['type']}) once to a transformers directory, {out}",
+              file=sys.stderr)
+    where, name = os.path.split(os.path.abspath(path))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
+    except Exception as e:  # noqa: BLE001 - an architecture transformers' GGUF loader lacks, a damaged file
+        fail(f"transformers cannot read the GGUF file {path}: {str(e).splitlines()[0]}")
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if facts[key] is not None:
+            setattr(model.config, key, facts[key])
+            setattr(model.generation_config, key, facts[key])
+            setattr(tokenizer, key.removesuffix("_id"), tokenizer.convert_ids_to_tokens(facts[key]))
+    tmp = f"{out}.tmp{os.getpid()}"
+    try:
+        os.makedirs(tmp, exist_ok=True)
+    except OSError as e:
+        fail(f"cannot write the converted GGUF target to {tmp} ({e.strerror or e}): make its directory writable")
+    model.config.gguf = {k: facts[k] for k in ("file", "sha256", "type")}
+    model.config.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    tied = model.config.tie_word_embeddings
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")},
+              os.path.join(tmp, "model.safetensors"))
+    tokenizer.save_pretrained(tmp)
+    with open(os.path.join(tmp, "gguf.json"), "w", encoding="utf-8") as f:
+        json.dump(facts, f, indent=1)
+    if os.path.isdir(out):
+        import shutil
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out, facts
+
+
 def read_hidden_meta(path):
     from safetensors import safe_open
     if not os.path.isfile(path):
@@ -794,8 +880,11 @@ def resolve_settings(args):
         fail("--target is required (or run --demo for the bundled example)")
     if not args.ckpt and not args.mtp and not comparing:
         fail("--ckpt is required: give at least one drafter checkpoint (or --mtp for the target's own MTP layer)")
+    target_gguf = None
+    if args.target and gguf_file(args.target):
+        args.target, target_gguf = gguf_target(gguf_file(args.target), args.quiet)
     if args.target and not os.path.isdir(args.target):
-        fail(f"target directory not found: {args.target} (pass a local model directory to --target)")
+        fail(f"target directory not found: {args.target} (pass a local model directory or a GGUF file to --target)")
     if args.mtp:
         args.ckpt = [*args.ckpt, "mtp=" + args.target]
     if sum(map(bool, (args.save_hidden, args.load_hidden, args.compare_hidden))) > 1:
@@ -885,6 +974,7 @@ def resolve_settings(args):
                 "prompts_hash": file_hash(args.prompts) if args.prompts and not from_file else None,
                 "hidden_hashes": [hidden_hash(path) for path in args.load_hidden] if args.load_hidden else None,
                 "device": device, "dtype": dtype, "layers": layers, "threads": args.threads or default_threads(),
+                "target_gguf": target_gguf,
                 # what happened, once the tokenizer is read: applied / off (--no-chat-template) / none in the tokenizer
                 "chat_template": "off" if args.no_chat_template else None,
                 "ddtree_budgets": parse_budgets(args.ddtree_budgets), "depths": parse_depths(args.depths),
@@ -3950,6 +4040,8 @@ def make_report(config, facts, done, skipped, seconds, interrupted):
         for warning in d["warnings"]:
             print(f"warning: drafter {d['name']}: {warning}", file=sys.stderr)
     target = {"path": config["target"], "device": config["device"], "dtype": config["dtype"],
+              **({"gguf": {k: config["target_gguf"][k] for k in ("file", "type", "sha256")}}
+                 if config.get("target_gguf") else {}),
               **reference_fit(finished, sampling, "agreement")[0], "self_check": check}
     report = {"config": config, "target": target, "drafters": drafters,
               **({"comparison": side_by_side(drafters, results, finished)} if len(drafters) > 1 and done else {}),
@@ -4052,7 +4144,9 @@ def report_lines(report):
     config, target = report["config"], report["target"]
     cache, sampling = config.get("hidden_cache"), sampling_of(config)
     extracted = f"; features extracted in {cache['dtype']} on {cache['device']}" if cache else ""
-    yield f"target: {target['path']} ({target['device']}, {target['dtype']}{extracted}); {reference_line(target)}"
+    gguf = f"; dequantized from GGUF {target['gguf']['type']}, {target['gguf']['file']}" if target.get("gguf") else ""
+    yield (f"target: {target['path']} ({target['device']}, {target['dtype']}{extracted}{gguf}); "
+           f"{reference_line(target)}")
     if sampling:
         yield (f"sampled decoding at {describe_sampling(sampling)}, {config['draft_policy']} proposals: tau is the "
                "expected acceptance given each sampled reference, pooled, with a 95% interval over prompts")
