@@ -4496,6 +4496,14 @@ def output_claimed(settings):
                 os.remove(lock)
 
 
+def ctrl_c(error):
+    """Was this error a Ctrl-C? One that lands inside torch's vmap (transformers 4.x builds its attention masks
+    with it) comes out as an internal-assert RuntimeError raised while unwinding, the KeyboardInterrupt its context."""
+    while error is not None and not isinstance(error, KeyboardInterrupt):
+        error = error.__context__
+    return error is not None
+
+
 def is_main_thread():
     import threading
     return threading.current_thread() is threading.main_thread()
@@ -4946,7 +4954,9 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
                 records[record["item"]["index"]] = record
                 write_row(partial, record_json(record))
                 bar.update()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, RuntimeError) as e:
+        if not ctrl_c(e):
+            raise
         for path in part_files(saved["prefix"]) if saved and partial is None else []:
             os.remove(path)   # without a partial file there is no --resume to use them
         if not (records or made or references):   # still loading: no report of nothing (main says so in one line)
@@ -5124,7 +5134,9 @@ def main(argv=None):
         if int(os.environ.get("RANK", "0")) == 0:   # under torchrun every rank stops; one says why
             print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:   # outside the prompts' loop (starting, loading, the report), which reports itself
+    except (KeyboardInterrupt, RuntimeError) as e:   # outside the prompts' loop, which reports itself
+        if not ctrl_c(e):
+            raise
         if int(os.environ.get("RANK", "0")) == 0:
             path = settings and settings.get("output") and "ranks" in settings and partial_path(settings)
             held = path and not settings["output_streamed"] and partial_held(path)

@@ -144,3 +144,31 @@ def test_malformed_costs_file_is_one_line(tmp_path, capsys, costs):
 def test_compare_hidden_with_mtp_needs_the_target(tmp_path, capsys):
     refused_in_one_line(capsys, ["--compare-hidden", str(tmp_path / "a"), str(tmp_path / "b"), "--mtp"],
                         "--target is required")
+
+
+def test_ctrl_c_turned_into_a_torch_runtime_error_is_an_interruption(tmp_path, monkeypatch, capsys):
+    """A Ctrl-C inside torch's vmap (transformers 4.x's mask building) surfaces as an internal-assert RuntimeError
+    with the KeyboardInterrupt as its context: it is an interruption like any other (exit 130, the finished
+    prompts kept), not a traceback with exit 1."""
+    real, calls = ed.extract_hidden, []
+
+    def cut(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            try:
+                raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                raise RuntimeError("layerId == dynamic_layer.layerId() INTERNAL ASSERT FAILED")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ed, "extract_hidden", cut)
+    out = tmp_path / "out.json"
+    assert ed.main([*DEMO, "--output", str(out)]) == 130
+    assert "interrupted: reporting the 2 prompts finished so far" in capsys.readouterr().err
+    assert json.loads(out.read_text())["interrupted"]
+    monkeypatch.setattr(ed, "extract_hidden", real)
+    assert ed.main([*DEMO, "--output", str(out), "--resume"]) == 0
+
+
+def test_other_runtime_errors_are_not_taken_for_ctrl_c():
+    assert not ed.ctrl_c(RuntimeError("a real bug")) and ed.ctrl_c(KeyboardInterrupt())
