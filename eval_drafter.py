@@ -410,8 +410,7 @@ def gguf_target(path, settings_quiet):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     facts = {**gguf_facts(path), "mtime": os.path.getmtime(path)}
     if not settings_quiet:
-        print(f"note: converting {path} (GGUF {facts['type']}) once to a transformers directory, {out}",
-              file=sys.stderr)
+        say(f"note: converting {path} (GGUF {facts['type']}) once to a transformers directory, {out}")
     where, name = os.path.split(os.path.abspath(path))
     try:
         model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
@@ -435,8 +434,7 @@ def gguf_target(path, settings_quiet):
     save_file({k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")},
               os.path.join(tmp, "model.safetensors"))
     tokenizer.save_pretrained(tmp)
-    with open(os.path.join(tmp, "gguf.json"), "w", encoding="utf-8") as f:
-        json.dump(facts, f, indent=1)
+    write_json(os.path.join(tmp, "gguf.json"), facts)
     if os.path.isdir(out):
         import shutil
         shutil.rmtree(out)
@@ -880,9 +878,9 @@ def resolve_settings(args):
         fail("--target is required (or run --demo for the bundled example)")
     if not args.ckpt and not args.mtp and not comparing:
         fail("--ckpt is required: give at least one drafter checkpoint (or --mtp for the target's own MTP layer)")
-    target_gguf = None
-    if args.target and gguf_file(args.target):
-        args.target, target_gguf = gguf_target(gguf_file(args.target), args.quiet)
+    target_gguf = gguf_file(args.target) if args.target else None
+    if target_gguf:
+        args.target, target_gguf = gguf_target(target_gguf, args.quiet)
     if args.target and not os.path.isdir(args.target):
         fail(f"target directory not found: {args.target} (pass a local model directory or a GGUF file to --target)")
     if args.mtp:
