@@ -245,16 +245,6 @@ def index_weight_map(path):
     return weight_map
 
 
-def load_safetensors(path):
-    from safetensors.torch import load_file
-    if not os.path.isfile(path):
-        fail(f"{path} is missing: the checkpoint's index names it")
-    try:
-        return load_file(path)
-    except Exception as e:  # noqa: BLE001 - SafetensorError and OSError: the file is damaged either way
-        fail(f"{path} is not a readable safetensors file ({str(e).splitlines()[0]})")
-
-
 def write_safetensors(path, tensors, metadata=None):
     """Written under a temporary name and renamed: a file of this name is always whole; a failed write is one error."""
     from safetensors import SafetensorError
@@ -270,15 +260,22 @@ def write_safetensors(path, tensors, metadata=None):
             os.remove(tmp)
 
 
-def open_safetensors(path, device="cpu"):
-    """safe_open of a target's file; one cut short (an interrupted download) or damaged is refused naming it."""
+def open_safetensors(path, device="cpu", whole=False):
+    """safe_open of a target's file (whole: a drafter's, every tensor read); one cut short (an interrupted download)
+    or damaged is refused naming it."""
     from safetensors import safe_open
+    from safetensors.torch import load_file
     if not os.path.isfile(path):
         fail(f"{path} is missing: the checkpoint's index names it")
     try:
-        return safe_open(path, "pt", device=device)
+        return load_file(path) if whole else safe_open(path, "pt", device=device)
     except Exception as e:  # noqa: BLE001 - SafetensorError and OSError: the file is damaged either way
-        fail(f"{path} is not a readable safetensors file ({str(e).splitlines()[0]}): download it again")
+        fail(f"{path} is not a readable safetensors file ({str(e).splitlines()[0]})" +
+             ("" if whole else ": download it again"))
+
+
+def load_safetensors(path):
+    return open_safetensors(path, whole=True)
 
 
 def target_tensor_files(path):
@@ -370,28 +367,9 @@ def gguf_file(path):
     return None
 
 
-def gguf_facts(path):
-    """What the GGUF file says of itself: its quantization (the commonest tensor type) and special tokens."""
-    import gguf
-    reader = gguf.GGUFReader(path)
-    types = [t.tensor_type.name for t in reader.tensors]
-    quantized = [t for t in types if t not in ("F32", "F16", "BF16")] or types
-
-    def field(key):
-        f = reader.fields.get(key)
-        return int(f.parts[f.data[0]][0]) if f is not None and f.data else None
-    return {"file": os.path.abspath(path), "bytes": os.path.getsize(path), "sha256": file_hash(path),
-            "type": max(set(quantized), key=quantized.count),
-            **{name: field(f"tokenizer.ggml.{key}") for name, key in (("bos_token_id", "bos_token_id"),
-                                                                      ("eos_token_id", "eos_token_id"),
-                                                                      ("pad_token_id", "padding_token_id"))}}
-
-
 def gguf_target(path, settings_quiet):
-    """A GGUF target as a transformers directory, made once beside the file (<file>.hf; in ~/.cache/eval_drafter when
-    that directory is read-only): transformers' own GGUF loader dequantizes it to float32; bos, eos and pad come from
-    the GGUF's metadata (transformers' converter has taken eos from the bos id). The config records the file's
-    sha256, so the target hash covers the file. Returns (the directory, the GGUF facts)."""
+    """A GGUF target as a transformers directory, made once (README, "GGUF targets"): bos, eos and pad from the GGUF's
+    metadata (transformers' converter takes eos from the bos id). Returns (the directory, the GGUF facts)."""
     import importlib.util
     out = path + ".hf"
     if not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
@@ -408,7 +386,18 @@ def gguf_target(path, settings_quiet):
                  f"pip install gguf accelerate")
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    facts = {**gguf_facts(path), "mtime": os.path.getmtime(path)}
+    import gguf
+    reader = gguf.GGUFReader(path)   # what the file says of itself: its quantization (commonest type), special tokens
+    types = [t.tensor_type.name for t in reader.tensors]
+    quantized = [t for t in types if t not in ("F32", "F16", "BF16")] or types
+
+    def field(key):
+        f = reader.fields.get(key)
+        return int(f.parts[f.data[0]][0]) if f is not None and f.data else None
+    special = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "padding_token_id"}
+    facts = {"file": os.path.abspath(path), "bytes": os.path.getsize(path), "sha256": file_hash(path),
+             "type": max(set(quantized), key=quantized.count),
+             **{key: field(f"tokenizer.ggml.{name}") for key, name in special.items()}, "mtime": os.path.getmtime(path)}
     if not settings_quiet:
         say(f"note: converting {path} (GGUF {facts['type']}) once to a transformers directory, {out}")
     where, name = os.path.split(os.path.abspath(path))
@@ -417,7 +406,7 @@ def gguf_target(path, settings_quiet):
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
     except Exception as e:  # noqa: BLE001 - an architecture transformers' GGUF loader lacks, a damaged file
         fail(f"transformers cannot read the GGUF file {path}: {str(e).splitlines()[0]}")
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+    for key in special:
         if facts[key] is not None:
             setattr(model.config, key, facts[key])
             setattr(model.generation_config, key, facts[key])
@@ -427,7 +416,7 @@ def gguf_target(path, settings_quiet):
         os.makedirs(tmp, exist_ok=True)
     except OSError as e:
         fail(f"cannot write the converted GGUF target to {tmp} ({e.strerror or e}): make its directory writable")
-    model.config.gguf = {k: facts[k] for k in ("file", "sha256", "type")}
+    model.config.gguf = {k: facts[k] for k in ("file", "sha256", "type")}   # so the target hash covers the file
     model.config.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
     tied = model.config.tie_word_embeddings
@@ -4303,8 +4292,7 @@ def collect(rows, facts):
 
 def partial_path(settings):
     """<output>.partial.jsonl; under torchrun one per rank: <output>.partial.rank<R>.jsonl."""
-    return settings["output"] + (f".partial.rank{settings['rank']}.jsonl" if settings["ranks"] > 1
-                                 else ".partial.jsonl")
+    return settings["output"] + (f".partial.rank{settings['rank']}" if settings["ranks"] > 1 else ".partial") + ".jsonl"
 
 
 def remove_partial(settings):
@@ -4605,11 +4593,9 @@ SAVE_SHARD_BYTES = 2 << 30  # a cache up to this size is one file; past it each 
 
 def hidden_path(settings):
     """The --save-hidden file; under torchrun each rank writes its own, <name>.rank<R>-of-<N>.safetensors."""
-    path = settings["save_hidden"]
-    if settings["ranks"] < 2:
-        return path
-    stem, ext = os.path.splitext(path)
-    return f"{stem}.rank{settings['rank']}-of-{settings['ranks']}{ext or '.safetensors'}"
+    stem, ext = os.path.splitext(settings["save_hidden"])
+    return settings["save_hidden"] if settings["ranks"] < 2 else \
+        f"{stem}.rank{settings['rank']}-of-{settings['ranks']}{ext or '.safetensors'}"
 
 
 def part_files(prefix):
