@@ -379,9 +379,12 @@ def gguf_target(path, settings_quiet):
         home = os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
         out = os.path.join(home, "eval_drafter", os.path.basename(path) + ".hf")
     stamp = os.path.join(out, "gguf.json")
+    import transformers   # a directory one major version wrote, the other cannot read (its tokenizer class)
+    major = transformers.__version__.split(".")[0]
     if os.path.isfile(stamp):
         facts = read_json(stamp)
-        if facts.get("bytes") == os.path.getsize(path) and facts.get("mtime") == os.path.getmtime(path):
+        if facts.get("bytes") == os.path.getsize(path) and facts.get("mtime") == os.path.getmtime(path) and \
+                facts.get("transformers_major") == major:
             return out, facts
     for package in ("gguf", "accelerate"):
         if importlib.util.find_spec(package) is None:
@@ -400,7 +403,8 @@ def gguf_target(path, settings_quiet):
     special = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "padding_token_id"}
     facts = {"file": os.path.abspath(path), "bytes": os.path.getsize(path), "sha256": file_hash(path),
              "type": max(set(quantized), key=quantized.count),
-             **{key: field(f"tokenizer.ggml.{name}") for key, name in special.items()}, "mtime": os.path.getmtime(path)}
+             **{key: field(f"tokenizer.ggml.{name}") for key, name in special.items()}, "mtime": os.path.getmtime(path),
+             "transformers_major": major}
     if not settings_quiet:
         say(f"note: converting {path} (GGUF {facts['type']}) once to a transformers directory, {out}")
     where, name = os.path.split(os.path.abspath(path))

@@ -72,3 +72,20 @@ def test_without_the_gguf_package_one_line(smol, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name, *a))
     refused_in_one_line(capsys, ["--target", path, "--ckpt", smol["drafter"], "--prompts", smol["prompts"]],
                         "pip install gguf accelerate")
+
+
+@needs_gguf
+def test_a_directory_another_transformers_major_wrote_is_converted_again(smol, capsys):
+    """transformers 5.x saves a tokenizer class 4.x cannot import (and the other way round): a converted directory
+    is reused only under the major version that wrote it."""
+    import transformers
+    stamp = os.path.join(smol["dir"], "gguf.json")
+    facts = json.load(open(stamp))
+    assert facts["transformers_major"] == transformers.__version__.split(".")[0]
+    assert ed.gguf_target(smol["gguf"], False) == (smol["dir"], facts) and "converting" not in capsys.readouterr().err
+    json.dump({**facts, "transformers_major": "3"}, open(stamp, "w"))
+    directory, again = ed.gguf_target(smol["gguf"], False)
+    assert directory == smol["dir"] and "converting" in capsys.readouterr().err
+    assert again["transformers_major"] == facts["transformers_major"] and again["sha256"] == facts["sha256"]
+    from transformers import AutoTokenizer
+    assert AutoTokenizer.from_pretrained(directory).eos_token == "<|im_end|>"
