@@ -9,6 +9,10 @@ DFlash drafter trained on that target's greedy output. Deterministic; about two 
                                                         # on) drafters for the demo target, one layer each
     python tests/make_demo.py --mtp [TARGET_DIR]        # a trained MTP layer written into the hybrid demo
                                                         # target's checkpoint (mtp.*), as Qwen3.5 ships one
+    python tests/make_demo.py --real [OUT_DIR]          # the real pair's drafter (tests/fixtures/real_drafter) for
+                                                        # SmolLM2-135M-Instruct (tests/fetch_real.py): ~21 min of
+                                                        # replies with their features (cached), ~19 min training,
+                                                        # one thread of a busy 2-core box
 
 The language: 60 words. Most words are followed by a fixed successor (a permutation); a quarter of them
 ("twist" words) are followed by a word chosen by a table over (previous word, current word). Training text
@@ -141,10 +145,10 @@ def sample_text(lang, rng, length, noise):
     return words
 
 
-def optimize(params, steps, loss_of, what):
+def optimize(params, steps, loss_of, what, lr=3e-3):
     """AdamW under a one-cycle schedule, as every demo model is trained: loss_of(step) gives the step's loss."""
-    opt = torch.optim.AdamW(params, lr=3e-3, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     for step in range(steps):
         loss = loss_of(step)
         opt.zero_grad()
@@ -481,9 +485,405 @@ def main(out=None, hybrid=False, from_anchor=False):
     print(f"wrote {out}")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The real pair (--real): SmolLM2-135M-Instruct (the Q4_1 GGUF tests/fetch_real.py takes out of the wheel) and a
+# DFlash drafter trained here on the target's own greedy chat replies to templated instruction prompts (code in many
+# languages, classes, shell, SQL; arithmetic, algebra, calculus; explanations, history; lists, advice, bullet
+# summaries; rewrites, emails, letters, essays; a quarter with a system prompt). The drafter starts from the target's
+# last two layers (warm_drafter_weights): at this compute that trains far better than a random start.
+
+REAL_GGUF = os.path.join(FIXTURES, "real", "SmolLM2-135M-Instruct.Q4_1.gguf")
+REAL_DRAFTER = os.path.join(FIXTURES, "real_drafter")
+REAL_CACHE = os.path.join(FIXTURES, "real", "drafter_data.pt")   # git-ignored: the replies and their features
+REAL_MASK_ID = 16        # <empty_output>: a StarCoder special of SmolLM2's vocab that chat text never holds
+REAL_BLOCK = 8
+
+REAL_SLOTS = {
+    "lang": ["Python", "JavaScript", "Go", "C", "Java", "TypeScript", "Rust", "C++", "Ruby", "C#", "Kotlin", "PHP"],
+    "code_task": ["reverses a string", "checks whether a number is prime", "counts the vowels in a sentence",
+                  "returns the largest element of a list", "computes the factorial of n", "sums the digits of an integer",
+                  "removes duplicates from a list while keeping the order", "checks whether a word is a palindrome",
+                  "computes the nth Fibonacci number", "converts Celsius to Fahrenheit", "finds the average of a list of numbers",
+                  "sorts a list of words by length", "counts how often each word appears in a text",
+                  "returns the second smallest number in a list", "checks whether two strings are anagrams",
+                  "flattens a nested list", "performs binary search on a sorted array", "merges two sorted arrays",
+                  "rotates a matrix by 90 degrees", "finds the longest common prefix of a list of strings",
+                  "validates an email address with a regular expression", "converts a Roman numeral to an integer",
+                  "computes the greatest common divisor of two numbers", "checks whether parentheses are balanced",
+                  "splits a list into chunks of size k", "finds all pairs in an array that sum to a target",
+                  "reads a CSV file and prints the sum of one column", "capitalizes the first letter of every word",
+                  "computes the running total of a list", "returns the k most frequent elements",
+                  "converts a decimal number to binary", "checks whether a year is a leap year",
+                  "finds the longest word in a sentence", "computes the dot product of two vectors",
+                  "groups a list of people by age", "transposes a matrix", "generates all permutations of a string",
+                  "counts the lines in a text file", "implements bubble sort", "implements quicksort",
+                  "removes all whitespace from a string", "finds the missing number in a list from 1 to n",
+                  "computes the median of a list", "parses a date string and prints the weekday",
+                  "retries an HTTP request up to three times", "checks whether a linked list has a cycle"],
+    "structure": ["a stack", "a queue", "a singly linked list", "a binary search tree", "a min-heap", "a hash map",
+                  "a bank account with deposit and withdraw", "a to-do list", "a simple inventory", "a matrix with addition",
+                  "a 2D point with a distance method", "a rectangle with area and perimeter", "a shopping cart",
+                  "a counter that can be reset", "a circular buffer", "a trie for word lookup", "a graph with BFS",
+                  "a student record with grades", "a timer", "a deck of cards with shuffle"],
+    "shell_task": ["counts the files in the current directory", "renames all .txt files to .md",
+                   "prints the disk usage of each subdirectory", "backs up a folder into a dated tar.gz archive",
+                   "finds every line containing ERROR in a log file", "prints the 5 most common words in a file",
+                   "checks whether a website is reachable", "deletes files older than 30 days in /tmp/cache",
+                   "prints the current memory usage", "loops over all .csv files and prints their line counts",
+                   "creates a directory for each month of the year", "replaces a word in every file of a folder",
+                   "shows which process listens on port 8080", "prints the total size of all .log files"],
+    "sql_task": ["lists all employees who earn more than their manager", "counts the orders per month in 2024",
+                 "finds the three best-selling products", "returns customers who never placed an order",
+                 "computes the average salary per department", "finds duplicate email addresses in a users table",
+                 "lists students with their average grade, highest first", "deletes rows older than one year from a logs table",
+                 "joins the orders and customers tables and shows each customer's city",
+                 "returns the second highest salary", "counts the active users per country",
+                 "finds products whose price is above the average price", "lists the latest order of every customer",
+                 "computes the total revenue per product category"],
+    "concept": ["recursion", "a closure", "a REST API", "Big O notation", "object-oriented programming", "a hash table",
+                "garbage collection", "a race condition", "version control with Git", "unit testing", "an API key",
+                "dynamic programming", "a database index", "the difference between a list and a tuple in Python",
+                "async and await", "a pointer in C", "the difference between SQL and NoSQL databases", "a compiler",
+                "an interpreter", "caching", "Docker containers", "a binary tree", "immutable data", "dependency injection",
+                "the difference between TCP and UDP", "exceptions and error handling", "regular expressions",
+                "the difference between == and === in JavaScript", "ownership in Rust", "goroutines in Go"],
+    "name": ["Anna", "Ben", "Carlos", "Dana", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jack", "Lena", "Maya", "Omar",
+             "Priya", "Sam", "Tom", "Yuki", "Zoe", "Luis", "Nora"],
+    "item": ["apples", "pencils", "stickers", "marbles", "cookies", "books", "stamps", "cards", "oranges", "shells",
+             "tickets", "balloons", "cupcakes", "coins"],
+    "func": ["x^2 + 3x", "sin(x) * cos(x)", "e^(2x)", "ln(x^2 + 1)", "x * e^x", "(x + 1)^4", "sqrt(x) + 1/x",
+             "x^4 - 2x^2 + 7", "cos(3x)", "x^2 * ln(x)", "tan(x)", "1 / (1 + x^2)", "5x^3 - x", "e^x * cos(x)"],
+    "equation": ["3x + 7 = 22", "2x - 5 = 11", "x^2 - 5x + 6 = 0", "4(x - 2) = 20", "x/3 + 4 = 10",
+                 "x^2 - 9 = 0", "5x + 3 = 2x + 18", "2x^2 + 3x - 2 = 0", "7 - 2x = 1", "x^2 + 4x + 4 = 0"],
+    "topic": ["photosynthesis", "the water cycle", "how vaccines work", "gravity", "inflation", "how a rainbow forms",
+              "the greenhouse effect", "how the heart pumps blood", "supply and demand", "how batteries store energy",
+              "why the sky is blue", "plate tectonics", "how the internet sends data", "compound interest",
+              "how airplanes fly", "the seasons on Earth", "how muscles grow", "recycling", "electricity", "volcanoes",
+              "black holes", "DNA and genes", "the immune system", "climate change", "how a bill becomes a law",
+              "the scientific method", "how solar panels work", "evolution by natural selection", "the stock market",
+              "how the brain stores memories", "earthquakes", "the moon's phases", "how GPS works", "antibiotics",
+              "how a refrigerator keeps food cold", "the nitrogen cycle", "how encryption protects data",
+              "machine learning", "how tides work", "the speed of light"],
+    "event": ["the fall of the Roman Empire", "the Industrial Revolution", "the American Revolution", "World War I",
+              "the Renaissance", "the invention of the printing press", "the Cold War", "the moon landing in 1969",
+              "the building of the pyramids", "the Black Death", "the fall of the Berlin Wall", "the age of exploration",
+              "the abolition of slavery", "the rise of the Mongol Empire", "the Great Depression", "the Meiji Restoration"],
+    "audience": ["a ten-year-old", "a high school student", "a beginner", "my grandmother", "a busy manager",
+                 "a new employee", "a college student"],
+    "things": ["healthy breakfast ideas", "ways to save money", "tips for studying", "hobbies to try at home",
+               "fruits that are high in vitamin C", "ways to reduce stress", "board games for families",
+               "reasons to learn a second language", "things to pack for a camping trip", "habits of good writers",
+               "ways to stay focused at work", "indoor plants that are easy to care for", "benefits of walking every day",
+               "famous inventions of the 20th century", "tips for a job interview", "ways to be kind to neighbors",
+               "ways to improve your writing", "tips for learning to code", "ideas for a rainy day",
+               "ways to make a small apartment feel bigger", "tips for public speaking", "ways to drink more water",
+               "good habits for a morning routine", "tips for running your first 5K", "ways to keep a team motivated",
+               "tips for traveling on a budget", "ways to protect your privacy online", "tips for cooking rice",
+               "reasons to read more books", "ways to reduce plastic waste"],
+    "goal": ["save money on groceries", "learn a new language", "get more exercise", "sleep less on the weekend",
+             "write a novel", "start running", "keep my desk organized", "spend less time on my phone",
+             "prepare for a math exam", "make new friends in a new city", "eat more vegetables",
+             "get better at chess", "learn to play the guitar", "manage my time at university"],
+    "sentence": ["The meeting was moved because many people could not come on Monday.",
+                 "Our team finished the project early and the client was very happy with the result.",
+                 "I think we should buy a new printer because the old one breaks all the time.",
+                 "The weather was bad, so the school trip to the museum was cancelled.",
+                 "She practiced the piano every day and finally won the competition.",
+                 "The new cafe on Main Street serves great coffee but the prices are high.",
+                 "Please remember to turn off the lights when you leave the office.",
+                 "The city plans to build more bike lanes to reduce traffic.",
+                 "He forgot his keys at home and had to wait outside for an hour.",
+                 "Our website was slow last week because of a problem with the server.",
+                 "The library will close early on Friday for a staff training.",
+                 "We need more volunteers for the charity run next month.",
+                 "The report is late because the data arrived two days after the deadline.",
+                 "My brother started a small business selling handmade candles."],
+    "style": ["more formal", "simpler", "more friendly", "shorter", "more polite", "more exciting", "more professional"],
+    "email_about": ["asking for a day off next Monday", "thanking a client for a successful project",
+                    "inviting the team to a farewell lunch", "following up on an unpaid invoice",
+                    "apologizing for a late delivery", "asking a professor for an extension on an essay",
+                    "introducing yourself to a new team", "requesting a refund for a broken blender",
+                    "announcing a change in office hours", "asking a neighbor to keep the noise down",
+                    "confirming an interview on Wednesday at 10 am", "declining a job offer politely",
+                    "asking a landlord to fix the heating", "reminding the team about the quarterly report"],
+    "recipient": ["my manager", "a colleague", "a customer", "my landlord", "a teacher", "the hiring team", "a friend"],
+    "letter": ["a cover letter for a junior web developer job", "a thank-you note to a teacher",
+               "a letter of complaint to an airline about lost luggage", "a short speech for a friend's wedding",
+               "a product description for a reusable water bottle", "a short story about a lost dog finding its way home",
+               "a poem about autumn", "a motivational message for a sports team", "a short blog post about working from home",
+               "an announcement for a school science fair", "a review of a restaurant you liked",
+               "a LinkedIn post about finishing an online course"],
+    "subject": ["the benefits of regular exercise", "the history of the internet", "how remote work changed offices",
+                "the pros and cons of electric cars", "why bees matter", "the causes of World War I",
+                "the life of Marie Curie", "the main ideas of stoicism", "how social media affects teenagers",
+                "the importance of sleep", "the Apollo program", "the causes of the Great Depression",
+                "renewable energy", "the benefits of reading", "the rise of smartphones"],
+    "system": ["You are a helpful assistant.", "You are a concise assistant. Answer clearly.",
+               "You are an expert programmer who writes clean, well-commented code.",
+               "You are a friendly teacher who explains things simply."],
+}
+
+REAL_TEMPLATES = [   # (category, template); {slot} names a REAL_SLOTS list, numbers are drawn
+    ("code", "Write a {lang} function that {code_task}."),
+    ("code", "Show me how to write a function in {lang} that {code_task}, and explain how it works."),
+    ("code", "Can you give me a short {lang} program that {code_task}?"),
+    ("code", "Write a function that {code_task}. Use {lang} and add comments."),
+    ("code", "Write a {lang} function that {code_task}, with a docstring and an example of its use."),
+    ("code", "Implement {structure} in {lang}."),
+    ("code", "Write a {lang} class for {structure}, with its main methods."),
+    ("code", "Show a {lang} implementation of {structure} and explain each method."),
+    ("code", "Write a Bash script that {shell_task}."),
+    ("code", "Give me a shell one-liner that {shell_task}, and explain it."),
+    ("code", "Write a SQL query that {sql_task}."),
+    ("code", "Write a SQL query that {sql_task}, and explain how it works."),
+    ("code", "Explain {concept} with a short {lang} example."),
+    ("code", "What is {concept}? Show an example in {lang}."),
+    ("code", "Write unit tests in {lang} for a function that {code_task}."),
+    ("code", "Here is my task: a program that {code_task}. Write it in {lang} and handle invalid input."),
+    ("math", "{name} has {a} {item}. {name2} gives {name} {b} more. How many {item} does {name} have now?"),
+    ("math", "{name} had {c} {item} and gave {b} of them away. How many are left?"),
+    ("math", "A box holds {a} {item}. How many {item} are in {b} boxes?"),
+    ("math", "{name} buys {a} {item} for {b} dollars each. How much does {name} pay in total? Show your work."),
+    ("math", "There are {c} {item} shared equally among {d} friends. How many does each friend get, and how many are left over?"),
+    ("math", "What is {a} times {b}? Explain how you got the answer."),
+    ("math", "Solve for x: {equation}. Show each step."),
+    ("math", "Find the derivative of f(x) = {func}. Show the steps."),
+    ("math", "What is the derivative of {func}? Explain which rules you use."),
+    ("math", "Compute the integral of {func} with respect to x, step by step."),
+    ("math", "A train travels {c} km in {d} hours. What is its average speed? Explain."),
+    ("math", "A shirt costs {c} dollars and is on sale for {b} percent off. What is the sale price? Show your work."),
+    ("math", "What is {b} percent of {c}? Explain the calculation."),
+    ("math", "The sides of a rectangle are {a} cm and {b} cm. Find its area and perimeter."),
+    ("explain", "Explain {topic} to {audience}."),
+    ("explain", "What is {topic}? Give a short explanation."),
+    ("explain", "Can you describe {topic} in simple words?"),
+    ("explain", "Why is {topic} important? Explain it for {audience}."),
+    ("explain", "Write a short paragraph about {topic}."),
+    ("explain", "Explain {topic} step by step, with an example."),
+    ("explain", "What caused {event}, and what were its effects?"),
+    ("explain", "Give a short history of {event}."),
+    ("explain", "Explain the importance of {event} to {audience}."),
+    ("explain", "What is the difference between {topic} and {topic2}?"),
+    ("explain", "How would you explain {concept} to {audience}?"),
+    ("list", "List {n} {things}."),
+    ("list", "Give me {n} {things}, with one sentence about each."),
+    ("list", "What are some {things}? Please write a numbered list."),
+    ("list", "Make a bullet list of {n} {things}."),
+    ("list", "Give me {n} tips to {goal}, and explain why each one works."),
+    ("list", "I want to {goal}. What should I do? Give advice with reasons."),
+    ("list", "Summarize {subject} in {n} bullet points."),
+    ("list", "What are the pros and cons of {topic}? Use bullet points."),
+    ("list", "Summarize the main points of {event} in {n} bullet points."),
+    ("rewrite", "Rewrite this sentence to be {style}: {sentence}"),
+    ("rewrite", "Make the following text {style}: \"{sentence}\""),
+    ("rewrite", "Fix the grammar and make it {style}: {sentence}"),
+    ("rewrite", "Summarize in a few words: {sentence}"),
+    ("rewrite", "Translate this into French: {sentence}"),
+    ("rewrite", "Write a short email to {recipient} {email_about}."),
+    ("rewrite", "Write a polite, professional email {email_about}."),
+    ("rewrite", "Draft a friendly email to {recipient} {email_about}. Keep it under 150 words."),
+    ("rewrite", "Write {letter}."),
+    ("rewrite", "Write a short essay about {subject}."),
+    ("rewrite", "Write an introduction paragraph for an article about {subject}."),
+]
+
+
+def real_prompts(n, seed=0):
+    """n distinct instruction prompts, deterministic: templates drawn in turn, slots drawn; every fourth or so
+    carries a system prompt (the chat template's default one otherwise)."""
+    rng, seen, rows = random.Random(seed), set(), []
+    while len(rows) < n:
+        category, template = REAL_TEMPLATES[rng.randrange(len(REAL_TEMPLATES))]
+        fill = {k: rng.choice(v) for k, v in REAL_SLOTS.items()}
+        fill["name2"] = rng.choice([x for x in REAL_SLOTS["name"] if x != fill["name"]])
+        fill["topic2"] = rng.choice([x for x in REAL_SLOTS["topic"] if x != fill["topic"]])
+        fill.update(a=rng.randrange(2, 30), b=rng.randrange(2, 15), c=rng.randrange(30, 120), d=rng.randrange(2, 9),
+                    n=rng.randrange(3, 8))
+        text = template.format(**fill)
+        system = fill["system"] if rng.random() < 0.25 else None
+        if text not in seen:
+            seen.add(text)
+            rows.append({"category": category, "prompt": text, **({"system": system} if system else {})})
+    return rows
+
+
+def real_target():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path, _ = ed.gguf_target(REAL_GGUF, True)
+    return (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path))
+
+
+def real_chat(tokenizer, p):
+    """A prompt row's chat-template ids (its system prompt, if any, then the user turn)."""
+    messages = ([{"role": "system", "content": p["system"]}] if p.get("system") else []) + \
+        [{"role": "user", "content": p["prompt"]}]
+    return tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"]
+
+
+@torch.inference_mode()
+def real_replies(target, tokenizer, prompts, max_new_tokens, layer_ids, batch=64):
+    """The target's greedy replies through its chat template, batched (left padding), each up to and with <|im_end|>,
+    with the features of `layer_ids` the generation computes anyway: [(prompt ids, reply ids, features (T, k * H)
+    bfloat16)], a row per prompt + reply token but the last (zeros: no draft ever reads it as context)."""
+    eos = target.config.eos_token_id
+    encoded = [real_chat(tokenizer, p) for p in prompts]
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))   # like lengths batched: less padding
+    out = [None] * len(encoded)
+    for lo in range(0, len(order), batch):
+        chunk = order[lo:lo + batch]
+        width = max(len(encoded[i]) for i in chunk)
+        ids = torch.tensor([[eos] * (width - len(encoded[i])) + encoded[i] for i in chunk])
+        mask = torch.tensor([[0] * (width - len(encoded[i])) + [1] * len(encoded[i]) for i in chunk])
+        gen = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                              eos_token_id=eos, pad_token_id=eos, output_hidden_states=True,
+                              return_dict_in_generate=True)
+        # hidden_states[step][layer + 1]: decoder layer `layer`'s output; step 0 is the prompt's prefill
+        steps = [torch.cat([gen.hidden_states[s][L + 1] for L in layer_ids], -1) for s in range(len(gen.hidden_states))]
+        prefill, decoded = steps[0], torch.cat(steps[1:], 1) if len(steps) > 1 else steps[0][:, :0]
+        for row, i in enumerate(chunk):
+            g = gen.sequences[row, width:].tolist()
+            reply = g[:g.index(eos) + 1] if eos in g else g
+            feats = torch.cat([prefill[row, width - len(encoded[i]):], decoded[row, :len(reply) - 1],
+                               prefill.new_zeros(1, prefill.shape[-1])])
+            out[i] = (encoded[i], reply, feats.to(torch.bfloat16).clone())
+        print(f"real: {lo + len(chunk)}/{len(encoded)} replies", flush=True)
+    return out
+
+
+def real_data(target, tokenizer, layer_ids, n_prompts, max_new_tokens):
+    """[(ids, n_prompt, features (T, n_layers * H) bfloat16)], cached in REAL_CACHE (keyed by what made it)."""
+    key = {"n_prompts": n_prompts, "max_new_tokens": max_new_tokens, "layers": list(layer_ids),
+           "gguf_bytes": os.path.getsize(REAL_GGUF), "prompts": len(REAL_TEMPLATES), "from": "generate"}
+    if os.path.isfile(REAL_CACHE):
+        cached = torch.load(REAL_CACHE)
+        if cached["key"] == key:
+            print(f"real: {len(cached['data'])} replies and features from {REAL_CACHE}", flush=True)
+            return cached["data"]
+    import time
+    t0 = time.time()
+    replies = real_replies(target, tokenizer, real_prompts(n_prompts), max_new_tokens, layer_ids)
+    data = [(prompt + reply, len(prompt), feats) for prompt, reply, feats in replies if len(reply) >= REAL_BLOCK + 4]
+    print(f"real: generation and features {time.time() - t0:.0f} s, {len(data)} replies, "
+          f"{sum(len(d[0]) - d[1] for d in data)} reply tokens", flush=True)
+    torch.save({"key": key, "data": data}, REAL_CACHE)
+    return data
+
+
+def warm_drafter_weights(cfg, target, layer_ids, data, first_layer, seed=0):
+    """Drafter tensors started from the target's own last layers (the drafter's layer i from target layer
+    first_layer + i; an MLP narrower than the target's keeps its largest neurons): fc passes the last feature layer's
+    output, the input of target layer first_layer, through unchanged and hidden_norm is that layer's input norm, so
+    the first drafter layer's context keys and values are the target's own; q_norm / k_norm (the target has none)
+    are set to the heads' mean RMS on the replies, which keeps the attention logits' scale."""
+    w = random_drafter_weights(cfg, len(layer_ids), seed=seed, scale=0.02)
+    H, I, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    sd = {k: v.detach().float() for k, v in target.state_dict().items()}
+    fc = torch.zeros(H, len(layer_ids) * H)
+    fc[:, -H:] = torch.eye(H)
+    w["fc.weight"] = fc
+    w["hidden_norm.weight"] = sd[f"model.layers.{first_layer}.input_layernorm.weight"].clone()
+    w["norm.weight"] = sd["model.norm.weight"].clone()
+    sample = torch.cat([feats[:, -H:].float() for _, _, feats in data[:32]])
+    for i in range(cfg["num_hidden_layers"]):
+        t, p = f"model.layers.{first_layer + i}.", f"layers.{i}."
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            w[p + name + ".weight"] = sd[t + name + ".weight"].clone()
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            w[p + f"self_attn.{name}.weight"] = sd[t + f"self_attn.{name}.weight"].clone()
+        gate, up, down = (sd[t + f"mlp.{n}.weight"] for n in ("gate_proj", "up_proj", "down_proj"))
+        keep = torch.sort((gate.norm(dim=1) * up.norm(dim=1) * down.norm(dim=0)).topk(I).indices).values
+        w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"] = gate[keep].clone(), up[keep].clone()
+        w[p + "mlp.down_proj.weight"] = down[:, keep].clone()
+        h = ed.rms_norm(sample, sd[t + "input_layernorm.weight"], cfg["rms_norm_eps"])
+        for name in ("q", "k"):
+            y = torch.nn.functional.linear(h, sd[t + f"self_attn.{name}_proj.weight"]).view(-1, hd)
+            w[p + f"self_attn.{name}_norm.weight"] = torch.full((hd,), float(y.pow(2).mean(-1).sqrt().mean()))
+    return w
+
+
+def make_real(out=None, n_prompts=512, max_new_tokens=128, steps=850, seqs_per_step=4, anchors_per_seq=16,
+              num_layers=2, intermediate=1024, negatives=4096, lr=1e-3, init="target", data=None):
+    """The real pair's drafter (tests/fixtures/real_drafter): 2 layers at the target's width, started from the
+    target's last two layers, block 8, the target's layers by the public default rule, mask token <empty_output>,
+    trained with DFlash's objective on the target's own greedy replies; saved in bfloat16 in the public layout."""
+    import time
+    out = out or REAL_DRAFTER
+    # one thread unless MAKE_DEMO_THREADS says more: on a shared box two threads of a busy pair of cores wait on
+    # each other at every barrier (7x slower than one, measured), and one is near two's speed on an idle one
+    torch.set_num_threads(int(os.environ.get("MAKE_DEMO_THREADS", "1")))
+    torch.manual_seed(0)
+    target, tokenizer = real_target()
+    tc = target.config
+    assert REAL_MASK_ID == tokenizer.convert_tokens_to_ids("<empty_output>")
+    layer_ids = ed.default_layer_ids(tc.num_hidden_layers, 3)
+    data = data or real_data(target, tokenizer, layer_ids, n_prompts, max_new_tokens)
+    B = REAL_BLOCK
+    cfg = drafter_config(tc, layer_ids=layer_ids, block_size=B, intermediate_size=intermediate,
+                         num_hidden_layers=num_layers, num_attention_heads=tc.num_attention_heads,
+                         num_key_value_heads=tc.num_key_value_heads, head_dim=tc.head_dim, rms_norm_eps=tc.rms_norm_eps,
+                         max_position_embeddings=tc.max_position_embeddings,
+                         rope_theta=float(tc.rope_parameters["rope_theta"]), layer_types=["full_attention"] * num_layers,
+                         use_sliding_window=False, sliding_window=None)
+    cfg["dflash_config"]["mask_token_id"] = REAL_MASK_ID
+    if init == "target":
+        init_w = warm_drafter_weights(cfg, target, layer_ids, data, tc.num_hidden_layers - num_layers)
+    else:
+        init_w = random_drafter_weights(cfg, len(layer_ids), scale=0.02)
+    weights = {k: v.requires_grad_() for k, v in init_w.items()}
+    drafter = ed.Drafter(name="training", checkpoint=out, cfg=cfg, weights=weights, layers=layer_ids, block_size=B,
+                         mask_token_id=REAL_MASK_ID, rules=ed.layer_rules(cfg, {"sliding_window": "train",
+                                                                                "block_mask": "auto"}),
+                         rope=ed.build_rope(cfg, "cpu"), logit_rows=ed.LOGIT_ROWS_PER_CHUNK)
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    rng = random.Random(1)
+    decay = torch.exp(-torch.arange(B - 1).float() / 4)   # earlier slots matter more, as in DFlash training
+    # The softmax of each step runs over the replies' tokens and `negatives` other tokens drawn afresh (a full
+    # 49152-row head per draft slot would be most of a step's time on 2 cores); every token is pushed down in turn.
+    seen = torch.tensor(sorted({t for ids, n_prompt, _ in data for t in ids[n_prompt:]}))
+    others = torch.ones(tc.vocab_size, dtype=torch.bool)
+    others[seen] = False
+    others = others.nonzero()[:, 0]
+    where = torch.full((tc.vocab_size,), -1, dtype=torch.long)
+    g = torch.Generator().manual_seed(3)
+    print(f"real: {len(data)} replies, {len(seen)} distinct reply tokens; {negatives} negatives a step", flush=True)
+    order = []
+
+    def loss_of(step):
+        total = 0.0
+        vocab = torch.cat([seen, others[torch.randperm(len(others), generator=g)[:negatives]]])
+        where[vocab] = torch.arange(len(vocab))
+        head_w = head.weight[vocab]
+        for _ in range(seqs_per_step):   # every reply in turn, a fresh shuffle each pass
+            if not order:
+                order.extend(rng.sample(range(len(data)), len(data)))
+            ids, n_prompt, feats = data[order.pop()]
+            starts = range(n_prompt, len(ids) - B + 1)   # anchors: reply tokens (the first is the prefill's)
+            anchors = torch.tensor(sorted(rng.sample(starts, min(anchors_per_seq, len(starts)))))
+            ids_t = torch.tensor(ids)
+            block = torch.full((len(anchors), B), REAL_MASK_ID)
+            block[:, 0] = ids_t[anchors]
+            hidden = ed.drafter_forward(drafter, ed.drafter_context(drafter, feats.float()), anchors, block, embed.weight)
+            labels = ids_t[anchors[:, None] + torch.arange(1, B)]
+            logits = torch.nn.functional.linear(hidden[:, 1:], head_w)
+            ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), where[labels], reduction="none")
+            total = total + (ce.mean(0) * decay).sum() / decay.sum()
+        return total / seqs_per_step
+    t0 = time.time()
+    optimize(weights.values(), steps, loss_of, "real drafter", lr=lr)
+    print(f"real: training {time.time() - t0:.0f} s", flush=True)
+    save_drafter(out, cfg, {k: v.detach().to(torch.bfloat16) for k, v in weights.items()})
+    size = os.path.getsize(os.path.join(out, "model.safetensors")) / 2 ** 20
+    print(f"wrote {out} ({size:.1f} MB)", flush=True)
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if "--mtp" in args:
+    if "--real" in args:
+        make_real(*[a for a in args if not a.startswith("--")])
+    elif "--mtp" in args:
         train_mtp(next((a for a in args if not a.startswith("--")), os.path.join(FIXTURES, "demo_hybrid", "target")))
     elif "--families" in args or "--eagle3" in args:
         make_families(*[a for a in args if not a.startswith("--")], only="eagle3" if "--eagle3" in args else None)
