@@ -1326,12 +1326,11 @@ def target_config(path):
     """(the target's config, whether it was rewritten): a 5.x `rope_parameters` block is made visible to
     transformers 4.x, which reads only rope_theta / rope_scaling and would silently run the default RoPE."""
     import transformers
-    from transformers import AutoConfig
     file = os.path.join(path, "config.json")
     if os.path.isfile(file):
         check_config(read_json(file), file, TARGET_CONFIG_KEYS)
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = transformers.AutoConfig.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - any failure here means "not a model directory we can read"
         fail(f"cannot read the target config in {path}: {str(e).splitlines()[0]}")
     rewritten = False
@@ -1414,8 +1413,7 @@ def eos_ids(model, tokenizer):
 
 def cache_kwarg(module, cache):
     """{argument name: cache}: transformers 5.x names a forward's KV cache `cache`, 4.x `past_key_values`."""
-    name = "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
-    return {name: cache}
+    return {"cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values": cache}
 
 
 def returned_cache(out):
@@ -1437,7 +1435,7 @@ def is_hybrid(config):
 
 def rewindable_cache(model):
     """A fresh target cache the speculative loop can roll back, or None (hybrids on 4.x, which cannot record the
-    past of a convolution window; no crop undoes a recurrent state either: `verify_pass` snapshots it)."""
+    past of a convolution window; no crop undoes a recurrent state either: `speculative_generate` snapshots it)."""
     from transformers import DynamicCache
     if not is_hybrid(model.config):
         return DynamicCache()
@@ -1637,24 +1635,6 @@ def verify(block, logits, sampling, generator):
     return len(block) - 1, int(torch.multinomial(probs[-1], 1, generator=generator))
 
 
-def verify_pass(model, block, layers, cache, verdict):
-    """The target over a drafted block after `cache`, left holding the anchor and accepted drafts: (features,
-    accepted, next token). A hybrid's recurrent state saw the whole block: it is restored, the kept tokens rerun."""
-    saved = [(layer, i, layer.recurrent_states[i].clone()) for layer, i in recurrent_states(cache)]
-    features, last, cache = target_pass(model, block, layers, cache)
-    accepted, bonus = verdict(last)
-    if not saved:
-        roll_back(cache, len(block) - 1 - accepted)
-    elif accepted == len(block) - 1:
-        cache.crop(0)    # nothing to drop; trims the recorded convolution inputs back to the kernel width
-    else:
-        for layer, i, state in saved:
-            layer.recurrent_states[i].copy_(state)
-        cache.crop(-len(block))
-        target_pass(model, block[:accepted + 1], [], cache)
-    return features, accepted, bonus
-
-
 # ----------------------------------------------------------------------------------------------------
 # Drafter backbone: checkpoints read, the shared checks, the block pass (SDPA, explicit context-plus-block mask)
 
@@ -1722,8 +1702,7 @@ KEY_PREFIXES = ("module.", "_orig_mod.", "draft_model.", "model.")    # stripped
 
 
 def read_checkpoint(path, name):
-    """(config dict or None, raw state dict) of a directory (public, sharded or a SpecForge step), a .safetensors
-    file or a training .pt/.pth/.bin (tensors only: weights_only=True, never unpickled)."""
+    """(config dict or None, raw state dict) of a directory (public, sharded, SpecForge's), .safetensors or .pt/.bin."""
     config = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), "config.json")
     if os.path.isdir(path):
         index = os.path.join(path, "model.safetensors.index.json")
@@ -1951,8 +1930,7 @@ def draft_vocabulary(carried, cfg, target_cfg, name):
 
 def drafter_record(state, shapes, carried, vocab, target_cfg, settings, identify, facts, **fields):
     """The Drafter, its tensors checked against `shapes`, on the run's device and dtype (its own lm_head for its own
-    vocabulary); when identified (once, not at each reload of a run's step), its hash over tensors and `facts`, and
-    warnings for carried target copies."""
+    vocabulary); identified once (not at a step's reload): its hash over tensors and `facts`, carried copies warned."""
     check_drafter_tensors(state, shapes, fields["name"], fields["generation"])
     if vocab is not None:
         state["lm_head.weight"] = carried["lm_head.weight"]
@@ -2271,8 +2249,7 @@ def base_logits(drafter, head, rows):
 
 
 def drafter_logits(drafter, head, rows, prompt_id, logits=None):
-    """(logits, argmax as target ids) of drafter rows (or raw `logits`) after the config's multiplier and softcap
-    c * tanh(m * z / c). NaN or Inf anywhere stops the run, naming the prompt."""
+    """(logits, argmax as target ids) of drafter rows (or raw `logits`) after its multiplier and softcap."""
     logits = base_logits(drafter, head, rows) if logits is None else logits
     if drafter.logit_multiplier != 1.0:
         logits = logits * drafter.logit_multiplier
@@ -2458,14 +2435,6 @@ def dflash2_settings(cfg, state, name, settings):
     return (int(K), int(group)), int(top_k)
 
 
-def selector_buffers(drafter, rows, dev):
-    """Per draft row, what DFlash 2's selector reads: top-k logits, their ids, and the projected hidden state."""
-    k, rank = drafter.selector_top_k, drafter.weights[SELECTOR + "hidden_projection.weight"].shape[0]
-    dtype = drafter.weights["fc.weight"].dtype
-    return (torch.empty(rows, k, dtype=dtype, device=dev), torch.empty(rows, k, dtype=torch.long, device=dev),
-            torch.empty(rows, rank, dtype=dtype, device=dev))
-
-
 def select_path(drafter, unary, candidates, projected, first):
     """DFlash 2's greedy path selector, batched over anchors: slot j takes the candidate with the best unary logit +
     <A[previous pick] * P(h_j), S[candidate]> (codebooks A, S; projection P). The (n * (B-1),) drafts are that path."""
@@ -2603,38 +2572,33 @@ def load_block(name, path, generation, cfg, state, layout, raw, target_cfg, sett
                           head=head, defaults=config_defaults(cfg, settings, layer_ids))
 
 
-def with_markov_bias(w, kind, raw, prev, rows, state):
-    """(raw + DSpark's Markov bias over the draft vocabulary, state) for slot rows h after target ids `prev`: W2 e with
-    e = W1[prev], gated by sigmoid(Wg [h; e] + b), or (rnn) tanh(o) for (a, c, o) = Wj [s; e; h] + b, updating s."""
-    m = "markov_head."
-    e = F.embedding(prev, w[m + "markov_w1.weight"])
-    if kind == "gated":
-        e = torch.sigmoid(F.linear(torch.cat([rows, e], -1), w[m + "gate_proj.weight"], w[m + "gate_proj.bias"])) * e
-    elif kind == "rnn":
-        state = e.new_zeros(e.shape) if state is None else state
-        a, c, o = F.linear(torch.cat([state, e, rows], -1), w[m + "joint_proj.weight"],
-                           w[m + "joint_proj.bias"]).chunk(3, -1)
-        keep = torch.sigmoid(a)
-        state, e = keep * state + (1 - keep) * torch.tanh(c), torch.tanh(o)
-    return raw + F.linear(e, w[m + "markov_w2.weight"]), state
-
-
-def gru_step(w, x, g):
-    """Domino's bias-free GRU, one step on rows x from state g (zero before the anchor), in PyTorch's gate order."""
-    g = x.new_zeros(x.shape[0], w["prefix_gru.weight_hh_l0"].shape[1]) if g is None else g
-    xr, xz, xn = F.linear(x, w["prefix_gru.weight_ih_l0"]).chunk(3, -1)
-    hr, hz, hn = F.linear(g, w["prefix_gru.weight_hh_l0"]).chunk(3, -1)
-    reset, update = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
-    return (1 - update) * torch.tanh(xn + reset * hn) + update * g
-
-
 def corrected(drafter, raw, rows, prev, state, k, embed_w):
     """Slot k's raw logits with its family's correction, given the token before it `prev` (target ids) and the
     chain's state: (logits, state). Training code calls this too, with the reference tokens as prev."""
-    h, w = drafter.head, drafter.weights
-    if drafter.generation == "DSpark":   # no Markov head (markov_rank 0): the raw logits
-        return with_markov_bias(w, h["kind"], raw, prev, rows, state) if h["rank"] else (raw, state)
-    state = gru_step(w, embed_w[prev], state)   # Domino: the GRU has read the anchor and the drafts up to prev
+    h, w, m = drafter.head, drafter.weights, "markov_head."
+    if drafter.generation == "DSpark" and not h["rank"]:   # no Markov head (markov_rank 0): the raw logits
+        return raw, state
+    if drafter.generation == "DSpark":
+        # the Markov bias W2 e over the draft vocabulary for slot rows h, e = W1[prev]: gated by sigmoid(Wg [h; e] + b),
+        # or (rnn) tanh(o) for (a, c, o) = Wj [s; e; h] + b, updating the state s
+        e = F.embedding(prev, w[m + "markov_w1.weight"])
+        if h["kind"] == "gated":
+            e = torch.sigmoid(F.linear(torch.cat([rows, e], -1), w[m + "gate_proj.weight"],
+                                       w[m + "gate_proj.bias"])) * e
+        elif h["kind"] == "rnn":
+            state = e.new_zeros(e.shape) if state is None else state
+            a, c, o = F.linear(torch.cat([state, e, rows], -1), w[m + "joint_proj.weight"],
+                               w[m + "joint_proj.bias"]).chunk(3, -1)
+            keep = torch.sigmoid(a)
+            state, e = keep * state + (1 - keep) * torch.tanh(c), torch.tanh(o)
+        return raw + F.linear(e, w[m + "markov_w2.weight"]), state
+    # Domino: its bias-free GRU (PyTorch's gate order, zero before the anchor) reads the anchor and drafts up to prev
+    x = embed_w[prev]
+    g = x.new_zeros(x.shape[0], w["prefix_gru.weight_hh_l0"].shape[1]) if state is None else state
+    xr, xz, xn = F.linear(x, w["prefix_gru.weight_ih_l0"]).chunk(3, -1)
+    hr, hz, hn = F.linear(g, w["prefix_gru.weight_hh_l0"]).chunk(3, -1)
+    reset, update = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
+    state = (1 - update) * torch.tanh(xn + reset * hn) + update * g
     if k + 1 <= h["prefix"]:
         return raw, state
     return raw + F.linear(F.silu(F.linear(torch.cat([rows, state], -1), w["embed_proj.0.weight"])),
@@ -2764,14 +2728,6 @@ DRAFTER_KEYS = ("dflash_config", "speculators_model_type", "block_size", "target
                 "draft_vocab_size", "eagle_config", "eagle_aux_hidden_state_layer_ids")   # in no target's config
 
 
-def is_target_directory(path):
-    """Whether `path` is a target (...ForCausalLM, ...ForConditionalGeneration; no drafter keys): its MTP drafts."""
-    file = os.path.join(path, "config.json")   # only a directory holds one
-    cfg = read_json(file) if os.path.isfile(file) else {}
-    return not any(k in cfg for k in DRAFTER_KEYS) and any(
-        str(a).endswith(("ForCausalLM", "ForConditionalGeneration")) for a in cfg.get("architectures") or [])
-
-
 def load_mtp(name, path, target_cfg, settings, identify):
     """A target's own MTP layer (Qwen3.5/3.6, Qwen3-Next: mtp.* in its safetensors, which transformers does not load),
     drafting every step fed its own post-norm output back, as vLLM (method mtp) and SGLang (NEXTN) draft it."""
@@ -2816,17 +2772,6 @@ def load_mtp(name, path, target_cfg, settings, identify):
                           rope=target_rope(text, settings["device"]))
 
 
-def eagle_fuse(d, features):
-    """fc over the captured layers' features (ascending), after their norms where the config asks for them."""
-    w, eps = d.weights, d.cfg.get("rms_norm_eps", 1e-6)
-    if d.head["norm_before_fc"]:
-        features = rms_norm(features, w["input_norm.weight"], eps)
-    if d.head["fc_norm"]:
-        features = torch.cat([rms_norm(x, w[f"fc_norm.{i}.weight"], eps)
-                              for i, x in enumerate(features.chunk(len(d.layers), -1))], -1)
-    return F.linear(features, w["fc.weight"])
-
-
 def mlp(d, p, y):
     """Layer p's MLP: SwiGLU, or a softmax router's top-k experts (norm_topk_prob) plus a gated shared expert."""
     w = d.weights
@@ -2868,10 +2813,16 @@ def causal_layer(d, emb, g, positions, attend):
 def causal_pass(d, features, ids, embed_w, cache=None):
     """[(K, V, outputs)] of EAGLE-3's and MTP's causal pass over the text, as engines prefill their cache: row j reads
     token j + 1's embedding and the features at j. With `cache` (a pass over the first rows), only the rows after it."""
-    n0 = 0 if cache is None else cache[0][0].shape[1]
+    w, eps, n0 = d.weights, d.cfg.get("rms_norm_eps", 1e-6), 0 if cache is None else cache[0][0].shape[1]
     ids_t = torch.tensor(ids[n0 + 1:], device=features.device)
     g = features[n0:len(ids) - 1]
-    g = eagle_fuse(d, g) if d.generation == "EAGLE-3" else g
+    if d.generation == "EAGLE-3":   # fc over the captured layers' features (ascending), after their norms if asked
+        if d.head["norm_before_fc"]:
+            g = rms_norm(g, w["input_norm.weight"], eps)
+        if d.head["fc_norm"]:
+            g = torch.cat([rms_norm(x, w[f"fc_norm.{i}.weight"], eps)
+                           for i, x in enumerate(g.chunk(len(d.layers), -1))], -1)
+        g = F.linear(g, w["fc.weight"])
     positions = torch.arange(n0, len(ids) - 1, device=features.device)
 
     def attend(q, k, v):
@@ -2973,7 +2924,11 @@ def load_drafter(spec, target_cfg, settings, identify=True):
     name, path = split_ckpt_spec(spec)
     if not os.path.exists(path):
         fail(f"drafter checkpoint not found: {path} (pass a drafter directory or file to --ckpt)")
-    if is_target_directory(path):
+    file = os.path.join(path, "config.json")   # only a directory holds one
+    given = read_json(file) if os.path.isfile(file) else {}
+    # a target (...ForCausalLM, ...ForConditionalGeneration; no drafter keys): its own MTP layer drafts
+    if not any(k in given for k in DRAFTER_KEYS) and any(
+            str(a).endswith(("ForCausalLM", "ForConditionalGeneration")) for a in given.get("architectures") or []):
         return load_mtp(name, path, target_cfg, settings, identify)
     cfg, raw = read_checkpoint(path, name)
     if settings.get("drafter_config"):
@@ -3023,8 +2978,11 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
         empty = torch.zeros(0, B - 1, max(top_k, 1))
         return torch.zeros(0, B - 1, dtype=torch.long), (empty, empty.long())
     # Outputs allocated up front: small tensors made between the big per-chunk logits would pin freed heap.
-    drafts, top, done = torch.empty(n * (B - 1), dtype=torch.long, device=dev), None, 0
-    picks = selector_buffers(drafter, n * (B - 1), dev) if drafter.selector_top_k else None
+    drafts, top, done, picks = torch.empty(n * (B - 1), dtype=torch.long, device=dev), None, 0, None
+    if drafter.selector_top_k:   # per draft row, what DFlash 2's selector reads: top-k logits, their ids, h projected
+        m, k, projection = n * (B - 1), drafter.selector_top_k, drafter.weights[SELECTOR + "hidden_projection.weight"]
+        picks = (torch.empty(m, k, dtype=projection.dtype, device=dev), torch.empty(m, k, dtype=torch.long, device=dev),
+                 torch.empty(m, projection.shape[0], dtype=projection.dtype, device=dev))
     per_call = max(1, ANCHOR_TOKENS_PER_CHUNK // B)
     for lo in range(0, n, per_call):
         part = slice(lo, lo + per_call)
@@ -3082,8 +3040,20 @@ def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, p
         drafts, _ = draft_all_anchors(drafter, context_kv, torch.tensor([anchor], device=model.device),
                                       torch.tensor(tokens[-1:], device=model.device), embed.weight, head, 0, prompt_id)
         block = tokens[-1:] + drafts[0].tolist()
-        new_feats, accepted, bonus = verify_pass(
-            model, block, layers, cache, lambda last: verify(block, logits_of(last), sampling, generator))
+        # The target over the block, the cache then left holding the anchor and accepted drafts. A hybrid's recurrent
+        # state saw the whole block (no crop undoes it): it is restored, the kept tokens rerun.
+        saved = [(layer, i, layer.recurrent_states[i].clone()) for layer, i in recurrent_states(cache)]
+        new_feats, last, cache = target_pass(model, block, layers, cache)
+        accepted, bonus = verify(block, logits_of(last), sampling, generator)
+        if not saved:
+            roll_back(cache, len(block) - 1 - accepted)
+        elif accepted == len(block) - 1:
+            cache.crop(0)    # nothing to drop; trims the recorded convolution inputs back to the kernel width
+        else:
+            for layer, i, state in saved:
+                layer.recurrent_states[i].copy_(state)
+            cache.crop(-len(block))
+            target_pass(model, block[:accepted + 1], [], cache)
         check_finite(new_feats, prompt_id)
         new_kv = drafter_context(drafter, torch.cat([new_feats[L][:accepted + 1] for L in layers], dim=-1), anchor)
         context_kv = [(torch.cat([k, k_new], 1), torch.cat([v, v_new], 1))
@@ -3262,17 +3232,13 @@ def walk(acceptance, anchor, total_len, block_size, rounds=None):
 CONTEXT_BUCKETS = ((512, "<512"), (2048, "512-2k"), (8192, "2k-8k"), (math.inf, ">=8k"))
 
 
-def context_bucket(position):
-    return next(label for bound, label in CONTEXT_BUCKETS if position < bound)
-
-
 def context_sums(anchors, first_accepted, round_anchors, lengths, weights=None):
     """{context bucket: [committed, rounds, first drafts accepted, anchors]} by anchor position (rounds: P-weighted)."""
     totals = {}
     rows = [(a, [0.0, 0.0, float(ok), 1]) for a, ok in zip(anchors.tolist(), first_accepted.tolist())]
     rows += [(a, [w * n, w, 0.0, 0]) for a, n, w in zip(round_anchors, lengths, weights or [1.0] * len(lengths))]
     for a, values in rows:
-        bucket = context_bucket(a)
+        bucket = next(label for bound, label in CONTEXT_BUCKETS if a < bound)
         totals[bucket] = [x + y for x, y in zip(totals.get(bucket, [0.0, 0.0, 0.0, 0]), values)]
     return totals
 
@@ -3296,27 +3262,19 @@ def build_tree(logp, budget, until=None):
     return order
 
 
-def reference_ranks(top_ids, reference):
-    """Rank of the reference's token among each slot's top-k (-1 when it is not there): (n, B-1) lists."""
-    hit = top_ids == reference[..., None]
-    return torch.where(hit.any(-1), hit.int().argmax(-1), -1).tolist()
-
-
-def join_positions(top_logp, ranks, largest):
-    """Where each prefix of the reference's rank path joins the tree of `largest` nodes (`largest` if never)."""
-    path = ranks[:ranks.index(-1)] if -1 in ranks else ranks   # up to the first rank missing from the top-k
-    prefixes = [tuple(path[:d]) for d in range(1, len(path) + 1)]
-    order = build_tree(top_logp.double().tolist(), largest, prefixes[-1]) if prefixes else []
-    where = {p: j for j, p in enumerate(order)}
-    return [where.get(p, largest) for p in prefixes]
-
-
 def tree_acceptance(entry, reference, budget, largest):
     """DDTree acceptance at one anchor: 1 + the depth the reference's tokens reach down the tree of `budget` nodes.
-    entry = [top-k (log-probs, ids), join positions]: built once, at the largest budget, on a walk's first visit."""
+    entry = [top-k (log-probs, ids), join positions]: where each prefix of the reference's rank path joins the tree of
+    `largest` nodes (`largest` if never), built once, on a walk's first visit."""
     if entry[1] is None:
         with timed("trees_s"):
-            entry[1] = join_positions(entry[0][0], reference_ranks(entry[0][1][None], reference[None])[0], largest)
+            hit = entry[0][1] == reference[:, None]   # the reference's rank among each slot's top-k, -1: not there
+            ranks = torch.where(hit.any(-1), hit.int().argmax(-1), -1).tolist()
+            path = ranks[:ranks.index(-1)] if -1 in ranks else ranks   # up to the first rank missing from the top-k
+            prefixes = [tuple(path[:d]) for d in range(1, len(path) + 1)]
+            order = build_tree(entry[0][0].double().tolist(), largest, prefixes[-1]) if prefixes else []
+            where = {p: j for j, p in enumerate(order)}
+            entry[1] = [where.get(p, largest) for p in prefixes]
     return 1 + sum(j < budget for j in entry[1])
 
 
@@ -3549,9 +3507,8 @@ def shuffled_features(features, layers):
 
 
 def feature_check_prompt(drafter, res, features, ids, embed_w, head, device):
-    """[anchors, first drafts right with the target's features, shuffled, drafts matched (accepted) with them,
-    shuffled, sum of the squared paired differences of matched drafts] on a sample of the anchors drafted in `res`
-    (their argmax drafts against the reference): only the shuffled features' drafts are new."""
+    """[anchors, first drafts right with the target's features, shuffled, drafts matched with them, shuffled, sum of
+    squared paired differences of matched drafts] on a sample of `res`'s anchors: only the shuffled drafts are new."""
     n = res["anchors"].numel()
     if n == 0:
         return [0] * 6
@@ -3584,8 +3541,11 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
     for it, features, argmax in group:
         check_finite(features, it["id"])
         it["agree"] = (sum(a == b for a, b in zip(argmax, it["completion_ids"])), len(argmax))
-        if sampling:
-            it["support"] = support_of(it["p"])
+        if sampling:   # (reference tokens in the sampling support, tokens, their log-prob sum, the first outside)
+            p, inside = it["p"], it["p"] > 0
+            outside = (~inside).nonzero()[:, 0]
+            it["support"] = (int(inside.sum()), p.numel(), float(p[inside].log().sum()),
+                             int(outside[0]) if outside.numel() else None)
         prompts.append((features, it["prompt_ids"] + it["completion_ids"], len(it["prompt_ids"]), it["id"]))
     results = [[] for _ in group]
     for stub in drafters:
@@ -3614,13 +3574,6 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
         records.append({"item": {**{k: it.get(k) for k in keep}, "first_divergence": diverge,
                                  "divergence": detail}, "results": res})
     return records
-
-
-def support_of(p):
-    """(reference tokens inside the target's sampling support, tokens, their log-prob sum, first one outside or None)"""
-    inside = p > 0
-    outside = (~inside).nonzero()[:, 0]
-    return (int(inside.sum()), p.numel(), float(p[inside].log().sum()), int(outside[0]) if outside.numel() else None)
 
 
 def ratio_terms(units):
