@@ -424,6 +424,8 @@ def gguf_target(path, settings_quiet):
     except OSError as e:
         fail(f"cannot write the converted GGUF target to {tmp} ({e.strerror or e}): make its directory writable")
     model.config.gguf = {k: facts[k] for k in ("file", "sha256", "type")}   # so the target hash covers the file
+    if hasattr(model.config, "quantization_config"):   # the weights are dequantized: a plain float32 directory, which
+        del model.config.quantization_config          # transformers 5.x would otherwise read as packed GGUF again
     model.config.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
     tied = model.config.tie_word_embeddings

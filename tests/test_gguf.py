@@ -43,6 +43,7 @@ def test_special_tokens_come_from_the_gguf_metadata(smol):
     assert tok.eos_token == "<|im_end|>" and tok.pad_token is not None
     config = json.load(open(os.path.join(smol["dir"], "config.json")))
     assert config["eos_token_id"] == 2 and config["gguf"]["sha256"] == facts["sha256"]
+    assert "quantization_config" not in config   # dequantized: read as a plain model, not as packed GGUF again
 
 
 @needs_gguf
