@@ -1247,7 +1247,8 @@ REPLY_WORDS = 8   # of each reply, shown in the per-prompt rows and kept in the 
 
 
 def reply_start(tokenizer, ids):
-    """The reference's first REPLY_WORDS words, decoded, on one line."""
+    """The reference's first REPLY_WORDS words, decoded, on one line (from at most 8 tokens a word: a long reference
+    is not decoded whole for them)."""
     words = tokenizer.decode(ids[:8 * REPLY_WORDS], skip_special_tokens=True).split()
     return " ".join(words[:REPLY_WORDS]) + (" ..." if len(words) > REPLY_WORDS or len(ids) > 8 * REPLY_WORDS else "")
 
