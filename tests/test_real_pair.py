@@ -1,5 +1,6 @@
 """The real pair (issue 29, item 2): tests/make_demo.py --real trains a DFlash drafter (tests/fixtures/real_drafter)
 for SmolLM2-135M-Instruct on the target's own greedy chat replies to templated instruction prompts."""
+import importlib.util
 import json
 import os
 
@@ -45,10 +46,14 @@ def test_the_real_drafter_is_in_the_public_layout():
     assert os.path.getsize(path) <= 15 * 2 ** 20
 
 
-@pytest.mark.skipif(not os.path.isdir(md.REAL_GGUF + ".hf"), reason="the converted SmolLM2 GGUF target")
+HAVE_GGUF = os.path.isfile(md.REAL_GGUF) and importlib.util.find_spec("gguf") is not None
+
+
+@pytest.mark.skipif(not HAVE_GGUF and not os.environ.get("EVAL_DRAFTER_REQUIRE_GGUF"),   # CI: fails, never skips
+                    reason="the SmolLM2 GGUF (python tests/fetch_real.py) and the gguf package")
 def test_the_mask_token_never_occurs_in_chat_text():
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(md.REAL_GGUF + ".hf")
+    tok = AutoTokenizer.from_pretrained(ed.gguf_target(md.REAL_GGUF, True)[0])
     assert tok.convert_ids_to_tokens(md.REAL_MASK_ID) == "<empty_output>"
     for p in md.real_prompts(64):
         text = tok.apply_chat_template([{"role": "user", "content": p["prompt"]}], tokenize=False,
