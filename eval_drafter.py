@@ -14,6 +14,7 @@ decoder-only transformers model (Qwen3, hybrid Qwen3.5/3.6, Llama, gpt-oss, ...)
         --output result.json
     python eval_drafter.py --target QWEN_DIR --ckpt run5=RUN_DIR --steps last:5 --prompts p.jsonl
     python eval_drafter.py --target QWEN_DIR --ckpt mine=DRAFTER --mtp --depths 3,7 --prompts p.jsonl
+    python eval_drafter.py --target QWEN_DIR --load-hidden feats.safetensors --watch run5=RUN_DIR --output run5.jsonl
     python eval_drafter.py --demo             # the whole pipeline on the tiny bundled pair
     python eval_drafter.py --demo real        # ... on SmolLM2-135M-Instruct and a drafter trained for it
 
@@ -28,10 +29,12 @@ The sections, in the order data flows (each definition stands under its banner, 
     References: the target's own (speculative or plain decoding) and a serving engine's
     Scoring: walks, expectations under sampling, DDTree, the mask check, intervals
     Serving: the engines' figures, costs and the predicted speedup
-    Report: built from the records, then printed
+    Report: built from the records, then printed, drawn (--plot) and logged (--tensorboard)
     Records, caches and resume: nothing lost
-    Run: one evaluation (loading, drafting, finishing), the sibling modes, main
-Only torch, transformers, safetensors, numpy, tqdm and the standard library are used.
+    Run: one evaluation (loading, drafting, finishing), the sibling modes (--watch), the Python entry point, main
+        (load_features and measure: `import eval_drafter` in a training loop)
+Only torch, transformers, safetensors, numpy, tqdm and the standard library are used (matplotlib and tensorboard by
+--plot and --tensorboard alone, imported where they are used).
 """
 import argparse
 import contextlib
@@ -3888,7 +3891,7 @@ def export_vllm_synthetic(report, path, depth):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Report: built from the records, then printed
+# Report: built from the records, then printed, drawn (--plot) and logged (--tensorboard)
 
 
 def reference_fit(items, sampled=None, key="target_agreement"):
@@ -4949,7 +4952,7 @@ def open_hidden(paths, settings, learned, target_cfg, layer_union, skip=lambda i
 
 
 # ----------------------------------------------------------------------------------------------------
-# Run: one evaluation (loading, drafting, finishing), the sibling modes, main
+# Run: one evaluation (loading, drafting, finishing), the sibling modes (--watch), the Python entry point, main
 
 
 FEATURES_PER_GROUP = 4 << 30   # bytes of features held for one group of prompts when steps are loaded per group

@@ -40,6 +40,9 @@ target's own greedy output (given as completion_ids, so no generation is timed i
      against --threads 1 (goal: within 2x on the busy box) and against libgomp's own spin count, the old default.
   r. (--only r) the real pair: SmolLM2-135M-Instruct's GGUF converted afresh and found converted, the whole
      `--demo real` process, its target pass in tokens per second and its drafter's time per anchor.
+  t. (--only t) the Python entry point as a training loop calls it: eval_drafter.measure() on the demo drafter
+     over the demo prompts' saved features (load_features once), its time per call against the drafter pass
+     inside it (the overhead: loading the weights from memory, the report), and the CLI's --load-hidden process.
   Also: whole-process time of `eval_drafter.py --demo --limit 2 --quiet` split into imports and the rest;
   b with --anchors walk (one run); plain vs speculative reference generation (--reference-generation) on
   the benchmark pair and on the bundled demo pair; a cProfile of one b run and of the tool's
@@ -152,7 +155,7 @@ def parse_args(argv=None):
                                   "k = predicted against measured speedup on the demo pair, l = DSpark and Domino "
                                   "against DFlash, m = the demo on a busy box, default threads against --threads 1, "
                                   "r = the real pair (GGUF conversion, --demo real, target tokens/s, drafter ms "
-                                  "per anchor)")
+                                  "per anchor), t = measure(), the Python entry point, against its drafter pass")
     p.add_argument("--write-results", action=argparse.BooleanOptionalAction,
                    help="write bench/RESULTS.md (default on, off with --quick)")
     args = p.parse_args(argv)
@@ -873,6 +876,41 @@ def report_real(r):
         f"{t['drafter_s']:.1f} s ({r['drafter_ms_anchor']:.2f} ms per anchor over {r['anchors']} anchors)")
 
 
+def entry_point(args, work):
+    """t: measure() per call (best of --repeats after a warm-up), the drafter's stages inside it (eval_drafter's
+    TIMING: drafter, trees, metrics, feature check), and the CLI over the same saved features, whole process."""
+    from safetensors.torch import load_file
+    demo = os.path.join(ROOT, "tests", "fixtures", "demo")
+    saved = os.path.join(work, "demo_features.safetensors")
+    subprocess.run([sys.executable, TOOL, "--demo", "--quiet", "--save-hidden", saved], check=True,
+                   stdout=subprocess.DEVNULL)
+    cfg = json.load(open(os.path.join(demo, "drafter", "config.json")))
+    weights = load_file(os.path.join(demo, "drafter", "model.safetensors"))
+    start = time.perf_counter()
+    features = ed.load_features(saved, os.path.join(demo, "target"))
+    load = time.perf_counter() - start
+    ed.measure(weights, features, config=cfg)   # warm-up
+    calls, stages = [], []
+    for _ in range(max(3, args.repeats)):
+        start = time.perf_counter()
+        r = ed.measure(weights, features, config=cfg)
+        calls.append(time.perf_counter() - start)
+        stages.append(sum(ed.TIMING.values()))
+    start = time.perf_counter()
+    subprocess.run([sys.executable, TOOL, "--target", os.path.join(demo, "target"), "--ckpt", os.path.join(demo, "drafter"),
+                    "--load-hidden", saved, "--quiet"], check=True, stdout=subprocess.DEVNULL)
+    return {"load_s": load, "call_s": best(calls), "stages_s": best(stages), "cli_s": time.perf_counter() - start,
+            "tau": r["tau"], "prompts": len(r["prompts"]), "anchors": r["anchors"]}
+
+
+def report_entry(t):
+    say(f"t. measure() on the demo pair ({t['prompts']} prompts, {t['anchors']} anchors, tau {t['tau']:.3f}): "
+        f"load_features once {t['load_s']:.2f} s; a call {1e3 * t['call_s']:.0f} ms, of which the drafter pass "
+        f"{1e3 * t['stages_s']:.0f} ms: overhead {1e3 * (t['call_s'] - t['stages_s']):.0f} ms "
+        f"(x{t['call_s'] / t['stages_s']:.2f} the drafter pass); the CLI from the same features, whole process, "
+        f"{t['cli_s']:.1f} s")
+
+
 def reference_generation(paths, args, work):
     """generate_s of the tool's plain vs speculative reference generation: on the benchmark pair (random
     drafter, first prompt, GEN_TOKENS tokens with EOS ignored, one run each: slow) and on the bundled demo
@@ -1331,6 +1369,8 @@ def main(argv=None):
                 speedup_verdict(f["k"])
             if "r" in rows:
                 report_real(real_pair(args, work))
+            if "t" in rows:
+                report_entry(entry_point(args, work))
             if "m" in rows:
                 f["m"] = busy_box(args)
                 report_busy(f["m"])

@@ -145,8 +145,9 @@ def sample_text(lang, rng, length, noise):
     return words
 
 
-def optimize(params, steps, loss_of, what, lr=3e-3):
-    """AdamW under a one-cycle schedule, as every demo model is trained: loss_of(step) gives the step's loss."""
+def optimize(params, steps, loss_of, what, lr=3e-3, on_step=None):
+    """AdamW under a one-cycle schedule, as every demo model is trained: loss_of(step) gives the step's loss;
+    on_step(step) runs after each optimizer step (the --series mode's checkpoints and tau)."""
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     for step in range(steps):
@@ -155,6 +156,8 @@ def optimize(params, steps, loss_of, what, lr=3e-3):
         loss.backward()
         opt.step()
         sched.step()
+        if on_step:
+            on_step(step + 1)
         if step % 100 == 0:
             print(f"{what} step {step} loss {loss.item():.3f}", flush=True)
 
@@ -253,7 +256,7 @@ def training_data(target, lang, layer_ids, rng, n_sequences=160, completion=128)
 
 
 def train_drafter(out_dir, target, lang, steps=1500, anchors_per_step=48, n_sequences=160, completion=128,
-                  from_anchor=False, family=None, data=None, **config_overrides):
+                  from_anchor=False, family=None, data=None, on_step=None, **config_overrides):
     """Train a drafter on the target's greedy text; config_overrides (e.g. is_causal=True, layer_types=...)
     change what is trained, so tests can make drafters trained with another mask. from_anchor: every slot of
     the block drafts, the anchor's too (slot k predicts the token after position a + k), as speculators'
@@ -306,7 +309,7 @@ def train_drafter(out_dir, target, lang, steps=1500, anchors_per_step=48, n_sequ
             logits = head(hidden[:, first:])
         return (torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none").mean(0)
                 * decay).sum() / decay.sum()
-    optimize(weights.values(), steps, loss_of, "drafter")
+    optimize(weights.values(), steps, loss_of, "drafter", on_step=on_step and (lambda step: on_step(step, weights, cfg)))
     if family and layout == "speculators":
         save_speculators(out_dir, cfg, {k: v.detach() for k, v in weights.items()}, kind="dspark",
                          architectures=["DSparkSpeculator"], sample_from_anchor=True,
@@ -879,9 +882,34 @@ def make_real(out=None, n_prompts=512, max_new_tokens=128, steps=850, seqs_per_s
     print(f"wrote {out} ({size:.1f} MB)", flush=True)
 
 
+def make_series(out, every=100, steps=800):
+    """The demo drafter trained again from scratch, as a training run: a checkpoint every `every` steps into
+    out/step_<N>/, its tau on the demo prompts logged as it trains by eval_drafter.measure() (the README's
+    training-loop example, run), from features saved once. Then --watch out --plot draws the series."""
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(2)
+    target_dir = os.path.join(FIXTURES, "demo", "target")
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    os.makedirs(out, exist_ok=True)
+    saved = os.path.join(out, "features.safetensors")
+    if not os.path.exists(saved):
+        assert ed.main(["--demo", "--quiet", "--save-hidden", saved]) == 0
+    features = ed.load_features(saved, target_dir)
+
+    def on_step(step, weights, cfg):
+        if step % every == 0:
+            save_drafter(os.path.join(out, f"step_{step}"), cfg, {k: v.detach() for k, v in weights.items()})
+            r = ed.measure(weights, features, config=cfg, name="demo", step=step)
+            print(f"step {step}: tau {r['tau']:.3f}, first-position acceptance "
+                  f"{r['per_position']['acceptance'][0]:.3f}", flush=True)
+    train_drafter(os.path.join(out, "final"), target, language(), steps=steps, on_step=on_step)
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if "--real" in args:
+    if "--series" in args:
+        make_series(*[a for a in args if not a.startswith("--")])
+    elif "--real" in args:
         make_real(*[a for a in args if not a.startswith("--")])
     elif "--mtp" in args:
         train_mtp(next((a for a in args if not a.startswith("--")), os.path.join(FIXTURES, "demo_hybrid", "target")))
