@@ -4356,17 +4356,17 @@ def plot_panels(source):
 
 
 def draw_plot(source, path):
-    """--plot: the panels drawn into `path` (.png, .svg or .pdf) with matplotlib, headless; returns the figure."""
-    import matplotlib   # optional: pip install matplotlib (only --plot uses it)
-    matplotlib.use("Agg")   # no screen on a server; a file is written either way
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker  # noqa: F401 - matplotlib.ticker.MaxNLocator below
+    """--plot: the panels drawn into `path` (.png, .svg or .pdf) with matplotlib; returns the figure. A bare Figure,
+    not pyplot's: no screen or backend is needed or switched (a server over SSH, a notebook importing this file)."""
+    from matplotlib.figure import Figure   # optional: pip install matplotlib (only --plot uses it)
+    from matplotlib.ticker import MaxNLocator
     panels = plot_panels(source)
     if not panels:
         fail(f"--plot {path}: the run has no figures to draw (no prompt was scored)")
     cols = min(2, len(panels))
     rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 4.2 * rows), squeeze=False)
+    fig = Figure(figsize=(6.4 * cols, 4.2 * rows))
+    axes = fig.subplots(rows, cols, squeeze=False)
     for ax, (title, xlabel, ylabel, kind, series) in zip(axes.flat, panels):
         width = 0.8 / len(series)
         for i, (label, xs, ys, cis) in enumerate(series):
@@ -4388,11 +4388,11 @@ def draw_plot(source, path):
         if ylabel.startswith(("P(", "share")):   # a probability on its whole scale: 0.98 must not look like a fall
             ax.set_ylim(0, 1.04)
         if kind != "bars":
-            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
+        fig.delaxes(ax)   # an odd panel count leaves one slot empty
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return fig
@@ -5413,15 +5413,16 @@ def watch(settings, shown):
                 if settings["tensorboard"]:
                     write_board(settings["tensorboard"], [line])
                 if settings["plot"]:
-                    import matplotlib.pyplot as plt
-                    plt.close(draw_plot([header, *(lines[s] for s in sorted(lines))], settings["plot"]))
+                    draw_plot([header, *(lines[s] for s in sorted(lines))], settings["plot"])
             if until is not None and any(s >= until for s in set(lines) | named):
                 break
             if settings["watch_idle"] and time.time() - last_news > settings["watch_idle"]:
                 log(settings, f"no new step for {settings['watch_idle']:g} s (--watch-idle): the watch ends")
                 break
             time.sleep(settings["watch_interval"])
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, RuntimeError) as e:
+        if not ctrl_c(e):
+            raise
         kept = f"{settings['output']} holds {len(lines)} steps" if settings["output"] else \
             f"{len(lines)} steps were printed (no --output keeps them)"
         say(f"interrupted: {kept}; the same command goes on with the steps not there")
@@ -5434,7 +5435,6 @@ def watch(settings, shown):
 
 def plot_from(settings):
     """--plot --from: a finished run's picture (its report's JSON, or a --watch series' lines)."""
-    import matplotlib.pyplot as plt
     path = settings["from"]
     try:
         with open(path, encoding="utf-8") as f:
@@ -5445,7 +5445,7 @@ def plot_from(settings):
         fail(f"--from {path} is not a run's JSON or a --watch series ({e}); give the --output a run wrote")
     if not isinstance(source, (dict, list)) or isinstance(source, dict) and "drafters" not in source:
         fail(f"--from {path} holds no drafters' results: give the --output of an evaluation or a --watch")
-    plt.close(draw_plot(source, settings["plot"]))
+    draw_plot(source, settings["plot"])
     log(settings, f"wrote {settings['plot']}")
     return {}
 
@@ -5488,8 +5488,7 @@ def run(settings):
         write_board(settings["tensorboard"], report["drafters"])
         log(settings, f"wrote TensorBoard scalars to {settings['tensorboard']}")
     if settings.get("plot") and report["drafters"] and any(d["prompts"] for d in report["drafters"]):
-        import matplotlib.pyplot as plt
-        plt.close(draw_plot(report, settings["plot"]))
+        draw_plot(report, settings["plot"])
         log(settings, f"wrote {settings['plot']}")
     if settings["output"]:
         log(settings, f"wrote {settings['output']}")
