@@ -5358,6 +5358,30 @@ def step_text(line, best):
             + "".join(f"\n   warning: {w}" for w in line.get("warnings") or []))
 
 
+def ready_drafter(settings, target_cfg, spec, seen, quiet):
+    """A step's drafter once it is complete, else None: its files unchanged since the last look (`seen`: what that
+    look saw, and the loads failed since) and loading. A load that fails WATCH_TRIES looks in a row is named, once."""
+    path = split_ckpt_spec(spec)[1]
+    files = step_files(path)
+    if seen.get("files") != files or not files:   # new, still being written, or an empty directory
+        seen.update(files=files, fails=0, at=time.time())
+        return None
+    if seen["fails"] >= WATCH_TRIES:   # named already: passed over until its files change
+        return None
+    try:
+        return load_drafter(spec, target_cfg, quietly(settings) if quiet else settings)
+    except Exception as e:  # noqa: BLE001 - a torn file fails in torch, safetensors or our checks alike
+        seen["fails"] += 1
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if seen["fails"] < WATCH_TRIES:
+            log(settings, f"note: step {spec.rpartition('@')[2].partition('=')[0]} ({path}) does not load yet "
+                          f"({why}): retried at the next look")
+        else:
+            say(f"warning: step {spec.rpartition('@')[2].partition('=')[0]} ({path}) stays unreadable after "
+                f"{WATCH_TRIES} looks ({why}): passed over until its files change; the watch goes on")
+        return None
+
+
 def watch(settings, shown):
     """--watch: every complete step of a training run evaluated once, as it comes, a line each to --output."""
     learned, (series, run_dir) = Run(), split_ckpt_spec(settings["watch"])
@@ -5367,56 +5391,40 @@ def watch(settings, shown):
     target_cfg = read_target_config(settings["target"])
     learned.target_hash = target_hash(settings["target"])
     config = run_config(settings, learned)
-    header = {"watch": {"series": series, "run": os.path.abspath(run_dir), **{k: config.get(k) for k in RESUME_KEYS}}}
+    header = json.loads(json.dumps({"watch": {"series": series, "run": os.path.abspath(run_dir),
+                                              **{k: config.get(k) for k in RESUME_KEYS}}}))   # as a rerun reads it
     lines = series_file(settings, header)
     if lines:
-        log(settings, f"--output {settings['output']} holds steps {', '.join(map(str, sorted(lines)))}: not evaluated "
-                      "again")
-    source, looks, fails, named = None, {}, {}, set()
-    until, last_news = settings["watch_until"], time.time()
+        log(settings, f"note: --output {settings['output']} holds steps {', '.join(map(str, sorted(lines)))}: not "
+                      "evaluated again")
+    seen, source, news, until = {}, None, time.time(), settings["watch_until"]
     best = max((line["tau"] for line in lines.values() if line.get("tau") is not None), default=None)
     try:
-        while until is None or not any(s >= until for s in set(lines) | named):
+        while True:
             steps = run_steps(run_dir) or {}
             for step in sorted(set(steps) - set(lines)):
-                files = step_files(steps[step])
-                if looks.get(step) != files or not files:   # new, still being written, or an empty directory
-                    looks[step], fails[step], last_news = files, 0, time.time()
-                    named.discard(step)
-                    continue
-                if step in named:
-                    continue
-                try:
-                    d = load_drafter(f"{series}@{step}={steps[step]}", target_cfg,
-                                     quietly(settings) if source else settings)
-                except Exception as e:  # noqa: BLE001 - a torn file fails in torch, safetensors or our checks alike
-                    fails[step] += 1
-                    why = str(e).splitlines()[0] if str(e) else type(e).__name__
-                    if fails[step] < WATCH_TRIES:
-                        log(settings, f"note: step {step} ({steps[step]}) does not load yet ({why}): retried at the "
-                                      "next look")
-                    else:
-                        named.add(step)
-                        say(f"warning: step {step} ({steps[step]}) stays unreadable after {WATCH_TRIES} looks ({why}): "
-                            "passed over until its files change; the watch goes on")
+                d = ready_drafter(settings, target_cfg, f"{series}@{step}={steps[step]}", seen.setdefault(step, {}),
+                                  quiet=source is not None)
+                if d is None:
                     continue
                 d.step, d.mask_variants = step, mask_variants(d, settings) if settings["check_mask"] and d.rules else None
                 check_depths([d], settings)
                 if source is None:
                     source, embed_w, head = watch_source(settings, learned, target_cfg, d)
-                line = step_line(settings, learned, d, source, embed_w, head)
+                lines[step] = line = step_line(settings, learned, d, source, embed_w, head)
                 write_line(settings, line)
-                lines[step], last_news = line, time.time()
-                top = line["tau"] is not None and (best is None or line["tau"] > best)
+                news, top = time.time(), line["tau"] is not None and (best is None or line["tau"] > best)
                 best = line["tau"] if top else best
                 print(step_text(line, top), file=shown, flush=True)
                 if settings["tensorboard"]:
                     write_board(settings["tensorboard"], [line])
                 if settings["plot"]:
                     draw_plot([header, *(lines[s] for s in sorted(lines))], settings["plot"])
+            named = {s for s, v in seen.items() if v["fails"] >= WATCH_TRIES}
             if until is not None and any(s >= until for s in set(lines) | named):
                 break
-            if settings["watch_idle"] and time.time() - last_news > settings["watch_idle"]:
+            if settings["watch_idle"] and time.time() - max([news, *(v["at"] for v in seen.values())]) > \
+                    settings["watch_idle"]:
                 log(settings, f"no new step for {settings['watch_idle']:g} s (--watch-idle): the watch ends")
                 break
             time.sleep(settings["watch_interval"])
@@ -5427,7 +5435,7 @@ def watch(settings, shown):
             f"{len(lines)} steps were printed (no --output keeps them)"
         say(f"interrupted: {kept}; the same command goes on with the steps not there")
         return {"interrupted": True}
-    if lines and best is not None:
+    if best is not None:
         top = max((s for s in lines if lines[s].get("tau") is not None), key=lambda s: lines[s]["tau"])
         print(f"best step of {series}: {top}, tau {fmt(best)}", file=shown)
     return {"steps": lines}
