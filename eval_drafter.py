@@ -665,12 +665,12 @@ FLAGS = [
         "STEP is evaluated")),
     ("training", "--watch-idle", "", ("a finite number of seconds above 0", lambda v: 0 < v < math.inf),
         dict(type=float, metavar="S", help="end the watch after S seconds without a new step (default: never)")),
-    ("training", "--plot", "F", None, dict(metavar="FILE.png", help="draw what the run measured (.png, .svg or "
+    ("training", "--plot", "CFM", None, dict(metavar="FILE.png", help="draw what the run measured (.png, .svg or "
         ".pdf): per-position acceptance, acceptance lengths, tau by served depth, by training step, by context "
         "length; needs matplotlib")),
     ("training", "--from", "F", None, dict(metavar="RESULT.json", help="with --plot: draw a finished run's --output "
         "(a report's JSON or a --watch series) instead of running anything")),
-    ("training", "--tensorboard", "", None, dict(metavar="DIR", help="write tau, each position's acceptance and the "
+    ("training", "--tensorboard", "CM", None, dict(metavar="DIR", help="write tau, each position's acceptance and the "
         "DDTree and depth taus per drafter and step as TensorBoard scalars (needs tensorboard)")),
     ("output", "--output", "MF", None, dict(help="write the full results as JSON to this file (atomically; finished "
         "prompts go to <output>.partial.jsonl as the run goes; one run at a time, never over an input of the run); "
@@ -843,51 +843,6 @@ def check_writable(flag, path):
         fail(f"{flag} {path}: its directory {where} is not writable (read-only or not yours); pick another path")
 
 
-def resolve_merge(args):
-    """--merge settings: the shard files and the output (every other flag belongs to the shards)."""
-    missing = [path for path in args.merge if not os.path.isfile(path)]
-    if missing:
-        fail(f"--merge: {missing[0]} not found")
-    if args.output:
-        check_writable("--output", args.output)
-    return {"merge": [os.path.abspath(path) for path in args.merge], "output": args.output, "quiet": args.quiet,
-            "threads": args.threads, "compare_hidden": None,
-            "output_streamed": bool(args.output) and streamed(args.output)}
-
-
-def default_threads():
-    """torch's CPU threads without --threads: the cores this process may use (its affinity: taskset, a container's
-    cpuset), no more than torch's own pick (the physical cores), shared by the torchrun ranks on this machine."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    return max(1, min(cores, torch.get_num_threads()) // local_ranks)
-
-
-def rank_setup(settings):
-    """Under torchrun: join the process group, take this rank's GPU (threads: default_threads); returns its settings."""
-    ranks = int(os.environ.get("WORLD_SIZE", "1"))
-    if ranks < 2 or settings.get("compare_hidden"):
-        return {}
-    import torch.distributed as dist
-    if settings["shard"]:
-        fail("--shard and torchrun both slice the prompts: use one of them")
-    device = settings["device"]
-    if device == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        device = f"cuda:{local}"
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-    rank = dist.get_rank()
-    return {"device": device, "rank": rank, "ranks": dist.get_world_size(), **({"quiet": True} if rank else {})}
-
-
-# The files a tokenizer's vocabulary comes in (transformers' fast, BPE, SentencePiece, WordPiece, Mistral layouts):
-# without one, AutoTokenizer gives an empty tokenizer (transformers 5) or a protobuf error (4.x).
-TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
-                   "vocab.txt", "tekken.json")
-
-
 def resolve_plot(args):
     """--plot --from: the picture of a finished run, nothing else."""
     if not args.plot:
@@ -926,6 +881,50 @@ def check_outputs(args):
     if args.tensorboard:
         check_writable("--tensorboard", os.path.join(args.tensorboard, "events") if os.path.isdir(args.tensorboard)
                        else args.tensorboard)   # made at the end, in a directory that exists
+
+
+def resolve_merge(args):
+    """--merge settings: the shard files and the output (every other flag belongs to the shards)."""
+    missing = [path for path in args.merge if not os.path.isfile(path)]
+    if missing:
+        fail(f"--merge: {missing[0]} not found")
+    check_outputs(args)
+    return {"merge": [os.path.abspath(path) for path in args.merge], "output": args.output, "quiet": args.quiet,
+            "threads": args.threads, "compare_hidden": None, "plot": args.plot, "tensorboard": args.tensorboard,
+            "output_streamed": bool(args.output) and streamed(args.output)}
+
+
+def default_threads():
+    """torch's CPU threads without --threads: the cores this process may use (its affinity: taskset, a container's
+    cpuset), no more than torch's own pick (the physical cores), shared by the torchrun ranks on this machine."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return max(1, min(cores, torch.get_num_threads()) // local_ranks)
+
+
+def rank_setup(settings):
+    """Under torchrun: join the process group, take this rank's GPU (threads: default_threads); returns its settings."""
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if ranks < 2 or settings.get("compare_hidden"):
+        return {}
+    import torch.distributed as dist
+    if settings["shard"]:
+        fail("--shard and torchrun both slice the prompts: use one of them")
+    device = settings["device"]
+    if device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    rank = dist.get_rank()
+    return {"device": device, "rank": rank, "ranks": dist.get_world_size(), **({"quiet": True} if rank else {})}
+
+
+# The files a tokenizer's vocabulary comes in (transformers' fast, BPE, SentencePiece, WordPiece, Mistral layouts):
+# without one, AutoTokenizer gives an empty tokenizer (transformers 5) or a protobuf error (4.x).
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+                   "vocab.txt", "tekken.json")
 
 
 def resolve_settings(args, ranks=True):
