@@ -41,6 +41,7 @@ import contextlib
 import hashlib
 import heapq
 import inspect
+import io
 import json
 import math
 import os
@@ -690,7 +691,7 @@ def build_parser():
 
 
 def flag_names(mode):
-    """The settings keys of the flags whose modes hold `mode` (R, H, C, S or M)."""
+    """The settings keys of the flags whose modes hold `mode` (R, H, C, S, M, W or F; "": every flag)."""
     return [flag[2:].replace("-", "_") for _, flag, modes, _, _ in FLAGS if mode in modes]
 
 
@@ -845,6 +846,7 @@ def check_writable(flag, path):
 
 def resolve_plot(args):
     """--plot --from: the picture of a finished run, nothing else."""
+    check_outputs(args)
     if not args.plot:
         fail("--from names a finished run's JSON for --plot to draw; give --plot FILE.png")
     if not os.path.isfile(args.__dict__["from"]):
@@ -5519,17 +5521,24 @@ class Features:
 def api_settings(target, paths, options):
     """The settings of a --load-hidden run with these keyword options (flag names with _), never a torchrun rank."""
     argv = ["--target", target, "--load-hidden", *paths, "--ckpt", "(in memory)", "--quiet"]
+    unknown = sorted(set(options) - set(flag_names("")))
+    if unknown:
+        raise UsageError(f"measure() / load_features(): {unknown[0]} is none of the tool's flags (a keyword is a flag's "
+                         "name with _ for -, such as depths or ddtree_budgets)")
     for key, value in options.items():
         flag = "--" + key.replace("_", "-")
         if value is True:
             argv.append(flag)
         elif value not in (None, False):
             argv += [flag, *map(str, value if isinstance(value, (list, tuple)) else [value])]
+    said = io.StringIO()
     try:
-        return resolve_settings(parse_args(argv), ranks=False)
-    except SystemExit:   # argparse's refusal, printed above: the option's name or value
-        raise UsageError(f"measure() / load_features(): an option is not one of the tool's flags, or its value is "
-                         f"refused: {options}") from None
+        with contextlib.redirect_stderr(said):
+            args = parse_args(argv)
+    except SystemExit:   # argparse's refusal: an option that is no flag, or a value of the wrong kind
+        raise UsageError("measure() / load_features(): " +
+                         said.getvalue().strip().splitlines()[-1].partition(" error: ")[2]) from None
+    return resolve_settings(args, ranks=False)
 
 
 def load_features(paths, target, **options):
@@ -5573,6 +5582,7 @@ def measure(drafter, features, config=None, target=None, name="drafter", step=No
     f, raw = features, dict(drafter)   # the loaders pop keys: the caller's dict keeps them
     d = load_drafter(f"{name}=(in memory)", f.target_cfg, f.settings, identify=False, given=(config, raw))
     d.step, d.checkpoint = step, "(in memory)"
+    d.name += "" if step is None else f"@{step}"   # a training series' step, named as --steps names one
     d.mask_variants = mask_variants(d, f.settings) if f.settings["check_mask"] and d.rules else None
     check_depths([d], f.settings)
     TIMING.clear()
