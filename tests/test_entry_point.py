@@ -243,3 +243,17 @@ def test_measure_a_specforge_dflash_module(saved, features, tmp_path):
                tmp_path / "sf.json")
     assert figures(got) == figures(want)
     assert figures(got) != figures(saved["demo"])
+
+
+def test_ctrl_c_inside_measure_reaches_the_loop_and_loses_nothing(saved, features, monkeypatch):
+    """Ctrl-C in the middle of a measure() call (the drafter pass of the 2nd prompt) is the training loop's: the
+    KeyboardInterrupt reaches the caller, not swallowed into a report, and the loaded features stay whole: the next
+    call gives the CLI's numbers."""
+    from conftest import interrupt_at
+    state = load_file(os.path.join(DRAFTER, "model.safetensors"))
+    real, calls = interrupt_at(monkeypatch, "draft_all_anchors", 2)
+    with pytest.raises(KeyboardInterrupt):
+        ed.measure(state, features, config=demo_config())
+    assert len(calls) == 2
+    monkeypatch.setattr(ed, "draft_all_anchors", real)
+    assert figures(ed.measure(state, features, config=demo_config())) == figures(saved["demo"])
