@@ -4308,7 +4308,7 @@ def print_comparison(report, out=None):
 
 def plotted_drafters(source):
     """The drafters a picture shows: a report's, or a --watch series' steps as one training series; of a series only
-    its best and last step get per-position and length panels (thirty steps' curves would hide each other)."""
+    its first, best and last steps get per-position and length panels (thirty steps' curves would hide each other)."""
     if isinstance(source, list):   # a watch's lines: {"watch": header} first, then a line a step
         source = {"drafters": [{**line, "name": f"{line['series']}@{line['step']}"} for line in source
                                if "step" in line]}
@@ -4319,8 +4319,8 @@ def plotted_drafters(source):
             series.setdefault(d["series"], []).append(d)
     shown = [d for d in drafters if d.get("series") is None]
     for steps in series.values():
-        best, last = max(steps, key=lambda d: d["tau"]), max(steps, key=lambda d: d["step"])
-        shown += [best] + ([last] if last is not best else [])
+        steps.sort(key=lambda d: d["step"])
+        shown += list({id(d): d for d in (steps[0], max(steps, key=lambda d: d["tau"]), steps[-1])}.values())
     return shown, series
 
 
@@ -4349,10 +4349,10 @@ def plot_panels(source):
           [s["tau_ci95"] for s in d["depths"].values()]) for d in shown if len(d.get("depths") or {}) > 1])
     add("tau by training step", "training step", "tau (tokens a round)", "steps",
         [(name, [d["step"] for d in steps], [d["tau"] for d in steps], [d["tau_ci95"] for d in steps])
-         for name, steps in ((n, sorted(v, key=lambda d: d["step"])) for n, v in series.items()) if len(steps) > 1])
+         for name, steps in series.items() if len(steps) > 1])
     add("tau by context length", "the anchor's context (tokens)", "tau (tokens a round)", "bars",
         [(d["name"], list(d["by_context"]), [s["tau"] for s in d["by_context"].values()], None)
-         for d in shown if d.get("by_context")])
+         for d in shown if len(d.get("by_context") or {}) > 1])   # one bucket: no comparison to draw
     return panels
 
 

@@ -4,6 +4,7 @@ The figure's data is read back from matplotlib (each panel by its title: its lin
 labels and heights) and compared to the JSON report the same run wrote; the TensorBoard events are read back with
 tensorboard's own reader. The drafters are the demo's and perturbed copies of it, evaluated from saved features.
 """
+import copy
 import json
 import math
 import os
@@ -162,10 +163,15 @@ def test_two_drafters_panels_hold_the_json(two, tmp_path):
     assert {3, 5} <= {int(k) for k in report["drafters"][0]["depths"]}
     assert data[LENGTHS]["bars"] == [(d["name"], numbers(c / sum(d["histogram"]) for c in d["histogram"]))
                                      for d in report["drafters"]]
+    assert all(len(d["by_context"]) == 1 for d in report["drafters"])   # the demo's contexts are all short:
+    assert CONTEXT not in data and STEPS not in data   # one bucket compares nothing; no series: no such panels
+    spread = copy.deepcopy(report)   # anchors in two length buckets, as a long-context run has them
+    for k, d in enumerate(spread["drafters"]):
+        d["by_context"]["512-2k"] = {**d["by_context"]["<512"], "tau": 2.5 + k}
+    data = own_figure(spread, tmp_path / "spread.png")
     assert data[CONTEXT]["bars"] == [(d["name"], numbers(s["tau"] for s in d["by_context"].values()))
-                                     for d in report["drafters"]]
-    assert data[CONTEXT]["ticks"] == list(report["drafters"][0]["by_context"])
-    assert STEPS not in data   # no training series in this run: only panels with data
+                                     for d in spread["drafters"]]
+    assert data[CONTEXT]["ticks"] == ["<512", "512-2k"]
 
 
 def test_plot_from_draws_the_same(two, drawn, tmp_path):
@@ -189,7 +195,7 @@ def best_marker(panel):
 def test_training_series_panel(series, tmp_path):
     """A run directory's 3 steps: the "tau by training step" panel's line is the series with x = steps, y = the
     JSON's taus, and the best marker sits at the step of the highest tau (the middle step here, neither the first
-    nor the last); the per-position panels show the best and the last step only."""
+    nor the last); the per-position panels show the first, the best and the last step."""
     assert_valid_png(series["folder"] / "s.png")
     drafters = series["report"]["drafters"]
     steps = sorted(drafters, key=lambda d: d["step"])
@@ -200,7 +206,7 @@ def test_training_series_panel(series, tmp_path):
     best = max(steps, key=lambda d: d["tau"])
     assert best["step"] == 200   # the fixture's design: the equality below tells the max from an end point
     assert best_marker(data[STEPS]) == (best["step"], best["tau"])
-    assert [row[0] for row in data[CONDITIONAL]["lines"]] == ["run@200", "run@300"]
+    assert [row[0] for row in data[CONDITIONAL]["lines"]] == ["run@100", "run@200", "run@300"]
 
 
 def test_watch_series_plot_from(saved, series, drawn, tmp_path):
