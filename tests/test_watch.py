@@ -384,6 +384,24 @@ def test_rerun_with_other_settings_onto_a_series_is_refused(saved, series, tmp_p
     assert not [line for line in capsys.readouterr().out.splitlines() if STEP_LINE.match(line)]
 
 
+
+def test_a_line_torn_by_a_kill_is_dropped_and_the_series_goes_on(series, tmp_path, capsys):
+    """A kill in the middle of writing a step's line leaves half a line at the end of the series: the next start drops
+    it with a note (never appends after it, which would garble the next line), keeps every whole line byte for byte,
+    and evaluates that step again."""
+    out = str(tmp_path / "series.jsonl")
+    whole = open(series["out"], "rb").read().splitlines(keepends=True)
+    with open(out, "wb") as f:
+        f.write(b"".join(whole[:-1]) + whole[-1][:40])   # the last step's line cut short
+    argv = [*series["argv"]]
+    argv[argv.index("--output") + 1] = out
+    assert ed.main([a for a in argv if a != "--quiet"]) == 0
+    assert "torn line" in capsys.readouterr().err
+    after = open(out, "rb").read().splitlines(keepends=True)
+    assert after[:-1] == whole[:-1]
+    timeless = [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in (after[-1], whole[-1])]
+    assert same(*timeless)
+
 # ---------------------------------------------------------------------------------------------------- TensorBoard
 
 def test_tensorboard_holds_each_steps_tau_at_its_step(series):
