@@ -757,7 +757,7 @@ def check_flags(args):
     defaults = build_parser()
     given = {k for k, v in vars(args).items() if v != defaults.get_default(k)}
     for mode, chosen, why in (  # the first mode chosen refuses the flags it ignores (--merge, --from: all but theirs)
-            ("F", args.__dict__["from"], "--plot --from draws a finished run's JSON"),
+            ("F", getattr(args, "from"), "--plot --from draws a finished run's JSON"),
             ("M", args.merge, "--merge rebuilds a report from shard outputs alone"),
             ("W", args.watch, "--watch evaluates the steps of one training run (its directory is the drafter) into a "
                               "series (--output)"),
@@ -847,13 +847,13 @@ def check_writable(flag, path):
 def resolve_plot(args):
     """--plot --from: the picture of a finished run, nothing else."""
     check_outputs(args)
+    source = getattr(args, "from")   # "from" is a keyword: no args.from
     if not args.plot:
         fail("--from names a finished run's JSON for --plot to draw; give --plot FILE.png")
-    if not os.path.isfile(args.__dict__["from"]):
-        fail(f"--from {args.__dict__['from']}: file not found (give a run's --output: a report's JSON or a --watch "
-             "series)")
-    return {"from": os.path.abspath(args.__dict__["from"]), "plot": args.plot, "quiet": args.quiet, "output": None,
-            "merge": None, "compare_hidden": None}
+    if not os.path.isfile(source):
+        fail(f"--from {source}: file not found (give a run's --output: a report's JSON or a --watch series)")
+    return {"from": os.path.abspath(source), "plot": args.plot, "quiet": args.quiet, "output": None, "merge": None,
+            "compare_hidden": None}
 
 
 def check_outputs(args):
@@ -933,7 +933,7 @@ def resolve_settings(args, ranks=True):
     """Every choice the run makes, in one dict: it is echoed into the JSON output. ranks=False: no torchrun rank is
     joined (the Python entry point, inside a training job's own processes)."""
     notes = check_flags(args)
-    if args.__dict__["from"]:
+    if getattr(args, "from"):
         return MappingProxyType(resolve_plot(args))
     if args.demo:
         real = args.demo == "real"
