@@ -4350,8 +4350,9 @@ def plot_panels(source):
     add("tau by training step", "training step", "tau (tokens a round)", "steps",
         [(name, [d["step"] for d in steps], [d["tau"] for d in steps], [d["tau_ci95"] for d in steps])
          for name, steps in series.items() if len(steps) > 1])
+    buckets = [b for _, b in CONTEXT_BUCKETS if any(b in (d.get("by_context") or {}) for d in shown)]
     add("tau by context length", "the anchor's context (tokens)", "tau (tokens a round)", "bars",
-        [(d["name"], list(d["by_context"]), [s["tau"] for s in d["by_context"].values()], None)
+        [(d["name"], buckets, [d["by_context"].get(b, {}).get("tau") for b in buckets], None)
          for d in shown if len(d.get("by_context") or {}) > 1])   # one bucket: no comparison to draw
     return panels
 
@@ -4369,13 +4370,12 @@ def draw_plot(source, path):
     fig = Figure(figsize=(6.4 * cols, 4.2 * rows))
     axes = fig.subplots(rows, cols, squeeze=False)
     for ax, (title, xlabel, ylabel, kind, series) in zip(axes.flat, panels):
-        width = 0.8 / len(series)
+        width, ticks = 0.8 / len(series), list(dict.fromkeys(x for _, xs, _, _ in series for x in xs))
         for i, (label, xs, ys, cis) in enumerate(series):
             ys = [math.nan if y is None else y for y in ys]
-            if kind == "bars":
-                spots = range(len(xs))
-                ax.bar([x + (i - (len(series) - 1) / 2) * width for x in spots], ys, width, label=label)
-                ax.set_xticks(list(spots), [str(x) for x in xs])
+            if kind == "bars":   # grouped on the ticks every series shares (a 4-token round and a 16-token one)
+                ax.bar([ticks.index(x) + (i - (len(series) - 1) / 2) * width for x in xs], ys, width, label=label)
+                ax.set_xticks(range(len(ticks)), [str(x) for x in ticks])
                 continue
             line, = ax.plot(xs, ys, marker="o", label=label)
             if cis and any(cis):
