@@ -4619,9 +4619,10 @@ def replaced_input(settings):
     named += [("a --merge input", path) for path in s.get("merge") or []]
     named += [(f"checkpoint --ckpt {spec}", split_ckpt_spec(spec)[1]) for spec in s.get("ckpt") or []]
     mine = os.stat(output) if os.path.exists(output) else None   # else only an output spelled to its place can be it
-    report = False   # an earlier report of this tool, written into a model's directory, is none of the model's files
+    report = False   # an earlier report (or series) of this tool, written into a model's or run's directory, is none of
+    # the model's files
     with contextlib.suppress(OSError), open(output, "rb") as f:
-        report = f.read(12) == b'{\n "config":'
+        report = f.read(12) in (b'{\n "config":', b'{"watch": {"')   # a report, or a watch's series
     for what, path in [(what, path) for what, path in named if path]:
         if os.path.realpath(path) == os.path.realpath(output):
             return what, path
@@ -5421,8 +5422,14 @@ def watch(settings, shown):
                     write_board(settings["tensorboard"], [line])
                 if settings["plot"]:
                     draw_plot([header, *(lines[s] for s in sorted(lines))], settings["plot"])
+                if until is not None and step >= until:   # the steps after it are past the watch's end
+                    break
             named = {s for s, v in seen.items() if v["fails"] >= WATCH_TRIES}
             if until is not None and any(s >= until for s in set(lines) | named):
+                pending = sorted(s for s in steps if s < until and s not in lines and s not in named)
+                if pending:
+                    log(settings, f"note: steps {', '.join(map(str, pending))} were still being written when step "
+                                  f">= {until} was done: the same command without --watch-until evaluates them")
                 break
             if settings["watch_idle"] and time.time() - max([news, *(v["at"] for v in seen.values())]) > \
                     settings["watch_idle"]:

@@ -402,6 +402,21 @@ def test_a_line_torn_by_a_kill_is_dropped_and_the_series_goes_on(series, tmp_pat
     timeless = [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in (after[-1], whole[-1])]
     assert same(*timeless)
 
+
+def test_a_series_kept_inside_the_run_directory_is_no_input(saved, tmp_path, capsys):
+    """--output inside the watched run directory (/ckpt/run5/tau.jsonl): the series is the watch's own output, not
+    one of the run's checkpoint files, so the same command goes on from it instead of being refused."""
+    run = new_run(tmp_path / "run")
+    write_hf(run, 100)
+    out = os.path.join(run, "tau.jsonl")
+    argv = ["--target", TARGET, "--load-hidden", saved["hidden"], "--watch", f"w={run}", "--output", out,
+            "--watch-interval", "0.05", "--watch-until", "200", "--quiet"]
+    write_hf(run, 200)
+    assert ed.main([*argv, "--watch-until", "100"]) == 0
+    assert [line["step"] for line in read_series(out)[1]] == [100]
+    assert ed.main(argv) == 0
+    assert [line["step"] for line in read_series(out)[1]] == [100, 200]
+
 # ---------------------------------------------------------------------------------------------------- TensorBoard
 
 def test_tensorboard_holds_each_steps_tau_at_its_step(series):
