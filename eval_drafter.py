@@ -5337,13 +5337,19 @@ def watch_source(settings, learned, target_cfg, first):
     return source, embed_w, head
 
 
+def drafter_figures(settings, learned, d, stream, embed_w, head):
+    """One drafter over a stream of prompts' features: its entry of the report's "drafters" (its warnings kept there,
+    not printed): a watch's step, a measure() call."""
+    TIMING.clear()
+    records = list(scored_records(stream, [d], embed_w, head, settings))
+    return make_report(run_config(settings, learned), [drafter_facts(d)], records, [], 0.0, False,
+                       warn=False)["drafters"][0]
+
+
 def step_line(settings, learned, d, source, embed_w, head):
     """One step evaluated: its line of the series, the same figures as the JSON report of that checkpoint alone."""
-    TIMING.clear()
     started = time.time()
-    records = list(scored_records(source(d), [d], embed_w, head, settings))
-    r = make_report(run_config(settings, learned), [drafter_facts(d)], records, [], 0.0, False, warn=False)
-    r = r["drafters"][0]
+    r = drafter_figures(settings, learned, d, source(d), embed_w, head)
     return {"series": d.name.rpartition("@")[0], "step": d.step, "checkpoint": d.checkpoint, "hash": d.hash,
             "prompts": len(r["prompts"]), "seconds": round(time.time() - started, 3),
             "first_position_acceptance": r["per_position"]["acceptance"][0], **{k: r[k] for k in WATCH_KEYS if k in r}}
@@ -5592,10 +5598,7 @@ def measure(drafter, features, config=None, target=None, name="drafter", step=No
     d.name += "" if step is None else f"@{step}"   # a training series' step, named as --steps names one
     d.mask_variants = mask_variants(d, f.settings) if f.settings["check_mask"] and d.rules else None
     check_depths([d], f.settings)
-    TIMING.clear()
-    records = list(scored_records(iter(f.entries), [d], f.embed_w, f.head, f.settings))
-    return make_report(run_config(f.settings, f.learned), [drafter_facts(d)], records, [], 0.0, False,
-                       warn=False)["drafters"][0]
+    return drafter_figures(f.settings, f.learned, d, iter(f.entries), f.embed_w, f.head)
 
 
 def leave_ranks():
