@@ -281,10 +281,6 @@ def open_safetensors(path, device="cpu", whole=False):
              ("" if whole else ": download it again"))
 
 
-def load_safetensors(path):
-    return open_safetensors(path, whole=True)
-
-
 def target_tensor_files(path):
     """{tensor name: safetensors file} of a checkpoint directory, sharded (index) or not."""
     index = os.path.join(path, "model.safetensors.index.json")
@@ -1791,9 +1787,9 @@ def read_checkpoint(path, name):
         else:
             fail(f"{path} is not a DFlash drafter: the directory has no model.safetensors "
                  f"(or model.safetensors.index.json, or a SpecForge {TRAINING_STATE})")
-        state = {k: v for file in files for k, v in load_safetensors(file).items()}
+        state = {k: v for file in files for k, v in open_safetensors(file, whole=True).items()}
     elif path.endswith(".safetensors"):
-        state = load_safetensors(path)
+        state = open_safetensors(path, whole=True)
     elif path.endswith((".pt", ".pth", ".bin")):
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
@@ -3177,7 +3173,6 @@ def server_words(error):
 def post_json(url, body, settings, longest, what):
     """POST with retries (5xx, timeouts, resets; exponential backoff); any other failure is one clear error."""
     import http.client
-    import socket
     import urllib.error
     import urllib.request
     data, retries = json.dumps(body).encode(), settings["server_retries"]
