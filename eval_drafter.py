@@ -2538,12 +2538,11 @@ MARKOV_HEADS = ("vanilla", "gated", "rnn")
 def dspark_head(cfg, state, where, settings):
     """What DSpark's proposal step reads: its Markov head's kind and rank (0: no head, each slot's argmax), the topk."""
     w1 = state.get("markov_head.markov_w1.weight")
+    # an integer >= 0: check_config refused any other markov_rank as the config was read (CONFIG_KINDS)
     rank = dflash_value(cfg, "markov_rank", w1.shape[-1] if w1 is not None and w1.dim() == 2 else 0)
     kind = dflash_value(cfg, "markov_head_type", "vanilla")
     if kind not in MARKOV_HEADS:
         fail(f"{where} with markov_head_type {kind!r}: DSpark's heads are {', '.join(MARKOV_HEADS)}")
-    if not isinstance(rank, int) or rank < 0:
-        fail(f"{where} with markov_rank {rank!r}: it must be an integer >= 0 (0: no Markov head)")
     return {"kind": kind if rank else None, "rank": rank, "topk": settings.get("dspark_draft_topk") or 0}
 
 
@@ -2553,10 +2552,8 @@ def domino_head(cfg, state, where, settings):
         if dflash_value(cfg, key) is None:
             fail(f"{where} needs {key} in its dflash_config, where SpecForge writes it; it is missing (pass the "
                  "config it was trained with: --drafter-config FILE)")
+    # an integer >= 0 and true or false: check_config refused any other value as the config was read (CONFIG_KINDS)
     prefix, shift = dflash_value(cfg, "pure_draft_prefix_len", 0), dflash_value(cfg, "shift_label", False)
-    if not isinstance(prefix, int) or prefix < 0 or not isinstance(shift, bool):
-        fail(f"{where} with pure_draft_prefix_len {prefix!r} and shift_label {shift!r}: they must be an integer "
-             ">= 0 and true or false")
     return {"prefix": prefix, "shift": shift, "pool": settings.get("domino_candidate_pool") or 0}
 
 
