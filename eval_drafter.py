@@ -88,15 +88,19 @@ def fail(message):
 TIMING = {}  # seconds per stage of the current run, reported under "timing"
 
 
+def seconds_since(start):
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # CUDA work is asynchronous: charge it to the stage that queued it
+    return time.perf_counter() - start
+
+
 @contextlib.contextmanager
 def timed(stage):
     start = time.perf_counter()
     try:
         yield
     finally:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()  # CUDA work is asynchronous: charge it to the stage that queued it
-        TIMING[stage] = TIMING.get(stage, 0.0) + time.perf_counter() - start
+        TIMING[stage] = TIMING.get(stage, 0.0) + seconds_since(start)
 
 
 def say(message):
@@ -3763,12 +3767,6 @@ def by_context(sums_per_prompt):
 
 
 COST_REPEATS = 10   # timed runs per forward: the fastest counts (interference on a shared box only adds time)
-
-
-def seconds_since(start):
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 @torch.inference_mode()
