@@ -4400,16 +4400,18 @@ def board_scalars(d):
     return {tag: v for tag, v in tags.items() if v is not None}
 
 
-def write_board(path, drafters):
-    """--tensorboard: every drafter's scalars under its series' (or its own) name, at its training step (else 0)."""
+def board_writer(path):
+    """--tensorboard's writer: one events file for a whole run or watch."""
     from torch.utils.tensorboard import SummaryWriter   # optional: pip install tensorboard
-    writer = SummaryWriter(log_dir=path)
-    try:
-        for d in drafters:
-            for tag, value in board_scalars(d).items():
-                writer.add_scalar(f"{d.get('series') or d['name']}/{tag}", value, d.get("step") or 0)
-    finally:
-        writer.close()
+    return SummaryWriter(log_dir=path)
+
+
+def write_board(writer, drafters):
+    """Every drafter's scalars under its series' (or its own) name, at its training step (else 0), on disk at once."""
+    for d in drafters:
+        for tag, value in board_scalars(d).items():
+            writer.add_scalar(f"{d.get('series') or d['name']}/{tag}", value, d.get("step") or 0)
+    writer.flush()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -5397,6 +5399,7 @@ def watch(settings, shown):
                       "evaluated again")
     seen, source, news, until = {}, None, time.time(), settings["watch_until"]
     best = max((line["tau"] for line in lines.values() if line.get("tau") is not None), default=None)
+    board = board_writer(settings["tensorboard"]) if settings["tensorboard"] else None
     try:
         while True:
             steps = run_steps(run_dir) or {}
@@ -5414,8 +5417,8 @@ def watch(settings, shown):
                 news, top = time.time(), line["tau"] is not None and (best is None or line["tau"] > best)
                 best = line["tau"] if top else best
                 print(step_text(line, top), file=shown, flush=True)
-                if settings["tensorboard"]:
-                    write_board(settings["tensorboard"], [line])
+                if board:
+                    write_board(board, [line])
                 if settings["plot"]:
                     draw_plot([header, *(lines[s] for s in sorted(lines))], settings["plot"])
                 if until is not None and step >= until:   # the steps after it are past the watch's end
@@ -5439,6 +5442,9 @@ def watch(settings, shown):
             f"{len(lines)} steps were printed (no --output keeps them)"
         say(f"interrupted: {kept}; the same command goes on with the steps not there")
         return {"interrupted": True}
+    finally:
+        if board:
+            board.close()
     if best is not None:
         top = max((s for s in lines if lines[s].get("tau") is not None), key=lambda s: lines[s]["tau"])
         print(f"best step of {series}: {top}, tau {fmt(best)}", file=shown)
@@ -5497,7 +5503,9 @@ def run(settings):
         export_vllm_synthetic(report, settings["export_vllm_synthetic"], settings.get("export_depth"))
         log(settings, f"wrote {settings['export_vllm_synthetic']} (vLLM's speculative config, synthetic profile)")
     if settings.get("tensorboard"):
-        write_board(settings["tensorboard"], report["drafters"])
+        board = board_writer(settings["tensorboard"])
+        write_board(board, report["drafters"])
+        board.close()
         log(settings, f"wrote TensorBoard scalars to {settings['tensorboard']}")
     if settings.get("plot") and report["drafters"] and any(d["prompts"] for d in report["drafters"]):
         draw_plot(report, settings["plot"])

@@ -432,3 +432,4 @@ def test_tensorboard_holds_each_steps_tau_at_its_step(series):
     assert len(events.Scalars("w/tau")) == len(lines)   # one value a step, not repeated
     first = {e.step: e.value for e in events.Scalars("w/acceptance/pos1")}
     assert first == pytest.approx({line["step"]: line["first_position_acceptance"] for line in lines}, rel=1e-6)
+    assert len(os.listdir(series["board"])) == 1   # one events file for the whole watch, not one a step
