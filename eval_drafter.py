@@ -519,7 +519,8 @@ GROUPS = {  # --help's groups of flags
 # and --merge must agree on it (it changes the numbers); H, a run from saved features (--load-hidden) refuses it,
 # its prompts and references having been fixed at extraction; C, --compare-hidden refuses it; S, it sets up
 # --server and is refused without it; M, --merge takes it (every other flag belongs to the shards); W, --watch refuses
-# it (the run directory is the drafter, the series file the output); F, --plot --from takes it (it draws a finished run).
+# it (the run directory is the drafter, the series file the output); V, it sets up --watch and is refused without it;
+# F, --plot --from takes it (it draws a finished run).
 FLAGS = [
     ("inputs", "--demo", "", None, dict(nargs="?", const="tiny", choices=("tiny", "real"), help="run on the tiny "
         "target + drafter pair bundled in tests/fixtures/demo (no other flag needed); --demo real: on "
@@ -659,12 +660,12 @@ FLAGS = [
     ("training", "--watch", "", None, dict(metavar="[NAME=]RUN_DIR", help="follow a training run as it writes step "
         "checkpoints: each complete step evaluated once (from --load-hidden features, or one target pass at the start), "
         "a line per step appended to --output as JSONL (a rerun skips the steps there); Ctrl-C stops it")),
-    ("training", "--watch-interval", "", ("a finite number of seconds above 0", lambda v: 0 < v < math.inf),
+    ("training", "--watch-interval", "V", ("a finite number of seconds above 0", lambda v: 0 < v < math.inf),
         dict(type=float, default=30.0, metavar="S", help="seconds between looks at the run directory (default 30); a "
              "checkpoint counts as complete once its files have not changed for one interval and it loads")),
-    ("training", "--watch-until", "", AT_LEAST_0, dict(type=int, metavar="STEP", help="end the watch once a step >= "
+    ("training", "--watch-until", "V", AT_LEAST_0, dict(type=int, metavar="STEP", help="end the watch once a step >= "
         "STEP is evaluated")),
-    ("training", "--watch-idle", "", ("a finite number of seconds above 0", lambda v: 0 < v < math.inf),
+    ("training", "--watch-idle", "V", ("a finite number of seconds above 0", lambda v: 0 < v < math.inf),
         dict(type=float, metavar="S", help="end the watch after S seconds without a new step (default: never)")),
     ("training", "--plot", "CFM", None, dict(metavar="FILE.png", help="draw what the run measured (.png, .svg or "
         ".pdf): per-position acceptance, acceptance lengths, tau by served depth, by training step, by context "
@@ -691,7 +692,7 @@ def build_parser():
 
 
 def flag_names(mode):
-    """The settings keys of the flags whose modes hold `mode` (R, H, C, S, M, W or F; "": every flag)."""
+    """The settings keys of the flags whose modes hold `mode` (R, H, C, S, M, W, V or F; "": every flag)."""
     return [flag[2:].replace("-", "_") for _, flag, modes, _, _ in FLAGS if mode in modes]
 
 
@@ -761,6 +762,7 @@ def check_flags(args):
             ("M", args.merge, "--merge rebuilds a report from shard outputs alone"),
             ("W", args.watch, "--watch evaluates the steps of one training run (its directory is the drafter) into a "
                               "series (--output)"),
+            ("V", not args.watch, "these flags set up --watch, which is not given"),
             ("C", args.compare_hidden, "--compare-hidden reads the prompts and references of the two saved files"),
             ("H", args.load_hidden, "--load-hidden takes the prompts and references from the saved file (they were "
                                     "fixed at extraction)"),
@@ -769,7 +771,7 @@ def check_flags(args):
             unused = given - set(flag_names(mode)) if mode in "MF" else given & set(flag_names(mode))
             if unused:
                 fail(f"{why}; drop {', '.join(sorted('--' + k.replace('_', '-') for k in unused))}")
-            if mode != "W":   # a watch from saved features refuses --load-hidden's flags too
+            if mode not in "WV":   # W and V leave the later modes their checks (a watch from saved features is H too)
                 break
     notes = []
     if "seed" in given and not args.temperature:
@@ -868,10 +870,6 @@ def check_outputs(args):
              "pip install tensorboard")
     if args.tensorboard and os.path.exists(args.tensorboard) and not os.path.isdir(args.tensorboard):
         fail(f"--tensorboard {args.tensorboard} is a file: give a directory (made if missing)")
-    watching = {"--watch-interval": args.watch_interval != 30.0, "--watch-until": args.watch_until is not None,
-                "--watch-idle": args.watch_idle is not None}
-    if not args.watch and any(watching.values()):
-        fail(f"{next(k for k, v in watching.items() if v)} sets up --watch, which is not given")
     if args.watch and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         fail("--watch follows a run in one process: start it without torchrun")
     if args.watch and args.costs == "measure":
@@ -1734,13 +1732,18 @@ def split_ckpt_spec(spec):
 STEP_NAME = re.compile(r"(?:^|[^a-z])(?:step|checkpoint|ckpt|iter)[-_]?(\d+)", re.IGNORECASE)
 CHECKPOINT_FILES = (".safetensors", ".pt", ".pth", ".bin")
 TRAINING_STATE = "training_state.pt"   # SpecForge: <run>-step<N>/training_state.pt, weights under draft_state_dict
+CHECKPOINT_MARKERS = ("model.safetensors", "model.safetensors.index.json", TRAINING_STATE)   # a directory that is one
+
+
+def is_checkpoint(path):
+    """A directory holding one drafter checkpoint (not a run's directory of steps)."""
+    return os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in CHECKPOINT_MARKERS)
 
 
 def run_steps(path):
     """{step: checkpoint path} of a run directory's entries named with a step number (links such as <run>-latest
     are passed over: they repeat a step); None when `path` is a checkpoint itself or holds no steps."""
-    if not os.path.isdir(path) or any(os.path.exists(os.path.join(path, f)) for f in
-                                      ("model.safetensors", "model.safetensors.index.json", TRAINING_STATE)):
+    if not os.path.isdir(path) or is_checkpoint(path):
         return None
     steps = {}
     for entry in sorted(os.listdir(path)):
@@ -3526,7 +3529,10 @@ MASK_CHECK_Z = 3.0
 
 
 def mask_variants(drafter, settings):
-    """The rule sets to try: as configured, all bidirectional, all causal, sliding windows ignored."""
+    """--check-mask's rule sets to try: as configured, all bidirectional, all causal, sliding windows ignored (None
+    without --check-mask, or for a drafter without an in-block mask)."""
+    if not (settings["check_mask"] and drafter.rules):
+        return None
     options = [("bidirectional", "bidirectional", "train"), ("causal", "causal", "train"),
                ("no sliding window", settings["block_mask"], "ignore")]
     if settings["sliding_window"] == "ignore":
@@ -5083,7 +5089,7 @@ def load_run(settings, learned):
                       f"{why['block_size']}, layers {d.layers}{why['target_layer_ids']}, in-block mask per layer: "
                       f"{', '.join(rule_label(r) for r in d.rules)}") +
             "".join(f"; {k} {v} ({text})" for k, (v, text) in defaults.items() if k not in why))
-        d.mask_variants = mask_variants(d, settings) if settings["check_mask"] and d.rules else None
+        d.mask_variants = mask_variants(d, settings)
     note_maskless(drafters, settings)
     learned.target_hash = target_hash(settings["target"])
     check_depths(drafters, settings)
@@ -5254,7 +5260,7 @@ def compare_hidden(settings, shown):
 # <run>-latest link is moved after training_state.pt is written; the tool does not rely on it (links repeat a step and
 # are passed over), since the size check and the load cover every trainer's layout.
 WATCH_TRIES = 3   # looks at which a settled checkpoint fails to load before it is named unreadable
-WATCH_KEYS = ("tau", "tau_ci95", "tau_prompt_mean", "rounds", "anchors", "histogram", "per_position", "ddtree",
+WATCH_KEYS = ("series", "step", "checkpoint", "hash", "tau", "tau_ci95", "tau_prompt_mean", "rounds", "anchors", "histogram", "per_position", "ddtree",
               "depths", "engine_metrics", "by_context", "feature_check", "warnings")   # a step's line, as the JSON
 
 
@@ -5342,9 +5348,8 @@ def step_line(settings, learned, d, source, embed_w, head):
     """One step evaluated: its line of the series, the same figures as the JSON report of that checkpoint alone."""
     started = time.time()
     r = drafter_figures(settings, learned, d, source(d), embed_w, head)
-    return {"series": d.name.rpartition("@")[0], "step": d.step, "checkpoint": d.checkpoint, "hash": d.hash,
-            "prompts": len(r["prompts"]), "seconds": round(time.time() - started, 3),
-            "first_position_acceptance": r["per_position"]["acceptance"][0], **{k: r[k] for k in WATCH_KEYS if k in r}}
+    return {**{k: r[k] for k in WATCH_KEYS if k in r}, "prompts": len(r["prompts"]),
+            "seconds": round(time.time() - started, 3), "first_position_acceptance": r["per_position"]["acceptance"][0]}
 
 
 def step_text(line, best):
@@ -5358,10 +5363,10 @@ def step_text(line, best):
             + "".join(f"\n   warning: {w}" for w in line.get("warnings") or []))
 
 
-def ready_drafter(settings, target_cfg, spec, seen, quiet):
-    """A step's drafter once it is complete, else None: its files unchanged since the last look (`seen`: what that
-    look saw, and the loads failed since) and loading. A load that fails WATCH_TRIES looks in a row is named, once."""
-    path = split_ckpt_spec(spec)[1]
+def ready_drafter(settings, target_cfg, series, step, path, seen, quiet):
+    """Step `step` of `series` (at `path`) once it is complete, else None: its files unchanged since the last look
+    (`seen`: what that look saw, and the loads failed since) and loading. A load that fails WATCH_TRIES looks in a row
+    is named, once."""
     files = step_files(path)
     if seen.get("files") != files or not files:   # new, still being written, or an empty directory
         seen.update(files=files, fails=0, at=time.time())
@@ -5369,24 +5374,22 @@ def ready_drafter(settings, target_cfg, spec, seen, quiet):
     if seen["fails"] >= WATCH_TRIES:   # named already: passed over until its files change
         return None
     try:
-        return load_drafter(spec, target_cfg, quietly(settings) if quiet else settings)
+        return load_drafter(f"{series}@{step}={path}", target_cfg, quietly(settings) if quiet else settings)
     except Exception as e:  # noqa: BLE001 - a torn file fails in torch, safetensors or our checks alike
         seen["fails"] += 1
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         if seen["fails"] < WATCH_TRIES:
-            log(settings, f"note: step {spec.rpartition('@')[2].partition('=')[0]} ({path}) does not load yet "
-                          f"({why}): retried at the next look")
+            log(settings, f"note: step {step} ({path}) does not load yet ({why}): retried at the next look")
         else:
-            say(f"warning: step {spec.rpartition('@')[2].partition('=')[0]} ({path}) stays unreadable after "
-                f"{WATCH_TRIES} looks ({why}): passed over until its files change; the watch goes on")
+            say(f"warning: step {step} ({path}) stays unreadable after {WATCH_TRIES} looks ({why}): passed over until "
+                "its files change; the watch goes on")
         return None
 
 
 def watch(settings, shown):
     """--watch: every complete step of a training run evaluated once, as it comes, a line each to --output."""
     learned, (series, run_dir) = Run(), split_ckpt_spec(settings["watch"])
-    if run_steps(run_dir) is None and any(os.path.exists(os.path.join(run_dir, f)) for f in
-                                          ("model.safetensors", "model.safetensors.index.json", TRAINING_STATE)):
+    if is_checkpoint(run_dir):
         fail(f"--watch {run_dir} is one checkpoint, not a run's directory of steps: evaluate it with --ckpt")
     target_cfg = read_target_config(settings["target"])
     learned.target_hash = target_hash(settings["target"])
@@ -5404,11 +5407,11 @@ def watch(settings, shown):
         while True:
             steps = run_steps(run_dir) or {}
             for step in sorted(set(steps) - set(lines)):
-                d = ready_drafter(settings, target_cfg, f"{series}@{step}={steps[step]}", seen.setdefault(step, {}),
+                d = ready_drafter(settings, target_cfg, series, step, steps[step], seen.setdefault(step, {}),
                                   quiet=source is not None)
                 if d is None:
                     continue
-                d.step, d.mask_variants = step, mask_variants(d, settings) if settings["check_mask"] and d.rules else None
+                d.step, d.mask_variants = step, mask_variants(d, settings)
                 check_depths([d], settings)
                 if source is None:
                     source, embed_w, head = watch_source(settings, learned, target_cfg, d)
@@ -5594,7 +5597,7 @@ def measure(drafter, features, config=None, target=None, name="drafter", step=No
     d = load_drafter(f"{name}=(in memory)", f.target_cfg, f.settings, identify=False, given=(config, raw))
     d.step, d.checkpoint = step, "(in memory)"
     d.name += "" if step is None else f"@{step}"   # a training series' step, named as --steps names one
-    d.mask_variants = mask_variants(d, f.settings) if f.settings["check_mask"] and d.rules else None
+    d.mask_variants = mask_variants(d, f.settings)
     check_depths([d], f.settings)
     return drafter_figures(f.settings, f.learned, d, iter(f.entries), f.embed_w, f.head)
 
