@@ -179,10 +179,11 @@ CONFIG_KINDS = {
                      "num_key_value_heads", "head_dim", "max_position_embeddings", "block_size", "vocab_size",
                      "num_target_layers", "target_hidden_size", "sliding_window", "swa_window_size", "draft_vocab_size",
                      "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "num_experts_per_tok",
-                     "moe_intermediate_size", "shared_expert_intermediate_size", "emb_dim", "gru_hidden_dim"), SIZE),
-    **dict.fromkeys(("mask_token_id", "max_window_layers", "markov_rank", "pure_draft_prefix_len", "num_experts"),
-                    COUNT),
-    **dict.fromkeys(("rms_norm_eps", "rope_theta"), POSITIVE),
+                     "moe_intermediate_size", "shared_expert_intermediate_size", "emb_dim", "gru_hidden_dim",
+                     "xpress_rank", "xpress_mlp_hidden", "xpress_block_size"), SIZE),
+    **dict.fromkeys(("mask_token_id", "max_window_layers", "markov_rank", "pure_draft_prefix_len", "num_experts",
+                     "num_jacobi_passes", "xpress_num_passes", "xpress_topc", "pard_token"), COUNT),
+    **dict.fromkeys(("rms_norm_eps", "rope_theta", "xpress_mlp_ratio"), POSITIVE),
     **dict.fromkeys(("input_embedding_scale", "output_multiplier", "final_logit_softcapping",
                      "partial_rotary_factor"), NUMBER),
     **dict.fromkeys(("attention_bias", "use_sliding_window", "is_causal", "causal", "sliding_window_non_causal",
@@ -573,6 +574,12 @@ FLAGS = [
         help="Domino: proposals after the first choose among one pool per block, the N tokens with the highest base "
              "logit over those proposals (SGLang's --speculative-domino-candidate-pool-size, 2048 by default there); "
              "default: the exact argmax over the whole vocabulary")),
+    ("drafter", "--xpress-passes", "R", AT_LEAST_0, dict(type=int, metavar="P",
+        help="XPress: the refiner's Jacobi passes over the block (vLLM's xpress_num_passes); default: the checkpoint "
+             "config's (xpress_num_passes, num_jacobi_passes), else 6 as in vLLM")),
+    ("drafter", "--xpress-topc", "R", AT_LEAST_0, dict(type=int, metavar="C",
+        help="XPress: each slot chooses among its C best base-logit tokens, as vLLM does (xpress_topc); 0 = the exact "
+             "argmax over the whole vocabulary; default: the checkpoint config's xpress_topc, else 512 as in vLLM")),
     ("evaluation", "--device", "R", None, dict(default="auto", choices=["auto", "cpu", "cuda"],
         help="where the target and drafters run: auto (default) = cuda when torch sees a GPU, else cpu; cuda = the "
              "current GPU (pick one with CUDA_VISIBLE_DEVICES)")),
@@ -2373,10 +2380,17 @@ def proposal_rows(drafter, hidden):
 NATIVE_NAMES = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
 NATIVE_DEFAULTS = {"rms_norm_eps": 1e-5, "sliding_window": 2048, "rope_theta": 500000.0}   # its config class's
 SELECTOR = "candidate_selector."
+XPRESS = "refiner_head."   # speculators' names for XPress's head; vLLM's checkpoints name it xpress_head.*
+XPRESS_NAMES = {"xpress_head." + v: XPRESS + k for k, v in {
+    "token_embed.weight": "w1.weight", "readout.weight": "w2.weight", "mix_l": "mix.L", "down_h.weight": "down_h.weight",
+    "down_g.weight": "down_g.weight", "in_proj.weight": "in_proj.weight", "mlp_gate.weight": "mlp.gate_proj.weight",
+    "mlp_up.weight": "mlp.up_proj.weight", "mlp_down.weight": "mlp.down_proj.weight"}.items()}
 
-# speculators 0.9.0 (the layout vLLM loads): the keys of its DFlash and DFlash 2 configs, and their defaults
+# speculators 0.9.0 (the layout vLLM loads): the keys of its DFlash, DFlash 2, DSpark and XPress configs
 FAMILY_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "markov_rank",
-               "markov_head_type")
+               "markov_head_type", "xpress_rank", "xpress_mlp_ratio", "num_jacobi_passes")
+FAMILY_FLAGS = {"dspark_draft_topk": "DSpark", "domino_candidate_pool": "Domino", "xpress_passes": "XPress",
+                "xpress_topc": "XPress"}   # the settings only one family reads
 SPECULATORS_KEYS = {"speculators_model_type", "architectures", "transformer_layer_config", "draft_vocab_size",
                     "block_size", "target_hidden_size", "aux_hidden_state_layer_ids", "mask_token_id",
                     "sliding_window_non_causal", "sample_from_anchor", "speculators_version", "speculators_config",
@@ -2385,12 +2399,13 @@ SPECULATORS_KEYS = {"speculators_model_type", "architectures", "transformer_laye
 
 
 def speculators_config(cfg, name):
-    """A speculators DFlash / DFlash 2 / DSpark config under the public keys (aux_hidden_state_layer_ids L + 1 as layer
+    """A speculators DFlash / DFlash 2 / DSpark / XPress config under the public keys (aux_hidden_state_layer_ids L + 1 as layer
     id L); a key it cannot map is refused. DSpark's sample_from_anchor defaults to true, as in speculators."""
     kind, layer = cfg.get("speculators_model_type"), cfg.get("transformer_layer_config")
     where = f"drafter {name}: its speculators config"
-    if kind not in ("dflash", "dflash2", "dspark"):
-        fail(f"{where} says speculators_model_type {kind!r}; this tool evaluates dflash, dflash2 and dspark")
+    if kind not in ("dflash", "dflash2", "dspark", "xpress"):
+        fail(f"{where} says speculators_model_type {kind!r}; this tool evaluates dflash, dflash2, dspark, xpress, "
+             "eagle3 and peagle")
     unknown = sorted(set(cfg) - SPECULATORS_KEYS)
     if unknown:
         fail(f"{where} has the key {unknown[0]!r}, which this tool cannot map (speculators 0.9.0 has no such key)")
@@ -2414,13 +2429,15 @@ def speculators_config(cfg, name):
 
 def recognize(cfg, state, name):
     """(generation, layout, config, state) under the public DFlash keys and names: the native assistant's encoder.*
-    renamed, speculators' config unnested, DFlash 2's codebook `.weight` and SpecForge's DSpark logit_head. dropped."""
+    renamed, speculators' config unnested, DFlash 2's codebook `.weight`, SpecForge's DSpark logit_head. dropped,
+    vLLM's XPress head under speculators' names."""
     given = cfg or {}
     archs, speculators = given.get("architectures") or [], "speculators_model_type" in given
-    if given.get("speculators_model_type") == "eagle3" or any("Eagle3" in a for a in archs) \
-            or any(k.startswith("midlayer.") for k in state):
+    kind = given.get("speculators_model_type")
+    parallel = kind == "peagle" or any(a.lower().startswith("peagle") for a in archs) or "mask_hidden" in state
+    if parallel or kind == "eagle3" or any("Eagle3" in a for a in archs) or any(k.startswith("midlayer.") for k in state):
         layout = "speculators" if speculators else "SpecForge"
-        return "EAGLE-3", layout, eagle3_config(given, name, layout), \
+        return "P-EAGLE" if parallel else "EAGLE-3", layout, eagle3_config(given, name, layout, parallel), \
             {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()}
     native = given.get("model_type") == "muse_glimmer_assistant" or "encoder.fc.weight" in state
     layout = "speculators" if speculators else "transformers-native assistant" if native else "public"
@@ -2429,11 +2446,12 @@ def recognize(cfg, state, name):
     if native:
         state = {NATIVE_NAMES.get(k, k): v for k, v in state.items()}
     state = {(k[:-len(".weight")] if k.startswith(SELECTOR) and k.endswith("_codebook.weight") else
-              k.removeprefix("logit_head.")): v for k, v in state.items()}
-    named = next((f for f in ("DSpark", "Domino") for a in archs if f in a), None) \
+              XPRESS_NAMES.get(k, k.removeprefix("logit_head."))): v for k, v in state.items()}
+    named = next((f for f in ("DSpark", "Domino", "XPress") for a in archs if f in a), None) \
         or {"dspark": "DSpark", "domino": "Domino"}.get(str(dflash_value(cfg or {}, "projector_type"))) \
+        or ("XPress" if kind == "xpress" else None) \
         or ("DSpark" if "markov_head.markov_w1.weight" in state else "Domino" if "prefix_gru.weight_ih_l0" in state
-            else None)
+            else "XPress" if XPRESS + "readout.weight" in state else None)
     dflash2 = "DFlash2DraftModel" in archs or any(k.startswith(SELECTOR) or "_conv." in k for k in state)
     return named or ("DFlash 2" if dflash2 else "DFlash"), layout, cfg, state
 
@@ -2442,7 +2460,7 @@ def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab
     """{name: shape} of every tensor a drafter of this config holds (None: a dimension checked elsewhere)."""
     H, hd = cfg["hidden_size"], head_dim_of(cfg)
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    eagle = generation == "EAGLE-3"   # one layer, q/k/v over [embedding; features] (2H); Llama's has no q/k norm
+    eagle = generation in ("EAGLE-3", "P-EAGLE")   # one layer, q/k/v over [embedding; features] (2H); Llama's: no q/k norm
     width = 2 * H if eagle else H
     per_layer = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
                  **mlp_tensors(cfg, "layers.0.mlp.gate.weight" in state),
@@ -2477,6 +2495,12 @@ def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab
             shapes.update({m + "gate_proj.weight": (r, H + r), m + "gate_proj.bias": (r,)})
         if head["kind"] == "rnn":
             shapes.update({m + "joint_proj.weight": (3 * r, 2 * r + H), m + "joint_proj.bias": (3 * r,)})
+    if generation == "XPress":   # token_embed reads the previous token (target ids), readout writes draft logits
+        r, m, B = head["rank"], head["mlp"], head["block"]
+        shapes.update({XPRESS + k: shape for k, shape in {
+            "token_embed.weight": (vocab, r), "down_h.weight": (r, H), "down_g.weight": (r, H), "in_proj.weight": (r, 3 * r),
+            "mix_l": (r, B, B), "mlp_gate.weight": (m, r), "mlp_up.weight": (m, r), "mlp_down.weight": (r, m),
+            "readout.weight": (draft_vocab or vocab, r)}.items()})
     if generation == "Domino":
         G, E = dflash_value(cfg, "gru_hidden_dim"), dflash_value(cfg, "emb_dim")
         shapes.update({"prefix_gru.weight_ih_l0": (3 * G, H), "prefix_gru.weight_hh_l0": (3 * G, G),
@@ -2486,7 +2510,8 @@ def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab
     if eagle:   # fc over the n captured layers' features, after their norms where the config asks for them
         n = state["fc.weight"].shape[1] // H
         shapes.update({"fc.weight": (H, n * H), **({"input_norm.weight": (n * H,)} if head["norm_before_fc"] else {}),
-                       **{f"fc_norm.{i}.weight": (H,) for i in range(n if head["fc_norm"] else 0)}})
+                       **{f"fc_norm.{i}.weight": (H,) for i in range(n if head["fc_norm"] else 0)},
+                       **({"mask_hidden": (1, 1, n * H)} if generation == "P-EAGLE" else {})})
     return shapes
 
 
@@ -2584,6 +2609,38 @@ def domino_note(head):
             f" (it refuses P = {head['prefix']})") + " and a pool of 2048 by default")
 
 
+def xpress_head(cfg, state, where, settings):
+    """What XPress's proposal step reads: its refiner's rank, MLP width and trained block; the passes and top-c."""
+    if (cfg.get("speculators") or {}).get("sample_from_anchor", cfg.get("sample_from_anchor")):
+        fail(f"{where} with sample_from_anchor true: XPress drafts in the fill-in layout (slot 0 holds the anchor), "
+             "the only one vLLM serves; its config must say false")
+    down, gate = state.get(XPRESS + "down_h.weight"), state.get(XPRESS + "mlp_gate.weight")
+    rank = dflash_value(cfg, "xpress_rank") or (down.shape[0] if down is not None and down.dim() == 2 else None)
+    ratio = dflash_value(cfg, "xpress_mlp_ratio")   # speculators' knob; vLLM's is the width itself
+    mlp = dflash_value(cfg, "xpress_mlp_hidden") or (round(rank * ratio) if rank and ratio else None) \
+        or (gate.shape[0] if gate is not None and gate.dim() == 2 else None)
+    passes = settings.get("xpress_passes")
+    if passes is None:
+        passes = next((v for v in (dflash_value(cfg, k) for k in ("xpress_num_passes", "num_jacobi_passes"))
+                       if v is not None), 6)
+    topc = settings.get("xpress_topc")
+    topc = dflash_value(cfg, "xpress_topc", 512) if topc is None else topc
+    block = dflash_value(cfg, "xpress_block_size") or dflash_value(cfg, "block_size")
+    readout = state.get(XPRESS + "readout.weight")
+    whole = readout is not None and topc >= readout.shape[0]   # top-c of the whole vocabulary: the exact argmax
+    return {"rank": rank, "mlp": mlp, "block": block, "passes": int(passes), "topc": 0 if whole else int(topc)}
+
+
+def xpress_note(head):
+    """What the load line says of an XPress drafter: its refiner, passes and candidates, and how vLLM serves it."""
+    return (f"; refiner of rank {head['rank']}, {head['passes']} Jacobi passes over the block, each slot choosing "
+            + (f"among its top {head['topc']} base-logit tokens (xpress_topc)" if head["topc"] else
+               "by the exact argmax (xpress_topc 0)")
+            + "; slot 0 reads the anchor itself as the token before it, as vLLM 0.33 runs it (speculators trains it "
+              "with the token before the anchor); served by vLLM 0.33 only (method dflash), greedy drafts, with "
+              f"num_speculative_tokens = {head['block'] - 1} (its kernel reads the mixer at the block it runs)")
+
+
 def load_block(name, path, generation, cfg, state, layout, raw, target_cfg, settings, identify):
     """A drafter of the block family (DFlash, DFlash 2, DSpark, Domino): [anchor, MASK, ...] over the context."""
     fam = FAMILIES[generation]
@@ -2626,12 +2683,12 @@ def load_block(name, path, generation, cfg, state, layout, raw, target_cfg, sett
     check_layer_types(cfg, name)
     rules = layer_rules(cfg, settings, layout)
     head = fam.head(cfg, state, f"drafter {name}: a {generation} drafter", settings) if fam.head else None
-    for flag in (f for f in ("dspark_draft_topk", "domino_candidate_pool") if not fam.head and settings.get(f)):
-        log(settings, f"drafter {name}: --{flag.replace('_', '-')} applies to its family's drafters only")
+    for flag in (f for f, owner in FAMILY_FLAGS.items() if owner != generation and settings.get(f) is not None):
+        log(settings, f"drafter {name}: --{flag.replace('_', '-')} applies to {FAMILY_FLAGS[flag]} drafters only")
     log(settings, f"drafter {name}: {generation}, {layout} layout" + layout_note(layout, spec_cfg, rules, vocab)
         + (fam.note(head) if fam.note else ""))
     if fam.greedy and settings.get("temperature") and settings.get("draft_policy") == "sample":
-        fail(f"drafter {name}: a {generation} drafter drafts greedily at every temperature (SGLang serves it so); "
+        fail(f"drafter {name}: a {generation} drafter drafts greedily at every temperature ({fam.greedy}); "
              "use --draft-policy argmax")
     for k in [k for k in state if k.startswith("confidence_head.")]:
         state.pop(k)   # DSpark's confidence head sizes SGLang's verify windows in its non-default modes, no draft
@@ -2730,10 +2787,49 @@ def chained_round(d, context_kv, anchors, first, starts, embed_w, head, prompt_i
             None if given is None else chain_drafts(d, head, hidden, first, embed_w, prompt_id, given, sampling))
 
 
-def eagle3_config(cfg, name, layout):
-    """An EAGLE-3 config: its layer config at the top level, what the engines read under "eagle". speculators nests the
-    layers (ids: hidden_states indices; vLLM: norm_before_residual true); SpecForge's is a Llama config."""
-    where = f"drafter {name}: its EAGLE-3 config"
+def xpress_drafts(drafter, hidden, base, first):
+    """XPress's block (n, B-1) as vLLM 0.33 resolves it (jacobi_refine_greedy): the base argmax, then `passes` Jacobi
+    passes, each slot's logits base + the refiner's bias given the token before it (slot 0: the anchor itself). The
+    bias: a = in_proj [down_h h; down_g mean(h); token_embed(prev)], mixed causally per channel (c = a + (L * tril) a),
+    then x = c + SwiGLU(c) and readout(x). With top-c, each slot chooses among its c best base logits, fixed once."""
+    w, p, h = drafter.weights, XPRESS, drafter.head
+    (n, B, _), r = hidden.shape, w[XPRESS + "in_proj.weight"].shape[0]
+    mix = w[p + "mix_l"][:, :B, :B] * torch.ones(B, B, dtype=torch.bool, device=hidden.device).tril()
+    latent = F.linear(torch.cat([F.linear(hidden, w[p + "down_h.weight"]),
+                                 F.linear(hidden.mean(1, keepdim=True), w[p + "down_g.weight"]).expand(-1, B, -1)], -1),
+                      w[p + "in_proj.weight"][:, :2 * r])   # the hidden's part, the same at every pass
+    cand = base.topk(h["topc"], dim=-1).indices if 0 < h["topc"] < base.shape[-1] else None
+    readout = w[p + "readout.weight"] if cand is None else w[p + "readout.weight"][cand]   # (n, B-1, c, r)
+    base_c = base if cand is None else base.gather(-1, cand)
+    block = torch.cat([first[:, None], to_target(drafter, base.argmax(-1))], 1)
+    for _ in range(h["passes"]):
+        a = latent + F.linear(w[p + "token_embed.weight"][torch.cat([first[:, None], block[:, :-1]], 1)],
+                              w[p + "in_proj.weight"][:, 2 * r:])
+        c = a + torch.einsum("ckj,njc->nkc", mix, a)
+        x = (c + F.linear(F.silu(F.linear(c, w[p + "mlp_gate.weight"])) * F.linear(c, w[p + "mlp_up.weight"]),
+                          w[p + "mlp_down.weight"]))[:, 1:]
+        logits = base_c + (F.linear(x, readout) if cand is None else torch.einsum("nkcr,nkr->nkc", readout, x))
+        pick = logits.argmax(-1)
+        block[:, 1:] = to_target(drafter, pick if cand is None else cand.gather(-1, pick[..., None])[..., 0])
+    return block[:, 1:]
+
+
+def xpress_round(d, context_kv, anchors, first, starts, embed_w, head, prompt_id, given=None, sampling=None):
+    """XPress's round: the block's drafts after its refiner's passes (greedy at every temperature, as vLLM drafts)."""
+    hidden = drafter_forward(d, context_kv, anchors, mask_block(d, first), embed_w, starts)
+    rows, per = proposal_rows(d, hidden), max(1, d.logit_rows // (d.block_size - 1))   # the logits budget
+    return torch.cat([xpress_drafts(d, hidden[i:i + per], drafter_logits(d, head, rows[i:i + per], prompt_id)[0],
+                                    first[i:i + per]) for i in range(0, anchors.shape[0], per)]), None
+
+
+PARALLEL_MASK_KEYS = ("mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")   # vLLM's order
+
+
+def eagle3_config(cfg, name, layout, parallel=False):
+    """An EAGLE-3 (or P-EAGLE) config: its layer config at the top level, what the engines read under "eagle".
+    speculators nests the layers (ids: hidden_states indices; vLLM: norm_before_residual true for EAGLE-3, false for
+    P-EAGLE); SpecForge's is a Llama config. P-EAGLE's mask token: where vLLM looks for it, in its order."""
+    where = f"drafter {name}: its {'P-EAGLE' if parallel else 'EAGLE-3'} config"
     layer = cfg.get("transformer_layer_config") if layout == "speculators" else cfg
     if not isinstance(layer, dict) or not layer.get("hidden_size"):
         fail(f"{where} has no {'transformer_layer_config' if layout == 'speculators' else 'hidden_size'} (pass the "
@@ -2742,10 +2838,13 @@ def eagle3_config(cfg, name, layout):
     proposals = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
     return {**layer, "architectures": cfg.get("architectures"), "eagle": {
         "hf_ids": cfg.get("eagle_aux_hidden_state_layer_ids"), "nested_ids": nested,
-        "norm_before_residual": bool(cfg.get("norm_before_residual", layout == "speculators")),
+        "norm_before_residual": bool(cfg.get("norm_before_residual", layout == "speculators" and not parallel)),
         "norm_before_fc": bool(cfg.get("norm_before_fc", False)), "fc_norm": bool(cfg.get("fc_norm", False)),
         "norm_output": bool(cfg.get("norm_output", False)), "norm_output_given": "norm_output" in cfg,
-        "draft_vocab_size": cfg.get("draft_vocab_size"), "steps": int(proposals[0].get("speculative_tokens", 3))}}
+        "draft_vocab_size": cfg.get("draft_vocab_size"),
+        "steps": int(proposals[0].get("speculative_tokens", 8 if parallel else 3)),   # P-EAGLE: its trainers' depth
+        "mask_token_id": next((v for v in [(cfg.get("dflash_config") or {}).get("mask_token_id")]
+                               + [cfg.get(k) for k in PARALLEL_MASK_KEYS] if v is not None), None)}}
 
 
 def eagle3_layers(e, target_cfg, settings, name, n_fc):
@@ -2769,11 +2868,15 @@ def eagle3_layers(e, target_cfg, settings, name, n_fc):
 
 
 def load_eagle3(name, path, generation, cfg, state, layout, raw, target_cfg, settings, identify):
-    """An EAGLE-3 drafter: one decoder layer over [embedding; fused target features], chained K steps."""
-    e = cfg["eagle"]
+    """An EAGLE-3 drafter: one decoder layer over [embedding; fused target features], chained K steps. P-EAGLE: the
+    same layer drafting K tokens in one pass, from the bonus token's row and K - 1 mask slots after it."""
+    e, parallel = cfg["eagle"], generation == "P-EAGLE"
     check_hidden(cfg, target_cfg, name)
     if "fc.weight" not in state or "layers.0.hidden_norm.weight" not in state:
-        fail(f"drafter {name}: an EAGLE-3 drafter needs fc.weight and layers.0.hidden_norm.weight (or midlayer.*)")
+        fail(f"drafter {name}: an {generation} drafter needs fc.weight and layers.0.hidden_norm.weight (or midlayer.*)")
+    if any(k.startswith("layers.1.") for k in state):
+        fail(f"drafter {name}: an {generation} drafter of several layers (layers.1.*): this tool runs one-layer "
+             "EAGLE-3 and P-EAGLE drafters")
     layers, source = eagle3_layers(e, target_cfg, settings, name, state["fc.weight"].shape[1] // target_cfg.hidden_size)
     carried = {k: state.pop(k) for k in CARRIED if k in state}
     vocab = draft_vocabulary(carried, {**cfg, "speculators": {"draft_vocab_size": e["draft_vocab_size"]}}, target_cfg,
@@ -2783,16 +2886,29 @@ def load_eagle3(name, path, generation, cfg, state, layout, raw, target_cfg, set
     steps = (settings.get("block_size") or e["steps"] + 1) - 1
     head = {k: e[k] for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")}
     head["engine"] = settings.get("engine", "vllm")
-    log(settings, f"drafter {name}: EAGLE-3, {layout} layout; captured layers {layers} from {source}; "
-                  f"{steps} steps a round; norm_before_residual {head['norm_before_residual']}, feeds back the "
-                  f"{'post' if head['norm_output'] else 'pre'}-norm hidden" +
+    mask_id = e["mask_token_id"] if settings.get("mask_token_id") is None else settings["mask_token_id"]
+    if parallel and mask_id is None:   # SpecForge keeps it in its training state, not in the exported config
+        fail(f"drafter {name}: its P-EAGLE config has no mask_token_id (nor pard_token), which vLLM needs too; pass "
+             "--mask-token-id (the id it was trained with)")
+    if parallel and not 0 <= int(mask_id) < target_cfg.vocab_size:
+        fail(f"drafter {name}: mask_token_id {mask_id} is outside the target vocab ({target_cfg.vocab_size})")
+    if parallel and "mask_hidden" in state:   # [1, 1, n * H] as trained; vLLM reads it flat
+        state["mask_hidden"] = state["mask_hidden"].reshape(1, 1, -1)
+    log(settings, f"drafter {name}: {generation}, {layout} layout; captured layers {layers} from {source}; " +
+                  (f"{steps} drafts a round in one pass, the bonus token's row then {steps - 1} mask slots (token "
+                   f"{mask_id}, fc(mask_hidden)), as vLLM 0.33 drafts it (method eagle3, parallel_drafting; SGLang "
+                   "does not serve it)" if parallel else f"{steps} steps a round") +
+                  f"; norm_before_residual {head['norm_before_residual']}" +
+                  ("" if parallel else f", feeds back the {'post' if head['norm_output'] else 'pre'}-norm hidden") +
                   ("; SpecForge's norm_output means the norm before lm_head, the engines read it as the hidden fed "
                    "back: the engines' reading is used" if e["norm_output_given"] and layout == "SpecForge" else ""))
+    mask_id = int(mask_id) if parallel else -1
     # its own lm_head is never the target's to warn about: vocab holds it (an identity mapping at full vocabulary)
-    return drafter_record(state, expected_tensors(cfg, (), "EAGLE-3", state, target_cfg.vocab_size, head), carried,
-                          vocab, target_cfg, settings, identify, (cfg, layers, steps + 1, "EAGLE-3", head), name=name,
-                          checkpoint=os.path.abspath(path), cfg=cfg, layers=layers, block_size=steps + 1,
-                          mask_token_id=-1, rules=[], generation="EAGLE-3", layout=layout, head=head, warnings=[])
+    return drafter_record(state, expected_tensors(cfg, (), generation, state, target_cfg.vocab_size, head), carried,
+                          vocab, target_cfg, settings, identify, (cfg, layers, steps + 1, generation, head)
+                          + ((mask_id,) if parallel else ()),
+                          name=name, checkpoint=os.path.abspath(path), cfg=cfg, layers=layers, block_size=steps + 1,
+                          mask_token_id=mask_id, rules=[], generation=generation, layout=layout, head=head, warnings=[])
 
 
 MTP_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")   # text model types whose MTP layer this tool runs
@@ -2864,10 +2980,11 @@ def mlp(d, p, y):
 
 
 def causal_layer(d, emb, g, positions, attend):
-    """EAGLE-3's or MTP's decoder layer on rows (embedding, hidden g); attend(q, k, v) gives the attention. EAGLE-3's
-    q/k/v read [norm(emb); norm(g)] (2H), MTP's fc of them feeds the target's layer. Returns (h pre-norm, k, v)."""
+    """EAGLE-3's, P-EAGLE's or MTP's decoder layer on rows (embedding, hidden g); attend(q, k, v) gives the attention.
+    EAGLE-3's q/k/v read [norm(emb); norm(g)] (2H), MTP's fc of them feeds the target's layer. Returns (h pre-norm,
+    k, v)."""
     w, cfg, p, eps = d.weights, d.cfg, "layers.0.", d.cfg.get("rms_norm_eps", 1e-6)
-    if d.generation == "EAGLE-3":
+    if d.generation != "MTP":
         normed = rms_norm(g, w[p + "hidden_norm.weight"], eps)
         x = torch.cat([rms_norm(emb, w[p + "input_layernorm.weight"], eps), normed], -1)
         residual = normed if d.head["norm_before_residual"] else g
@@ -2886,19 +3003,25 @@ def causal_layer(d, emb, g, positions, attend):
     return h + mlp(d, p, rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)), k, v
 
 
+def fused(d, g):
+    """EAGLE-3's fc over the captured layers' features (ascending), after their norms if its config asks for them."""
+    w, eps = d.weights, d.cfg.get("rms_norm_eps", 1e-6)
+    if d.head["norm_before_fc"]:
+        g = rms_norm(g, w["input_norm.weight"], eps)
+    if d.head["fc_norm"]:
+        g = torch.cat([rms_norm(x, w[f"fc_norm.{i}.weight"], eps) for i, x in enumerate(g.chunk(len(d.layers), -1))],
+                      -1)
+    return F.linear(g, w["fc.weight"])
+
+
 def causal_pass(d, features, ids, embed_w, cache=None):
     """[(K, V, outputs)] of EAGLE-3's and MTP's causal pass over the text, as engines prefill their cache: row j reads
     token j + 1's embedding and the features at j. With `cache` (a pass over the first rows), only the rows after it."""
     w, eps, n0 = d.weights, d.cfg.get("rms_norm_eps", 1e-6), 0 if cache is None else cache[0][0].shape[1]
     ids_t = torch.tensor(ids[n0 + 1:], device=features.device)
     g = features[n0:len(ids) - 1]
-    if d.generation == "EAGLE-3":   # fc over the captured layers' features (ascending), after their norms if asked
-        if d.head["norm_before_fc"]:
-            g = rms_norm(g, w["input_norm.weight"], eps)
-        if d.head["fc_norm"]:
-            g = torch.cat([rms_norm(x, w[f"fc_norm.{i}.weight"], eps)
-                           for i, x in enumerate(g.chunk(len(d.layers), -1))], -1)
-        g = F.linear(g, w["fc.weight"])
+    if d.generation != "MTP":
+        g = fused(d, g)
     positions = torch.arange(n0, len(ids) - 1, device=features.device)
 
     def attend(q, k, v):
@@ -2951,6 +3074,35 @@ def causal_round(d, context, anchors, first, starts, embed_w, head, prompt_id, g
                                                     sampling))
 
 
+def parallel_round(d, context, anchors, first, starts, embed_w, head, prompt_id, given=None, sampling=None):
+    """P-EAGLE's round as vLLM's parallel drafting runs it: draft 1 from the bonus token's row (the text pass's row
+    before the anchor), draft k + 1 from mask slot k: the mask token's embedding and fc(mask_hidden) at the anchor's
+    position + k - 1, seeing the text up to the bonus row and the slots before it. One pass: no draft reads another."""
+    (k_ctx, v_ctx, h_ctx), = context
+    w, eps, S, n = d.weights, d.cfg.get("rms_norm_eps", 1e-6), d.block_size - 1, anchors.shape[0]
+    start = torch.zeros_like(anchors) if starts is None else starts
+    n_ctx, rows = int((anchors + start).max()), h_ctx[0, start + anchors - 1][:, None]
+    if S > 1:
+        mask = block_mask(anchors, n_ctx, S - 1, ("causal", None), starts)
+        slot = torch.arange(S - 1, device=anchors.device)
+
+        def attend(q, k, v):
+            return attention(q, torch.cat([k_ctx[:, :n_ctx], k], 1), torch.cat([v_ctx[:, :n_ctx], v], 1), mask)
+        emb = embed_w[d.mask_token_id].expand(n * (S - 1), -1)
+        g = fused(d, w["mask_hidden"].view(1, -1)).expand(n * (S - 1), -1)
+        h = causal_layer(d, emb, g, (anchors[:, None] + slot).reshape(-1), attend)[0]
+        rows = torch.cat([rows, h.view(n, S - 1, -1)], 1)
+    normed = rms_norm(rows, w["norm.weight"], eps)
+    out = torch.empty(n, S, dtype=torch.long, device=anchors.device)
+    q = None if given is None else torch.empty(n, S, dtype=torch.float64, device=anchors.device)
+    for k in range(S):
+        logits, drafted = drafter_logits(d, head, normed[:, k], prompt_id)
+        chain_step(d, out, k, logits, drafted, None, None)
+        if given is not None:
+            chain_step(d, q, k, logits, drafted, given, sampling)
+    return out, q
+
+
 @dataclass
 class Family:
     """A drafter family as the rest of the tool sees it: how it loads and proposes, what the report says of it."""
@@ -2962,9 +3114,10 @@ class Family:
     conv: object = None         # (cfg, state, name, settings) -> (conv taps, selector candidates): DFlash 2's
     from_anchor: bool = False   # its anchor's slot drafts too, unless its config says otherwise
     full_vocabulary: str = ""   # what scores target-vocabulary tokens (a reduced draft vocabulary is refused)
-    greedy: bool = False        # drafts greedily at every temperature (--draft-policy sample is refused)
+    greedy: str = ""            # who drafts it greedily at every temperature (--draft-policy sample is refused)
     ddtree_note: str = None     # why it has no DDTree rows (None: DDTree trees from the same drafter pass)
     method: str = "dflash"      # vLLM's speculative method
+    vllm: dict = None           # what else vLLM's speculative config says of it
 
 
 FAMILIES = {
@@ -2977,10 +3130,16 @@ FAMILIES = {
                      ddtree_note="DSpark drafts a chain: each slot's Markov bias depends on the token drafted before "
                      "it, and neither vLLM nor SGLang verifies DSpark trees, so no DDTree rows"),
     "Domino": Family(load_block, chained_round, head=domino_head, note=domino_note, full_vocabulary="correction scores",
-                     greedy=True, ddtree_note="Domino drafts a chain: each proposal reads a GRU state over the tokens "
+                     greedy="SGLang serves it so", ddtree_note="Domino drafts a chain: each proposal reads a GRU state over the tokens "
                      "drafted before it, and SGLang serves it as a chain only, so no DDTree rows"),
+    "XPress": Family(load_block, xpress_round, head=xpress_head, note=xpress_note, greedy="vLLM serves it so",
+                     ddtree_note="XPress drafts a chain: its refiner reads the token drafted before each slot, and vLLM, "
+                     "the one engine serving it, verifies a chain, so no DDTree rows"),
     "EAGLE-3": Family(load_eagle3, causal_round, causal=True, method="eagle3", ddtree_note=(
         "EAGLE-3 drafts a chain here, as vLLM serves it (SGLang's token trees are out of scope), so no DDTree rows")),
+    "P-EAGLE": Family(load_eagle3, parallel_round, causal=True, method="eagle3", vllm={"parallel_drafting": True},
+                      ddtree_note="P-EAGLE drafts a chain here, as vLLM, the one engine serving it, verifies its K "
+                      "parallel drafts, so no DDTree rows"),
     # the MTP layer is read from a target directory: load_drafter takes it to load_mtp before any checkpoint is read
     "MTP": Family(None, causal_round, causal=True, method="mtp", ddtree_note=(
         "the MTP layer drafts a chain here, as vLLM serves it and SGLang by default (top-1; its token trees are out "
@@ -3881,6 +4040,7 @@ def export_vllm_synthetic(report, path, depth):
     rates = stats["engine_metrics"]["vllm"]["per_position_acceptance_rate"]
     method = FAMILIES[d["generation"]].method
     config = {"method": method, **({} if method == "mtp" else {"model": d["checkpoint"]}),
+              **(FAMILIES[d["generation"]].vllm or {}),
               "num_speculative_tokens": depth, "rejection_sample_method": "synthetic",
               "synthetic_acceptance_rates": [round(r, 6) for r in rates], "draft_sample_method": "greedy"}
     write_json(path, config)
