@@ -180,15 +180,19 @@ CONFIG_KINDS = {
                      "num_target_layers", "target_hidden_size", "sliding_window", "swa_window_size", "draft_vocab_size",
                      "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "num_experts_per_tok",
                      "moe_intermediate_size", "shared_expert_intermediate_size", "emb_dim", "gru_hidden_dim",
-                     "xpress_rank", "xpress_mlp_hidden", "xpress_block_size"), SIZE),
+                     "xpress_rank", "xpress_mlp_hidden", "xpress_block_size", "lilicorr_candidate_topk",
+                     "lilicorr_num_layers", "lilicorr_num_heads", "lilicorr_factor_dim"), SIZE),
     **dict.fromkeys(("mask_token_id", "max_window_layers", "markov_rank", "pure_draft_prefix_len", "num_experts",
-                     "num_jacobi_passes", "xpress_num_passes", "xpress_topc", "pard_token"), COUNT),
-    **dict.fromkeys(("rms_norm_eps", "rope_theta", "xpress_mlp_ratio"), POSITIVE),
+                     "num_jacobi_passes", "xpress_num_passes", "xpress_topc", "pard_token", "lilicorr_hidden_size"),
+                    COUNT),
+    **dict.fromkeys(("rms_norm_eps", "rope_theta", "xpress_mlp_ratio", "lilicorr_mlp_ratio", "lilicorr_vector_eps"),
+                    POSITIVE),
     **dict.fromkeys(("input_embedding_scale", "output_multiplier", "final_logit_softcapping",
-                     "partial_rotary_factor"), NUMBER),
+                     "partial_rotary_factor", "lilicorr_logit_scale"), NUMBER),
     **dict.fromkeys(("attention_bias", "use_sliding_window", "is_causal", "causal", "sliding_window_non_causal",
                      "sample_from_anchor", "tie_word_embeddings", "norm_before_residual", "norm_before_fc", "fc_norm",
-                     "norm_output", "shift_label", "attn_output_gate", "norm_topk_prob"), SWITCH),
+                     "norm_output", "shift_label", "attn_output_gate", "norm_topk_prob", "lilicorr_enabled",
+                     "has_own_lm_head"), SWITCH),
     **dict.fromkeys(("target_layer_ids", "aux_hidden_state_layer_ids", "eagle_aux_hidden_state_layer_ids"), IDS)}
 CONFIG_NESTS = ("dflash_config", "transformer_layer_config", "eagle_config", "text_config", "rope_parameters",
                 "rope_scaling")
@@ -2271,7 +2275,9 @@ def drafter_context(drafter, features, start=0):
     w, cfg = drafter.weights, drafter.cfg
     ctx = rms_norm(F.linear(features, w["fc.weight"]), w["hidden_norm.weight"], cfg.get("rms_norm_eps", 1e-6))
     cos, sin = rope_cos_sin(drafter, torch.arange(start, start + ctx.shape[0], device=ctx.device), ctx.dtype)
-    return [keys_values(w, f"layers.{i}.self_attn.", ctx, cfg, cos, sin) for i in range(cfg["num_hidden_layers"])]
+    # LiLiCorr's correlator also reads the projected row before each anchor: one more entry, grown like the K/V
+    return [keys_values(w, f"layers.{i}.self_attn.", ctx, cfg, cos, sin) for i in range(cfg["num_hidden_layers"])] \
+        + ([(ctx[None], ctx[None])] if (drafter.head or {}).get("context_rows") else [])
 
 
 def conv_in(drafter, prefix, h, n):
@@ -2380,6 +2386,7 @@ def proposal_rows(drafter, hidden):
 NATIVE_NAMES = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
 NATIVE_DEFAULTS = {"rms_norm_eps": 1e-5, "sliding_window": 2048, "rope_theta": 500000.0}   # its config class's
 SELECTOR = "candidate_selector."
+LILICORR = "lilicorr."
 XPRESS = "refiner_head."   # speculators' names for XPress's head; vLLM's checkpoints name it xpress_head.*
 XPRESS_NAMES = {"xpress_head." + v: XPRESS + k for k, v in {
     "token_embed.weight": "w1.weight", "readout.weight": "w2.weight", "mix_l": "mix.L", "down_h.weight": "down_h.weight",
@@ -2447,11 +2454,12 @@ def recognize(cfg, state, name):
         state = {NATIVE_NAMES.get(k, k): v for k, v in state.items()}
     state = {(k[:-len(".weight")] if k.startswith(SELECTOR) and k.endswith("_codebook.weight") else
               XPRESS_NAMES.get(k, k.removeprefix("logit_head."))): v for k, v in state.items()}
-    named = next((f for f in ("DSpark", "Domino", "XPress") for a in archs if f in a), None) \
+    named = next((f for f in ("DSpark", "Domino", "XPress", "LiLiCorr") for a in archs if f in a), None) \
         or {"dspark": "DSpark", "domino": "Domino"}.get(str(dflash_value(cfg or {}, "projector_type"))) \
         or ("XPress" if kind == "xpress" else None) \
         or ("DSpark" if "markov_head.markov_w1.weight" in state else "Domino" if "prefix_gru.weight_ih_l0" in state
-            else "XPress" if XPRESS + "readout.weight" in state else None)
+            else "XPress" if XPRESS + "readout.weight" in state
+            else "LiLiCorr" if any(k.startswith(LILICORR) for k in state) else None)
     dflash2 = "DFlash2DraftModel" in archs or any(k.startswith(SELECTOR) or "_conv." in k for k in state)
     return named or ("DFlash 2" if dflash2 else "DFlash"), layout, cfg, state
 
@@ -2479,10 +2487,11 @@ def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab
         per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
                           "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.bias": (H,)})
     shapes = {"fc.weight": (H, None), "norm.weight": (H,), **({} if eagle else {"hidden_norm.weight": (H,)})}
-    if generation == "DFlash 2":
+    if conv:   # DFlash 2's (and a LiLiCorr drafter's) convolutions around each sublayer
         K, groups = conv[0], H // conv[1]
         for sub in ("attention_conv", "mlp_conv"):
             per_layer.update({f"{sub}.base_kernel": (2, K, H), f"{sub}.kernel_projection.weight": (2 * K * groups, H)})
+    if generation == "DFlash 2":
         rank = dflash_value(cfg, "selector_rank")
         if rank is None:   # from the tensor itself; the codebooks must agree with it
             rank = getattr(state.get(SELECTOR + "hidden_projection.weight"), "shape", (None,))[0]
@@ -2501,6 +2510,8 @@ def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab
             "token_embed.weight": (vocab, r), "down_h.weight": (r, H), "down_g.weight": (r, H), "in_proj.weight": (r, 3 * r),
             "mix_l": (r, B, B), "mlp_gate.weight": (m, r), "mlp_up.weight": (m, r), "mlp_down.weight": (r, m),
             "readout.weight": (draft_vocab or vocab, r)}.items()})
+    if generation == "LiLiCorr":
+        shapes.update({LILICORR + k: shape for k, shape in lilicorr_tensors(head, H).items()})
     if generation == "Domino":
         G, E = dflash_value(cfg, "gru_hidden_dim"), dflash_value(cfg, "emb_dim")
         shapes.update({"prefix_gru.weight_ih_l0": (3 * G, H), "prefix_gru.weight_hh_l0": (3 * G, G),
@@ -2515,9 +2526,10 @@ def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab
     return shapes
 
 
-def dflash2_settings(cfg, state, name, settings):
-    """((conv taps K, channels per group), selector candidates per slot): its config's, else inferred (and logged)."""
-    H, found, p = cfg["hidden_size"], {}, "layers.0.attention_conv."
+def conv_settings(cfg, state, name, settings, found):
+    """DFlash 2's convolution geometry (conv taps K, channels per group): its config's, else inferred from the
+    tensors (and logged, with what `found` holds already)."""
+    H, p = cfg["hidden_size"], "layers.0.attention_conv."
     kernel, projection = state.get(p + "base_kernel"), state.get(p + "kernel_projection.weight")
     K = dflash_value(cfg, "conv_kernel_size")
     if K is None and kernel is not None and kernel.dim() == 3:
@@ -2525,18 +2537,23 @@ def dflash2_settings(cfg, state, name, settings):
     group = dflash_value(cfg, "conv_group_size")
     if group is None and K and projection is not None and projection.shape[0] % (2 * K) == 0:
         group = found["conv_group_size"] = H // max(1, projection.shape[0] // (2 * K))
-    top_k = dflash_value(cfg, "selector_top_k")
-    if top_k is None:
-        top_k = found["selector_top_k"] = 16
     if K is None or group is None:
-        fail(f"drafter {name}: a DFlash 2 drafter needs conv_kernel_size and conv_group_size in its dflash_config "
-             "(or layers.N.attention_conv tensors to read them from); they are missing")
+        fail(f"drafter {name}: a drafter with DFlash 2's convolutions needs conv_kernel_size and conv_group_size in "
+             "its dflash_config (or layers.N.attention_conv tensors to read them from); they are missing")
     if int(group) < 1 or H % int(group):
         fail(f"drafter {name}: conv_group_size {group} does not divide the hidden size {H}")
     if found:
         log(settings, f"drafter {name}: inferred " + ", ".join(f"{k} {v}" for k, v in found.items())
             + " (not in its config)")
-    return (int(K), int(group)), int(top_k)
+    return int(K), int(group)
+
+
+def dflash2_settings(cfg, state, name, settings):
+    """((conv taps K, channels per group), selector candidates per slot): its config's, else inferred (and logged)."""
+    top_k, found = dflash_value(cfg, "selector_top_k"), {}
+    if top_k is None:
+        top_k = found["selector_top_k"] = 16
+    return conv_settings(cfg, state, name, settings, found), int(top_k)
 
 
 def select_path(drafter, unary, candidates, projected, first):
@@ -2639,6 +2656,69 @@ def xpress_note(head):
             + "; slot 0 reads the anchor itself as the token before it, as vLLM 0.33 runs it (speculators trains it "
               "with the token before the anchor); served by vLLM 0.33 only (method dflash), greedy drafts, with "
               f"num_speculative_tokens = {head['block'] - 1} (its kernel reads the mixer at the block it runs)")
+
+
+LILICORR_KEYS = ("candidate_topk", "hidden_size", "num_layers", "num_heads", "mlp_ratio", "factor_dim", "vector_eps",
+                 "logit_scale")   # dflash_config's lilicorr_*: no defaults in either engine
+
+
+def lilicorr_head(cfg, state, where, settings):
+    """What LiLiCorr's correlator reads: its lilicorr_* knobs, its width, the trained block."""
+    if dflash_value(cfg, "lilicorr_enabled") is False:
+        fail(f"{where} with lilicorr_enabled false: no engine serves it so (vLLM refuses it, SGLang then loads no "
+             "correlator); set it true")
+    missing = next((k for k in LILICORR_KEYS if dflash_value(cfg, "lilicorr_" + k) is None), None)
+    if missing:
+        fail(f"{where} needs lilicorr_{missing} in its dflash_config (neither engine has a default); it is missing")
+    head = {k: dflash_value(cfg, "lilicorr_" + k) for k in LILICORR_KEYS}
+    top, width = head["candidate_topk"], head["hidden_size"] or cfg["hidden_size"]
+    if top > 16 or top & (top - 1):
+        fail(f"{where}: lilicorr_candidate_topk {top} must be a power of two <= 16, as both engines require")
+    if width % head["num_heads"]:
+        fail(f"{where}: lilicorr_num_heads {head['num_heads']} does not divide its width {width}")
+    if dflash_value(cfg, "has_own_lm_head") and settings.get("engine", "vllm") == "vllm":
+        fail(f"{where} with has_own_lm_head: vLLM takes its candidates from the checkpoint's lm_head, which this tool "
+             "does not run; --engine sglang takes them from the target's head, as SGLang does")
+    return {**head, "width": width, "block": dflash_value(cfg, "block_size") or 16, "context_rows": True}
+
+
+def lilicorr_tensors(head, H):
+    """{name: shape} of LiLiCorr's correlator, under lilicorr., as both engines load it (every linear with a bias)."""
+    W, k, B, F_ = head["width"], head["candidate_topk"], head["block"], head["factor_dim"]
+    m, nh = int(W * head["mlp_ratio"]), head["num_heads"]
+
+    def lin(name, rows, cols):
+        return {name + ".weight": (rows, cols), name + ".bias": (rows,)}
+    shapes = {**lin("pass_hidden_proj", W, H), **lin("context_proj", W, H), **lin("factor_input_proj", W, 3 * W),
+              "feature_norm.weight": (5,), "feature_norm.bias": (5,), **lin("feature_mlp.up_proj", W, 5),
+              **lin("feature_mlp.down_proj", W, W), "slot_embedding": (1, 1, B - 1, 1, W),
+              "rank_embedding": (1, 1, 1, k, W), "relative_slot_bias": (nh, 2 * B - 1), "same_slot_bias": (nh,),
+              "output_norm.weight": (W,), "anchor_norm.weight": (W,),
+              **{n: s for h in ("out_head", "in_head", "anchor_out_head") for n, s in lin(h, F_, W).items()},
+              **(lin("token_proj", W, H) if W != H else {})}
+    for i in range(head["num_layers"]):
+        p = f"layers.{i}."
+        shapes.update({p + "attn_norm.weight": (W,), p + "attn.in_proj_weight": (3 * W, W), p + "attn.in_proj_bias": (3 * W,),
+                       **lin(p + "attn.out_proj", W, W), p + "mlp_norm.weight": (W,), **lin(p + "mlp.up_proj", m, W),
+                       **lin(p + "mlp.down_proj", W, m)})
+    return shapes
+
+
+def lilicorr_conv(cfg, state, name, settings):
+    """A LiLiCorr drafter's DFlash 2 convolutions, if its config or tensors have them (both engines build them from
+    conv_kernel_size and conv_group_size); no DFlash 2 selector."""
+    if any(dflash_value(cfg, k) is not None for k in ("conv_kernel_size", "conv_group_size")) \
+            or any("_conv." in k for k in state):
+        return conv_settings(cfg, state, name, settings, {}), 0
+    return (), 0
+
+
+def lilicorr_note(head):
+    """What the load line says of a LiLiCorr drafter: its lattice, and how the engines serve it."""
+    return (f"; correlator over each slot's top {head['candidate_topk']} candidates ({head['num_layers']} layers, width "
+            f"{head['width']}), drafts by a greedy walk of cosine scores x {head['logit_scale']} from the anchor; "
+            "served by vLLM 0.33 (method dflash; sampled drafts with draft_sample_method probabilistic) and SGLang "
+            "0.5.23 (greedy unless SGLANG_ENABLE_LILICORR_SAMPLING=1), both with the target's head for candidates")
 
 
 def load_block(name, path, generation, cfg, state, layout, raw, target_cfg, settings, identify):
@@ -2820,6 +2900,69 @@ def xpress_round(d, context_kv, anchors, first, starts, embed_w, head, prompt_id
     rows, per = proposal_rows(d, hidden), max(1, d.logit_rows // (d.block_size - 1))   # the logits budget
     return torch.cat([xpress_drafts(d, hidden[i:i + per], drafter_logits(d, head, rows[i:i + per], prompt_id)[0],
                                     first[i:i + per]) for i in range(0, anchors.shape[0], per)]), None
+
+
+def lilicorr_scores(d, rows, candidates, logp, anchor_rows, embed_w):
+    """LiLiCorr's lattice, as vLLM's and SGLang's LiLiCorrHead score it: (start (n, k): anchor -> slot 0's candidates,
+    pairs (n, S-1, k, k): slot s's candidate i -> slot s+1's candidate j), both scaled cosines. Each candidate is the
+    target's embedding of its token, the slot's hidden, an MLP of five features of its log-prob and rank, slot and rank
+    embeddings; a bidirectional transformer over all S * k of them with learned slot-distance biases."""
+    w, h, p, eps = d.weights, d.head, LILICORR, d.cfg.get("rms_norm_eps", 1e-6)
+    (n, S, k), W, heads = candidates.shape, h["width"], h["num_heads"]
+
+    def lin(name, x):
+        return F.linear(x, w[p + name + ".weight"], w[p + name + ".bias"])
+    tokens = embed_w[candidates]
+    x = (lin("token_proj", tokens) if p + "token_proj.weight" in w else tokens) + lin("pass_hidden_proj", rows)[:, :, None]
+    rank = torch.arange(k, device=logp.device, dtype=torch.float32)
+    feats = torch.stack([logp, logp.exp(), logp - logp.amax(-1, keepdim=True), (rank / max(k - 1, 1)).expand_as(logp),
+                         (rank == 0).float().expand_as(logp)], -1)
+    feats = F.layer_norm(feats.to(x.dtype), (5,), w[p + "feature_norm.weight"], w[p + "feature_norm.bias"])
+    x = x + lin("feature_mlp.down_proj", F.silu(lin("feature_mlp.up_proj", feats)))
+    x = (x + w[p + "slot_embedding"][0, 0, :S] + w[p + "rank_embedding"][0, 0]).reshape(n, S * k, W)
+    slot = torch.arange(S, device=x.device).repeat_interleave(k)
+    bias = w[p + "relative_slot_bias"][:, slot[:, None] - slot[None] + h["block"] - 1] \
+        + (slot[:, None] == slot[None]) * w[p + "same_slot_bias"][:, None, None]
+    for i in range(h["num_layers"]):
+        q = f"layers.{i}."
+        qkv = F.linear(rms_norm(x, w[p + q + "attn_norm.weight"], eps), w[p + q + "attn.in_proj_weight"],
+                       w[p + q + "attn.in_proj_bias"])
+        qh, kh, vh = (t.view(n, S * k, heads, -1).transpose(1, 2) for t in qkv.chunk(3, -1))
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias.to(x.dtype))
+        x = x + lin(q + "attn.out_proj", out.transpose(1, 2).reshape(n, S * k, W))
+        x = x + lin(q + "mlp.down_proj", F.silu(lin(q + "mlp.up_proj", rms_norm(x, w[p + q + "mlp_norm.weight"], eps))))
+    y = rms_norm(x, w[p + "output_norm.weight"], eps).view(n, S, k, W)
+    a = rms_norm(lin("context_proj", anchor_rows), w[p + "anchor_norm.weight"], eps)[:, None, None]
+    f = F.silu(lin("factor_input_proj", torch.cat([y, a.expand_as(y), y * a], -1)))
+    out, into = (F.normalize(lin(name, f), dim=-1, eps=h["vector_eps"]) for name in ("out_head", "in_head"))
+    start = (F.normalize(lin("anchor_out_head", a[:, 0, 0]), dim=-1, eps=h["vector_eps"])[:, None] * into[:, 0]).sum(-1)
+    return h["logit_scale"] * start.float(), h["logit_scale"] * (out[:, :-1] @ into[:, 1:].transpose(-1, -2)).float()
+
+
+def lilicorr_round(d, context_kv, anchors, first, starts, embed_w, head, prompt_id, given=None, sampling=None):
+    """LiLiCorr's round: each slot's top-k candidates by the drafter's log-probs, scored by the correlator given the
+    projected target row before the anchor; the greedy walk from the anchor (i_0 = argmax start, then each slot's best
+    successor of the one before; the engines' walk, not Viterbi). With `given` tokens: a drafter sampling each step
+    from softmax(scores / T) over the candidates (vLLM's probabilistic drafts) draws each, after the given ones."""
+    hidden = drafter_forward(d, context_kv, anchors, mask_block(d, first), embed_w, starts)
+    rows, k = proposal_rows(d, hidden), d.head["candidate_topk"]
+    logits = drafter_logits(d, head, rows, prompt_id)[0].float()
+    logp, candidates = logits.log_softmax(-1).topk(k, dim=-1)
+    ctx = context_kv[-1][0][0]
+    start, pairs = lilicorr_scores(d, rows, candidates, logp, ctx[anchors - 1 + (0 if starts is None else starts)],
+                                   embed_w)
+    pick, path = start.argmax(-1), []
+    for s in range(rows.shape[1]):
+        if s:
+            pick = pairs[:, s - 1].gather(1, pick[:, None, None].expand(-1, 1, k))[:, 0].argmax(-1)
+        path.append(candidates[:, s].gather(1, pick[:, None])[:, 0])
+    if given is None:
+        return torch.stack(path, 1), None
+    at = candidates == given[:, :, None]   # where each given token stands among its slot's candidates
+    before = torch.cat([torch.zeros_like(at[:, :1, :, 0], dtype=torch.long), at[:, :-1].float().argmax(-1)], 1)
+    scores = torch.cat([start[:, None], pairs.gather(2, before[:, 1:, None, None].expand(-1, -1, 1, k))[:, :, 0]], 1)
+    q = ((scores.double() / sampling[0]).softmax(-1) * at).sum(-1)
+    return torch.stack(path, 1), q
 
 
 PARALLEL_MASK_KEYS = ("mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")   # vLLM's order
@@ -3135,6 +3278,10 @@ FAMILIES = {
     "XPress": Family(load_block, xpress_round, head=xpress_head, note=xpress_note, greedy="vLLM serves it so",
                      ddtree_note="XPress drafts a chain: its refiner reads the token drafted before each slot, and vLLM, "
                      "the one engine serving it, verifies a chain, so no DDTree rows"),
+    "LiLiCorr": Family(load_block, lilicorr_round, head=lilicorr_head, note=lilicorr_note, conv=lilicorr_conv,
+                       full_vocabulary="candidate lattice's scores", ddtree_note="LiLiCorr drafts a chain: its walk "
+                       "picks each slot's candidate after the one before it, and both engines verify a chain, so no "
+                       "DDTree rows"),
     "EAGLE-3": Family(load_eagle3, causal_round, causal=True, method="eagle3", ddtree_note=(
         "EAGLE-3 drafts a chain here, as vLLM serves it (SGLang's token trees are out of scope), so no DDTree rows")),
     "P-EAGLE": Family(load_eagle3, parallel_round, causal=True, method="eagle3", vllm={"parallel_drafting": True},

@@ -353,5 +353,4 @@ def main():
         log(name, sorted(os.listdir(os.path.join(OUT, name))))
 
 
-if __name__ == "__main__":
-    main()
+#@@NEW@@
