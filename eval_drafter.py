@@ -2526,10 +2526,10 @@ def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab
     return shapes
 
 
-def conv_settings(cfg, state, name, settings, found):
+def conv_settings(cfg, state, name, settings, more=()):
     """DFlash 2's convolution geometry (conv taps K, channels per group): its config's, else inferred from the
-    tensors (and logged, with what `found` holds already)."""
-    H, p = cfg["hidden_size"], "layers.0.attention_conv."
+    tensors (and logged, with the `more` (key, value) taken by default)."""
+    H, p, found = cfg["hidden_size"], "layers.0.attention_conv.", {}
     kernel, projection = state.get(p + "base_kernel"), state.get(p + "kernel_projection.weight")
     K = dflash_value(cfg, "conv_kernel_size")
     if K is None and kernel is not None and kernel.dim() == 3:
@@ -2542,6 +2542,7 @@ def conv_settings(cfg, state, name, settings, found):
              "its dflash_config (or layers.N.attention_conv tensors to read them from); they are missing")
     if int(group) < 1 or H % int(group):
         fail(f"drafter {name}: conv_group_size {group} does not divide the hidden size {H}")
+    found.update(more)
     if found:
         log(settings, f"drafter {name}: inferred " + ", ".join(f"{k} {v}" for k, v in found.items())
             + " (not in its config)")
@@ -2550,10 +2551,9 @@ def conv_settings(cfg, state, name, settings, found):
 
 def dflash2_settings(cfg, state, name, settings):
     """((conv taps K, channels per group), selector candidates per slot): its config's, else inferred (and logged)."""
-    top_k, found = dflash_value(cfg, "selector_top_k"), {}
-    if top_k is None:
-        top_k = found["selector_top_k"] = 16
-    return conv_settings(cfg, state, name, settings, found), int(top_k)
+    top_k = dflash_value(cfg, "selector_top_k")
+    return conv_settings(cfg, state, name, settings, {} if top_k is not None else {"selector_top_k": 16}), \
+        int(16 if top_k is None else top_k)
 
 
 def select_path(drafter, unary, candidates, projected, first):
@@ -2709,7 +2709,7 @@ def lilicorr_conv(cfg, state, name, settings):
     conv_kernel_size and conv_group_size); no DFlash 2 selector."""
     if any(dflash_value(cfg, k) is not None for k in ("conv_kernel_size", "conv_group_size")) \
             or any("_conv." in k for k in state):
-        return conv_settings(cfg, state, name, settings, {}), 0
+        return conv_settings(cfg, state, name, settings), 0
     return (), 0
 
 

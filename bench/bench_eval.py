@@ -507,7 +507,7 @@ def time_per_anchor(paths, args, model, variants, span):
 
 
 # ----------------------------------------------------------------------------------------------------
-# l. DSpark, Domino, EAGLE-3 and MTP against DFlash, drafter only
+# l. DSpark, Domino, XPress, LiLiCorr, EAGLE-3, P-EAGLE and MTP against DFlash, drafter only
 
 FAMILY_BENCH = {   # name: (generation, head, dflash_config keys); rank 256 is speculators' default, Domino alike
     "DSpark vanilla": ("DSpark", {"kind": "vanilla", "rank": 256, "topk": 0},
@@ -515,6 +515,23 @@ FAMILY_BENCH = {   # name: (generation, head, dflash_config keys); rank 256 is s
     "DSpark rnn": ("DSpark", {"kind": "rnn", "rank": 256, "topk": 0}, {"markov_rank": 256, "markov_head_type": "rnn"}),
     "Domino": ("Domino", {"prefix": 1, "shift": False, "pool": 0},
                {"emb_dim": 256, "gru_hidden_dim": 256, "pure_draft_prefix_len": 1, "shift_label": False}),
+}
+
+
+LILICORR_BENCH = {"candidate_topk": 4, "hidden_size": 0, "num_layers": 2, "num_heads": 4, "mlp_ratio": 2.0,
+                  "factor_dim": 64, "vector_eps": 1e-4, "logit_scale": 8.0}
+NEW_FAMILY_BENCH = {   # name: (dflash_config keys, {tensor: shape} of its head): vLLM's defaults (XPress rank 256, MLP
+    # 512, 6 passes, top-512 candidates); LiLiCorr at modelopt's published test knobs, its width the drafter's
+    "XPress": ({"xpress_rank": 256, "xpress_mlp_ratio": 2, "num_jacobi_passes": 6},
+               lambda c: {ed.XPRESS + k: s for k, s in {
+                   "token_embed.weight": (c["vocab_size"], 256), "down_h.weight": (256, c["hidden_size"]),
+                   "down_g.weight": (256, c["hidden_size"]), "in_proj.weight": (256, 768),
+                   "mix_l": (256, c["block_size"], c["block_size"]), "mlp_gate.weight": (512, 256),
+                   "mlp_up.weight": (512, 256), "mlp_down.weight": (256, 512),
+                   "readout.weight": (c["vocab_size"], 256)}.items()}),
+    "LiLiCorr": ({"lilicorr_" + k: v for k, v in LILICORR_BENCH.items()},
+                 lambda c: {ed.LILICORR + k: s for k, s in ed.lilicorr_tensors(
+                     {**LILICORR_BENCH, "width": c["hidden_size"], "block": c["block_size"]}, c["hidden_size"]).items()}),
 }
 
 
@@ -547,6 +564,23 @@ def measure_families(paths, args, work, dcfg):
                for k, v in md.mtp_weights(layer, 0, scale=0.05).items()}
     variants["MTP"] = replace(md.mtp_drafter(layer, weights, one.block_size - 1, ed.build_rope(layer, args.device),
                                              model.config.num_hidden_layers - 1), logit_rows=one.logit_rows)
+    # P-EAGLE: the EAGLE-3 layer drafting its K tokens in one pass (the bonus row and K - 1 mask slots)
+    path = os.path.join(work, "peagle")
+    md.save_drafter(path, {**md.eagle3_config(layer, one.layers, one.block_size - 1), "speculators_model_type": "peagle",
+                           "mask_token_id": one.mask_token_id},
+                    {**md.eagle3_weights(layer, len(one.layers), 0, scale=0.05),
+                     "mask_hidden": torch.randn(1, 1, len(one.layers) * layer["hidden_size"]) * 0.05})
+    variants["P-EAGLE"] = ed.load_drafter(f"peagle={path}", ed.read_target_config(paths["target"]), settings)
+    # XPress and LiLiCorr: the DFlash drafter's backbone plus their heads at the engines' published sizes
+    for name, (keys, shapes) in NEW_FAMILY_BENCH.items():
+        path = os.path.join(work, name)
+        cfg = {**dcfg, "architectures": [name + "DraftModel"], "dflash_config": {**dcfg["dflash_config"], **keys}}
+        g, weights = torch.Generator().manual_seed(2), md.random_drafter_weights(dcfg, 3, seed=0, scale=0.05)
+        weights.update({k: torch.ones(s) if k.endswith("norm.weight") else torch.randn(*s, generator=g) * 0.05
+                        for k, s in shapes(dcfg).items()})
+        md.save_drafter(path, cfg, weights)
+        variants[name] = ed.load_drafter(f"{name}={path}", ed.read_target_config(paths["target"]), settings)
+        variants[name + " without its head"] = replace(variants[name], generation="DFlash")
     return time_per_anchor(paths, args, model, variants, one.block_size + 1)   # DSpark's rounds are one longer
 
 
@@ -555,8 +589,11 @@ def report_families(f):
     one = t["DFlash"]
     parts = [f"{name} {t[name] * 1e3:.3f} ms (x{t[name] / one:.2f}; sequential part "
              f"{(t[name] - t[name + ' without its head']) / t[name]:.1%})" for name in FAMILY_BENCH]
-    parts += [f"{name} {t[name] * 1e3:.3f} ms (x{t[name] / one:.2f})" for name in ("EAGLE-3", "MTP")]
-    say(f"l. DSpark, Domino, EAGLE-3 and MTP against DFlash of the same shape, drafter only (its context included), "
+    parts += [f"{name} {t[name] * 1e3:.3f} ms (x{t[name] / one:.2f}; its head's part "
+              f"{(t[name] - t[name + ' without its head']) / t[name]:.1%})" for name in NEW_FAMILY_BENCH]
+    parts += [f"{name} {t[name] * 1e3:.3f} ms (x{t[name] / one:.2f})" for name in ("EAGLE-3", "P-EAGLE", "MTP")]
+    say(f"l. DSpark, Domino, XPress, LiLiCorr, EAGLE-3, P-EAGLE and MTP against DFlash of the same shape, drafter only "
+        "(its context included), "
         f"{f['anchors']} anchors, per anchor: "
         f"DFlash {one * 1e3:.3f} ms; " + "; ".join(parts) + " (DSpark drafts one more token a round: its anchor's "
         "slot drafts too)")

@@ -7,6 +7,8 @@ DFlash drafter trained on that target's greedy output. Deterministic; about two 
                                                         # speculators' sample_from_anchor, in its layout
     python tests/make_demo.py --families [OUT_DIR]      # DSpark (vanilla, rnn) and Domino (shift_label off,
                                                         # on) drafters for the demo target, one layer each
+    python tests/make_demo.py --lilicorr [OUT_DIR]      # a LiLiCorr drafter (the demo drafter's backbone, a
+                                                        # trained correlator) in the engines' layout
     python tests/make_demo.py --mtp [TARGET_DIR]        # a trained MTP layer written into the hybrid demo
                                                         # target's checkpoint (mtp.*), as Qwen3.5 ships one
     python tests/make_demo.py --real [OUT_DIR]          # the real pair's drafter (tests/fixtures/real_drafter) for
@@ -446,6 +448,67 @@ def train_mtp(target_dir, steps=300, ttt=1, anchors_per_step=48):
     print(f"wrote the MTP layer into {target_dir}", flush=True)
 
 
+LILICORR = {"candidate_topk": 4, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "mlp_ratio": 2.0,
+            "factor_dim": 16, "vector_eps": 1e-4, "logit_scale": 8.0}   # dflash_config's lilicorr_* (modelopt's test sizes)
+
+
+def train_lilicorr(out_dir, target, data, steps=600, anchors_per_step=48):
+    """A LiLiCorr drafter in the engines' layout (architectures LiLiCorrDraftModel, lilicorr_* in dflash_config,
+    lilicorr.* tensors; no trainer in speculators or SpecForge makes one): a one-layer DFlash backbone trained
+    briefly (60 steps: often wrong, its top-k candidates still holding the reference, so the walk has choices to
+    make), then frozen, and a correlator (width 32, so token_proj exists) trained to walk the reference: at each anchor, cross-entropy of the
+    start scores toward the reference token's rank among slot 0's candidates, and of each pair row (from the
+    reference's candidate before it) toward the next one, where both are among the candidates."""
+    from safetensors.torch import load_file
+    demo = out_dir + ".backbone"
+    train_drafter(demo, target, language(), steps=60, data=data, num_hidden_layers=1, layer_types=["full_attention"])
+    with open(os.path.join(demo, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["architectures"] = ["LiLiCorrDraftModel"]
+    cfg["dflash_config"].update({"lilicorr_" + k: v for k, v in LILICORR.items()})
+    backbone = load_file(os.path.join(demo, "model.safetensors"))
+    head = {**LILICORR, "width": LILICORR["hidden_size"], "block": cfg["block_size"], "context_rows": True}
+    g = torch.Generator().manual_seed(8)
+    correlator = {k: (torch.ones(shape) if k.endswith("norm.weight") else torch.zeros(shape) if k.endswith("bias")
+                      else torch.randn(*shape, generator=g) * 0.1).requires_grad_()
+                  for k, shape in ed.lilicorr_tensors(head, cfg["hidden_size"]).items()}
+    drafter = ed.Drafter(name="training", checkpoint=out_dir, cfg=cfg, layers=cfg["dflash_config"]["target_layer_ids"],
+                         weights={**backbone, **{"lilicorr." + k: v for k, v in correlator.items()}},
+                         block_size=cfg["block_size"], mask_token_id=MASK_ID,
+                         rules=ed.layer_rules(cfg, {"sliding_window": "train", "block_mask": "auto"}),
+                         rope=ed.build_rope(cfg, "cpu"), logit_rows=ed.LOGIT_ROWS_PER_CHUNK, generation="LiLiCorr",
+                         head=head)
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    for prm in target.parameters():
+        prm.requires_grad_(False)
+    rng, B, k = random.Random(9), cfg["block_size"], LILICORR["candidate_topk"]
+
+    def loss_of(step):
+        ids, n_prompt, feats = data[rng.randrange(len(data))]
+        anchors = torch.tensor(sorted(rng.sample(range(n_prompt, len(ids) - B + 1), anchors_per_step)))
+        ids_t = torch.tensor(ids)
+        block = torch.full((len(anchors), B), MASK_ID)
+        block[:, 0] = ids_t[anchors]
+        with torch.no_grad():
+            context = ed.drafter_context(drafter, feats)
+            rows = ed.drafter_forward(drafter, context, anchors, block, embed.weight)[:, 1:]
+            logp, candidates = lm_head(rows).float().log_softmax(-1).topk(k, dim=-1)
+        start, pairs = ed.lilicorr_scores(drafter, rows, candidates, logp, context[-1][0][0][anchors - 1], embed.weight)
+        at = candidates == ids_t[anchors[:, None] + torch.arange(1, B)][:, :, None]
+        has, rank = at.any(-1), at.float().argmax(-1)
+        rows_of = pairs.gather(2, rank[:, :-1, None, None].expand(-1, -1, 1, k))[:, :, 0]
+        losses = torch.cat([torch.nn.functional.cross_entropy(start, rank[:, 0], reduction="none")[:, None],
+                            torch.nn.functional.cross_entropy(rows_of.transpose(1, 2), rank[:, 1:], reduction="none")], 1)
+        keep = torch.cat([has[:, :1], has[:, :-1] & has[:, 1:]], 1)
+        weight = keep * (1 + 3 * (rank > 0))   # where the backbone's argmax is wrong, the walk has to learn to turn
+        return (losses * weight).sum() / weight.sum()
+    optimize(list(correlator.values()), steps, loss_of, "lilicorr", lr=3e-3)
+    save_drafter(out_dir, cfg, {**backbone, **{"lilicorr." + k: v.detach() for k, v in correlator.items()}})
+    for name in os.listdir(demo):
+        os.remove(os.path.join(demo, name))
+    os.rmdir(demo)
+
+
 def make_families(out=None, only=None):
     """The family fixtures for the demo target as it is committed (minutes on 2 cores)."""
     from transformers import AutoModelForCausalLM
@@ -456,6 +519,9 @@ def make_families(out=None, only=None):
     data = training_data(target, lang, [1, 3, 4], random.Random(1))
     if only == "eagle3":
         train_eagle3(os.path.join(out, "eagle3"), target, data)
+        return
+    if only == "lilicorr":
+        train_lilicorr(os.path.join(out, "lilicorr"), target, data)
         return
     for name in FAMILIES:
         train_drafter(os.path.join(out, name), target, lang, steps=600, family=name, data=data, num_hidden_layers=1,
@@ -913,7 +979,8 @@ if __name__ == "__main__":
         make_real(*[a for a in args if not a.startswith("--")])
     elif "--mtp" in args:
         train_mtp(next((a for a in args if not a.startswith("--")), os.path.join(FIXTURES, "demo_hybrid", "target")))
-    elif "--families" in args or "--eagle3" in args:
-        make_families(*[a for a in args if not a.startswith("--")], only="eagle3" if "--eagle3" in args else None)
+    elif "--families" in args or "--eagle3" in args or "--lilicorr" in args:
+        make_families(*[a for a in args if not a.startswith("--")],
+                      only=next((k for k in ("eagle3", "lilicorr") if "--" + k in args), None))
     else:
         main(*[a for a in args if not a.startswith("--")], hybrid="--hybrid" in args, from_anchor="--from-anchor" in args)
