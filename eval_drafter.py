@@ -2634,7 +2634,7 @@ def xpress_head(cfg, state, where, settings):
     down, gate = state.get(XPRESS + "down_h.weight"), state.get(XPRESS + "mlp_gate.weight")
     rank = dflash_value(cfg, "xpress_rank") or (down.shape[0] if down is not None and down.dim() == 2 else None)
     ratio = dflash_value(cfg, "xpress_mlp_ratio")   # speculators' knob; vLLM's is the width itself
-    mlp = dflash_value(cfg, "xpress_mlp_hidden") or (round(rank * ratio) if rank and ratio else None) \
+    width = dflash_value(cfg, "xpress_mlp_hidden") or (round(rank * ratio) if rank and ratio else None) \
         or (gate.shape[0] if gate is not None and gate.dim() == 2 else None)
     passes = settings.get("xpress_passes")
     if passes is None:
@@ -2645,7 +2645,7 @@ def xpress_head(cfg, state, where, settings):
     block = dflash_value(cfg, "xpress_block_size") or dflash_value(cfg, "block_size")
     readout = state.get(XPRESS + "readout.weight")
     whole = readout is not None and topc >= readout.shape[0]   # top-c of the whole vocabulary: the exact argmax
-    return {"rank": rank, "mlp": mlp, "block": block, "passes": int(passes), "topc": 0 if whole else int(topc)}
+    return {"rank": rank, "mlp": width, "block": block, "passes": int(passes), "topc": 0 if whole else int(topc)}
 
 
 def xpress_note(head):
