@@ -709,25 +709,14 @@ def per_depth(sums):
     return [round(sums[d][0] / max(sums[d][1], 1), 3) for d in range(PEAGLE_DEPTHS)]
 
 
-def train_peagle(model, data):
-    """PEagleDraftModel.forward (speculators' P-EAGLE training forward: COD sampling with num_depths 5,
-    down_sample_ratio 0.7, min 0.2 (PEagleArgs' defaults), mask rows = mask token + mask_hidden, the P-EAGLE
-    attention mask) and its default loss (kl_div, eager implementation). Trainable as in speculators: everything
-    but lm_head (frozen by load_verifier_weights) and the verifier copies; embed_tokens trains
-    (embed_requires_grad true)."""
-    from speculators.losses import resolve_loss_config
-    loss_config = resolve_loss_config("kl_div", "eager")
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=PEAGLE_LR, weight_decay=0.0)
+def optimize(model, steps, lr, step_loss, what):
+    """AdamW over the model's trainable parameters; step_loss(step) gives (loss, metrics with P-EAGLE's per-depth
+    accuracy sums), logged every 100 steps."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     model.train()
     sums, loss_sum = [[0.0, 0.0] for _ in range(PEAGLE_DEPTHS)], 0.0
-    for step in range(PEAGLE_STEPS):
-        b = shifted(data[step % len(data)])
-        _, loss, metrics = model(
-            hidden_states=b["hidden_states"], input_ids=b["input_ids"],
-            document_ids=torch.zeros_like(b["input_ids"]), loss_mask=b["loss_mask"],
-            verifier_last_hidden_states=b["verifier_last_hidden_states"], loss_config=loss_config,
-            num_depths=PEAGLE_DEPTHS, down_sample_ratio=0.7, down_sample_ratio_min=0.2)
+    for step in range(steps):
+        loss, metrics = step_loss(step)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -736,9 +725,29 @@ def train_peagle(model, data):
             sums[d][0] += float(metrics[f"position_{d}_acc_sum"])
             sums[d][1] += float(metrics[f"position_{d}_acc_total"])
         if (step + 1) % 100 == 0:
-            log(f"peagle step {step + 1}: loss {loss_sum / 100:.4f}, per-depth accuracy {per_depth(sums)}")
+            log(f"{what} step {step + 1}: loss {loss_sum / 100:.4f}, per-depth accuracy {per_depth(sums)}")
             sums, loss_sum = [[0.0, 0.0] for _ in range(PEAGLE_DEPTHS)], 0.0
     model.eval()
+
+
+def train_peagle(model, data):
+    """PEagleDraftModel.forward (speculators' P-EAGLE training forward: COD sampling with num_depths 5,
+    down_sample_ratio 0.7, min 0.2 (PEagleArgs' defaults), mask rows = mask token + mask_hidden, the P-EAGLE
+    attention mask) and its default loss (kl_div, eager implementation). Trainable as in speculators: everything
+    but lm_head (frozen by load_verifier_weights) and the verifier copies; embed_tokens trains
+    (embed_requires_grad true)."""
+    from speculators.losses import resolve_loss_config
+    loss_config = resolve_loss_config("kl_div", "eager")
+
+    def step_loss(step):
+        b = shifted(data[step % len(data)])
+        _, loss, metrics = model(
+            hidden_states=b["hidden_states"], input_ids=b["input_ids"],
+            document_ids=torch.zeros_like(b["input_ids"]), loss_mask=b["loss_mask"],
+            verifier_last_hidden_states=b["verifier_last_hidden_states"], loss_config=loss_config,
+            num_depths=PEAGLE_DEPTHS, down_sample_ratio=0.7, down_sample_ratio_min=0.2)
+        return loss, metrics
+    optimize(model, PEAGLE_STEPS, PEAGLE_LR, step_loss, "peagle")
 
 
 def all_chains(T1, anchors, K):
@@ -957,23 +966,8 @@ def train_specforge(online, data):
     """OnlinePEagleModel.forward (SpecForge's training forward: its COD sampling with num_depths 5 and
     down_sample_ratio 0.8 / min 0.2 (training config defaults), flex block mask, soft cross-entropy against
     softmax(target)). Everything trains (build_peagle_draft does not freeze the embedding)."""
-    params = [p for p in online.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=SPECFORGE_LR, weight_decay=0.0)
-    online.train()
-    sums, loss_sum = [[0.0, 0.0] for _ in range(PEAGLE_DEPTHS)], 0.0
-    for step in range(SPECFORGE_STEPS):
-        loss, metrics = online(**specforge_batch(data[step % len(data)]))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        loss_sum += float(loss)
-        for d in range(PEAGLE_DEPTHS):
-            sums[d][0] += float(metrics[f"position_{d}_acc_sum"])
-            sums[d][1] += float(metrics[f"position_{d}_acc_total"])
-        if (step + 1) % 100 == 0:
-            log(f"specforge peagle step {step + 1}: loss {loss_sum / 100:.4f}, per-depth accuracy {per_depth(sums)}")
-            sums, loss_sum = [[0.0, 0.0] for _ in range(PEAGLE_DEPTHS)], 0.0
-    online.eval()
+    optimize(online, SPECFORGE_STEPS, SPECFORGE_LR, lambda step: online(**specforge_batch(data[step % len(data)])),
+             "specforge peagle")
 
 
 def specforge_drafts(draft_model, algo, seqs):
