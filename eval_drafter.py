@@ -2522,7 +2522,8 @@ def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab
         n = state["fc.weight"].shape[1] // H
         shapes.update({"fc.weight": (H, n * H), **({"input_norm.weight": (n * H,)} if head["norm_before_fc"] else {}),
                        **{f"fc_norm.{i}.weight": (H,) for i in range(n if head["fc_norm"] else 0)},
-                       **({"mask_hidden": (1, 1, n * H)} if generation == "P-EAGLE" else {})})
+                       **({"mask_hidden": (1, 1, n * H)} if generation == "P-EAGLE" else {}),
+                       **({"embed_tokens.weight": (vocab, H)} if "embed_tokens.weight" in state else {})})
     return shapes
 
 
@@ -2705,12 +2706,14 @@ def lilicorr_tensors(head, H):
 
 
 def lilicorr_conv(cfg, state, name, settings):
-    """A LiLiCorr drafter's DFlash 2 convolutions, if its config or tensors have them (both engines build them from
-    conv_kernel_size and conv_group_size); no DFlash 2 selector."""
-    if any(dflash_value(cfg, k) is not None for k in ("conv_kernel_size", "conv_group_size")) \
-            or any("_conv." in k for k in state):
-        return conv_settings(cfg, state, name, settings), 0
-    return (), 0
+    """A LiLiCorr drafter's DFlash 2 convolutions, which both engines build from conv_kernel_size and conv_group_size
+    (both or neither; not inferred from the tensors, as both engines say); no DFlash 2 selector."""
+    keys = [k for k in ("conv_kernel_size", "conv_group_size") if dflash_value(cfg, k) is not None]
+    if len(keys) == 1 or (not keys and any("_conv." in k for k in state)):
+        missing = next(k for k in ("conv_kernel_size", "conv_group_size") if k not in keys)
+        fail(f"drafter {name}: a LiLiCorr drafter with DFlash 2's convolutions needs {missing} in its dflash_config "
+             "(vLLM and SGLang build them from conv_kernel_size and conv_group_size, both or neither); it is missing")
+    return (conv_settings(cfg, state, name, settings) if keys else ()), 0
 
 
 def lilicorr_note(head):
@@ -2959,7 +2962,7 @@ def lilicorr_round(d, context_kv, anchors, first, starts, embed_w, head, prompt_
     if given is None:
         return torch.stack(path, 1), None
     at = candidates == given[:, :, None]   # where each given token stands among its slot's candidates
-    before = torch.cat([torch.zeros_like(at[:, :1, :, 0], dtype=torch.long), at[:, :-1].float().argmax(-1)], 1)
+    before = torch.cat([torch.zeros_like(at[:, :1, 0], dtype=torch.long), at[:, :-1].float().argmax(-1)], 1)
     scores = torch.cat([start[:, None], pairs.gather(2, before[:, 1:, None, None].expand(-1, -1, 1, k))[:, :, 0]], 1)
     q = ((scores.double() / sampling[0]).softmax(-1) * at).sum(-1)
     return torch.stack(path, 1), q
@@ -3022,6 +3025,8 @@ def load_eagle3(name, path, generation, cfg, state, layout, raw, target_cfg, set
              "EAGLE-3 and P-EAGLE drafters")
     layers, source = eagle3_layers(e, target_cfg, settings, name, state["fc.weight"].shape[1] // target_cfg.hidden_size)
     carried = {k: state.pop(k) for k in CARRIED if k in state}
+    if "embed_tokens.weight" in carried:   # trained with it (P-EAGLE always): vLLM keeps a drafter's own embedding
+        state["embed_tokens.weight"] = carried.pop("embed_tokens.weight")
     vocab = draft_vocabulary(carried, {**cfg, "speculators": {"draft_vocab_size": e["draft_vocab_size"]}}, target_cfg,
                              name)
     if vocab is None and "lm_head.weight" in carried:   # its own head over the target's vocabulary
@@ -3157,10 +3162,16 @@ def fused(d, g):
     return F.linear(g, w["fc.weight"])
 
 
+def own_embedding(d, embed_w):
+    """The embedding an EAGLE-3 or P-EAGLE drafter reads: its own where its checkpoint has one, else the target's."""
+    return d.weights.get("embed_tokens.weight", embed_w)
+
+
 def causal_pass(d, features, ids, embed_w, cache=None):
     """[(K, V, outputs)] of EAGLE-3's and MTP's causal pass over the text, as engines prefill their cache: row j reads
     token j + 1's embedding and the features at j. With `cache` (a pass over the first rows), only the rows after it."""
     w, eps, n0 = d.weights, d.cfg.get("rms_norm_eps", 1e-6), 0 if cache is None else cache[0][0].shape[1]
+    embed_w = own_embedding(d, embed_w)
     ids_t = torch.tensor(ids[n0 + 1:], device=features.device)
     g = features[n0:len(ids) - 1]
     if d.generation != "MTP":
@@ -3184,7 +3195,7 @@ def causal_chain(d, context, anchors, starts, embed_w, head, prompt_id, given=No
     the fed-back hidden; with `given`: their probability under softmax(logits / T) (vLLM), or (no `sampling`) logits."""
     (k_ctx, v_ctx, h_ctx), = context
     w, eps, S, n = d.weights, d.cfg.get("rms_norm_eps", 1e-6), d.block_size - 1, anchors.shape[0]
-    start = torch.zeros_like(anchors) if starts is None else starts
+    start, embed_w = torch.zeros_like(anchors) if starts is None else starts, own_embedding(d, embed_w)
     n_ctx = int((anchors + start).max())
     out = torch.empty(n, S, dtype=torch.long if given is None else torch.float64, device=anchors.device)
     h, chain_k, chain_v, steps = h_ctx[0, start + anchors - 1], [], [], []
@@ -3231,7 +3242,7 @@ def parallel_round(d, context, anchors, first, starts, embed_w, head, prompt_id,
 
         def attend(q, k, v):
             return attention(q, torch.cat([k_ctx[:, :n_ctx], k], 1), torch.cat([v_ctx[:, :n_ctx], v], 1), mask)
-        emb = embed_w[d.mask_token_id].expand(n * (S - 1), -1)
+        emb = own_embedding(d, embed_w)[d.mask_token_id].expand(n * (S - 1), -1)
         g = fused(d, w["mask_hidden"].view(1, -1)).expand(n * (S - 1), -1)
         h = causal_layer(d, emb, g, (anchors[:, None] + slot).reshape(-1), attend)[0]
         rows = torch.cat([rows, h.view(n, S - 1, -1)], 1)

@@ -12,8 +12,7 @@
   XPressDraftModel by vLLM's rule (3 passes, top-c 8, no pass), speculators' and SpecForge's PEagleDraftModel.
 - vLLM's layout of the same XPress drafter (xpress_head.* names, xpress_* keys) gives the same results.
 - Refusals, in one line.
-The P-EAGLE comparisons are marked xfail (OWN_EMBEDDING): the tool gives the rows the target's embedding where vLLM
-and the trainers use the drafter's own trained embed_tokens.
+P-EAGLE's rows read the drafter's own trained embed_tokens, as vLLM and both trainers do.
 """
 import json
 import math
@@ -34,13 +33,6 @@ PEAGLE = os.path.join(HERE, "fixtures", "speculators", "peagle")
 PEAGLE_SF = os.path.join(HERE, "fixtures", "families", "peagle_specforge")
 N_NEW = 48
 N_PROMPTS = 5
-
-# Both P-EAGLE fixtures carry their own trained embed_tokens (speculators: embed_requires_grad true; SpecForge trains
-# it too), which vLLM 0.33 keeps (llm_base_proposer._maybe_share_embeddings shares the target's only when the drafter
-# has none or an identical one) and both trainers' modules use; eval_drafter gives P-EAGLE's rows the target's
-# embedding (and warns that it does). Strict: once fixed, these pass and the mark must go.
-OWN_EMBEDDING = pytest.mark.xfail(strict=True, reason="eval_drafter reads the target's input embedding for P-EAGLE's "
-                                  "rows, not the checkpoint's own embed_tokens as vLLM and the trainers do")
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +300,6 @@ SPECFORGE_ARGV = ("--mask-token-id", "2", "--layers", "1,3,4", "--block-size", "
 SPECFORGE_GIVEN = {"mask_id": 2, "hs_ids": [2, 4, 5]}
 
 
-@OWN_EMBEDDING
 @pytest.mark.parametrize("layout", ["speculators", "SpecForge"])
 def test_peagle_rounds_equal_an_online_parallel_loop(tmp_path, demo, layout):
     """speculators' P-EAGLE (K 5 from its proposal method, norm_before_residual true as saved) and SpecForge's export
@@ -361,7 +352,6 @@ def test_xpress_drafts_equal_speculators_refiner(demo, variant):
     assert changed > 0   # the refiner changed some anchors' drafts: the comparison has teeth
 
 
-@OWN_EMBEDDING
 @pytest.mark.parametrize("layout", ["speculators", "SpecForge"])
 def test_peagle_drafts_equal_the_trainers_modules(demo, layout):
     """speculators' PEagleDraftModel and SpecForge's, each checked equal to its own training forward with every chain:

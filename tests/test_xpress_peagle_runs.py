@@ -23,7 +23,7 @@ from conftest import write_jsonl
 from drafters import DEMO, demo_pair, run_tool, speculative_sampling_runs
 from test_sampled import mc_check, sampling_argv
 from test_wrong_drafter import permuted_target
-from test_xpress_peagle import (OWN_EMBEDDING, PEAGLE, XPRESS, peagle_depth, peagle_proposer, sensitized_xpress,
+from test_xpress_peagle import (PEAGLE, XPRESS, peagle_depth, peagle_proposer, sensitized_xpress,
                                 xpress_config, xpress_proposer)
 
 TARGET = os.path.join(DEMO, "target")
@@ -44,7 +44,6 @@ def on_texts(tmp_path, name, path, rows, runs, sampling, policy):
 # Sampled
 
 
-@OWN_EMBEDDING
 def test_sampled_peagle_expected_rounds_match_an_online_sampled_loop(tmp_path, demo):
     """--temperature 0.8 --draft-policy sample: each of the K drafts drawn from its own row of the one parallel pass
     (vLLM's probabilistic drafts); 150 runs, the tool's E[rounds] of each run's text against its actual rounds."""
