@@ -2389,9 +2389,10 @@ SELECTOR = "candidate_selector."
 LILICORR = "lilicorr."
 XPRESS = "refiner_head."   # speculators' names for XPress's head; vLLM's checkpoints name it xpress_head.*
 XPRESS_NAMES = {"xpress_head." + v: XPRESS + k for k, v in {
-    "token_embed.weight": "w1.weight", "readout.weight": "w2.weight", "mix_l": "mix.L", "down_h.weight": "down_h.weight",
-    "down_g.weight": "down_g.weight", "in_proj.weight": "in_proj.weight", "mlp_gate.weight": "mlp.gate_proj.weight",
-    "mlp_up.weight": "mlp.up_proj.weight", "mlp_down.weight": "mlp.down_proj.weight"}.items()}
+    "token_embed.weight": "w1.weight", "readout.weight": "w2.weight", "mix_l": "mix.L",
+    "down_h.weight": "down_h.weight", "down_g.weight": "down_g.weight", "in_proj.weight": "in_proj.weight",
+    "mlp_gate.weight": "mlp.gate_proj.weight", "mlp_up.weight": "mlp.up_proj.weight",
+    "mlp_down.weight": "mlp.down_proj.weight"}.items()}
 
 # speculators 0.9.0 (the layout vLLM loads): the keys of its DFlash, DFlash 2, DSpark and XPress configs
 FAMILY_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "markov_rank",
@@ -2406,8 +2407,9 @@ SPECULATORS_KEYS = {"speculators_model_type", "architectures", "transformer_laye
 
 
 def speculators_config(cfg, name):
-    """A speculators DFlash / DFlash 2 / DSpark / XPress config under the public keys (aux_hidden_state_layer_ids L + 1 as layer
-    id L); a key it cannot map is refused. DSpark's sample_from_anchor defaults to true, as in speculators."""
+    """A speculators DFlash / DFlash 2 / DSpark / XPress config under the public keys (aux_hidden_state_layer_ids
+    L + 1 as layer id L); a key it cannot map is refused. DSpark's sample_from_anchor defaults to true, as in
+    speculators."""
     kind, layer = cfg.get("speculators_model_type"), cfg.get("transformer_layer_config")
     where = f"drafter {name}: its speculators config"
     if kind not in ("dflash", "dflash2", "dspark", "xpress"):
@@ -2442,7 +2444,8 @@ def recognize(cfg, state, name):
     archs, speculators = given.get("architectures") or [], "speculators_model_type" in given
     kind = given.get("speculators_model_type")
     parallel = kind == "peagle" or any(a.lower().startswith("peagle") for a in archs) or "mask_hidden" in state
-    if parallel or kind == "eagle3" or any("Eagle3" in a for a in archs) or any(k.startswith("midlayer.") for k in state):
+    if parallel or kind == "eagle3" or any("Eagle3" in a for a in archs) \
+            or any(k.startswith("midlayer.") for k in state):
         layout = "speculators" if speculators else "SpecForge"
         return "P-EAGLE" if parallel else "EAGLE-3", layout, eagle3_config(given, name, layout, parallel), \
             {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()}
@@ -2468,7 +2471,8 @@ def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab
     """{name: shape} of every tensor a drafter of this config holds (None: a dimension checked elsewhere)."""
     H, hd = cfg["hidden_size"], head_dim_of(cfg)
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    eagle = generation in ("EAGLE-3", "P-EAGLE")   # one layer, q/k/v over [embedding; features] (2H); Llama's: no q/k norm
+    eagle = generation in ("EAGLE-3", "P-EAGLE")   # one layer, q/k/v over [embedding; features] (2H); Llama's: no
+    # q/k norm
     width = 2 * H if eagle else H
     per_layer = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
                  **mlp_tensors(cfg, "layers.0.mlp.gate.weight" in state),
@@ -2507,9 +2511,9 @@ def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab
     if generation == "XPress":   # token_embed reads the previous token (target ids), readout writes draft logits
         r, m, B = head["rank"], head["mlp"], head["block"]
         shapes.update({XPRESS + k: shape for k, shape in {
-            "token_embed.weight": (vocab, r), "down_h.weight": (r, H), "down_g.weight": (r, H), "in_proj.weight": (r, 3 * r),
-            "mix_l": (r, B, B), "mlp_gate.weight": (m, r), "mlp_up.weight": (m, r), "mlp_down.weight": (r, m),
-            "readout.weight": (draft_vocab or vocab, r)}.items()})
+            "token_embed.weight": (vocab, r), "down_h.weight": (r, H), "down_g.weight": (r, H),
+            "in_proj.weight": (r, 3 * r), "mix_l": (r, B, B), "mlp_gate.weight": (m, r), "mlp_up.weight": (m, r),
+            "mlp_down.weight": (r, m), "readout.weight": (draft_vocab or vocab, r)}.items()})
     if generation == "LiLiCorr":
         shapes.update({LILICORR + k: shape for k, shape in lilicorr_tensors(head, H).items()})
     if generation == "Domino":
@@ -2699,9 +2703,9 @@ def lilicorr_tensors(head, H):
               **(lin("token_proj", W, H) if W != H else {})}
     for i in range(head["num_layers"]):
         p = f"layers.{i}."
-        shapes.update({p + "attn_norm.weight": (W,), p + "attn.in_proj_weight": (3 * W, W), p + "attn.in_proj_bias": (3 * W,),
-                       **lin(p + "attn.out_proj", W, W), p + "mlp_norm.weight": (W,), **lin(p + "mlp.up_proj", m, W),
-                       **lin(p + "mlp.down_proj", W, m)})
+        shapes.update({p + "attn_norm.weight": (W,), p + "attn.in_proj_weight": (3 * W, W),
+                       p + "attn.in_proj_bias": (3 * W,), **lin(p + "attn.out_proj", W, W), p + "mlp_norm.weight": (W,),
+                       **lin(p + "mlp.up_proj", m, W), **lin(p + "mlp.down_proj", W, m)})
     return shapes
 
 
@@ -2718,8 +2722,9 @@ def lilicorr_conv(cfg, state, name, settings):
 
 def lilicorr_note(head):
     """What the load line says of a LiLiCorr drafter: its lattice, and how the engines serve it."""
-    return (f"; correlator over each slot's top {head['candidate_topk']} candidates ({head['num_layers']} layers, width "
-            f"{head['width']}), drafts by a greedy walk of cosine scores x {head['logit_scale']} from the anchor; "
+    return (f"; correlator over each slot's top {head['candidate_topk']} candidates ({head['num_layers']} layers, "
+            f"width {head['width']}), drafts by a greedy walk of cosine scores x {head['logit_scale']} from the "
+            "anchor; "
             "served by vLLM 0.33 (method dflash; sampled drafts with draft_sample_method probabilistic) and SGLang "
             "0.5.23 (greedy unless SGLANG_ENABLE_LILICORR_SAMPLING=1), both with the target's head for candidates")
 
@@ -2876,7 +2881,7 @@ def xpress_drafts(drafter, hidden, base, first):
     bias: a = in_proj [down_h h; down_g mean(h); token_embed(prev)], mixed causally per channel (c = a + (L * tril) a),
     then x = c + SwiGLU(c) and readout(x). With top-c, each slot chooses among its c best base logits, fixed once."""
     w, p, h = drafter.weights, XPRESS, drafter.head
-    (n, B, _), r = hidden.shape, w[XPRESS + "in_proj.weight"].shape[0]
+    B, r = hidden.shape[1], w[p + "in_proj.weight"].shape[0]
     mix = w[p + "mix_l"][:, :B, :B] * torch.ones(B, B, dtype=torch.bool, device=hidden.device).tril()
     latent = F.linear(torch.cat([F.linear(hidden, w[p + "down_h.weight"]),
                                  F.linear(hidden.mean(1, keepdim=True), w[p + "down_g.weight"]).expand(-1, B, -1)], -1),
@@ -2916,7 +2921,8 @@ def lilicorr_scores(d, rows, candidates, logp, anchor_rows, embed_w):
     def lin(name, x):
         return F.linear(x, w[p + name + ".weight"], w[p + name + ".bias"])
     tokens = embed_w[candidates]
-    x = (lin("token_proj", tokens) if p + "token_proj.weight" in w else tokens) + lin("pass_hidden_proj", rows)[:, :, None]
+    x = (lin("token_proj", tokens) if p + "token_proj.weight" in w else tokens) \
+        + lin("pass_hidden_proj", rows)[:, :, None]
     rank = torch.arange(k, device=logp.device, dtype=torch.float32)
     feats = torch.stack([logp, logp.exp(), logp - logp.amax(-1, keepdim=True), (rank / max(k - 1, 1)).expand_as(logp),
                          (rank == 0).float().expand_as(logp)], -1)
@@ -3170,7 +3176,7 @@ def own_embedding(d, embed_w):
 def causal_pass(d, features, ids, embed_w, cache=None):
     """[(K, V, outputs)] of EAGLE-3's and MTP's causal pass over the text, as engines prefill their cache: row j reads
     token j + 1's embedding and the features at j. With `cache` (a pass over the first rows), only the rows after it."""
-    w, eps, n0 = d.weights, d.cfg.get("rms_norm_eps", 1e-6), 0 if cache is None else cache[0][0].shape[1]
+    n0 = 0 if cache is None else cache[0][0].shape[1]
     embed_w = own_embedding(d, embed_w)
     ids_t = torch.tensor(ids[n0 + 1:], device=features.device)
     g = features[n0:len(ids) - 1]
@@ -3284,11 +3290,12 @@ FAMILIES = {
                      ddtree_note="DSpark drafts a chain: each slot's Markov bias depends on the token drafted before "
                      "it, and neither vLLM nor SGLang verifies DSpark trees, so no DDTree rows"),
     "Domino": Family(load_block, chained_round, head=domino_head, note=domino_note, full_vocabulary="correction scores",
-                     greedy="SGLang serves it so", ddtree_note="Domino drafts a chain: each proposal reads a GRU state over the tokens "
-                     "drafted before it, and SGLang serves it as a chain only, so no DDTree rows"),
+                     greedy="SGLang serves it so", ddtree_note="Domino drafts a chain: each proposal reads a GRU "
+                     "state over the tokens drafted before it, and SGLang serves it as a chain only, so no DDTree "
+                     "rows"),
     "XPress": Family(load_block, xpress_round, head=xpress_head, note=xpress_note, greedy="vLLM serves it so",
-                     ddtree_note="XPress drafts a chain: its refiner reads the token drafted before each slot, and vLLM, "
-                     "the one engine serving it, verifies a chain, so no DDTree rows"),
+                     ddtree_note="XPress drafts a chain: its refiner reads the token drafted before each slot, and "
+                     "vLLM, the one engine serving it, verifies a chain, so no DDTree rows"),
     "LiLiCorr": Family(load_block, lilicorr_round, head=lilicorr_head, note=lilicorr_note, conv=lilicorr_conv,
                        full_vocabulary="candidate lattice's scores", ddtree_note="LiLiCorr drafts a chain: its walk "
                        "picks each slot's candidate after the one before it, and both engines verify a chain, so no "

@@ -45,6 +45,28 @@ def interrupt_at(monkeypatch, name, n):
     return real, calls
 
 
+def finished_prompts(out):
+    """How many prompts' results the partial file of output `out` holds (0 before it exists)."""
+    if not os.path.exists(str(out) + ".partial.jsonl"):
+        return 0
+    with open(str(out) + ".partial.jsonl") as f:
+        return sum("results" in json.loads(line) for line in f)
+
+
+def stop_in_prompt(out, real, done=2):
+    """A stand-in for `real` that raises KeyboardInterrupt at its second call once `done` prompts are finished in
+    `out`'s partial file: Ctrl-C in the middle of the next prompt. (the stand-in, the list of its calls then)"""
+    calls = []
+
+    def stopping(*args, **kwargs):
+        if finished_prompts(out) == done:
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    return stopping, calls
+
+
 def interrupted_then_resumed(monkeypatch, argv, out, name, n, kept):
     """eval_drafter.main(argv), writing `out`, with eval_drafter.<name>'s n-th call raising KeyboardInterrupt: exit
     130 with `kept` prompts' results in the partial file; then the same run with --resume: its report."""

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import eval_drafter as ed
+from conftest import write_jsonl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEMO = os.path.join(HERE, "fixtures", "demo")
@@ -189,6 +190,15 @@ def speculative_sampling_runs(target, prompts, sampling, runs, n_new, n_drafts, 
             at += length
         out.append((i % len(prompts), seq[len(ids):len(ids) + n_new], counted))
     return out
+
+
+def on_texts(tmp_path, name, path, rows, runs, sampling, policy):
+    """The tool on the demo target over the texts of speculative_sampling_runs (each run's prompt and completion),
+    at `sampling` with --draft-policy `policy`: the report, one prompt entry per run."""
+    refs = [{"id": f"run{i}", "prompt": rows[p]["prompt"], "completion_ids": text} for i, (p, text, _) in enumerate(runs)]
+    return run_tool(tmp_path, name, "--target", os.path.join(DEMO, "target"), "--ckpt", f"x={path}", "--prompts",
+                    write_jsonl(tmp_path / f"{name}.jsonl", refs), "--draft-policy", policy, "--temperature",
+                    str(sampling[0]), "--top-p", str(sampling[1]), "--top-k", str(sampling[2]))
 
 
 def run_tool(tmp_path, name, *argv):

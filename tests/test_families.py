@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 import eval_drafter as ed
-from conftest import drafter_settings, online_draft_hidden, write_jsonl
-from drafters import DEMO, demo_pair, online_rounds, run_tool, speculative_sampling_runs
-from test_sampled import mc_check, sampling_argv
+from conftest import drafter_settings, online_draft_hidden
+from drafters import DEMO, demo_pair, on_texts, online_rounds, run_tool, speculative_sampling_runs
+from test_sampled import mc_check
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAMILIES = os.path.join(HERE, "fixtures", "families")
@@ -283,10 +283,7 @@ def test_sampled_dspark_expected_rounds_match_an_online_sampled_loop(tmp_path, d
     sampling = (0.8, 1.0, 0)
     runs = speculative_sampling_runs(target, prompts, sampling, 150, 32, drafter.block_size - 1,
                                      lambda: dspark_proposer(target, drafter, sampling), seed=2000)
-    refs = [{"id": f"run{i}", "prompt": rows[p]["prompt"], "completion_ids": text} for i, (p, text, _) in enumerate(runs)]
-    report = run_tool(tmp_path, "sampled", "--target", os.path.join(DEMO, "target"), "--ckpt", f"d={path}",
-                      "--prompts", write_jsonl(tmp_path / "refs.jsonl", refs), "--draft-policy", "sample",
-                      *sampling_argv(sampling))
+    report = on_texts(tmp_path, "sampled", path, rows, runs, sampling, "sample")
     _, _, sd = mc_check(runs, report)
     assert sd > 0.3   # the runs do vary: the check has power
     assert report["drafters"][0]["ddtree"] is None

@@ -28,9 +28,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import eval_drafter as ed
-from conftest import drafter_settings, refused_in_one_line, write_jsonl
-from drafters import DEMO, demo_pair, online_rounds, run_tool, speculative_sampling_runs
-from test_sampled import mc_check, sampling_argv
+from conftest import drafter_settings, finished_prompts, refused_in_one_line, stop_in_prompt
+from drafters import demo_pair, on_texts, online_rounds, run_tool, speculative_sampling_runs
+from test_sampled import mc_check
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LILICORR = os.path.join(HERE, "fixtures", "families", "lilicorr")
@@ -357,10 +357,7 @@ def test_sampled_expected_rounds_match_an_online_sampled_loop(tmp_path, demo, en
     runs = speculative_sampling_runs(target, prompts, sampling, 150, 32, engine.B - 1,
                                      lambda: lambda seq, g: engine.propose(seq, temperature=sampling[0], generator=g),
                                      seed=3100)
-    refs = [{"id": f"run{i}", "prompt": rows[p]["prompt"], "completion_ids": text} for i, (p, text, _) in enumerate(runs)]
-    report = run_tool(tmp_path, "sampled", "--target", os.path.join(DEMO, "target"), "--ckpt", f"l={LILICORR}",
-                      "--prompts", write_jsonl(tmp_path / "refs.jsonl", refs), "--draft-policy", "sample",
-                      *sampling_argv(sampling))
+    report = on_texts(tmp_path, "sampled", LILICORR, rows, runs, sampling, "sample")
     _, _, sd = mc_check(runs, report)
     assert sd > 0.3   # the runs do vary: the check has power
     assert report["drafters"][0]["ddtree"] is None
@@ -452,26 +449,12 @@ def test_shards_merged_equal_one_run(tmp_path, plain):
 def test_an_interruption_in_the_correlator_loses_nothing(tmp_path, monkeypatch, plain):
     """Ctrl-C inside the correlator's scoring during the third prompt: the two finished prompts stay, --resume ends
     with the uninterrupted run's numbers."""
-    out = tmp_path / "cut.json"
-    real, calls = ed.lilicorr_scores, []
-
-    def finished():
-        if not os.path.exists(str(out) + ".partial.jsonl"):
-            return 0
-        with open(str(out) + ".partial.jsonl") as f:
-            return sum("results" in json.loads(line) for line in f)
-
-    def stopping(*args, **kwargs):
-        if finished() == 2:
-            calls.append(1)
-            if len(calls) == 2:
-                raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
+    out, real = tmp_path / "cut.json", ed.lilicorr_scores
+    stopping, calls = stop_in_prompt(out, real)
     monkeypatch.setattr(ed, "lilicorr_scores", stopping)
     argv = [*TOOL, "--depths", "3", "--quiet", "--output", str(out)]
     assert ed.main(argv) == 130
-    assert finished() == 2 and len(calls) == 2
+    assert finished_prompts(out) == 2 and len(calls) == 2
     monkeypatch.setattr(ed, "lilicorr_scores", real)
     assert ed.main([*argv, "--resume"]) == 0
     assert results(json.loads(out.read_text())) == results(plain)

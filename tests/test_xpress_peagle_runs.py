@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import eval_drafter as ed
-from conftest import write_jsonl
-from drafters import DEMO, demo_pair, run_tool, speculative_sampling_runs
-from test_sampled import mc_check, sampling_argv
+from conftest import finished_prompts, stop_in_prompt
+from drafters import DEMO, demo_pair, on_texts, run_tool, speculative_sampling_runs
+from test_sampled import mc_check
 from test_wrong_drafter import permuted_target
 from test_xpress_peagle import (PEAGLE, XPRESS, peagle_depth, peagle_proposer, sensitized_xpress,
                                 xpress_config, xpress_proposer)
@@ -32,12 +32,6 @@ TARGET = os.path.join(DEMO, "target")
 @pytest.fixture(scope="module")
 def demo():
     return demo_pair()
-
-
-def on_texts(tmp_path, name, path, rows, runs, sampling, policy):
-    refs = [{"id": f"run{i}", "prompt": rows[p]["prompt"], "completion_ids": text} for i, (p, text, _) in enumerate(runs)]
-    return run_tool(tmp_path, name, "--target", TARGET, "--ckpt", f"x={path}", "--prompts",
-                    write_jsonl(tmp_path / f"{name}.jsonl", refs), "--draft-policy", policy, *sampling_argv(sampling))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -114,25 +108,12 @@ def test_saved_features_and_shards_give_the_same_results(tmp_path, whole):
 def test_an_interruption_in_the_proposals_loses_nothing(tmp_path, monkeypatch, whole, generation):
     """Ctrl-C inside the family's proposal step in the third prompt: the two finished prompts stay in the partial
     file, --resume ends with the uninterrupted run's numbers."""
-    out = tmp_path / "cut.json"
-    family = ed.FAMILIES[generation]
-    calls = []
-
-    def finished():
-        with open(str(out) + ".partial.jsonl") as f:
-            return sum("results" in json.loads(line) for line in f)
-
-    def stopping(*args, **kwargs):
-        if finished() == 2:
-            calls.append(1)
-            if len(calls) == 2:
-                raise KeyboardInterrupt
-        return family.propose(*args, **kwargs)
-
+    out, family = tmp_path / "cut.json", ed.FAMILIES[generation]
+    stopping, calls = stop_in_prompt(out, family.propose)
     monkeypatch.setitem(ed.FAMILIES, generation, dataclasses.replace(family, propose=stopping))
     argv = [*ARGV, "--quiet", "--output", str(out)]
     assert ed.main(argv) == 130
-    assert finished() == 2 and len(calls) == 2
+    assert finished_prompts(out) == 2 and len(calls) == 2
     monkeypatch.setitem(ed.FAMILIES, generation, family)
     assert ed.main([*argv, "--resume"]) == 0
     assert results(json.loads(out.read_text())) == results(whole)
