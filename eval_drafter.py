@@ -570,7 +570,8 @@ FLAGS = [
         help="train = window sliding layers as training did; ignore = public HF reference")),
     ("drafter", "--engine", "R", None, dict(default="vllm", choices=["vllm", "sglang"], help="whose convention decides "
         "where they differ (EAGLE-3's captured layer ids: vLLM reads eagle_aux_hidden_state_layer_ids as hidden_states "
-        "indices and ignores a nested eagle_config, SGLang reads eagle_config's ids as layer outputs); default vllm")),
+        "indices and, but for P-EAGLE, ignores a nested eagle_config; SGLang reads eagle_config's ids as layer "
+        "outputs); default vllm")),
     ("drafter", "--dspark-draft-topk", "R", AT_LEAST_1, dict(type=int, metavar="K",
         help="DSpark: each slot drafts among its K best base-logit tokens only, the Markov bias added to those "
              "(vLLM's dspark_draft_topk); default: the exact argmax over the whole draft vocabulary")),
@@ -2999,19 +3000,25 @@ def eagle3_config(cfg, name, layout, parallel=False):
                                + [cfg.get(k) for k in PARALLEL_MASK_KEYS] if v is not None), None)}}
 
 
-def eagle3_layers(e, target_cfg, settings, name, n_fc):
-    """The target layers (as layer outputs, this tool's ids) an EAGLE-3 drafter reads, by --engine's rule."""
-    L = target_cfg.num_hidden_layers
+def eagle3_layers(e, target_cfg, settings, name, n_fc, parallel):
+    """The target layers (as layer outputs, this tool's ids) an EAGLE-3 drafter reads, by --engine's rule. vLLM's
+    default runner ignores a nested eagle_config list; P-EAGLE runs on its V1 runner (the default one has no parallel
+    drafting for EAGLE), which reads that list as hidden_states indices, like the top-level one."""
+    L, vllm = target_cfg.num_hidden_layers, settings.get("engine") != "sglang"
     if settings.get("layers") is not None:
         ids, source = settings["layers"], "--layers"
     elif e["hf_ids"] is not None:   # top level (speculators, vLLM): hidden_states index i is layer i - 1's output
         ids, source = [int(i) - 1 for i in e["hf_ids"]], "eagle_aux_hidden_state_layer_ids (hidden_states indices)"
-    elif e["nested_ids"] is not None and settings.get("engine") == "sglang":
+    elif e["nested_ids"] is not None and not vllm:
         ids, source = [int(i) for i in e["nested_ids"]], "eagle_config's ids, layer outputs (SGLang)"
+    elif e["nested_ids"] is not None and parallel:
+        ids = [int(i) - 1 for i in e["nested_ids"]]
+        source = (f"eagle_config's ids as hidden_states indices (vLLM's V1 runner, which serves P-EAGLE); SpecForge "
+                  f"trained them as layer outputs: --layers {','.join(map(str, e['nested_ids']))} reads them so")
     else:   # both engines' default: hidden_states indices 2, L // 2, L - 3
         ids, source = [1, L // 2 - 1, L - 4], "the engines' default"
         if e["nested_ids"] is not None:
-            source += " (vLLM ignores eagle_config's ids; --engine sglang reads them)"
+            source += " (vLLM's default runner ignores eagle_config's ids; --engine sglang reads them)"
     if len(ids) != n_fc:
         fail(f"drafter {name}: fc expects {n_fc} captured layers, {source} gives {ids}")
     if any(not 0 <= i < L - 1 for i in ids):
@@ -3029,7 +3036,8 @@ def load_eagle3(name, path, generation, cfg, state, layout, raw, target_cfg, set
     if any(k.startswith("layers.1.") for k in state):
         fail(f"drafter {name}: an {generation} drafter of several layers (layers.1.*): this tool runs one-layer "
              "EAGLE-3 and P-EAGLE drafters")
-    layers, source = eagle3_layers(e, target_cfg, settings, name, state["fc.weight"].shape[1] // target_cfg.hidden_size)
+    n_fc = state["fc.weight"].shape[1] // target_cfg.hidden_size
+    layers, source = eagle3_layers(e, target_cfg, settings, name, n_fc, parallel)
     carried = {k: state.pop(k) for k in CARRIED if k in state}
     if "embed_tokens.weight" in carried:   # trained with it (P-EAGLE always): vLLM keeps a drafter's own embedding
         state["embed_tokens.weight"] = carried.pop("embed_tokens.weight")

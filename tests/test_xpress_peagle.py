@@ -294,8 +294,8 @@ def test_xpress_rounds_equal_an_online_jacobi_loop(tmp_path, demo, sensitive, ca
         assert rounds(tool_rounds(tmp_path, path, *others, name="other")) != online
 
 
-# SpecForge's export: the mask token stays in its training state, its captured layers (eagle_config ids [1, 3, 4],
-# layer outputs) are SGLang's convention, which vLLM ignores; a user serving it passes both (K: 5, as trained)
+# SpecForge's export: the mask token stays in its training state, its captured layers (eagle_config ids [1, 3, 4]) are
+# layer outputs as trained, which vLLM's V1 runner reads as hidden_states indices; a user serving it passes both (K: 5)
 SPECFORGE_ARGV = ("--mask-token-id", "2", "--layers", "1,3,4", "--block-size", "6")
 SPECFORGE_GIVEN = {"mask_id": 2, "hs_ids": [2, 4, 5]}
 
@@ -316,6 +316,20 @@ def test_peagle_rounds_equal_an_online_parallel_loop(tmp_path, demo, layout):
     assert rounds(report) == online
     flat = [r for rr in online for r in rr]
     assert len(set(flat)) >= 3 and max(flat) == K + 1   # rounds vary, every mask slot's draft accepted: it has teeth
+
+
+@pytest.mark.parametrize("engine,given,want", [("vllm", None, [0, 2, 3]), ("sglang", None, [1, 3, 4]),
+                                               ("vllm", [1, 3, 4], [1, 3, 4])])
+def test_peagle_nested_ids_read_as_each_engine_reads_them(demo, capsys, engine, given, want):
+    """SpecForge writes eagle_config's ids (layer outputs, as trained). vLLM serves P-EAGLE on its V1 runner, which reads
+    them as hidden_states indices, one layer early: the load line says so and how to read them as trained."""
+    target = demo[0]
+    settings = drafter_settings(engine=engine, mask_token_id=2, layers=given, quiet=False)
+    assert ed.load_drafter(PEAGLE_SF, target.config, settings).layers == want
+    err = capsys.readouterr().err
+    if (engine, given) == ("vllm", None):
+        assert "eagle_config's ids as hidden_states indices (vLLM's V1 runner, which serves P-EAGLE); SpecForge " \
+               "trained them as layer outputs: --layers 1,3,4 reads them so" in err
 
 
 # ----------------------------------------------------------------------------------------------------
