@@ -24,7 +24,9 @@ The sections, in the order data flows (each definition stands under its banner, 
     Prompts and saved references
     Target: loading, the teacher-forced pass, the sampling math, the decoding loops' steps
     Drafter backbone: checkpoints read, the shared checks, the block pass (SDPA, explicit context-plus-block mask)
-    Drafter families: each family's own loading and proposal code, then the family table
+    Drafter families, block: DFlash, DFlash 2, DSpark, Domino, XPress, LiLiCorr (their loading and proposal code)
+    Drafter families, causal: EAGLE-3, P-EAGLE and the MTP layer (their loading and proposal code)
+    Drafter families: recognition and the family table, the one place a family is dispatched from
     Drafting: a drafter loaded by its family, every anchor drafted
     References: the target's own (speculative or plain decoding) and a serving engine's
     Scoring: walks, expectations under sampling, DDTree, the mask check, intervals
@@ -2381,7 +2383,7 @@ def proposal_rows(drafter, hidden):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Drafter families: each family's own loading and proposal code, then the family table
+# Drafter families, block: DFlash, DFlash 2, DSpark, Domino, XPress, LiLiCorr (their loading and proposal code)
 
 
 NATIVE_NAMES = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
@@ -2435,37 +2437,6 @@ def speculators_config(cfg, name):
             "speculators": {"aux_hidden_state_layer_ids": aux, "draft_vocab_size": cfg.get("draft_vocab_size"),
                             "sample_from_anchor": bool(cfg.get("sample_from_anchor", kind == "dspark")),
                             "sliding_window_non_causal": bool(cfg.get("sliding_window_non_causal", kind == "dflash2"))}}
-
-
-def recognize(cfg, state, name):
-    """(generation, layout, config, state) under the public DFlash keys and names: the native assistant's encoder.*
-    renamed, speculators' config unnested, DFlash 2's codebook `.weight`, SpecForge's DSpark logit_head. dropped,
-    vLLM's XPress head under speculators' names."""
-    given = cfg or {}
-    archs, speculators = given.get("architectures") or [], "speculators_model_type" in given
-    kind = given.get("speculators_model_type")
-    parallel = kind == "peagle" or any(a.lower().startswith("peagle") for a in archs) or "mask_hidden" in state
-    if parallel or kind == "eagle3" or any("Eagle3" in a for a in archs) \
-            or any(k.startswith("midlayer.") for k in state):
-        layout = "speculators" if speculators else "SpecForge"
-        return "P-EAGLE" if parallel else "EAGLE-3", layout, eagle3_config(given, name, layout, parallel), \
-            {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()}
-    native = given.get("model_type") == "muse_glimmer_assistant" or "encoder.fc.weight" in state
-    layout = "speculators" if speculators else "transformers-native assistant" if native else "public"
-    if speculators:   # its architectures are kept
-        cfg = speculators_config(cfg, name)
-    if native:
-        state = {NATIVE_NAMES.get(k, k): v for k, v in state.items()}
-    state = {(k[:-len(".weight")] if k.startswith(SELECTOR) and k.endswith("_codebook.weight") else
-              XPRESS_NAMES.get(k, k.removeprefix("logit_head."))): v for k, v in state.items()}
-    named = next((f for f in ("DSpark", "Domino", "XPress", "LiLiCorr") for a in archs if f in a), None) \
-        or {"dspark": "DSpark", "domino": "Domino"}.get(str(dflash_value(cfg or {}, "projector_type"))) \
-        or ("XPress" if kind == "xpress" else None) \
-        or ("DSpark" if "markov_head.markov_w1.weight" in state else "Domino" if "prefix_gru.weight_ih_l0" in state
-            else "XPress" if XPRESS + "readout.weight" in state
-            else "LiLiCorr" if any(k.startswith(LILICORR) for k in state) else None)
-    dflash2 = "DFlash2DraftModel" in archs or any(k.startswith(SELECTOR) or "_conv." in k for k in state)
-    return named or ("DFlash 2" if dflash2 else "DFlash"), layout, cfg, state
 
 
 def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab=None):
@@ -2730,9 +2701,8 @@ def lilicorr_note(head):
             "0.5.23 (greedy unless SGLANG_ENABLE_LILICORR_SAMPLING=1), both with the target's head for candidates")
 
 
-def load_block(name, path, generation, cfg, state, layout, raw, target_cfg, settings, identify):
-    """A drafter of the block family (DFlash, DFlash 2, DSpark, Domino): [anchor, MASK, ...] over the context."""
-    fam = FAMILIES[generation]
+def load_block(name, path, generation, fam, cfg, state, layout, raw, target_cfg, settings, identify):
+    """A drafter of the block family (its table entry `fam`): [anchor, MASK, ...] over the context."""
     if cfg is None:
         cfg = infer_config(state, target_cfg, settings, name, raw)
     if layout == "transformers-native assistant":
@@ -2978,6 +2948,10 @@ def lilicorr_round(d, context_kv, anchors, first, starts, embed_w, head, prompt_
 PARALLEL_MASK_KEYS = ("mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")   # vLLM's order
 
 
+# ----------------------------------------------------------------------------------------------------
+# Drafter families, causal: EAGLE-3, P-EAGLE and the MTP layer (their loading and proposal code)
+
+
 def eagle3_config(cfg, name, layout, parallel=False):
     """An EAGLE-3 (or P-EAGLE) config: its layer config at the top level, what the engines read under "eagle".
     speculators nests the layers (ids: hidden_states indices; vLLM: norm_before_residual true for EAGLE-3, false for
@@ -3026,7 +3000,7 @@ def eagle3_layers(e, target_cfg, settings, name, n_fc, parallel):
     return sorted(ids), source
 
 
-def load_eagle3(name, path, generation, cfg, state, layout, raw, target_cfg, settings, identify):
+def load_eagle3(name, path, generation, fam, cfg, state, layout, raw, target_cfg, settings, identify):
     """An EAGLE-3 drafter: one decoder layer over [embedding; fused target features], chained K steps. P-EAGLE: the
     same layer drafting K tokens in one pass, from the bonus token's row and K - 1 mask slots after it."""
     e, parallel = cfg["eagle"], generation == "P-EAGLE"
@@ -3271,10 +3245,46 @@ def parallel_round(d, context, anchors, first, starts, embed_w, head, prompt_id,
     return out, q
 
 
+# ----------------------------------------------------------------------------------------------------
+# Drafter families: recognition and the family table, the one place a family is dispatched from
+
+
+def recognize(cfg, state, name):
+    """(generation, layout, config, state) under the public DFlash keys and names: the native assistant's encoder.*
+    renamed, speculators' config unnested, DFlash 2's codebook `.weight`, SpecForge's DSpark logit_head. dropped,
+    vLLM's XPress head under speculators' names."""
+    given = cfg or {}
+    archs, speculators = given.get("architectures") or [], "speculators_model_type" in given
+    kind = given.get("speculators_model_type")
+    parallel = kind == "peagle" or any(a.lower().startswith("peagle") for a in archs) or "mask_hidden" in state
+    if parallel or kind == "eagle3" or any("Eagle3" in a for a in archs) \
+            or any(k.startswith("midlayer.") for k in state):
+        layout = "speculators" if speculators else "SpecForge"
+        return "P-EAGLE" if parallel else "EAGLE-3", layout, eagle3_config(given, name, layout, parallel), \
+            {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()}
+    native = given.get("model_type") == "muse_glimmer_assistant" or "encoder.fc.weight" in state
+    layout = "speculators" if speculators else "transformers-native assistant" if native else "public"
+    if speculators:   # its architectures are kept
+        cfg = speculators_config(cfg, name)
+    if native:
+        state = {NATIVE_NAMES.get(k, k): v for k, v in state.items()}
+    state = {(k[:-len(".weight")] if k.startswith(SELECTOR) and k.endswith("_codebook.weight") else
+              XPRESS_NAMES.get(k, k.removeprefix("logit_head."))): v for k, v in state.items()}
+    named = next((f for f in ("DSpark", "Domino", "XPress", "LiLiCorr") for a in archs if f in a), None) \
+        or {"dspark": "DSpark", "domino": "Domino"}.get(str(dflash_value(cfg or {}, "projector_type"))) \
+        or ("XPress" if kind == "xpress" else None) \
+        or ("DSpark" if "markov_head.markov_w1.weight" in state else "Domino" if "prefix_gru.weight_ih_l0" in state
+            else "XPress" if XPRESS + "readout.weight" in state
+            else "LiLiCorr" if any(k.startswith(LILICORR) for k in state) else None)
+    dflash2 = "DFlash2DraftModel" in archs or any(k.startswith(SELECTOR) or "_conv." in k for k in state)
+    return named or ("DFlash 2" if dflash2 else "DFlash"), layout, cfg, state
+
+
 @dataclass
 class Family:
     """A drafter family as the rest of the tool sees it: how it loads and proposes, what the report says of it."""
-    load: object                # (name, path, generation, cfg, state, layout, raw, target_cfg, settings, identify)
+    load: object                # (name, path, generation, this entry, cfg, state, layout, raw, target_cfg, settings,
+    #                             identify)
     propose: object = None      # a chained round: (drafts, proposal probabilities); None: each slot's argmax
     causal: bool = False        # one causal pass over the text, then K chained one-layer steps: no block, no mask
     head: object = None         # (cfg, state, where, settings) -> what its proposal step reads
@@ -3335,8 +3345,8 @@ def load_drafter(spec, target_cfg, settings, identify=True, given=None):
         cfg, raw = given
         cfg = check_config(cfg, f"drafter {name}'s config") if cfg is not None else None
         generation, layout, cfg, state = recognize(cfg, unwrap_state_dict(raw, name, settings), name)
-        return FAMILIES[generation].load(name, path, generation, cfg, state, layout, raw, target_cfg, settings,
-                                         identify)
+        return FAMILIES[generation].load(name, path, generation, FAMILIES[generation], cfg, state, layout, raw,
+                                         target_cfg, settings, identify)
     if not os.path.exists(path):
         fail(f"drafter checkpoint not found: {path} (pass a drafter directory or file to --ckpt)")
     file = os.path.join(path, "config.json")   # only a directory holds one
@@ -3352,7 +3362,8 @@ def load_drafter(spec, target_cfg, settings, identify=True, given=None):
         else:
             log(settings, f"drafter {name}: --drafter-config ignored, the checkpoint has its own config.json")
     generation, layout, cfg, state = recognize(cfg, unwrap_state_dict(raw, name, settings), name)
-    return FAMILIES[generation].load(name, path, generation, cfg, state, layout, raw, target_cfg, settings, identify)
+    fam = FAMILIES[generation]
+    return fam.load(name, path, generation, fam, cfg, state, layout, raw, target_cfg, settings, identify)
 
 
 def prompt_context(drafter, features, ids=None, embed_w=None):
