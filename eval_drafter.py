@@ -574,6 +574,10 @@ FLAGS = [
         "where they differ (EAGLE-3's captured layer ids: vLLM reads eagle_aux_hidden_state_layer_ids as hidden_states "
         "indices and, but for P-EAGLE, ignores a nested eagle_config; SGLang reads eagle_config's ids as layer "
         "outputs); default vllm")),
+    ("drafter", "--eagle-tree", "R", None, dict(default="auto", metavar="STEPS,TOPK,TOKENS", help="EAGLE-3: also "
+        "score the token tree SGLang serves it with (--speculative-num-steps, --speculative-eagle-topk, "
+        "--speculative-num-draft-tokens); default auto: what SGLang picks for the target's architecture (a tree "
+        "5,4,8 for Llama targets, a chain for most others); none: no tree row")),
     ("drafter", "--dspark-draft-topk", "R", AT_LEAST_1, dict(type=int, metavar="K",
         help="DSpark: each slot drafts among its K best base-logit tokens only, the Markov bias added to those "
              "(vLLM's dspark_draft_topk); default: the exact argmax over the whole draft vocabulary")),
@@ -728,6 +732,21 @@ def int_list(text, refusal):
 def parse_budgets(text):
     return [] if text.strip().lower() == "none" else \
         int_list(text, f"--ddtree-budgets must be positive integers like 8,32,128 (or none), got {text!r}")
+
+
+def parse_eagle_tree(text):
+    """--eagle-tree: "auto", None (none) or (steps, top-k, draft tokens), as SGLang's three parameters."""
+    word = text.strip().lower()
+    if word in ("auto", "none"):
+        return None if word == "none" else "auto"
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 3 or min(values) < 1 or values[2] < 2:
+        fail(f"--eagle-tree takes STEPS,TOPK,TOKENS (three positive integers, TOKENS at least 2, e.g. 5,4,8), auto or "
+             f"none; got {text!r}")
+    return values
 
 
 def parse_depths(text):
@@ -1065,6 +1084,7 @@ def resolve_settings(args, ranks=True):
                 # what happened, once the tokenizer is read: applied / off (--no-chat-template) / none in the tokenizer
                 "chat_template": "off" if args.no_chat_template else None,
                 "ddtree_budgets": parse_budgets(args.ddtree_budgets), "depths": parse_depths(args.depths),
+                "eagle_tree": parse_eagle_tree(args.eagle_tree),
                 "costs_used": read_costs(args.costs) if args.costs and args.costs != "measure" else None,
                 "shard": shard, "ranks": 1, "rank": 0, "output_streamed": output_streamed,
                 "walk_rule": "first anchor = first completion token; next anchor = anchor + acceptance; "
@@ -1873,6 +1893,7 @@ class Drafter:
     reload: object = None       # () -> its weights, for a step released between groups of prompts
     head: dict = None           # DSpark: {kind, rank, topk}; Domino: {prefix, shift, pool}; EAGLE-3: its norms
     defaults: dict = None       # {key: (value, why)} of the settings that change numbers taken by default
+    tree: dict = None           # EAGLE-3: the token tree SGLang serves it with {steps, topk, tokens, source}
 
 
 def dflash_value(cfg, name, default=None):
@@ -3030,6 +3051,7 @@ def load_eagle3(name, path, generation, fam, cfg, state, layout, raw, target_cfg
         fail(f"drafter {name}: mask_token_id {mask_id} is outside the target vocab ({target_cfg.vocab_size})")
     if parallel and "mask_hidden" in state:   # [1, 1, n * H] as trained; vLLM reads it flat
         state["mask_hidden"] = state["mask_hidden"].reshape(1, 1, -1)
+    tree, tree_note = eagle_tree_shape(settings, target_cfg, name) if fam.tree else (None, "")
     log(settings, f"drafter {name}: {generation}, {layout} layout; captured layers {layers} from {source}; " +
                   (f"{steps} drafts a round in one pass, the bonus token's row then {steps - 1} mask slots (token "
                    f"{mask_id}, fc(mask_hidden)), as vLLM 0.33 drafts it (method eagle3, parallel_drafting; SGLang "
@@ -3037,14 +3059,16 @@ def load_eagle3(name, path, generation, fam, cfg, state, layout, raw, target_cfg
                   f"; norm_before_residual {head['norm_before_residual']}" +
                   ("" if parallel else f", feeds back the {'post' if head['norm_output'] else 'pre'}-norm hidden") +
                   ("; SpecForge's norm_output means the norm before lm_head, the engines read it as the hidden fed "
-                   "back: the engines' reading is used" if e["norm_output_given"] and layout == "SpecForge" else ""))
+                   "back: the engines' reading is used" if e["norm_output_given"] and layout == "SpecForge" else "")
+                  + tree_note)
     mask_id = int(mask_id) if parallel else -1
     # its own lm_head is never the target's to warn about: vocab holds it (an identity mapping at full vocabulary)
     return drafter_record(state, expected_tensors(cfg, (), generation, state, target_cfg.vocab_size, head), carried,
                           vocab, target_cfg, settings, identify, (cfg, layers, steps + 1, generation, head)
                           + ((mask_id,) if parallel else ()),
                           name=name, checkpoint=os.path.abspath(path), cfg=cfg, layers=layers, block_size=steps + 1,
-                          mask_token_id=mask_id, rules=[], generation=generation, layout=layout, head=head, warnings=[])
+                          mask_token_id=mask_id, rules=[], generation=generation, layout=layout, head=head, warnings=[],
+                          tree=tree)
 
 
 MTP_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")   # text model types whose MTP layer this tool runs
@@ -3216,6 +3240,99 @@ def causal_round(d, context, anchors, first, starts, embed_w, head, prompt_id, g
                                                     sampling))
 
 
+# SGLang 0.5.23 picks (steps, top-k, draft tokens) by the target's architecture when a user gives none
+# (_auto_choose_speculative_params): a tree for these, a chain (3, 1, 4) for the others.
+SGLANG_TREE_TARGETS = ("LlamaForCausalLM", "Grok1ForCausalLM", "Grok1VForCausalLM")
+
+
+def eagle_tree_shape(settings, target_cfg, name):
+    """The token tree SGLang serves an EAGLE-3 drafter with (--eagle-tree, else SGLang's pick for the target's
+    architecture) and what the load line says of it. None: no tree row (a chain, which the chain's rows give)."""
+    given, arch = settings.get("eagle_tree", "auto"), (getattr(target_cfg, "architectures", None) or ["?"])[0]
+    if given is None:
+        return None, ""
+    steps, topk, tokens = ((5, 4, 8) if arch in SGLANG_TREE_TARGETS else (3, 1, 4)) if given == "auto" else given
+    source = f"SGLang's default for {arch} targets" if given == "auto" else "--eagle-tree"
+    if topk == 1 and given == "auto":
+        return None, f"; SGLang serves it as a chain of {steps} drafts ({source}; --eagle-tree for a tree)"
+    if topk == 1:   # SGLang sets the draft tokens to steps + 1 for a chain
+        tokens = steps + 1
+    if tokens - 1 > topk + (steps - 1) * topk * topk:
+        fail(f"--eagle-tree {steps},{topk},{tokens}: {steps} steps of top-{topk} give "
+             f"{topk + (steps - 1) * topk * topk} candidate nodes, fewer than the {tokens - 1} draft nodes asked "
+             "(SGLang would fail the same way); lower TOKENS or raise STEPS or TOPK")
+    shape = {"steps": steps, "topk": topk, "tokens": tokens, "source": source}
+    return shape, (f"; SGLang's token tree scored beside the chain: {steps} steps, top-{topk}, {tokens} draft tokens "
+                   f"({source})")
+
+
+def tree_top(d, head, h, prompt_id, topk):
+    """SGLang's step: each row's top-k tokens by softmax(logits) in float32 (target ids) and the hidden fed on."""
+    normed = rms_norm(h, d.weights["norm.weight"], d.cfg.get("rms_norm_eps", 1e-6))
+    probs, ids = drafter_logits(d, head, normed, prompt_id)[0].float().softmax(-1).topk(topk, dim=-1)
+    return probs, to_target(d, ids), normed if d.head["norm_output"] else h
+
+
+def eagle_trees(d, context, anchors, starts, embed_w, head, prompt_id):
+    """SGLang's EAGLE tree at each anchor (eagle_worker_v2.draft_forward, organize_draft_results): the anchor row's
+    top-k, then steps - 1 passes over k branches, each branch's children scored by the product of probabilities
+    down the path and the k best of the k * k kept as the next branches; the tokens - 1 best-scored nodes form the
+    tree. Branch j keeps its own KV slots: after a re-selection it reads the slots that branch j held before, not
+    its new parent's (SGLang's draft attention indexes slots by branch). (tokens, parents) (n, tokens - 1): target
+    ids; a parent's place in the list, -1 the anchor, -2 a node whose parent was not kept (SGLang never reaches
+    it)."""
+    (k_ctx, v_ctx, h_ctx), = context
+    steps, topk, size = d.tree["steps"], d.tree["topk"], d.tree["tokens"] - 1
+    n, dev, R = anchors.shape[0], anchors.device, anchors.shape[0] * d.tree["topk"]
+    start, embed_w = torch.zeros_like(anchors) if starts is None else starts, own_embedding(d, embed_w)
+    n_ctx, of = int((anchors + start).max()), torch.arange(n, device=dev).repeat_interleave(topk)
+    ctx_pos = torch.arange(n_ctx, device=dev)[None, :] - start[of][:, None]
+    ctx_ok = (ctx_pos >= 0) & (ctx_pos < anchors[of][:, None])   # each branch row sees its anchor's context
+    scores, tokens, fed = tree_top(d, head, h_ctx[0, start + anchors - 1], prompt_id, topk)
+    fed = fed.repeat_interleave(topk, 0)
+    all_scores, all_tokens, parents, slot_k, slot_v = [scores], [tokens], [torch.arange(-1, topk, device=dev)
+                                                                             .expand(n, -1)], [], []
+    for i in range(steps - 1):
+        own = torch.arange(R, device=dev)[:, None] == torch.arange(R, device=dev).repeat_interleave(i + 1)[None, :]
+        mask = torch.cat([ctx_ok, own], 1)
+
+        def attend(q, k, v):
+            slot_k.append(k), slot_v.append(v)
+            keys, values = (torch.cat([c[:, :n_ctx], torch.stack(rows, 2).flatten(1, 2)], 1)
+                            for c, rows in ((k_ctx, slot_k), (v_ctx, slot_v)))
+            return attention(q, keys, values, mask)
+        h = causal_layer(d, embed_w[tokens.reshape(-1)], fed, anchors[of] + i, attend)[0]
+        probs, children, fed_children = tree_top(d, head, h, prompt_id, topk)
+        expand = (scores[:, :, None] * probs.view(n, topk, topk)).flatten(1)   # (n, k * k): branch-major
+        scores, pick = expand.topk(topk, dim=-1)
+        all_scores.append(expand), all_tokens.append(children.view(n, -1))
+        parents.append(pick + topk * topk * i + topk)   # the picked candidates' places among all candidates
+        tokens = children.view(n, -1).gather(1, pick)
+        fed = fed_children.view(n, topk, -1)[torch.arange(n, device=dev)[:, None], pick // topk].flatten(0, 1)
+    kept = torch.cat(all_scores, 1).topk(size, dim=-1).indices.sort(-1).values
+    parent_of = torch.cat(parents[:-1] or [parents[0][:, :1]], 1).gather(1, kept // topk)   # candidates; -1: anchor
+    place = torch.full((n, torch.cat(all_scores, 1).shape[1] + 1), -2, dtype=torch.long, device=dev)
+    place[:, -1] = -1   # the anchor (candidate -1, the last column)
+    place.scatter_(1, kept, torch.arange(size, device=dev).expand(n, -1))
+    return torch.cat(all_tokens, 1).gather(1, kept), place.gather(1, parent_of % place.shape[1])
+
+
+def tree_reach(tokens, parents, reference):
+    """The depth each anchor's reference tokens reach down its tree (SGLang's verify, greedy or target-only
+    sampling: from the anchor, the child whose token is the target's; siblings hold distinct tokens)."""
+    n, size = tokens.shape
+    depth, ok = torch.zeros(n, size, dtype=torch.long), torch.zeros(n, size, dtype=torch.bool)
+    rows = torch.arange(n)
+    for j in range(size):   # a parent's place precedes its children's
+        par = parents[:, j]
+        above = torch.where(par >= 0, depth[rows, par.clamp(min=0)], 0)
+        path_ok = torch.where(par >= 0, ok[rows, par.clamp(min=0)], par == -1)
+        depth[:, j] = above + 1
+        ok[:, j] = path_ok & (above < reference.shape[1]) & \
+            (tokens[:, j] == reference[rows, above.clamp(max=reference.shape[1] - 1)])
+    return (depth * ok).max(1).values if size else torch.zeros(n, dtype=torch.long)
+
+
 def parallel_round(d, context, anchors, first, starts, embed_w, head, prompt_id, given=None, sampling=None):
     """P-EAGLE's round as vLLM's parallel drafting runs it: draft 1 from the bonus token's row (the text pass's row
     before the anchor), draft k + 1 from mask slot k: the mask token's embedding and fc(mask_hidden) at the anchor's
@@ -3296,6 +3413,7 @@ class Family:
     ddtree_note: str = None     # why it has no DDTree rows (None: DDTree trees from the same drafter pass)
     method: str = "dflash"      # vLLM's speculative method
     vllm: dict = None           # what else vLLM's speculative config says of it
+    tree: bool = False          # SGLang also serves it with token trees (--eagle-tree)
 
 
 FAMILIES = {
@@ -3318,8 +3436,8 @@ FAMILIES = {
                        full_vocabulary="candidate lattice's scores", ddtree_note="LiLiCorr drafts a chain: its walk "
                        "picks each slot's candidate after the one before it, and both engines verify a chain, so no "
                        "DDTree rows"),
-    "EAGLE-3": Family(load_eagle3, causal_round, causal=True, method="eagle3", ddtree_note=(
-        "EAGLE-3 drafts a chain here, as vLLM serves it (SGLang's token trees are out of scope), so no DDTree rows")),
+    "EAGLE-3": Family(load_eagle3, causal_round, causal=True, method="eagle3", tree=True, ddtree_note=(
+        "EAGLE-3's trees are SGLang's, built step by step (its EAGLE tree row), not DDTree's from one pass")),
     "P-EAGLE": Family(load_eagle3, parallel_round, causal=True, method="eagle3", vllm={"parallel_drafting": True},
                       ddtree_note="P-EAGLE drafts a chain here, as vLLM, the one engine serving it, verifies its K "
                       "parallel drafts, so no DDTree rows"),
@@ -3807,6 +3925,24 @@ def add_expectations(res, block_size, n_prompt, total_len, p, q=None):
                        "anchors": accept.shape[0]}
 
 
+def score_tree(d, features, ids, n_prompt, prompt_id, embed_w, head, device):
+    """SGLang's token-tree walk over one prompt (d.tree): a tree at every anchor its steps + 1 tokens fit, the depth
+    the reference reaches down each, the walk. Under sampling too: SGLang verifies a tree against the target's own
+    samples (target-only), so given the text the walk is this one."""
+    E = d.tree["steps"] + 1
+    anchors = fitting_anchors(n_prompt, len(ids), E)
+    ids_t = torch.tensor(ids)
+    reference = ids_t[anchors[:, None] + torch.arange(1, E)]
+    context, per_call = prompt_context(d, features, ids, embed_w), max(1, ANCHOR_TOKENS_PER_CHUNK // d.tree["topk"])
+    reached = [tree_reach(*(t.cpu() for t in eagle_trees(d, context, part.to(device), None, embed_w, head, prompt_id)),
+                          reference[lo:lo + per_call])
+               for lo, part in zip(range(0, len(anchors), per_call), anchors.split(per_call))]
+    matched = torch.cat(reached) if reached else torch.zeros(0, dtype=torch.long)
+    rounds = walk(lambda a: 1 + int(matched[a - n_prompt]), n_prompt, len(ids), E)[0]
+    return {"anchors": anchors, "matched": matched, "equal": matched[:, None] > torch.arange(E - 1), "rounds": rounds,
+            "ddtree_rounds": {}, "by_context": {}}
+
+
 def score_drafter(d, prompts, group, embed_w, head, settings, budgets):
     """One drafter's results on prompts [(features, ids, n_prompt, prompt id)]: drafts, walks, expectations, sums."""
     sampling = sampling_of(settings)
@@ -3837,6 +3973,9 @@ def score_drafter(d, prompts, group, embed_w, head, settings, budgets):
                                                  [n_prompt + sum(rounds[:i]) for i in range(len(rounds))], rounds)
             if sampling:
                 add_expectations(res, d.block_size, n_prompt, len(ids), group[i][0]["p"], q)
+        if d.tree:
+            with timed("drafter_s"):
+                res["tree"] = score_tree(d, features, ids, n_prompt, prompt_id, embed_w, head, settings["device"])
         out.append(res)
     return out
 
@@ -3981,8 +4120,8 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
         budgets = [] if family(d).ddtree_note else settings["ddtree_budgets"]   # chains: no tree verifier
         scored = score_drafter(d, prompts, group, embed_w, head, settings, budgets)
         for depth in served_depths(d, settings):   # the engines' shorter blocks: 1 + K slots, chain only
-            for res, other in zip(scored, score_drafter(replace(d, block_size=depth + 1), prompts, group, embed_w,
-                                                        head, settings, [])):
+            for res, other in zip(scored, score_drafter(replace(d, block_size=depth + 1, tree=None), prompts, group,
+                                                        embed_w, head, settings, [])):
                 res.setdefault("depths", {})[depth] = other
         for (features, ids, n_prompt, _), res, kept in zip(prompts, scored, results):
             if d.mask_variants:
@@ -4090,7 +4229,7 @@ def summarize(results, block_size):
 DEPTH_KEYS = ("tau", "tau_ci95", "tau_prompt_mean", "rounds", "histogram", "tau_all_anchors", "anchors", "per_position")
 
 
-def engine_metrics(s, depth):
+def engine_metrics(s, depth, tokens=None):
     """The engines' logged figures (vLLM 0.33 v1/spec_decode/metrics.py, SGLang 0.5.23's scheduler log): a draft is a
     round; accepted counts drafts, not the target's token; vLLM's per-position rate is P(first i drafts accepted)."""
     h = s["histogram"]
@@ -4098,6 +4237,9 @@ def engine_metrics(s, depth):
     if not drafts:
         return None
     accepted = sum(k * n for k, n in enumerate(h))   # a round of length k + 1 accepted k drafts
+    if tokens:   # an SGLang token tree (vLLM verifies none): its rate counts every node it drafted
+        return {"sglang": {"speculative_num_draft_tokens": tokens, "accept_len": 1 + accepted / drafts,
+                           "accept_rate": accepted / (drafts * (tokens - 1))}}
     return {"vllm": {"num_speculative_tokens": depth, "mean_acceptance_length": 1 + accepted / drafts,
                      "per_position_acceptance_rate": [sum(h[i:]) / drafts for i in range(1, depth + 1)],
                      "avg_draft_acceptance_rate": 100 * accepted / (drafts * depth)},
@@ -4301,6 +4443,8 @@ def prompt_report(it, res, B):
              **({"expected_rounds": rounds, "expected_committed": committed} if sampled else {}),
              **({"rounds": res["rounds"]} if res["rounds"] is not None else {}),
              "ddtree_rounds": {str(b): r for b, r in res["ddtree_rounds"].items()}, "reply": it.get("reply")}
+    if "tree" in res:
+        entry["eagle_tree_rounds"] = res["tree"]["rounds"]
     if "depths" in res:
         entry["depth_rounds"] = {str(k): other["rounds"] for k, other in sorted(res["depths"].items())}
     if not (res["rounds"] or res.get("expected", {}).get("rounds")):
@@ -4315,6 +4459,7 @@ def drafter_facts(d):
             "generation": d.generation, "layout": d.layout, **({"head": d.head} if d.head else {}),
             "block_size": d.block_size - d.from_anchor, "drafts_per_round": d.block_size - 1,
             **({"series": d.name.rpartition("@")[0], "step": d.step} if d.step is not None else {}),
+            **({"eagle_tree": d.tree} if d.tree else {}),
             "layers": d.layers, "mask_token_id": d.mask_token_id, "block_mask": [rule_label(r) for r in d.rules],
             "mask_modes": {name: [rule_label(r) for r in rules] for name, rules in d.mask_variants.items()}
             if d.mask_variants else None}
@@ -4350,10 +4495,12 @@ def drafter_report(d, results, items):
     no_trees = {"ddtree": None, "ddtree_note": note} if note else {}
     sampled = bool(results) and "expected" in results[0]
 
-    def section(keep=lambda it: True, depth=None):   # the kept prompts' figures, at the trained depth or `depth`
-        chosen = [(res if depth is None else res["depths"][depth], it) for res, it in zip(results, items) if keep(it)]
+    def section(keep=lambda it: True, depth=None, pick=None):   # the kept prompts' figures, at the trained depth,
+        pick = pick or (lambda res: res if depth is None else res["depths"][depth])   # `depth`, or what pick picks
+        chosen = [(pick(res), it) for res, it in zip(results, items) if keep(it)]
         totals = list(prompt_totals(*zip(*chosen)).values()) if chosen else []
-        return {**summarize([res for res, _ in chosen], B if depth is None else depth + 1),
+        size = B if depth is None else depth + 1
+        return {**summarize([res for res, _ in chosen], size),
                 "tau_ci95": ratio_ci95([c for c, _ in totals], [r for _, r in totals]),
                 **reference_fit([it for _, it in chosen], sampled)[0], **(no_trees if depth is None else {})}
 
@@ -4362,7 +4509,12 @@ def drafter_report(d, results, items):
     splits = {split: section(lambda it: it["split"] == split) for split in sorted({it["split"] for it in items})}
     turns = {str(t): section(lambda it: it.get("turn") == t) for t in sorted({it.get("turn") for it in items} - {None})}
     depths = {B - 1: whole, **{k: section(depth=k) for k in (results[0].get("depths", {}) if results else {})}}
-    return {**{k: v for k, v in d.items() if k != "mask_modes"}, **whole,
+    tree = d.get("eagle_tree")
+    if tree and results and "tree" in results[0]:   # SGLang's token tree: its walk, its rounds of up to steps + 1
+        s = section(depth=tree["steps"], pick=lambda res: res["tree"])
+        tree = {**tree, **{key: s[key] for key in DEPTH_KEYS}, "engine_metrics": engine_metrics(s, tree["steps"],
+                                                                                                 tree["tokens"])}
+    return {**{k: v for k, v in d.items() if k != "mask_modes"}, **whole, **({"eagle_tree": tree} if tree else {}),
             "engine_metrics": engine_metrics(whole, B - 1),
             **({"depths": {str(k): {**{key: s[key] for key in DEPTH_KEYS}, "engine_metrics": engine_metrics(s, k)}
                            for k, s in sorted(depths.items())}} if len(depths) > 1 else {}),
@@ -4581,6 +4733,12 @@ def report_lines(report):
                 f"{n}:{c:.4g}" if sampling else f"{n}:{c}" for n, c in enumerate(s["histogram"], 1) if c)
             if s.get("ddtree_note") and name == "all":
                 yield f"   no DDTree rows: {s['ddtree_note']}"
+            tree = d.get("eagle_tree") if name == "all" else None
+            if tree and "tau" in tree:
+                yield (f"   SGLang tree ({tree['steps']} steps, top-{tree['topk']}, {tree['tokens']} draft tokens; "
+                       f"{tree['source']}): tau {fmt(tree['tau'])} (chain {fmt(s['tau'])})  tau_prompt_mean "
+                       f"{fmt(tree['tau_prompt_mean'])}  rounds by length: "
+                       + " ".join(f"{n}:{c}" for n, c in enumerate(tree["histogram"], 1) if c))
             for budget, t in (s["ddtree"] or {}).items():
                 yield (f"   DDTree budget {budget:>4}: tau {fmt(t['tau'])} (chain {fmt(s['tau'])})  tau_prompt_mean "
                        f"{fmt(t['tau_prompt_mean'])}  rounds by length: "
@@ -4799,7 +4957,8 @@ def result_json(r):
             "equal": [int(sum(1 << k for k, e in enumerate(row) if e)) for row in r["equal"].tolist()],
             "mask_check": r.get("mask_check"), "by_context": r["by_context"],
             **{k: r[k] for k in ("expected", "feature_check") if k in r},
-            **({"depths": {str(k): result_json(v) for k, v in r["depths"].items()}} if "depths" in r else {})}
+            **({"depths": {str(k): result_json(v) for k, v in r["depths"].items()}} if "depths" in r else {}),
+            **({"tree": result_json(r["tree"])} if "tree" in r else {})}
 
 
 def record_json(record):
@@ -4807,20 +4966,22 @@ def record_json(record):
     return {"item": record["item"], "results": [result_json(r) for r in record["results"]]}
 
 
-def result_from_json(r, drafts):
+def result_from_json(r, drafts, tree_drafts=None):
     bits = torch.tensor(r["equal"], dtype=torch.long).view(-1, 1)
     return {"rounds": r["rounds"], "ddtree_rounds": {int(b): v for b, v in r["ddtree_rounds"].items()},
             "anchors": torch.tensor(r["anchors"], dtype=torch.long),
             "matched": torch.tensor(r["matched"], dtype=torch.long), "equal": (bits >> torch.arange(drafts)) & 1 == 1,
             "by_context": r["by_context"], **{k: r[k] for k in ("mask_check", "expected", "feature_check") if r.get(k)},
             **({"depths": {int(k): result_from_json(v, int(k)) for k, v in r["depths"].items()}}
-               if "depths" in r else {})}
+               if "depths" in r else {}),
+            **({"tree": result_from_json(r["tree"], tree_drafts)} if "tree" in r else {})}
 
 
 def collect(rows, facts):
     """{index: record} of record lines (a partial file's, a shard's, a rank's)."""
     return {row["item"]["index"]: {"item": {**row["item"], "agree": tuple(row["item"]["agree"])},
-                                   "results": [result_from_json(r, d["drafts_per_round"])
+                                   "results": [result_from_json(r, d["drafts_per_round"],
+                                                                (d.get("eagle_tree") or {}).get("steps"))
                                                for r, d in zip(row["results"], facts)]} for row in rows}
 
 
