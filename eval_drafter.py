@@ -740,9 +740,9 @@ def parse_eagle_tree(text):
     if word in ("auto", "none"):
         return None if word == "none" else "auto"
     try:
-        values = tuple(int(x) for x in text.split(","))
+        values = [int(x) for x in text.split(",")]
     except ValueError:
-        values = ()
+        values = []
     if len(values) != 3 or min(values) < 1 or values[2] < 2:
         fail(f"--eagle-tree takes STEPS,TOPK,TOKENS (three positive integers, TOKENS at least 2, e.g. 5,4,8), auto or "
              f"none; got {text!r}")
@@ -4266,7 +4266,8 @@ def measure_costs(model, drafters, settings, items):
     depth K, at the prompts' median context L (prompt + half the reference)."""
     _, _, embed, head = target_parts(model)
     depths = {d.block_size - 1 for d in drafters} | {k for d in drafters for k in served_depths(d, settings)}
-    sizes = sorted({1 + k for k in depths} | {1 + b for b in settings["ddtree_budgets"]})
+    sizes = sorted({1 + k for k in depths} | {1 + b for b in settings["ddtree_budgets"]}
+                   | {d.tree["tokens"] for d in drafters if d.tree})
     L = sorted(len(it["prompt_ids"]) + len(it["completion_ids"]) // 2 for it in items)[len(items) // 2] if items else 64
     ids = [t for it in items for t in it["prompt_ids"] + it["completion_ids"]] or [0]
     ids = (ids * ((L + sizes[-1]) // len(ids) + 1))[:L + sizes[-1]]   # real tokens, repeated as far as needed
@@ -4317,8 +4318,16 @@ def measure_costs(model, drafters, settings, items):
             draft_all_anchors(replace(d, block_size=k + 1), grown, at, first, embed.weight, head)
             return seconds_since(start)
 
+        def draft_tree(d=d, feats=feats, context=context):   # the deepest path's window, then SGLang's tree
+            start = time.perf_counter()
+            grown = causal_pass(d, feats, ids[:L + d.tree["steps"] + 1], embed.weight, context)
+            eagle_trees(d, grown, torch.tensor([L + d.tree["steps"]], device=first.device), None, embed.weight, head,
+                        "cost")
+            return seconds_since(start)
+
         timings += [(costs["draft"].setdefault(d.name, {}), str(k), lambda k=k, draft=draft: draft(k))
                     for k in [d.block_size - 1, *served_depths(d, settings)]]
+        timings += [(costs["draft"][d.name], "tree", draft_tree)] if d.tree else []
     seconds = [[run_once()] for _, _, run_once in timings]   # the warm-up, not counted
     for _ in range(COST_REPEATS):   # every size in turn, so that a slow moment does not fall on one of them
         for (_, _, run_once), runs in zip(timings, seconds):
@@ -4344,6 +4353,10 @@ def predicted_speedups(report, costs):
             rows = {f"K={k}": (s["tau"], str(1 + int(k)), k) for k, s in depths.items()}
             rows.update({f"DDTree {b}": (s["tau"], str(1 + int(b)), str(d["drafts_per_round"]))
                          for b, s in (d["ddtree"] or {}).items()})
+            tree = d.get("eagle_tree")
+            if tree and "tau" in tree:   # SGLang verifies its draft tokens, the anchor's included
+                rows[f"SGLang tree {tree['steps']},{tree['topk']},{tree['tokens']}"] = (tree["tau"], str(tree["tokens"]),
+                                                                                        "tree")
             rows = {name: speedup(tau, t["target"]["1"], t["target"].get(n), draft.get(k))
                     for name, (tau, n, k) in rows.items()}
             best = max((r for r in rows.items() if r[1]["speedup"]), key=lambda r: r[1]["speedup"], default=None)
@@ -4539,7 +4552,9 @@ def side_by_side(drafters, results, items):
 
     rows = paired([{"name": d["name"], **{k: d[k] for k in ("series", "step") if k in d}, "tau": d["tau"],
                     "tau_ci95": d["tau_ci95"], "first_position_acceptance": d["per_position"]["acceptance"][0],
-                    "ddtree": {b: s["tau"] for b, s in (d["ddtree"] or {}).items()}} for d in drafters])
+                    "ddtree": {b: s["tau"] for b, s in (d["ddtree"] or {}).items()},
+                    **({"eagle_tree": d["eagle_tree"]["tau"]} if "tau" in (d.get("eagle_tree") or {}) else {})}
+                   for d in drafters])
     series = {}
     for row in rows:
         if "series" in row and row["tau"] is not None and row["tau"] > series.setdefault(row["series"], row)["tau"]:
@@ -4627,11 +4642,12 @@ def serving_lines(d):
         yield (f"   predicted speedup{'' if batch == '1' else f' at batch size {batch}'} = tau x plain decoding's "
                f"{1e3 * p['plain_s']:.3g} ms a token / a round's cost (the target verifying 1 + K tokens, or a tree's "
                "nodes + 1, plus the drafter's pass; no batching or scheduling):")
+        width = max([12, *map(len, p["rows"])])
         for name, r in p["rows"].items():
             cost = "n/a" if None in (r["target_s"], r["draft_s"]) else \
                 f"{1e3 * r['target_s']:.3g} + {1e3 * r['draft_s']:.3g} ms"
             speed = "n/a" if r["speedup"] is None else f"{r['speedup']:.2f}x"
-            yield (f"     {name:<12} tau {fmt(r['tau'])}  round {cost:<20} speedup {speed}"
+            yield (f"     {name:<{width}} tau {fmt(r['tau'])}  round {cost:<20} speedup {speed}"
                    + ("  <- best" if name == p["best"] else ""))
 
 
@@ -4643,8 +4659,9 @@ def comparison_lines(c):
            "same prompts)")
     predicted = [row["predicted_speedup"] for row in c["drafters"] if row.get("predicted_speedup")]
     batch = ("1" if "1" in predicted[0] else min(predicted[0], key=int)) if predicted else None
+    trees = any("eagle_tree" in row for row in c["drafters"])
     yield (f"   {'drafter':<{width}}    tau  95% interval      accept@1" + "".join(f"  DDTree {b:>4}" for b in budgets)
-           + (f"  predicted speedup{'' if batch == '1' else f' (batch {batch})'}" if batch else ""))
+           + ("  SGLang tree" if trees else "") + (f"  predicted speedup{'' if batch == '1' else f' (batch {batch})'}" if batch else ""))
     for row in c["drafters"]:
         best = "  <- best of " + row["series"] if "series" in row and c["best_steps"].get(row["series"]) == \
             row["step"] and sum(r.get("series") == row["series"] for r in c["drafters"]) > 1 else ""
@@ -4652,7 +4669,8 @@ def comparison_lines(c):
         speed = "" if not batch else "  n/a" if p.get("speedup") is None else f"  {p['speedup']:>5.2f}x at {p['best']}"
         yield (f"   {row['name']:<{width}}  {fmt(row['tau']):>5}  {interval(row['tau_ci95']):<16}  "
                f"{fmt(row['first_position_acceptance']):>8}"
-               + "".join(f"  {fmt(row['ddtree'].get(b)):>11}" for b in budgets) + speed + best)
+               + "".join(f"  {fmt(row['ddtree'].get(b)):>11}" for b in budgets)
+               + (f"  {fmt(row.get('eagle_tree')):>11}" if trees else "") + speed + best)
 
     def deltas(rows, where=""):
         for row in rows[1:]:
@@ -4739,6 +4757,11 @@ def report_lines(report):
                        f"{tree['source']}): tau {fmt(tree['tau'])} (chain {fmt(s['tau'])})  tau_prompt_mean "
                        f"{fmt(tree['tau_prompt_mean'])}  rounds by length: "
                        + " ".join(f"{n}:{c}" for n, c in enumerate(tree["histogram"], 1) if c))
+                g = (tree["engine_metrics"] or {}).get("sglang")
+                if g:
+                    yield (f"     SGLang (--speculative-num-steps {tree['steps']} --speculative-eagle-topk "
+                           f"{tree['topk']} --speculative-num-draft-tokens {tree['tokens']}): accept len "
+                           f"{g['accept_len']:.2f}, accept rate {g['accept_rate']:.3f}")
             for budget, t in (s["ddtree"] or {}).items():
                 yield (f"   DDTree budget {budget:>4}: tau {fmt(t['tau'])} (chain {fmt(s['tau'])})  tau_prompt_mean "
                        f"{fmt(t['tau_prompt_mean'])}  rounds by length: "
@@ -4901,7 +4924,8 @@ def board_scalars(d):
     """A drafter's (or a watch step's) TensorBoard scalars: {tag: value}."""
     tags = {"tau": d.get("tau"), **{f"acceptance/pos{k}": a for k, a in enumerate(d["per_position"]["acceptance"], 1)},
             **{f"ddtree_tau/budget{b}": s["tau"] for b, s in (d.get("ddtree") or {}).items()},
-            **{f"depth_tau/K{k}": s["tau"] for k, s in (d.get("depths") or {}).items()}}
+            **{f"depth_tau/K{k}": s["tau"] for k, s in (d.get("depths") or {}).items()},
+            **({"eagle_tree_tau": d["eagle_tree"]["tau"]} if "tau" in (d.get("eagle_tree") or {}) else {})}
     if d.get("engine_metrics"):
         tags.update({f"vllm_acceptance/pos{k}": a for k, a in
                      enumerate(d["engine_metrics"]["vllm"]["per_position_acceptance_rate"], 1)})
@@ -5766,7 +5790,7 @@ def compare_hidden(settings, shown):
 # are passed over), since the size check and the load cover every trainer's layout.
 WATCH_TRIES = 3   # looks at which a settled checkpoint fails to load before it is named unreadable
 WATCH_KEYS = ("series", "step", "checkpoint", "hash", "tau", "tau_ci95", "tau_prompt_mean", "rounds", "anchors", "histogram", "per_position", "ddtree",
-              "depths", "engine_metrics", "by_context", "feature_check", "warnings")   # a step's line, as the JSON
+              "eagle_tree", "depths", "engine_metrics", "by_context", "feature_check", "warnings")   # a step's line, as the JSON
 
 
 def step_files(path):
@@ -5862,6 +5886,7 @@ def step_text(line, best):
     ci = f" {interval(line['tau_ci95'])}" if line.get("tau_ci95") else ""
     return (f"step {line['step']:>7}  tau {fmt(line['tau'])}{ci}  first {fmt(line['first_position_acceptance'])}"
             + "".join(f"  ddtree{b} {fmt(s['tau'])}" for b, s in (line.get("ddtree") or {}).items())
+            + (f"  tree {fmt(line['eagle_tree']['tau'])}" if "tau" in (line.get("eagle_tree") or {}) else "")
             + "".join(f"  K={k} {fmt(s['tau'])}" for k, s in (line.get("depths") or {}).items()
                       if int(k) != len(line["histogram"]) - 1)
             + f"  ({line['prompts']} prompts, {line['seconds']:.1f} s)" + ("  *best so far" if best else "")

@@ -157,3 +157,177 @@ def greedy_text(target, ids, n):
     for _ in range(n):
         seq.append(int(target(torch.tensor([seq])).logits[0, -1].argmax()))
     return seq
+
+
+@torch.no_grad()
+def sampled_tree_runs(target, prompts, sampling, runs, n_new, shape, drafter, seed):
+    """SGLang's sampled verify of a tree (target-only): at each node a token drawn from the target's distribution
+    at `sampling`; the child holding it is accepted, else that token ends the round. [(prompt index, the first n_new
+    completion tokens, the rounds whose deepest path lies inside them, as the tool counts rounds)]."""
+    out = []
+    for i in range(runs):
+        g, ids = torch.Generator().manual_seed(seed + i), prompts[i % len(prompts)]
+        propose, seq, rounds = tree_proposer(target, drafter, *shape), list(ids), []
+
+        def draw(tokens):
+            p = ed.sampling_probs(target(torch.tensor([tokens])).logits[0, -1:], sampling).double()[0]
+            return int(torch.multinomial(p, 1, generator=g))
+        seq.append(draw(seq))
+        while len(seq) - len(ids) < n_new + shape[0]:
+            tokens, parents = propose(seq)
+            at, path = -1, []
+            while True:
+                token = draw(seq + path)
+                at = child(tokens, parents, at, token)
+                if at is None:
+                    break
+                path.append(token)
+            seq += path + [token]
+            rounds.append(len(path) + 1)
+        counted, at = [], 0
+        for length in rounds:
+            if at + shape[0] > n_new - 1:
+                break
+            counted.append(length)
+            at += length
+        out.append((i % len(prompts), seq[len(ids):len(ids) + n_new], counted))
+    return out
+
+
+def test_sampled_tree_rounds_equal_sglangs_target_only_verify(tmp_path, demo):
+    """Under sampling SGLang verifies a tree against the target's own samples, so given the text the walk is fixed:
+    the tool's tree rounds on each sampled run's text equal that run's, round by round."""
+    target, rows, prompts = demo
+    shape, sampling = (4, 3, 8), (0.9, 1.0, 0)
+    drafter = ed.load_drafter(EAGLE, target.config, drafter_settings())
+    runs = sampled_tree_runs(target, prompts, sampling, 40, 32, shape, drafter, seed=500)
+    refs = [{"id": f"run{i}", "prompt": rows[p]["prompt"], "completion_ids": text} for i, (p, text, _) in enumerate(runs)]
+    report = run_tool(tmp_path, "sampled", "--target", os.path.join(DEMO, "target"), "--ckpt", f"e={EAGLE}",
+                      "--eagle-tree", "4,3,8", "--prompts", write_jsonl(tmp_path / "refs.jsonl", refs),
+                      *sampling_argv(sampling))
+    got = [p["eagle_tree_rounds"] for p in report["drafters"][0]["prompts"]]
+    assert got == [rounds for _, _, rounds in runs]
+    flat = [r for rr in got for r in rr]
+    assert len(set(flat)) >= 3 and report["drafters"][0]["eagle_tree"]["rounds"] == len(flat)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Its shapes: SGLang's default by the target's architecture, a chain as a tree, the refusals
+
+
+def test_the_default_is_what_sglang_picks_for_the_target(demo, capsys):
+    target = demo[0]
+    llama = type(target.config)(**{**target.config.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    d = ed.load_drafter(EAGLE, llama, drafter_settings(eagle_tree="auto"))
+    assert d.tree == {"steps": 5, "topk": 4, "tokens": 8, "source": "SGLang's default for LlamaForCausalLM targets"}
+    d = ed.load_drafter(EAGLE, target.config, drafter_settings(eagle_tree="auto", quiet=False))
+    assert d.tree is None and target.config.architectures[0] not in ed.SGLANG_TREE_TARGETS
+    assert f"SGLang serves it as a chain of 3 drafts (SGLang's default for {target.config.architectures[0]} " \
+           "targets; --eagle-tree for a tree)" in capsys.readouterr().err
+    assert ed.load_drafter(EAGLE, llama, drafter_settings(eagle_tree=None)).tree is None
+
+
+def test_a_top_1_tree_is_the_chain(tmp_path):
+    """SGLang's chain (top-k 1, its draft tokens set to steps + 1) walks as the tool's chain of that depth."""
+    report = tree_run(tmp_path, "c", "--eagle-tree", "3,1,9", "--block-size", "4")
+    d = report["drafters"][0]
+    assert d["eagle_tree"]["tokens"] == 4
+    assert [p["eagle_tree_rounds"] for p in d["prompts"]] == [p["rounds"] for p in d["prompts"]]
+    assert d["eagle_tree"]["tau"] == d["tau"] and len({r for p in d["prompts"] for r in p["rounds"]}) >= 2
+
+
+@pytest.mark.parametrize("value,fragment", [
+    ("5,4", "--eagle-tree takes STEPS,TOPK,TOKENS"), ("5,0,8", "--eagle-tree takes STEPS,TOPK,TOKENS"),
+    ("5,4,1", "TOKENS at least 2"), ("tree", "--eagle-tree takes STEPS,TOPK,TOKENS"),
+    ("2,2,8", "2 steps of top-2 give 6 candidate nodes, fewer than the 7 draft nodes asked")])
+def test_a_bad_shape_is_refused_in_one_line(capsys, value, fragment):
+    refused_in_one_line(capsys, ["--demo", "--ckpt", f"e={EAGLE}", "--eagle-tree", value, "--limit", "1"], fragment)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Every promise: walk mode, saved features, shards, an interruption inside the tree
+
+
+ARGV = ("--demo", "--ckpt", f"e={EAGLE}", "--eagle-tree", "4,3,8", "--max-new-tokens", "40", "--ignore-eos",
+        "--limit", "4")
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    return run_tool(tmp_path_factory.mktemp("whole"), "whole", *ARGV)
+
+
+def results(report):
+    return [{k: v for k, v in d.items() if k != "checkpoint"} for d in report["drafters"]]
+
+
+def test_walk_mode_saved_features_and_shards_give_the_same_trees(tmp_path, whole):
+    assert {len(p["eagle_tree_rounds"]) for p in whole["drafters"][0]["prompts"]} != {0}
+    walked = run_tool(tmp_path, "walk", *ARGV, "--anchors", "walk")["drafters"][0]
+    assert walked["eagle_tree"] == whole["drafters"][0]["eagle_tree"]
+    assert [p["eagle_tree_rounds"] for p in walked["prompts"]] == \
+        [p["eagle_tree_rounds"] for p in whole["drafters"][0]["prompts"]]
+    saved = tmp_path / "h.safetensors"
+    assert results(run_tool(tmp_path, "save", *ARGV, "--save-hidden", str(saved))) == results(whole)
+    argv = [a for a in ARGV if a not in ("--max-new-tokens", "40", "--ignore-eos")]
+    assert results(run_tool(tmp_path, "load", *argv, "--load-hidden", str(saved))) == results(whole)
+    for k in (1, 2):
+        run_tool(tmp_path, f"s{k}", *ARGV, "--shard", f"{k}/2")
+    merged = run_tool(tmp_path, "merged", "--merge", str(tmp_path / "s1.json"), str(tmp_path / "s2.json"))
+    assert results(merged) == results(whole)
+
+
+def test_an_interruption_inside_the_tree_loses_nothing(tmp_path, monkeypatch, whole):
+    out = tmp_path / "cut.json"   # the third prompt's trees (one eagle_trees call a prompt at these lengths)
+    argv = [*ARGV, "--quiet", "--output", str(out)]
+    assert results(interrupted_then_resumed(monkeypatch, argv, out, "eagle_trees", 3, 2)) == results(whole)
+
+
+def test_the_predicted_speedup_prices_the_trees_draft_tokens(tmp_path, whole, capsys):
+    """--costs measure times a verify pass over the tree's draft tokens and the drafter's tree; its row uses both."""
+    report = run_tool(tmp_path, "costs", *ARGV, "--costs", "measure")
+    costs, d = report["config"]["costs_used"], report["drafters"][0]
+    row = d["predicted_speedup"]["1"]["rows"]["SGLang tree 4,3,8"]
+    assert row["tau"] == d["eagle_tree"]["tau"] == whole["drafters"][0]["eagle_tree"]["tau"]
+    assert row["target_s"] == costs["target"]["8"] and row["draft_s"] == costs["draft"]["e"]["tree"] > 0
+    assert row["speedup"] == pytest.approx(row["tau"] * costs["target"]["1"] / (row["target_s"] + row["draft_s"]))
+    assert "SGLang (--speculative-num-steps 4 --speculative-eagle-topk 3 --speculative-num-draft-tokens 8): accept " \
+           "len" in capsys.readouterr().out
+
+
+def test_a_watched_run_has_the_tree_in_each_steps_line(tmp_path, whole):
+    """--watch over EAGLE-3 steps from saved features: each step's line holds the tree's figures, as the single
+    checkpoint's report does."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    hidden = str(tmp_path / "h.safetensors")
+    run_tool(tmp_path, "save", *ARGV, "--save-hidden", hidden)
+    run = tmp_path / "run"
+    for step, scale in ((100, 0.3), (200, 1.0)):   # two steps that draft differently
+        path = run / f"checkpoint-{step}"
+        path.mkdir(parents=True)
+        shutil.copy(os.path.join(EAGLE, "config.json"), path)
+        state = load_file(os.path.join(EAGLE, "model.safetensors"))
+        save_file({k: v * scale if k == "layers.0.mlp.down_proj.weight" else v for k, v in state.items()}, str(path / "model.safetensors"))
+    out = str(tmp_path / "series.jsonl")
+    flags = ["--eagle-tree", "4,3,8", "--quiet"]
+    target = os.path.join(DEMO, "target")
+    assert ed.main(["--target", target, "--load-hidden", hidden, "--watch", f"w={run}", "--output", out,
+                    "--watch-interval", "0.05", "--watch-until", "200", *flags]) == 0
+    with open(out) as f:
+        lines = [json.loads(line) for line in f][1:]
+    assert [line["step"] for line in lines] == [100, 200]
+    for line in lines:
+        single = run_tool(tmp_path, f"single{line['step']}", "--target", target, "--ckpt",
+                          f"w={run / ('checkpoint-%d' % line['step'])}", "--load-hidden", hidden, *flags)
+        assert line["eagle_tree"] == single["drafters"][0]["eagle_tree"]
+    assert lines[1]["eagle_tree"] == whole["drafters"][0]["eagle_tree"]
+    assert lines[0]["eagle_tree"]["histogram"] != lines[1]["eagle_tree"]["histogram"]
+
+
+def test_side_by_side_and_tensorboard_carry_the_tree(tmp_path, whole):
+    report = run_tool(tmp_path, "two", *ARGV, "--ckpt", f"d={os.path.join(DEMO, 'drafter')}")
+    e, d = report["comparison"]["drafters"]
+    assert e["eagle_tree"] == report["drafters"][0]["eagle_tree"]["tau"] == whole["drafters"][0]["eagle_tree"]["tau"]
+    assert "eagle_tree" not in d and "eagle_tree" not in report["drafters"][1]
+    assert ed.board_scalars(report["drafters"][0])["eagle_tree_tau"] == e["eagle_tree"]
