@@ -3437,7 +3437,8 @@ FAMILIES = {
                        "picks each slot's candidate after the one before it, and both engines verify a chain, so no "
                        "DDTree rows"),
     "EAGLE-3": Family(load_eagle3, causal_round, causal=True, method="eagle3", tree=True, ddtree_note=(
-        "EAGLE-3's trees are SGLang's, built step by step (its EAGLE tree row), not DDTree's from one pass")),
+        "EAGLE-3 drafts a chain here, as vLLM serves it; its trees are SGLang's, built step by step (the SGLang tree "
+        "row, --eagle-tree), not DDTree's from one pass, so no DDTree rows")),
     "P-EAGLE": Family(load_eagle3, parallel_round, causal=True, method="eagle3", vllm={"parallel_drafting": True},
                       ddtree_note="P-EAGLE drafts a chain here, as vLLM, the one engine serving it, verifies its K "
                       "parallel drafts, so no DDTree rows"),
