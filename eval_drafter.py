@@ -645,6 +645,10 @@ FLAGS = [
     ("sampled", "--draft-policy", "R", None, dict(default="argmax", choices=["argmax", "sample"],
         help="how the drafts are proposed at temperature > 0: argmax (vLLM, SGLang, TensorRT-LLM) or sample (the "
              "public transformers loop: drafts sampled from the drafter)")),
+    ("sampled", "--verify", "R", None, dict(default="standard", metavar="RULES", help="the verification rules to "
+        "score, one row each from the same pass, the first the main row: standard (token by token) and block "
+        "(block verification: vLLM's rejection_sample_method block, SGLang's --speculative-use-block-verification); "
+        "e.g. standard,block; default standard")),
     ("sampled", "--samples-per-prompt", "RHC", AT_LEAST_1, dict(type=int, default=1,
         help="sampled references per prompt (temperature > 0; default 1)")),
     ("sampled", "--seed", "RHC", None, dict(type=int, default=0, help="seed of the sampled references (default 0)")),
@@ -747,6 +751,17 @@ def parse_eagle_tree(text):
         fail(f"--eagle-tree takes STEPS,TOPK,TOKENS (three positive integers, TOKENS at least 2, e.g. 5,4,8), auto or "
              f"none; got {text!r}")
     return values
+
+
+VERIFY_RULES = ("standard", "block")
+
+
+def parse_verify(text):
+    """--verify: the distinct rules, in the order given (the first is the main row)."""
+    rules = list(dict.fromkeys(r.strip().lower() for r in text.split(",") if r.strip()))
+    if not rules or any(r not in VERIFY_RULES for r in rules):
+        fail(f"--verify takes standard, block or both (comma-separated, e.g. standard,block); got {text!r}")
+    return rules
 
 
 def parse_depths(text):
@@ -1084,7 +1099,7 @@ def resolve_settings(args, ranks=True):
                 # what happened, once the tokenizer is read: applied / off (--no-chat-template) / none in the tokenizer
                 "chat_template": "off" if args.no_chat_template else None,
                 "ddtree_budgets": parse_budgets(args.ddtree_budgets), "depths": parse_depths(args.depths),
-                "eagle_tree": parse_eagle_tree(args.eagle_tree),
+                "eagle_tree": parse_eagle_tree(args.eagle_tree), "verify": parse_verify(args.verify),
                 "costs_used": read_costs(args.costs) if args.costs and args.costs != "measure" else None,
                 "shard": shard, "ranks": 1, "rank": 0, "output_streamed": output_streamed,
                 "walk_rule": "first anchor = first completion token; next anchor = anchor + acceptance; "
@@ -3909,21 +3924,46 @@ def round_sums(rounds, block_size, number=int):
             "histogram": [number(rounds.count(n)) for n in range(1, block_size + 1)]}
 
 
-def add_expectations(res, block_size, n_prompt, total_len, p, q=None):
-    """Temperature > 0: each drafted slot's acceptance probability (argmax proposals: draft == text, the walk already
-    taken; sampled: min(1, q / p), 0 where p is), the expected walk and the per-position sums (sampled: by context)."""
-    if q is None:
-        accept, expected = res["equal"].double(), round_sums(res["rounds"], block_size, float)
-    else:
-        p_at = p[res["anchors"][:, None] + torch.arange(1, block_size) - n_prompt]
-        accept = torch.where(p_at > 0, (q / p_at.clamp_min(1e-300)).clamp(max=1.0), torch.zeros_like(q))
-        expected = expected_walk(accept, n_prompt, total_len, block_size)
-        res["rounds"] = None   # sampled proposals: no one walk, its expectation
-        res["by_context"] = context_sums(res["anchors"], accept[:, 0], res["anchors"].tolist(), expected.pop("length"),
-                                         expected.pop("start"))
-    reach = torch.cat([torch.ones(accept.shape[0], 1, dtype=torch.float64), accept.cumprod(1)], dim=1)
-    res["expected"] = {**expected, "reach": reach.sum(0).tolist(), "hits": accept.sum(0).tolist(),
-                       "anchors": accept.shape[0]}
+def block_accept(q, p_at):
+    """Block verification (Sun et al. 2024, arXiv 2403.10444) given the text, drafts marginalised: a round reaches
+    slot j with P(tau >= j | text) = min(1, P_1, ..., P_j), P_j = prod_{i <= j} q_i / p_i at the text's tokens
+    (README, Verification rules), returned as each slot's chance once the slot before it is reached, as the
+    standard rule's min(1, q / p) is. In log space: the products of many ratios overflow."""
+    ok = (p_at > 0) & (q > 0)
+    logs = torch.where(ok, q.clamp_min(1e-300).log() - p_at.clamp_min(1e-300).log(), -math.inf).cumsum(1)
+    reach = torch.cat([torch.zeros_like(logs[:, :1]), logs], 1).cummin(1).values
+    return torch.where(reach[:, :-1] > -math.inf, (reach[:, 1:] - reach[:, :-1]).exp(), torch.zeros_like(q))
+
+
+def add_expectations(res, block_size, n_prompt, total_len, p, q=None, rules=("standard",)):
+    """Temperature > 0, under each verification rule: each drafted slot's acceptance probability (argmax proposals:
+    draft == text, the walk already taken, the same under both rules; sampled: standard min(1, q / p), 0 where p
+    is; block: block_accept), the expected walk and the per-position sums (sampled: by context). The first rule's
+    figures are res's own, the others' go to res["verify"]."""
+    p_at = p[res["anchors"][:, None] + torch.arange(1, block_size) - n_prompt]
+    sampled = q is not None
+    q = q if sampled else res["equal"].double()
+    accepts = {"standard": torch.where(p_at > 0, (q / p_at.clamp_min(1e-300)).clamp(max=1.0), torch.zeros_like(q)),
+               "block": block_accept(q, p_at)}
+    for rule in rules:
+        accept = accepts[rule]
+        if sampled:
+            expected = expected_walk(accept, n_prompt, total_len, block_size)
+            length, start = expected.pop("length"), expected.pop("start")
+        else:
+            expected = round_sums(res["rounds"], block_size, float)
+        reach = torch.cat([torch.ones(accept.shape[0], 1, dtype=torch.float64), accept.cumprod(1)], dim=1)
+        expected = {**expected, "reach": reach.sum(0).tolist(), "hits": accepts["standard"].sum(0).tolist(),
+                    "anchors": accept.shape[0]}   # hits: each slot's own chance, a figure of the drafter alone
+        if rule != rules[0]:
+            res.setdefault("verify", {})[rule] = {**{k: res[k] for k in ("anchors", "matched", "equal")},
+                                                  "rounds": None if sampled else res["rounds"], "ddtree_rounds": {},
+                                                  "by_context": {}, "expected": expected}
+            continue
+        if sampled:
+            res["rounds"] = None   # sampled proposals: no one walk, its expectation
+            res["by_context"] = context_sums(res["anchors"], accept[:, 0], res["anchors"].tolist(), length, start)
+        res["expected"] = expected
 
 
 def score_tree(d, features, ids, n_prompt, prompt_id, embed_w, head, device):
@@ -3944,8 +3984,9 @@ def score_tree(d, features, ids, n_prompt, prompt_id, embed_w, head, device):
             "ddtree_rounds": {}, "by_context": {}}
 
 
-def score_drafter(d, prompts, group, embed_w, head, settings, budgets):
-    """One drafter's results on prompts [(features, ids, n_prompt, prompt id)]: drafts, walks, expectations, sums."""
+def score_drafter(d, prompts, group, embed_w, head, settings, budgets, rules):
+    """One drafter's results on prompts [(features, ids, n_prompt, prompt id)]: drafts, walks, expectations, sums;
+    under each verification rule of `rules` (the first: the main figures)."""
     sampling = sampling_of(settings)
     sample_policy = sampling is not None and settings["draft_policy"] == "sample"
     walked = [res for lo in range(0, len(prompts), WALK_GROUP)
@@ -3973,7 +4014,10 @@ def score_drafter(d, prompts, group, embed_w, head, settings, budgets):
                 res["by_context"] = context_sums(res["anchors"], res["matched"] >= 1,
                                                  [n_prompt + sum(rounds[:i]) for i in range(len(rounds))], rounds)
             if sampling:
-                add_expectations(res, d.block_size, n_prompt, len(ids), group[i][0]["p"], q)
+                add_expectations(res, d.block_size, n_prompt, len(ids), group[i][0]["p"], q, rules)
+            elif rules[1:]:   # greedy: every rule is the argmax comparison, the engines' greedy path
+                res["verify"] = {rule: {**{k: res[k] for k in ("anchors", "matched", "equal", "rounds")},
+                                        "ddtree_rounds": {}, "by_context": {}} for rule in rules[1:]}
         if d.tree:
             with timed("drafter_s"):
                 res["tree"] = score_tree(d, features, ids, n_prompt, prompt_id, embed_w, head, settings["device"])
@@ -4119,10 +4163,10 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
     for stub in drafters:
         d = stub if stub.weights is not None else replace(stub, weights=stub.reload())   # a step: for this group
         budgets = [] if family(d).ddtree_note else settings["ddtree_budgets"]   # chains: no tree verifier
-        scored = score_drafter(d, prompts, group, embed_w, head, settings, budgets)
+        scored = score_drafter(d, prompts, group, embed_w, head, settings, budgets, settings["verify"])
         for depth in served_depths(d, settings):   # the engines' shorter blocks: 1 + K slots, chain only
             for res, other in zip(scored, score_drafter(replace(d, block_size=depth + 1, tree=None), prompts, group,
-                                                        embed_w, head, settings, [])):
+                                                        embed_w, head, settings, [], settings["verify"][:1])):
                 res.setdefault("depths", {})[depth] = other
         for (features, ids, n_prompt, _), res, kept in zip(prompts, scored, results):
             if d.mask_variants:
@@ -4354,6 +4398,8 @@ def predicted_speedups(report, costs):
             rows = {f"K={k}": (s["tau"], str(1 + int(k)), k) for k, s in depths.items()}
             rows.update({f"DDTree {b}": (s["tau"], str(1 + int(b)), str(d["drafts_per_round"]))
                          for b, s in (d["ddtree"] or {}).items()})
+            K = str(d["drafts_per_round"])
+            rows.update({f"K={K} {rule}": (s["tau"], str(1 + int(K)), K) for rule, s in (d.get("verify") or {}).items()})
             tree = d.get("eagle_tree")
             if tree and "tau" in tree:   # SGLang verifies its draft tokens, the anchor's included
                 rows[f"SGLang tree {tree['steps']},{tree['topk']},{tree['tokens']}"] = (tree["tau"], str(tree["tokens"]),
@@ -4459,6 +4505,9 @@ def prompt_report(it, res, B):
              "ddtree_rounds": {str(b): r for b, r in res["ddtree_rounds"].items()}, "reply": it.get("reply")}
     if "tree" in res:
         entry["eagle_tree_rounds"] = res["tree"]["rounds"]
+    for rule, v in res.get("verify", {}).items():   # each other rule's tau on this reference (exact or expected)
+        c, r = prompt_totals([v], [it])[it["id"]]
+        entry.setdefault("verify_tau", {})[rule] = c / r if r else None
     if "depths" in res:
         entry["depth_rounds"] = {str(k): other["rounds"] for k, other in sorted(res["depths"].items())}
     if not (res["rounds"] or res.get("expected", {}).get("rounds")):
@@ -4523,12 +4572,16 @@ def drafter_report(d, results, items):
     splits = {split: section(lambda it: it["split"] == split) for split in sorted({it["split"] for it in items})}
     turns = {str(t): section(lambda it: it.get("turn") == t) for t in sorted({it.get("turn") for it in items} - {None})}
     depths = {B - 1: whole, **{k: section(depth=k) for k in (results[0].get("depths", {}) if results else {})}}
+    verify = {rule: section(pick=lambda res, rule=rule: res["verify"][rule])
+              for rule in (results[0].get("verify", {}) if results else {})}
     tree = d.get("eagle_tree")
     if tree and results and "tree" in results[0]:   # SGLang's token tree: its walk, its rounds of up to steps + 1
         s = section(depth=tree["steps"], pick=lambda res: res["tree"])
         tree = {**tree, **{key: s[key] for key in DEPTH_KEYS}, "engine_metrics": engine_metrics(s, tree["steps"],
                                                                                                  tree["tokens"])}
     return {**{k: v for k, v in d.items() if k != "mask_modes"}, **whole, **({"eagle_tree": tree} if tree else {}),
+            **({"verify": {rule: {**{key: s[key] for key in DEPTH_KEYS}, "engine_metrics": engine_metrics(s, B - 1)}
+                           for rule, s in verify.items()}} if verify else {}),
             "engine_metrics": engine_metrics(whole, B - 1),
             **({"depths": {str(k): {**{key: s[key] for key in DEPTH_KEYS}, "engine_metrics": engine_metrics(s, k)}
                            for k, s in sorted(depths.items())}} if len(depths) > 1 else {}),
@@ -4752,6 +4805,12 @@ def report_lines(report):
                 f"{n}:{c:.4g}" if sampling else f"{n}:{c}" for n, c in enumerate(s["histogram"], 1) if c)
             if s.get("ddtree_note") and name == "all":
                 yield f"   no DDTree rows: {s['ddtree_note']}"
+            for rule, t in (d.get("verify") or {}).items() if name == "all" else ():
+                main = config.get("verify", ["standard"])[0]
+                yield (f"   {rule} verification: tau {fmt(t['tau'])} ({main} {fmt(s['tau'])})  "
+                       f"tau_prompt_mean {fmt(t['tau_prompt_mean'])}  {'expected ' if sampling else ''}rounds by "
+                       "length: " + "  ".join(f"{n}:{c:.4g}" if sampling else f"{n}:{c}"
+                                             for n, c in enumerate(t["histogram"], 1) if c))
             tree = d.get("eagle_tree") if name == "all" else None
             if tree and "tau" in tree:
                 yield (f"   SGLang tree ({tree['steps']} steps, top-{tree['topk']}, {tree['tokens']} draft tokens; "
@@ -4926,7 +4985,8 @@ def board_scalars(d):
     tags = {"tau": d.get("tau"), **{f"acceptance/pos{k}": a for k, a in enumerate(d["per_position"]["acceptance"], 1)},
             **{f"ddtree_tau/budget{b}": s["tau"] for b, s in (d.get("ddtree") or {}).items()},
             **{f"depth_tau/K{k}": s["tau"] for k, s in (d.get("depths") or {}).items()},
-            **({"eagle_tree_tau": d["eagle_tree"]["tau"]} if "tau" in (d.get("eagle_tree") or {}) else {})}
+            **({"eagle_tree_tau": d["eagle_tree"]["tau"]} if "tau" in (d.get("eagle_tree") or {}) else {}),
+            **{f"verify_tau/{rule}": s["tau"] for rule, s in (d.get("verify") or {}).items()}}
     if d.get("engine_metrics"):
         tags.update({f"vllm_acceptance/pos{k}": a for k, a in
                      enumerate(d["engine_metrics"]["vllm"]["per_position_acceptance_rate"], 1)})
@@ -4983,7 +5043,8 @@ def result_json(r):
             "mask_check": r.get("mask_check"), "by_context": r["by_context"],
             **{k: r[k] for k in ("expected", "feature_check") if k in r},
             **({"depths": {str(k): result_json(v) for k, v in r["depths"].items()}} if "depths" in r else {}),
-            **({"tree": result_json(r["tree"])} if "tree" in r else {})}
+            **({"tree": result_json(r["tree"])} if "tree" in r else {}),
+            **({"verify": {rule: result_json(v) for rule, v in r["verify"].items()}} if "verify" in r else {})}
 
 
 def record_json(record):
@@ -4999,7 +5060,9 @@ def result_from_json(r, drafts, tree_drafts=None):
             "by_context": r["by_context"], **{k: r[k] for k in ("mask_check", "expected", "feature_check") if r.get(k)},
             **({"depths": {int(k): result_from_json(v, int(k)) for k, v in r["depths"].items()}}
                if "depths" in r else {}),
-            **({"tree": result_from_json(r["tree"], tree_drafts)} if "tree" in r else {})}
+            **({"tree": result_from_json(r["tree"], tree_drafts)} if "tree" in r else {}),
+            **({"verify": {rule: result_from_json(v, drafts) for rule, v in r["verify"].items()}} if "verify" in r
+               else {})}
 
 
 def collect(rows, facts):
@@ -5791,7 +5854,7 @@ def compare_hidden(settings, shown):
 # are passed over), since the size check and the load cover every trainer's layout.
 WATCH_TRIES = 3   # looks at which a settled checkpoint fails to load before it is named unreadable
 WATCH_KEYS = ("series", "step", "checkpoint", "hash", "tau", "tau_ci95", "tau_prompt_mean", "rounds", "anchors", "histogram", "per_position", "ddtree",
-              "eagle_tree", "depths", "engine_metrics", "by_context", "feature_check", "warnings")   # a step's line, as the JSON
+              "eagle_tree", "verify", "depths", "engine_metrics", "by_context", "feature_check", "warnings")   # a step's line, as the JSON
 
 
 def step_files(path):
@@ -6036,6 +6099,10 @@ def run(settings):
     if settings.get("export_vllm_synthetic") and not report.get("interrupted"):
         export_vllm_synthetic(report, settings["export_vllm_synthetic"], settings.get("export_depth"))
         log(settings, f"wrote {settings['export_vllm_synthetic']} (vLLM's speculative config, synthetic profile)")
+        if "block" in settings["verify"]:   # vLLM refuses rejection_sample_method block with synthetic rates
+            log(settings, f"note: vLLM refuses block verification together with synthetic acceptance, so the export "
+                          f"replays the {settings['verify'][0]} rule's measured rates as synthetic ones and says "
+                          "nothing of block")
     if settings.get("tensorboard"):
         board = board_writer(settings["tensorboard"])
         write_board(board, report["drafters"])
