@@ -4399,11 +4399,12 @@ def predicted_speedups(report, costs):
             rows.update({f"DDTree {b}": (s["tau"], str(1 + int(b)), str(d["drafts_per_round"]))
                          for b, s in (d["ddtree"] or {}).items()})
             K = str(d["drafts_per_round"])
-            rows.update({f"K={K} {rule}": (s["tau"], str(1 + int(K)), K) for rule, s in (d.get("verify") or {}).items()})
+            rows.update({f"K={K} {rule}": (s["tau"], str(1 + int(K)), K)
+                         for rule, s in (d.get("verify") or {}).items()})
             tree = d.get("eagle_tree")
             if tree and "tau" in tree:   # SGLang verifies its draft tokens, the anchor's included
-                rows[f"SGLang tree {tree['steps']},{tree['topk']},{tree['tokens']}"] = (tree["tau"], str(tree["tokens"]),
-                                                                                        "tree")
+                shape = f"{tree['steps']},{tree['topk']},{tree['tokens']}"
+                rows[f"SGLang tree {shape}"] = (tree["tau"], str(tree["tokens"]), "tree")
             rows = {name: speedup(tau, t["target"]["1"], t["target"].get(n), draft.get(k))
                     for name, (tau, n, k) in rows.items()}
             best = max((r for r in rows.items() if r[1]["speedup"]), key=lambda r: r[1]["speedup"], default=None)
@@ -4715,7 +4716,8 @@ def comparison_lines(c):
     batch = ("1" if "1" in predicted[0] else min(predicted[0], key=int)) if predicted else None
     trees = any("eagle_tree" in row for row in c["drafters"])
     yield (f"   {'drafter':<{width}}    tau  95% interval      accept@1" + "".join(f"  DDTree {b:>4}" for b in budgets)
-           + ("  SGLang tree" if trees else "") + (f"  predicted speedup{'' if batch == '1' else f' (batch {batch})'}" if batch else ""))
+           + ("  SGLang tree" if trees else "")
+           + (f"  predicted speedup{'' if batch == '1' else f' (batch {batch})'}" if batch else ""))
     for row in c["drafters"]:
         best = "  <- best of " + row["series"] if "series" in row and c["best_steps"].get(row["series"]) == \
             row["step"] and sum(r.get("series") == row["series"] for r in c["drafters"]) > 1 else ""
@@ -4806,8 +4808,8 @@ def report_lines(report):
             if s.get("ddtree_note") and name == "all":
                 yield f"   no DDTree rows: {s['ddtree_note']}"
             for rule, t in (d.get("verify") or {}).items() if name == "all" else ():
-                main = config.get("verify", ["standard"])[0]
-                yield (f"   {rule} verification: tau {fmt(t['tau'])} ({main} {fmt(s['tau'])})  "
+                first_rule = config.get("verify", ["standard"])[0]
+                yield (f"   {rule} verification: tau {fmt(t['tau'])} ({first_rule} {fmt(s['tau'])})  "
                        f"tau_prompt_mean {fmt(t['tau_prompt_mean'])}  {'expected ' if sampling else ''}rounds by "
                        "length: " + "  ".join(f"{n}:{c:.4g}" if sampling else f"{n}:{c}"
                                              for n, c in enumerate(t["histogram"], 1) if c))
@@ -5853,8 +5855,9 @@ def compare_hidden(settings, shown):
 # <run>-latest link is moved after training_state.pt is written; the tool does not rely on it (links repeat a step and
 # are passed over), since the size check and the load cover every trainer's layout.
 WATCH_TRIES = 3   # looks at which a settled checkpoint fails to load before it is named unreadable
-WATCH_KEYS = ("series", "step", "checkpoint", "hash", "tau", "tau_ci95", "tau_prompt_mean", "rounds", "anchors", "histogram", "per_position", "ddtree",
-              "eagle_tree", "verify", "depths", "engine_metrics", "by_context", "feature_check", "warnings")   # a step's line, as the JSON
+WATCH_KEYS = ("series", "step", "checkpoint", "hash", "tau", "tau_ci95", "tau_prompt_mean", "rounds", "anchors",
+              "histogram", "per_position", "ddtree", "eagle_tree", "verify", "depths", "engine_metrics", "by_context",
+              "feature_check", "warnings")   # a step's line, as the JSON
 
 
 def step_files(path):
