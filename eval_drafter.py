@@ -4608,7 +4608,8 @@ def side_by_side(drafters, results, items):
     rows = paired([{"name": d["name"], **{k: d[k] for k in ("series", "step") if k in d}, "tau": d["tau"],
                     "tau_ci95": d["tau_ci95"], "first_position_acceptance": d["per_position"]["acceptance"][0],
                     "ddtree": {b: s["tau"] for b, s in (d["ddtree"] or {}).items()},
-                    **({"eagle_tree": d["eagle_tree"]["tau"]} if "tau" in (d.get("eagle_tree") or {}) else {})}
+                    **({"eagle_tree": d["eagle_tree"]["tau"]} if "tau" in (d.get("eagle_tree") or {}) else {}),
+                    **({"verify": {rule: s["tau"] for rule, s in d["verify"].items()}} if d.get("verify") else {})}
                    for d in drafters])
     series = {}
     for row in rows:
@@ -4715,8 +4716,9 @@ def comparison_lines(c):
     predicted = [row["predicted_speedup"] for row in c["drafters"] if row.get("predicted_speedup")]
     batch = ("1" if "1" in predicted[0] else min(predicted[0], key=int)) if predicted else None
     trees = any("eagle_tree" in row for row in c["drafters"])
+    rules = list(dict.fromkeys(rule for row in c["drafters"] for rule in row.get("verify", {})))
     yield (f"   {'drafter':<{width}}    tau  95% interval      accept@1" + "".join(f"  DDTree {b:>4}" for b in budgets)
-           + ("  SGLang tree" if trees else "")
+           + ("  SGLang tree" if trees else "") + "".join(f"  {rule:>11}" for rule in rules)
            + (f"  predicted speedup{'' if batch == '1' else f' (batch {batch})'}" if batch else ""))
     for row in c["drafters"]:
         best = "  <- best of " + row["series"] if "series" in row and c["best_steps"].get(row["series"]) == \
@@ -4726,7 +4728,8 @@ def comparison_lines(c):
         yield (f"   {row['name']:<{width}}  {fmt(row['tau']):>5}  {interval(row['tau_ci95']):<16}  "
                f"{fmt(row['first_position_acceptance']):>8}"
                + "".join(f"  {fmt(row['ddtree'].get(b)):>11}" for b in budgets)
-               + (f"  {fmt(row.get('eagle_tree')):>11}" if trees else "") + speed + best)
+               + (f"  {fmt(row.get('eagle_tree')):>11}" if trees else "")
+               + "".join(f"  {fmt(row.get('verify', {}).get(rule)):>11}" for rule in rules) + speed + best)
 
     def deltas(rows, where=""):
         for row in rows[1:]:

@@ -225,3 +225,16 @@ def test_costs_and_the_vllm_export_under_block(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "vLLM refuses block verification together with synthetic acceptance, so the export replays the block " \
            "rule's measured rates" in err
+
+
+def test_side_by_side_has_each_rules_tau(tmp_path, capsys):
+    argv = ["--demo", "--ckpt", f"d={os.path.join(DEMO, 'drafter')}", "--ckpt", f"e={EAGLE}", "--limit", "3",
+            "--max-new-tokens", "32", "--draft-policy", "sample", *sampling_argv((1.0, 1.0, 0)), "--verify",
+            "standard,block", "--ddtree-budgets", "none"]
+    out = tmp_path / "two.json"
+    assert ed.main([*argv, "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    for row, d in zip(report["comparison"]["drafters"], report["drafters"]):
+        assert row["verify"] == {"block": d["verify"]["block"]["tau"]} and row["tau"] == d["tau"]
+    header = next(line for line in capsys.readouterr().out.splitlines() if "accept@1" in line)
+    assert header.split()[-1] == "block"
