@@ -164,14 +164,22 @@ def optimize(params, steps, loss_of, what, lr=3e-3, on_step=None):
             print(f"{what} step {step} loss {loss.item():.3f}", flush=True)
 
 
-def train_target(out_dir, lang, steps=1500, batch=32, hybrid=False, seq_len=SEQ_LEN):
+def train_target(out_dir, lang, steps=1500, batch=32, hybrid=False, seq_len=SEQ_LEN, llama=False):
     vocab = save_tokenizer(out_dir)
     torch.manual_seed(0)
-    if hybrid:
-        from transformers import Qwen3_5ForCausalLM as model_class
+    if llama:   # the demo's widths in Llama's architecture (no q/k norms): SGLang serves EAGLE-3 on it as a tree
+        from transformers import LlamaConfig, LlamaForCausalLM
+        qwen = target_config(vocab).to_dict()
+        model = LlamaForCausalLM(LlamaConfig(**{k: qwen[k] for k in (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings", "eos_token_id",
+            "pad_token_id", "bos_token_id")}, rope_theta=10000.0))
     else:
-        from transformers import Qwen3ForCausalLM as model_class
-    model = model_class(target_config(vocab, hybrid))
+        if hybrid:
+            from transformers import Qwen3_5ForCausalLM as model_class
+        else:
+            from transformers import Qwen3ForCausalLM as model_class
+        model = model_class(target_config(vocab, hybrid))
     rng = random.Random(0)
 
     def loss_of(step):
@@ -325,7 +333,7 @@ def train_drafter(out_dir, target, lang, steps=1500, anchors_per_step=48, n_sequ
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 
 
-def train_eagle3(out_dir, target, data, steps=600, ttt=3, anchors_per_step=48, layer_ids=(1, 3, 4)):
+def train_eagle3(out_dir, target, data, steps=600, ttt=3, anchors_per_step=48, layer_ids=(1, 3, 4), seed=3):
     """An EAGLE-3 drafter (one Qwen3 layer over [embedding; fc(3 captured layers)]) trained with the test-time
     steps SpecForge and speculators use: step 1 teacher-forced over the text, then ttt - 1 steps each fed the
     previous step's hidden and the reference token, every step's prediction in the loss. Saved in speculators'
@@ -334,14 +342,15 @@ def train_eagle3(out_dir, target, data, steps=600, ttt=3, anchors_per_step=48, l
     layer = {"model_type": "qwen3", "hidden_size": H, "intermediate_size": 192, "num_hidden_layers": 1,
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
              "max_position_embeddings": 512, "rope_theta": 10000.0, "vocab_size": V, "attention_bias": False}
-    weights = {k: v.requires_grad_() for k, v in eagle3_weights(layer, len(layer_ids), 3).items()}
+    weights = {k: v.requires_grad_() for k, v in eagle3_weights(layer, len(layer_ids), seed).items()}
     drafter = ed.Drafter(name="training", checkpoint=out_dir, cfg=layer, weights=weights, layers=list(layer_ids),
                          block_size=ttt + 1, mask_token_id=-1, rules=[], rope=ed.build_rope(layer, "cpu"),
                          logit_rows=ed.LOGIT_ROWS_PER_CHUNK, generation="EAGLE-3",
                          head={"norm_before_residual": True, "norm_before_fc": False, "fc_norm": False,
                                "norm_output": False})
     head = train_chain(drafter, target, data, steps, ttt, anchors_per_step, random.Random(4), "eagle3")
-    save_drafter(out_dir, eagle3_config(layer, layer_ids, ttt), {**{k: v.detach() for k, v in weights.items()},
+    save_drafter(out_dir, eagle3_config(layer, layer_ids, ttt, target.config.architectures[0]),
+                 {**{k: v.detach() for k, v in weights.items()},
                                                                   "lm_head.weight": head.weight.detach().clone()})
 
 
@@ -382,7 +391,7 @@ def eagle3_weights(layer, n_aux, seed, scale=0.08):
             p + "mlp.gate_proj.weight": rnd(I, H), p + "mlp.up_proj.weight": rnd(I, H), p + "mlp.down_proj.weight": rnd(H, I)}
 
 
-def eagle3_config(layer, layer_ids, steps):
+def eagle3_config(layer, layer_ids, steps, verifier="Qwen3ForCausalLM"):
     """speculators' eagle3 config: the layer under transformer_layer_config, the captured layers (this tool's layer
     ids, layer outputs) as hidden_states indices, norm_before_residual as speculators' trainer sets it."""
     return {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"], "transformer_layer_config": layer,
@@ -392,7 +401,7 @@ def eagle3_config(layer, layer_ids, steps):
             "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
                                    "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": steps,
                                                          "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                                   "verifier": {"name_or_path": None, "architectures": ["Qwen3ForCausalLM"]}}}
+                                   "verifier": {"name_or_path": None, "architectures": [verifier]}}}
 
 
 def mtp_weights(cfg, seed, scale=0.08):
@@ -507,6 +516,18 @@ def train_lilicorr(out_dir, target, data, steps=600, anchors_per_step=48):
     for name in os.listdir(demo):
         os.remove(os.path.join(demo, name))
     os.rmdir(demo)
+
+
+def make_llama(out=None, steps=1000):
+    """tests/fixtures/llama: a Llama target of the demo's widths trained on the demo language, and an EAGLE-3
+    drafter trained for it (SGLang's default for Llama targets is a token tree: tests/test_eagle_tree.py)."""
+    out = out or os.path.join(FIXTURES, "llama")
+    torch.set_num_threads(2)
+    lang = language()
+    target = train_target(os.path.join(out, "target"), lang, steps=steps, llama=True)
+    data = training_data(target, lang, [1, 3, 4], random.Random(1))
+    train_eagle3(os.path.join(out, "eagle3"), target, data)
+    print(f"wrote {out}", flush=True)
 
 
 def make_families(out=None, only=None):
@@ -977,6 +998,8 @@ if __name__ == "__main__":
         make_series(*[a for a in args if not a.startswith("--")])
     elif "--real" in args:
         make_real(*[a for a in args if not a.startswith("--")])
+    elif "--llama" in args:
+        make_llama(*[a for a in args if not a.startswith("--")])
     elif "--mtp" in args:
         train_mtp(next((a for a in args if not a.startswith("--")), os.path.join(FIXTURES, "demo_hybrid", "target")))
     elif "--families" in args or "--eagle3" in args or "--lilicorr" in args:
