@@ -27,11 +27,13 @@ DEMO = os.path.join(HERE, "fixtures", "demo")
 DEMO_DRAFTER = os.path.join(DEMO, "drafter")
 
 
-def demo_pair():
-    """The demo target (float32), its prompt lines and their token ids (plain text, as the tool encodes them)."""
+def demo_pair(target_dir=None):
+    """The demo target (float32; or another on the demo's tokenizer), its prompt lines and their token ids (plain
+    text, as the tool encodes them)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    target = AutoModelForCausalLM.from_pretrained(os.path.join(DEMO, "target"), dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(os.path.join(DEMO, "target"))
+    target_dir = target_dir or os.path.join(DEMO, "target")
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(target_dir)
     with open(os.path.join(DEMO, "prompts.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     return target, rows, [tok(row["prompt"])["input_ids"] for row in rows]

@@ -331,3 +331,53 @@ def test_side_by_side_and_tensorboard_carry_the_tree(tmp_path, whole):
     assert e["eagle_tree"] == report["drafters"][0]["eagle_tree"]["tau"] == whole["drafters"][0]["eagle_tree"]["tau"]
     assert "eagle_tree" not in d and "eagle_tree" not in report["drafters"][1]
     assert ed.board_scalars(report["drafters"][0])["eagle_tree_tau"] == e["eagle_tree"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# A Llama target, where SGLang's default is the tree (tests/fixtures/llama: make_demo.py --llama)
+
+
+LLAMA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "llama")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return demo_pair(os.path.join(LLAMA, "target"))
+
+
+def llama_run(tmp_path, name, *argv):
+    return run_tool(tmp_path, name, "--target", os.path.join(LLAMA, "target"), "--ckpt",
+                    f"e={os.path.join(LLAMA, 'eagle3')}", "--prompts", os.path.join(DEMO, "prompts.jsonl"), *argv)
+
+
+def test_on_a_llama_target_the_default_tree_equals_an_online_sglang_loop(tmp_path, llama):
+    target, _, prompts = llama
+    assert target.config.architectures == ["LlamaForCausalLM"]
+    report = llama_run(tmp_path, "llama", "--max-new-tokens", str(N_NEW), "--ignore-eos", "--limit", str(N_PROMPTS))
+    d = report["drafters"][0]
+    assert {k: d["eagle_tree"][k] for k in ("steps", "topk", "tokens", "source")} == \
+        {"steps": 5, "topk": 4, "tokens": 8, "source": "SGLang's default for LlamaForCausalLM targets"}
+    drafter = ed.load_drafter(os.path.join(LLAMA, "eagle3"), target.config, drafter_settings())
+    online = [online_tree_rounds(target, tree_proposer(target, drafter, 5, 4, 8), ids, N_NEW, 5)
+              for ids in prompts[:N_PROMPTS]]
+    assert [p["eagle_tree_rounds"] for p in d["prompts"]] == online
+    flat = [r for rr in online for r in rr]
+    assert len(set(flat)) >= 3 and max(flat) == 6
+    assert d["eagle_tree"]["tau"] > d["tau"]   # the tree accepts more than the chain of 3 it is served beside
+
+
+def test_on_a_llama_target_sampled_trees_match_sglangs_loop_over_150_runs(tmp_path, llama):
+    """150 runs of SGLang's sampled tree verify: the tool's tree rounds on each run's text equal that run's (given
+    the text the walk is fixed), so the expectation is within 3 standard errors, with none to spare."""
+    target, rows_, prompts = llama
+    shape, sampling = (5, 4, 8), (1.0, 1.0, 0)
+    drafter = ed.load_drafter(os.path.join(LLAMA, "eagle3"), target.config, drafter_settings())
+    runs = sampled_tree_runs(target, prompts, sampling, 150, 24, shape, drafter, seed=800)
+    refs = [{"id": f"run{i}", "prompt": rows_[p]["prompt"], "completion_ids": text} for i, (p, text, _) in enumerate(runs)]
+    report = run_tool(tmp_path, "sampled", "--target", os.path.join(LLAMA, "target"), "--ckpt",
+                      f"e={os.path.join(LLAMA, 'eagle3')}", "--prompts", write_jsonl(tmp_path / "refs.jsonl", refs),
+                      *sampling_argv(sampling))
+    got = [p["eagle_tree_rounds"] for p in report["drafters"][0]["prompts"]]
+    assert got == [rounds for _, _, rounds in runs]
+    taus = [sum(r) / len(r) for r in got if r]
+    assert len(taus) == 150 and len(set(taus)) > 10   # the runs vary
