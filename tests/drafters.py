@@ -203,6 +203,12 @@ def on_texts(tmp_path, name, path, rows, runs, sampling, policy):
                     str(sampling[0]), "--top-p", str(sampling[1]), "--top-k", str(sampling[2]))
 
 
+def run_refs(rows, runs):
+    """Reference lines of sampled runs [(prompt index, completion ids, rounds)]: run i's text after its prompt."""
+    return [{"id": f"run{i}", "prompt": rows[p]["prompt"], "completion_ids": text}
+            for i, (p, text, _) in enumerate(runs)]
+
+
 def run_tool(tmp_path, name, *argv):
     """eval_drafter.main quietly into tmp_path/<name>.json (it must succeed); the report."""
     out = tmp_path / f"{name}.json"

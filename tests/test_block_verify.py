@@ -19,7 +19,7 @@ import torch
 
 import eval_drafter as ed
 from conftest import drafter_settings, interrupted_then_resumed, refused_in_one_line, write_jsonl
-from drafters import DEMO, demo_pair, dflash2_from_demo, public_module, run_tool
+from drafters import DEMO, demo_pair, dflash2_from_demo, public_module, run_refs, run_tool
 from test_eagle3 import EAGLE, eagle_proposer
 from test_sampled import mc_check, public_sampled_runs, sampling_argv
 
@@ -154,7 +154,7 @@ def test_block_expected_rounds_match_an_online_block_loop(tmp_path, demo):
     sampling = (0.9, 1.0, 0)
     drafter = ed.load_drafter(EAGLE, target.config, drafter_settings(block_size=6))
     runs = block_sampling_runs(target, prompts, sampling, 150, 32, drafter, seed=7000)
-    refs = [{"id": f"run{i}", "prompt": rows_[p]["prompt"], "completion_ids": text} for i, (p, text, _) in enumerate(runs)]
+    refs = run_refs(rows_, runs)
     report = run_tool(tmp_path, "block", "--target", os.path.join(DEMO, "target"), "--ckpt", f"e={EAGLE}",
                       "--block-size", "6", "--prompts", write_jsonl(tmp_path / "refs.jsonl", refs), "--draft-policy",
                       "sample", "--verify", "block,standard", *sampling_argv(sampling))
@@ -192,7 +192,7 @@ def block_rejection_sample(draft_tokens, target_probs, draft_probs, draft_indice
 
 
 def tool_expectations(tmp_path, name, drafter_dir, rows_, runs, sampling, rule):
-    refs = [{"id": f"run{i}", "prompt": rows_[p]["prompt"], "completion_ids": text} for i, (p, text, _) in enumerate(runs)]
+    refs = run_refs(rows_, runs)
     return run_tool(tmp_path, name, "--target", os.path.join(DEMO, "target"), "--ckpt", f"d={drafter_dir}",
                     "--prompts", write_jsonl(tmp_path / f"{name}.jsonl", refs), "--ddtree-budgets", "none",
                     "--draft-policy", "sample", "--verify", rule, *sampling_argv(sampling))

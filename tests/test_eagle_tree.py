@@ -17,7 +17,7 @@ import torch
 
 import eval_drafter as ed
 from conftest import drafter_settings, interrupted_then_resumed, refused_in_one_line, write_jsonl
-from drafters import DEMO, demo_pair, run_tool
+from drafters import DEMO, demo_pair, run_refs, run_tool
 from test_eagle3 import EAGLE, OnlineEagle, rms
 from test_sampled import sampling_argv
 
@@ -201,7 +201,7 @@ def test_sampled_tree_rounds_equal_sglangs_target_only_verify(tmp_path, demo):
     shape, sampling = (4, 3, 8), (0.9, 1.0, 0)
     drafter = ed.load_drafter(EAGLE, target.config, drafter_settings())
     runs = sampled_tree_runs(target, prompts, sampling, 40, 32, shape, drafter, seed=500)
-    refs = [{"id": f"run{i}", "prompt": rows[p]["prompt"], "completion_ids": text} for i, (p, text, _) in enumerate(runs)]
+    refs = run_refs(rows, runs)
     report = run_tool(tmp_path, "sampled", "--target", os.path.join(DEMO, "target"), "--ckpt", f"e={EAGLE}",
                       "--eagle-tree", "4,3,8", "--prompts", write_jsonl(tmp_path / "refs.jsonl", refs),
                       *sampling_argv(sampling))
@@ -308,7 +308,8 @@ def test_a_watched_run_has_the_tree_in_each_steps_line(tmp_path, whole):
         path.mkdir(parents=True)
         shutil.copy(os.path.join(EAGLE, "config.json"), path)
         state = load_file(os.path.join(EAGLE, "model.safetensors"))
-        save_file({k: v * scale if k == "layers.0.mlp.down_proj.weight" else v for k, v in state.items()}, str(path / "model.safetensors"))
+        save_file({k: v * scale if k == "layers.0.mlp.down_proj.weight" else v for k, v in state.items()},
+                  str(path / "model.safetensors"))
     out = str(tmp_path / "series.jsonl")
     flags = ["--eagle-tree", "4,3,8", "--quiet"]
     target = os.path.join(DEMO, "target")
@@ -373,7 +374,7 @@ def test_on_a_llama_target_sampled_trees_match_sglangs_loop_over_150_runs(tmp_pa
     shape, sampling = (5, 4, 8), (1.0, 1.0, 0)
     drafter = ed.load_drafter(os.path.join(LLAMA, "eagle3"), target.config, drafter_settings())
     runs = sampled_tree_runs(target, prompts, sampling, 150, 24, shape, drafter, seed=800)
-    refs = [{"id": f"run{i}", "prompt": rows_[p]["prompt"], "completion_ids": text} for i, (p, text, _) in enumerate(runs)]
+    refs = run_refs(rows_, runs)
     report = run_tool(tmp_path, "sampled", "--target", os.path.join(LLAMA, "target"), "--ckpt",
                       f"e={os.path.join(LLAMA, 'eagle3')}", "--prompts", write_jsonl(tmp_path / "refs.jsonl", refs),
                       *sampling_argv(sampling))
