@@ -3075,7 +3075,9 @@ def load_eagle3(name, path, generation, fam, cfg, state, layout, raw, target_cfg
                   ("" if parallel else f", feeds back the {'post' if head['norm_output'] else 'pre'}-norm hidden") +
                   ("; SpecForge's norm_output means the norm before lm_head, the engines read it as the hidden fed "
                    "back: the engines' reading is used" if e["norm_output_given"] and layout == "SpecForge" else "")
-                  + tree_note)
+                  + tree_note + ("; vLLM serves it on its V1 runner, which has no block verification: its --verify "
+                                 "block row is what no vLLM serves yet" if parallel and "block" in
+                                 settings.get("verify", ()) else ""))
     mask_id = int(mask_id) if parallel else -1
     # its own lm_head is never the target's to warn about: vocab holds it (an identity mapping at full vocabulary)
     return drafter_record(state, expected_tensors(cfg, (), generation, state, target_cfg.vocab_size, head), carried,

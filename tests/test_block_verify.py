@@ -297,3 +297,14 @@ def test_side_by_side_has_each_rules_tau(tmp_path, capsys):
         assert row["verify"] == {"block": d["verify"]["block"]["tau"]} and row["tau"] == d["tau"]
     header = next(line for line in capsys.readouterr().out.splitlines() if "accept@1" in line)
     assert header.split()[-1] == "block"
+
+
+def test_a_p_eagle_block_row_is_named_as_no_vllms(demo, capsys):
+    """vLLM serves P-EAGLE on its V1 runner, which has no block verification: the load line says so."""
+    from test_xpress_peagle import PEAGLE
+    settings = drafter_settings(verify=["standard", "block"], quiet=False)
+    ed.load_drafter(PEAGLE, demo[0].config, settings)
+    assert "vLLM serves it on its V1 runner, which has no block verification: its --verify block row is what no " \
+           "vLLM serves yet" in capsys.readouterr().err
+    ed.load_drafter(PEAGLE, demo[0].config, {**settings, "verify": ["standard"]})
+    assert "block" not in capsys.readouterr().err
