@@ -38,7 +38,15 @@ The sections, in the order data flows (each definition stands under its banner, 
 Only torch, transformers, safetensors, numpy, tqdm and the standard library are used (matplotlib and tensorboard by
 --plot and --tensorboard alone, imported where they are used).
 """
-import argparse
+import os
+import signal
+import sys
+
+if __name__ == "__main__":   # run as a script, not imported (a training loop's process is its own)
+    # Ctrl-C while the script starts (its imports take seconds): one line, not a traceback from inside an import
+    signal.signal(signal.SIGINT, lambda *_: (print("interrupted while starting: nothing was computed yet",
+                                                   file=sys.stderr), os._exit(130)))
+import argparse  # noqa: E402 - after the Ctrl-C handler, which covers these imports too
 import contextlib
 import hashlib
 import heapq
@@ -46,20 +54,14 @@ import inspect
 import io
 import json
 import math
-import os
 import re
-import signal
 import socket
 import stat
-import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
-if __name__ == "__main__":   # run as a script, not imported (a training loop's process is its own)
-    # Ctrl-C while torch imports (seconds): one line, not a traceback from inside torch
-    signal.signal(signal.SIGINT, lambda *_: (print("interrupted while starting: nothing was computed yet",
-                                                   file=sys.stderr), os._exit(130)))
+if __name__ == "__main__":
     # torch's OpenMP threads spin (libgomp: 300k times) before they sleep between parallel regions: on a box whose
     # cores are busy with other work they take turns with it, and the demo ran 2-5x slower than on one thread. A
     # short spin keeps the idle speed and gives the cores back. A user's own setting wins.
@@ -114,15 +116,45 @@ def say(message):
         print(message, file=sys.stderr)
 
 
+def fmt(x, digits=3):
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
 def log(settings, message):
     if not settings.get("quiet"):
         say(message)
 
 
-def progress(settings, total, desc, position=0):
-    from tqdm import tqdm
-    return tqdm(total=total, desc=desc, position=position, leave=False,
-                disable=settings["quiet"] or not sys.stderr.isatty())
+PROGRESS_EVERY = (30.0, 0.1)   # a log's progress line once both have passed since the last: seconds, share of work
+
+
+@contextlib.contextmanager
+def progress(settings, total, desc, position=0, unit="prompts"):
+    """Progress of `total` units: a bar on a terminal; where stderr is a log (nohup, tmux, a job scheduler) a plain
+    line (stage, done/total, rate, ETA) at the start, at the end and once PROGRESS_EVERY has passed, no carriage
+    returns; nothing with --quiet. Yields an object with update(n=1)."""
+    from types import SimpleNamespace
+    if settings["quiet"] or not total:
+        yield SimpleNamespace(update=lambda n=1: None)
+        return
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+        with tqdm(total=total, desc=desc, position=position, leave=False) as bar:
+            yield bar
+        return
+    start, done, said = time.time(), [0], [time.time(), 0]
+
+    def update(n=1):
+        done[0] += n
+        now, share = time.time(), done[0] / total
+        if done[0] < total and (now - said[0] < PROGRESS_EVERY[0] or share - said[1] < PROGRESS_EVERY[1]):
+            return
+        rate = done[0] / max(now - start, 1e-9)
+        said[:] = now, share
+        say(f"progress: {desc} {done[0]}/{total} {unit} ({share:.0%}) after {now - start:.0f} s, {rate:.3g} a second"
+            + (f", about {(total - done[0]) / rate:.0f} s to go" if done[0] < total else ", done"))
+    say(f"progress: {desc} 0/{total} {unit}")
+    yield SimpleNamespace(update=update)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -451,6 +483,23 @@ def gguf_target(path, settings_quiet):
     return out, facts
 
 
+def cut_short(path):
+    """How far a --save-hidden file is cut short ("N of its M bytes"), by its own header; None if it is not one so."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = f.read(min(n, 1 << 30))
+        if b'"eval_drafter' not in header:
+            return None
+        if len(header) < n:
+            return f"{size} bytes, short of its own header's {8 + n}"
+        end = 8 + n + max([v["data_offsets"][1] for k, v in json.loads(header).items() if k != "__metadata__"],
+                          default=0)
+        return f"{size} of its {end} bytes" if size < end else None
+    return None
+
+
 def read_hidden_meta(path):
     from safetensors import safe_open
     if not os.path.isfile(path):
@@ -458,8 +507,10 @@ def read_hidden_meta(path):
     try:
         with safe_open(path, "pt") as f:
             meta = json.loads((f.metadata() or {})["eval_drafter"])
-    except Exception:  # noqa: BLE001 - unreadable or foreign file: same answer
-        fail(f"{path} is not a hidden-state file written by --save-hidden")
+    except Exception:  # noqa: BLE001 - unreadable, cut short or foreign: which one, below
+        cut = cut_short(path)
+        fail(f"{path} is a --save-hidden file cut short ({cut}): an interrupted copy or write; copy it again, or "
+             "extract again" if cut else f"{path} is not a hidden-state file written by --save-hidden")
     needed = ("target_hash", "layers", "dtype", "device", "prompts")
     if not isinstance(meta, dict) or not str(meta.get("format", "")).startswith("eval_drafter.hidden/") or \
             any(k not in meta for k in needed):
@@ -527,7 +578,9 @@ GROUPS = {  # --help's groups of flags
 # its prompts and references having been fixed at extraction; C, --compare-hidden refuses it; S, it sets up
 # --server and is refused without it; M, --merge takes it (every other flag belongs to the shards); W, --watch refuses
 # it (the run directory is the drafter, the series file the output); V, it sets up --watch and is refused without it;
-# F, --plot --from takes it (it draws a finished run).
+# F, --plot --from takes it (it draws a finished run); O, it replaces what a drafter's checkpoint states (the load line
+# names it, the report warns); G, it changes the references a run generates (an --overwrite reuses the old ones if
+# these agree).
 FLAGS = [
     ("inputs", "--demo", "", None, dict(nargs="?", const="tiny", choices=("tiny", "real"), help="run on the tiny "
         "target + drafter pair bundled in tests/fixtures/demo (no other flag needed); --demo real: on "
@@ -535,9 +588,9 @@ FLAGS = [
         "in tests/fixtures/real_drafter, over the top-level prompts.jsonl")),
     ("inputs", "--target", "", None, dict(help="target model directory in the Hugging Face layout (config.json, "
         "safetensors, tokenizer): Qwen3, Qwen3.5/3.6 hybrid (transformers 5.x), Llama, gpt-oss, or any decoder-only "
-        "model whose layers and final norm transformers exposes")),
-    ("inputs", "--ckpt", "W", None, dict(action="append", default=[], metavar="[NAME=]PATH", help="a drafter (DFlash, "
-        "DFlash 2, DSpark, Domino, EAGLE-3), repeated to compare several on one target pass; NAME= labels it. Forms: a "
+        "model whose layers and final norm transformers exposes; or a GGUF file (needs gguf and accelerate)")),
+    ("inputs", "--ckpt", "W", None, dict(action="append", default=[], metavar="[NAME=]PATH", help="a drafter of any "
+        "family listed below, repeated to compare several on one target pass; NAME= labels it. Forms: a "
         "directory with config.json + model.safetensors (or model.safetensors.index.json) in z-lab's, transformers' "
         "native, speculators' or SpecForge's layout; a .safetensors file; a training .pt/.pth/.bin state dict, read "
         "with torch.load(weights_only=True), nesting and prefixes unwrapped; a SpecForge step directory; a training "
@@ -552,23 +605,23 @@ FLAGS = [
         "prompt / messages / turns / conversations / question / instruction lines, optionally with completion or "
         "completion_ids references (see README)")),
     ("inputs", "--limit", "", AT_LEAST_1, dict(type=int, help="evaluate only the first N prompts")),
-    ("drafter", "--drafter-config", "", None, dict(metavar="FILE", help="config.json for checkpoint files that have "
-        "none beside")),
-    ("drafter", "--layers", "R", None, dict(help="target layer ids feeding the drafter, e.g. 1,16,31,46,61 (default: "
+    ("drafter", "--drafter-config", "O", None, dict(metavar="FILE", help="the drafter's config.json: for checkpoint files that "
+        "have none beside (one beside them is overridden, and the load line says so)")),
+    ("drafter", "--layers", "RO", None, dict(help="target layer ids feeding the drafter, e.g. 1,16,31,46,61 (default: "
         "the checkpoint's dflash_config.target_layer_ids)")),
-    ("drafter", "--block-size", "R", BLOCK_RULE, dict(type=int, help="block size (default: the checkpoint's "
+    ("drafter", "--block-size", "RO", BLOCK_RULE, dict(type=int, help="block size (default: the checkpoint's "
         "block_size); EAGLE-3 and MTP: K + 1 for K steps a round (default 3 steps)")),
-    ("drafter", "--mask-token-id", "R", AT_LEAST_0, dict(type=int,
+    ("drafter", "--mask-token-id", "RO", AT_LEAST_0, dict(type=int,
         help="mask token id (default: the checkpoint config's)")),
-    ("drafter", "--head-dim", "R", AT_LEAST_1, dict(type=int, help="drafter head dim, for "
+    ("drafter", "--head-dim", "RO", AT_LEAST_1, dict(type=int, help="drafter head dim, for "
         "checkpoints without a config")),
-    ("drafter", "--num-heads", "R", AT_LEAST_1, dict(type=int, help="drafter attention heads, "
+    ("drafter", "--num-heads", "RO", AT_LEAST_1, dict(type=int, help="drafter attention heads, "
         "for checkpoints without a config")),
-    ("drafter", "--num-kv-heads", "R", AT_LEAST_1, dict(type=int,
+    ("drafter", "--num-kv-heads", "RO", AT_LEAST_1, dict(type=int,
         help="drafter KV heads, for checkpoints without a config")),
-    ("drafter", "--block-mask", "R", None, dict(default="auto", choices=["auto", "bidirectional", "causal"],
+    ("drafter", "--block-mask", "RO", None, dict(default="auto", choices=["auto", "bidirectional", "causal"],
         help="in-block attention; auto = checkpoint's is_causal, else per layer type")),
-    ("drafter", "--sliding-window", "R", None, dict(default="train", choices=["train", "ignore"],
+    ("drafter", "--sliding-window", "RO", None, dict(default="train", choices=["train", "ignore"],
         help="train = window sliding layers as training did; ignore = public HF reference")),
     ("drafter", "--engine", "R", None, dict(default="vllm", choices=["vllm", "sglang"], help="whose convention decides "
         "where they differ (EAGLE-3's captured layer ids: vLLM reads eagle_aux_hidden_state_layer_ids as hidden_states "
@@ -585,19 +638,19 @@ FLAGS = [
         help="Domino: proposals after the first choose among one pool per block, the N tokens with the highest base "
              "logit over those proposals (SGLang's --speculative-domino-candidate-pool-size, 2048 by default there); "
              "default: the exact argmax over the whole vocabulary")),
-    ("drafter", "--xpress-passes", "R", AT_LEAST_0, dict(type=int, metavar="P",
+    ("drafter", "--xpress-passes", "RO", AT_LEAST_0, dict(type=int, metavar="P",
         help="XPress: the refiner's Jacobi passes over the block (vLLM's xpress_num_passes); default: the checkpoint "
              "config's (xpress_num_passes, num_jacobi_passes), else 6 as in vLLM")),
-    ("drafter", "--xpress-topc", "R", AT_LEAST_0, dict(type=int, metavar="C",
+    ("drafter", "--xpress-topc", "RO", AT_LEAST_0, dict(type=int, metavar="C",
         help="XPress: each slot chooses among its C best base-logit tokens, as vLLM does (xpress_topc); 0 = the exact "
              "argmax over the whole vocabulary; default: the checkpoint config's xpress_topc, else 512 as in vLLM")),
-    ("evaluation", "--device", "R", None, dict(default="auto", choices=["auto", "cpu", "cuda"],
+    ("evaluation", "--device", "RG", None, dict(default="auto", choices=["auto", "cpu", "cuda"],
         help="where the target and drafters run: auto (default) = cuda when torch sees a GPU, else cpu; cuda = the "
              "current GPU (pick one with CUDA_VISIBLE_DEVICES)")),
     ("evaluation", "--device-map", "HC", None, dict(choices=["auto"], help="auto = spread a target too big for one "
         "GPU over this box's GPUs (transformers + accelerate); the drafters run on the first GPU, where the embedding "
         "sits")),
-    ("evaluation", "--dtype", "R", None, dict(default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    ("evaluation", "--dtype", "RG", None, dict(default="auto", choices=["auto", "float32", "bfloat16", "float16"],
         help="auto = float32 on CPU (exact; bf16 CPU kernels of hybrid targets drift), bfloat16 on CUDA")),
     ("evaluation", "--threads", "M", AT_LEAST_1, dict(type=int,
         help="torch CPU threads (default: the cores this process may use)")),
@@ -610,18 +663,20 @@ FLAGS = [
         "the other in-block masks and flag a better one")),
     ("evaluation", "--max-memory-gb", "", ("a finite number above 0", lambda v: 0 < v < math.inf), dict(type=float,
         default=0.5, help="memory for the drafter's logits at a time (sets the rows per lm_head call; default 0.5)")),
-    ("references", "--max-new-tokens", "RHC", AT_LEAST_1, dict(type=int,
+    ("references", "--max-new-tokens", "RHCG", AT_LEAST_1, dict(type=int,
         help="length of generated references (default 256; 128 with --demo)")),
-    ("references", "--ignore-eos", "RHC", None, dict(action="store_true", help="generate references past EOS")),
-    ("references", "--reference-generation", "RHC", None, dict(default="speculative", choices=["speculative", "plain"],
-        help="how missing references are generated locally: speculative decoding with the first --ckpt (same tokens "
-             "as plain greedy, faster; hybrid targets need transformers 5.x) or plain greedy")),
-    ("references", "--turns", "RHC", None, dict(default="all", choices=["all", "first"],
+    ("references", "--ignore-eos", "RHCG", None, dict(action="store_true", help="generate references past EOS")),
+    ("references", "--reference-generation", "RHC", None, dict(default="auto", choices=["auto", "speculative", "plain"],
+        help="how missing references are generated locally: speculative decoding with the first --ckpt or plain "
+             "decoding, the same tokens either way; auto (default): greedy references start speculatively and go on "
+             "by plain decoding when its first rounds are slower per token (sampled ones stay speculative: a seed's "
+             "samples depend on the method); hybrid targets decode speculatively under transformers 5.x only")),
+    ("references", "--turns", "RHCG", None, dict(default="all", choices=["all", "first"],
         help="a \"turns\" line with several user turns: all (default) = every turn scored, each with the target's own "
              "earlier replies in its context, as the public benchmark runs MT-bench; first = the first turn only")),
-    ("references", "--no-chat-template", "RHC", None, dict(action="store_true", help="tokenize prompts as plain text")),
-    ("references", "--enable-thinking", "RHC", None, dict(action="store_true", help="chat template with thinking on")),
-    ("references", "--server", "HC", None, dict(metavar="URL", help="take missing references from a serving engine at "
+    ("references", "--no-chat-template", "RHCG", None, dict(action="store_true", help="tokenize prompts as plain text")),
+    ("references", "--enable-thinking", "RHCG", None, dict(action="store_true", help="chat template with thinking on")),
+    ("references", "--server", "HCG", None, dict(metavar="URL", help="take missing references from a serving engine at "
         "URL")),
     ("references", "--server-api", "HCS", None, dict(default="sglang", choices=["sglang", "openai"],
         help="sglang: POST /generate; openai: POST /v1/completions (vLLM >= 0.10.2)")),
@@ -635,12 +690,12 @@ FLAGS = [
     ("references", "--save-references", "HCW", None, dict(metavar="FILE.jsonl", help="append every reference the run "
         "generates or fetches (its prompt line + completion_ids) to this file as it is made; it works as --prompts "
         "later, with no generation")),
-    ("sampled", "--temperature", "R", ("a finite number >= 0 (0 is greedy)", lambda v: 0 <= v < math.inf),
+    ("sampled", "--temperature", "RG", ("a finite number >= 0 (0 is greedy)", lambda v: 0 <= v < math.inf),
         dict(type=float, default=0.0, help="the target's sampling temperature (default 0: greedy, exact rounds); > 0: "
                                             "exact expected acceptance given references sampled at these settings")),
-    ("sampled", "--top-p", "R", ("in (0, 1] (1 is off)", lambda v: 0 < v <= 1), dict(type=float, default=1.0,
+    ("sampled", "--top-p", "RG", ("in (0, 1] (1 is off)", lambda v: 0 < v <= 1), dict(type=float, default=1.0,
         help="top-p of the sampling (default 1: off)")),
-    ("sampled", "--top-k", "R", ("at least 0 (0 is off)", lambda v: v >= 0), dict(type=int, default=0,
+    ("sampled", "--top-k", "RG", ("at least 0 (0 is off)", lambda v: v >= 0), dict(type=int, default=0,
         help="top-k of the sampling (default 0: off)")),
     ("sampled", "--draft-policy", "R", None, dict(default="argmax", choices=["argmax", "sample"],
         help="how the drafts are proposed at temperature > 0: argmax (vLLM, SGLang, TensorRT-LLM) or sample (the "
@@ -649,9 +704,9 @@ FLAGS = [
         "score, one row each from the same pass, the first the main row: standard (token by token) and block "
         "(block verification: vLLM's rejection_sample_method block, SGLang's --speculative-use-block-verification); "
         "e.g. standard,block; default standard")),
-    ("sampled", "--samples-per-prompt", "RHC", AT_LEAST_1, dict(type=int, default=1,
+    ("sampled", "--samples-per-prompt", "RHCG", AT_LEAST_1, dict(type=int, default=1,
         help="sampled references per prompt (temperature > 0; default 1)")),
-    ("sampled", "--seed", "RHC", None, dict(type=int, default=0, help="seed of the sampled references (default 0)")),
+    ("sampled", "--seed", "RHCG", None, dict(type=int, default=0, help="seed of the sampled references (default 0)")),
     ("cache", "--save-hidden", "W", None, dict(metavar="FILE.safetensors", help="also save the extracted hidden "
         "states, token ids and target argmax to this file")),
     ("cache", "--load-hidden", "", None, dict(metavar="FILE.safetensors", nargs="+",
@@ -703,9 +758,9 @@ FLAGS = [
 ]
 
 
-def build_parser():
+def build_parser(epilog=None):
     p = argparse.ArgumentParser(usage="%(prog)s --demo | --target DIR --ckpt [NAME=]PATH [--ckpt ...] --prompts FILE "
-                                      "[options]", description=HELP_TOP,
+                                      "[options]", description=HELP_TOP, epilog=epilog,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     groups = {key: p.add_argument_group(title) for key, title in GROUPS.items()}
     for group, flag, _, _, arguments in FLAGS:
@@ -718,8 +773,8 @@ def flag_names(mode):
     return [flag[2:].replace("-", "_") for _, flag, modes, _, _ in FLAGS if mode in modes]
 
 
-def parse_args(argv):
-    return build_parser().parse_args(argv)
+def parse_args(argv, epilog=None):
+    return build_parser(epilog).parse_args(argv)
 
 
 def int_list(text, refusal):
@@ -1126,19 +1181,24 @@ class Run:
     """What a run learns as it goes (its settings are fixed before it starts); run_config echoes it after them."""
     target_hash: str = None
     chat_template: str = None         # what encoding the prompts did with it, or what the saved features say
-    reference_generation: str = None  # how missing references are generated here: speculative or plain
+    reference_method: str = None      # how missing references are generated here: speculative or plain
+    choosing: bool = False            # --reference-generation auto, before the first rounds decide
+    reference_choice: str = None      # why auto kept speculative decoding or went on by plain decoding
+    rounds_timed: list = field(default_factory=list)   # auto: (seconds, tokens) of the speculative rounds so far
     server_ids: str = None            # "logprobs": the server gives token ids only inside its logprobs
     hidden_cache: dict = None         # --load-hidden: where and how the features were extracted
     costs_used: dict = None           # --costs measure: what was measured
     interrupted: bool = False         # Ctrl-C or SIGTERM in this process (under torchrun: in any rank)
     model: object = None              # the target, kept for --costs measure after the prompts; never echoed
+    earlier: str = None               # --overwrite: the earlier run's partial file, moved aside; its references reused
 
 
 def run_config(settings, learned):
     """The settings as the report echoes them, then what the run learned."""
     return {**settings, **{k: v for k, v in (
         ("chat_template", learned.chat_template), ("costs_used", learned.costs_used),
-        ("target_hash", learned.target_hash), ("reference_generation_used", learned.reference_generation),
+        ("target_hash", learned.target_hash), ("reference_generation_choice", learned.reference_choice),
+        ("reference_generation_used", learned.reference_method),
         ("server_ids", learned.server_ids), ("hidden_cache", learned.hidden_cache)) if v is not None}}
 
 
@@ -1205,7 +1265,15 @@ ID_KEYS = ("id", "task_id", "question_id", "idx", "sample_id")
 # Dataset answers that are not the target's replies: as references they would make tau approximate, so they are
 # left out and the target generates its own.
 FOREIGN_ANSWERS = {"answer": "GSM8K's \"answer\" is a person's solution",
-                   "output": "Alpaca's \"output\" is text-davinci-003's reply"}
+                   "output": "Alpaca's \"output\" is text-davinci-003's reply",
+                   "reference": "MT-Bench's \"reference\" is GPT-4's answer",
+                   "canonical_solution": "HumanEval's \"canonical_solution\" is a person's code",
+                   "solution": "MATH's \"solution\" is a person's solution",
+                   "code": "MBPP's \"code\" is a person's code"}
+# The prompt fields a line may give, as each must be
+PROMPT_FIELDS = {"prompt": "a string", "messages": "a non-empty list of chat turns",
+                 "turns": "a non-empty list of strings", "conversations": "a non-empty list of chat turns",
+                 "question": "a string (GSM8K)", "instruction": "a string (Alpaca)"}
 
 
 def parse_prompt_row(row, where, number):
@@ -1242,15 +1310,18 @@ def parse_prompt_row(row, where, number):
             fail(f"{where}: the conversation has nothing before its last assistant turn")
     elif isinstance(row.get("question"), str):   # GSM8K
         item["messages"] = [{"role": "user", "content": row["question"]}]
-        item["ignored"] = "answer" if "answer" in row else None
     elif isinstance(row.get("instruction"), str) and isinstance(row.get("input") or "", str):   # Alpaca
         # Alpaca's template sets the input below the instruction, a blank line apart; the chat template wraps both
         text = "\n\n".join(t for t in (row["instruction"], row.get("input") or "") if t.strip())
         item["messages"] = [{"role": "user", "content": text}]
-        item["ignored"] = "output" if "output" in row else None
+    elif any(k in row for k in PROMPT_FIELDS):   # there, but not as it must be
+        key = next(k for k in PROMPT_FIELDS if k in row)
+        key = "input" if isinstance(row.get("instruction"), str) else key   # Alpaca's input is what is wrong
+        fail(f"{where}: " + config_value_error(key, row[key], ({"input": "a string (Alpaca)"}.get(key) or
+                                                                PROMPT_FIELDS[key], lambda v: False, None)))
     else:
-        fail(f"{where}: no prompt field; give one of \"prompt\", \"messages\", \"turns\", \"conversations\", "
-             "\"question\" (GSM8K), \"instruction\" (Alpaca)")
+        fail(f"{where}: no prompt field; give one of " + ", ".join(f'"{k}"' for k in PROMPT_FIELDS))
+    item["ignored"] = [k for k in FOREIGN_ANSWERS if k in row]
     ids = item["completion_ids"]
     if ids is not None and not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
         fail(f"{where}: \"completion_ids\" must be a list of integer token ids")
@@ -1319,8 +1390,8 @@ def expand(items, settings):
     """One scored item per (prompt line, sample, turn), in that order. At temperature > 0 a line without a reference
     is --samples-per-prompt samples (a given one is one); a "turns" line (--turns all) is one item per turn."""
     sampling, recorded, out = sampling_of(settings), sampling_record(settings), []
-    ignored = sorted({it["ignored"] for it in items if it.get("ignored") and it["completion"] is None and
-                      it["completion_ids"] is None})
+    ignored = [k for k in FOREIGN_ANSWERS if any(k in it.get("ignored", ()) and it["completion"] is None and
+                                                 it["completion_ids"] is None for it in items)]
     if ignored:
         log(settings, f"note: {'; '.join(FOREIGN_ANSWERS[k] for k in ignored)}: not the target's own, so not used as "
                       "the reference; the target generates its own, as tau needs (to score such a text, name it "
@@ -1344,6 +1415,8 @@ def expand(items, settings):
                     item.update(turn=turn, previous=previous, completion=ref if isinstance(ref, str) else None,
                                 completion_ids=ref if isinstance(ref, list) else None)
                     previous = item["index"]
+                elif it.get("turns") and settings["turns"] == "all":   # a one-turn line (MT-Bench's) is turn 1 too
+                    item["turn"] = 1
                 out.append(item)
     if sampling and settings["samples_per_prompt"] > 1 and all(it["completion"] is not None or
                                                               it["completion_ids"] is not None for it in items):
@@ -1435,7 +1508,7 @@ def saved_line(it, settings, learned):
     origin = {k: v for k, v in reference_origin(it, settings).items() if v is not None}
     origin.update({"server": settings["server"], "server_api": settings["server_api"],
                    "finish_reason": it.get("finish_reason")} if settings["server"] else
-                  {"reference_generation": learned.reference_generation})
+                  {"reference_generation": learned.reference_method})
     return {**prompt_line(it["row"]), "id": it["id"], "split": it["split"],
             **{k: it[k] for k in ("turn", "sample") if it.get(k) is not None},
             "completion_ids": it["completion_ids"], **origin}
@@ -1729,10 +1802,15 @@ def next_token(logits, sampling, generator):
 
 
 @torch.inference_mode()
-def plain_generate(model, prompt_ids, max_new_tokens, stop_ids, sampling=None, generator=None):
-    """Plain decoding with the KV cache: greedy (the reference speculative decoding would commit), or one sample."""
-    out = model(input_ids=torch.tensor([prompt_ids], device=model.device), use_cache=True, logits_to_keep=1)
-    tokens = []
+def plain_generate(model, prompt_ids, max_new_tokens, stop_ids, sampling=None, generator=None, cache=None, tokens=None):
+    """Plain decoding with the KV cache: greedy (the reference speculative decoding would commit), or one sample. With
+    `cache` and `tokens`: goes on from a generation whose cache holds all but its last token (speculative_generate's)."""
+    if tokens is None:
+        out, tokens = model(input_ids=torch.tensor([prompt_ids], device=model.device), use_cache=True,
+                            logits_to_keep=1), []
+    else:
+        out = model(input_ids=torch.tensor([tokens[-1:]], device=model.device), use_cache=True,
+                    **cache_kwarg(model, cache))
     while True:
         token = next_token(out.logits[0, -1:], sampling, generator)
         tokens.append(token)
@@ -1756,6 +1834,25 @@ def verify(block, logits, sampling, generator):
             residual[block[j + 1]] = 0.0
             return j, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
     return len(block) - 1, int(torch.multinomial(probs[-1], 1, generator=generator))
+
+
+def timed_pass(model, cache, ids, layers=None):
+    """Seconds of one target pass over `ids` after what `cache` holds, the cache then as it was: a plain decoding step
+    (layers None: the forward and its next token), or a verify pass (`layers`' features and the block's verdict)."""
+    saved = [(layer, i, layer.recurrent_states[i].clone()) for layer, i in recurrent_states(cache)]
+    start = time.perf_counter()
+    if layers is None:
+        out = model(input_ids=torch.tensor([ids], device=model.device), use_cache=True, **cache_kwarg(model, cache))
+        next_token(out.logits[0, -1:], None, None)
+    else:
+        features, last, _ = target_pass(model, ids, layers, cache)
+        check_finite(features, "cost")
+        verify(ids, target_parts(model)[3](last), None, None)
+    elapsed = seconds_since(start)
+    for layer, i, state in saved:
+        layer.recurrent_states[i].copy_(state)
+    cache.crop(-len(ids))
+    return elapsed
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1905,10 +2002,12 @@ class Drafter:
     from_anchor: bool = False   # speculators' sample_from_anchor: slot 0 drafts too, block_size = slots + 1
     vocab: tuple = None         # a reduced draft vocabulary: (target id of each draft id, draft id of each target id)
     step: int = None            # one step of a training run (--ckpt NAME=RUN_DIR): loaded when its turn comes
-    reload: object = None       # () -> its weights, for a step released between groups of prompts
+    reload: object = None       # () -> {weights, own}, for a step released between groups of prompts
     head: dict = None           # DSpark: {kind, rank, topk}; Domino: {prefix, shift, pool}; EAGLE-3: its norms
     defaults: dict = None       # {key: (value, why)} of the settings that change numbers taken by default
     tree: dict = None           # EAGLE-3: the token tree SGLang serves it with {steps, topk, tokens, source}
+    overrides: dict = None      # {flag: {"given", "checkpoint"}} of the flags that replace what its checkpoint states
+    own: object = None          # the same drafter as its checkpoint alone describes it, when flags override it
 
 
 def dflash_value(cfg, name, default=None):
@@ -2133,9 +2232,6 @@ def drafter_layer_ids(cfg, state, target_cfg, settings, name):
     fc_layers, rem = divmod(state["fc.weight"].shape[1], hidden)
     if settings["layers"] is not None:
         layer_ids, source = settings["layers"], "--layers"
-        if config_ids and list(config_ids) != layer_ids:
-            log(settings, f"drafter {name}: --layers {layer_ids} wins over the config's target_layer_ids "
-                          f"{list(config_ids)} (an explicit flag beats the file; check this is what you mean)")
     elif config_ids:
         layer_ids, source = [int(x) for x in config_ids], "the checkpoint config"
     else:
@@ -3006,6 +3102,7 @@ def eagle3_config(cfg, name, layout, parallel=False):
         "norm_output": bool(cfg.get("norm_output", False)), "norm_output_given": "norm_output" in cfg,
         "draft_vocab_size": cfg.get("draft_vocab_size"),
         "steps": int(proposals[0].get("speculative_tokens", 8 if parallel else 3)),   # P-EAGLE: its trainers' depth
+        "steps_given": "speculative_tokens" in proposals[0],
         "mask_token_id": next((v for v in [(cfg.get("dflash_config") or {}).get("mask_token_id")]
                                + [cfg.get(k) for k in PARALLEL_MASK_KEYS] if v is not None), None)}}
 
@@ -3085,7 +3182,7 @@ def load_eagle3(name, path, generation, fam, cfg, state, layout, raw, target_cfg
                           + ((mask_id,) if parallel else ()),
                           name=name, checkpoint=os.path.abspath(path), cfg=cfg, layers=layers, block_size=steps + 1,
                           mask_token_id=mask_id, rules=[], generation=generation, layout=layout, head=head, warnings=[],
-                          tree=tree)
+                          tree=tree, defaults={} if e["steps_given"] else {"block_size": (e["steps"] + 1, "default")})
 
 
 MTP_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")   # text model types whose MTP layer this tool runs
@@ -3138,7 +3235,7 @@ def load_mtp(name, path, target_cfg, settings, identify):
                           target_cfg, settings, identify, (cfg, layers, steps + 1, "MTP", head), name=name,
                           checkpoint=os.path.abspath(path), cfg=cfg, layers=layers, block_size=steps + 1,
                           mask_token_id=-1, rules=[], generation="MTP", layout="target", head=head, warnings=[],
-                          rope=target_rope(text, settings["device"]))
+                          rope=target_rope(text, settings["device"]), defaults={"block_size": (4, "SGLang's default")})
 
 
 def mlp(d, p, y):
@@ -3431,36 +3528,48 @@ class Family:
     method: str = "dflash"      # vLLM's speculative method
     vllm: dict = None           # what else vLLM's speculative config says of it
     tree: bool = False          # SGLang also serves it with token trees (--eagle-tree)
+    sources: str = ""           # the layouts its checkpoints come in (--help, the manual's support table)
+    engines: str = ""           # who serves it
 
 
 FAMILIES = {
-    "DFlash": Family(load_block),
-    "DFlash 2": Family(load_block, conv=dflash2_settings, full_vocabulary="selector scores", ddtree_note=(
+    "DFlash": Family(load_block, sources="z-lab's, transformers' native assistant, speculators', SpecForge's exports "
+                     "and training states", engines="vLLM 0.33, SGLang 0.5.23"),
+    "DFlash 2": Family(load_block, conv=dflash2_settings, full_vocabulary="selector scores", sources="z-lab's, "
+                       "speculators'", engines="vLLM 0.33", ddtree_note=(
         "DFlash 2 drafts a chain: its selector couples each slot's choice to the previous one, and no public tree "
         "verifier exists for those paths, so no DDTree rows (a tree from the unary logits alone is not what any "
         "engine runs)")),
     "DSpark": Family(load_block, chained_round, head=dspark_head, note=dspark_note, from_anchor=True, method="dspark",
+                     sources="SpecForge's, speculators'", engines="vLLM 0.33 (vanilla head), SGLang 0.5.23",
                      ddtree_note="DSpark drafts a chain: each slot's Markov bias depends on the token drafted before "
                      "it, and neither vLLM nor SGLang verifies DSpark trees, so no DDTree rows"),
     "Domino": Family(load_block, chained_round, head=domino_head, note=domino_note, full_vocabulary="correction scores",
+                     sources="SpecForge's", engines="SGLang 0.5.23",
                      greedy="SGLang serves it so", ddtree_note="Domino drafts a chain: each proposal reads a GRU "
                      "state over the tokens drafted before it, and SGLang serves it as a chain only, so no DDTree "
                      "rows"),
     "XPress": Family(load_block, xpress_round, head=xpress_head, note=xpress_note, greedy="vLLM serves it so",
+                     sources="speculators', vLLM's", engines="vLLM 0.33",
                      ddtree_note="XPress drafts a chain: its refiner reads the token drafted before each slot, and "
                      "vLLM, the one engine serving it, verifies a chain, so no DDTree rows"),
     "LiLiCorr": Family(load_block, lilicorr_round, head=lilicorr_head, note=lilicorr_note, conv=lilicorr_conv,
+                       sources="the engines' (LiLiCorrDraftModel)", engines="vLLM 0.33, SGLang 0.5.23",
                        full_vocabulary="candidate lattice's scores", ddtree_note="LiLiCorr drafts a chain: its walk "
                        "picks each slot's candidate after the one before it, and both engines verify a chain, so no "
                        "DDTree rows"),
-    "EAGLE-3": Family(load_eagle3, causal_round, causal=True, method="eagle3", tree=True, ddtree_note=(
+    "EAGLE-3": Family(load_eagle3, causal_round, causal=True, method="eagle3", tree=True, sources="speculators', "
+                      "SpecForge's exports and training states", engines="vLLM 0.33 (chains), SGLang 0.5.23 (trees)",
+                      ddtree_note=(
         "EAGLE-3 drafts a chain here, as vLLM serves it; its trees are SGLang's, built step by step (the SGLang tree "
         "row, --eagle-tree), not DDTree's from one pass, so no DDTree rows")),
     "P-EAGLE": Family(load_eagle3, parallel_round, causal=True, method="eagle3", vllm={"parallel_drafting": True},
+                      sources="speculators', SpecForge's", engines="vLLM 0.33 (V1 runner)",
                       ddtree_note="P-EAGLE drafts a chain here, as vLLM, the one engine serving it, verifies its K "
                       "parallel drafts, so no DDTree rows"),
     # the MTP layer is read from a target directory: load_drafter takes it to load_mtp before any checkpoint is read
-    "MTP": Family(None, causal_round, causal=True, method="mtp", ddtree_note=(
+    "MTP": Family(None, causal_round, causal=True, method="mtp", sources="the target's own mtp.* layer (Qwen3.5/3.6, "
+                  "Qwen3-Next)", engines="vLLM 0.33, SGLang 0.5.23", ddtree_note=(
         "the MTP layer drafts a chain here, as vLLM serves it and SGLang by default (top-1; its token trees are out "
         "of scope), so no DDTree rows")),
 }
@@ -3474,32 +3583,87 @@ def family(d):
 # Drafting: a drafter loaded by its family, every anchor drafted
 
 
-def load_drafter(spec, target_cfg, settings, identify=True, given=None):
-    """A drafter from its --ckpt spec, or from `given` = (config or None, state dict) held in memory."""
+def read_drafter(spec, target_cfg, settings, identify=True, given=None):
+    """A drafter from its --ckpt spec, or from `given` = (config or None, state dict) held in memory (left whole)."""
     name, path = split_ckpt_spec(spec)
     if given is not None:
         cfg, raw = given
         cfg = check_config(cfg, f"drafter {name}'s config") if cfg is not None else None
-        generation, layout, cfg, state = recognize(cfg, unwrap_state_dict(raw, name, settings), name)
-        return FAMILIES[generation].load(name, path, generation, FAMILIES[generation], cfg, state, layout, raw,
-                                         target_cfg, settings, identify)
-    if not os.path.exists(path):
-        fail(f"drafter checkpoint not found: {path} (pass a drafter directory or file to --ckpt)")
-    file = os.path.join(path, "config.json")   # only a directory holds one
-    given = read_json(file) if os.path.isfile(file) else {}
-    # a target (...ForCausalLM, ...ForConditionalGeneration; no drafter keys): its own MTP layer drafts
-    if not any(k in given for k in DRAFTER_KEYS) and any(
-            str(a).endswith(("ForCausalLM", "ForConditionalGeneration")) for a in given.get("architectures") or []):
-        return load_mtp(name, path, target_cfg, settings, identify)
-    cfg, raw = read_checkpoint(path, name)
-    if settings.get("drafter_config"):
-        if cfg is None:
+    else:
+        if not os.path.exists(path):
+            fail(f"drafter checkpoint not found: {path} (pass a drafter directory or file to --ckpt)")
+        file = os.path.join(path, "config.json")   # only a directory holds one
+        beside = read_json(file) if os.path.isfile(file) else {}
+        # a target (...ForCausalLM, ...ForConditionalGeneration; no drafter keys): its own MTP layer drafts
+        if not any(k in beside for k in DRAFTER_KEYS) and any(
+                str(a).endswith(("ForCausalLM", "ForConditionalGeneration")) for a in beside.get("architectures") or []):
+            return load_mtp(name, path, target_cfg, settings, identify)
+        cfg, raw = read_checkpoint(path, name)
+        if settings.get("drafter_config"):   # an explicit flag beats the file beside the weights (named: overrides)
             cfg = check_config(read_json(settings["drafter_config"]), settings["drafter_config"])
-        else:
-            log(settings, f"drafter {name}: --drafter-config ignored, the checkpoint has its own config.json")
-    generation, layout, cfg, state = recognize(cfg, unwrap_state_dict(raw, name, settings), name)
+    generation, layout, cfg, state = recognize(cfg, dict(unwrap_state_dict(raw, name, settings)), name)
+    heads = {k: settings[f] for k, f in (("head_dim", "head_dim"), ("num_attention_heads", "num_heads"),
+                                         ("num_key_value_heads", "num_kv_heads")) if settings.get(f)}
+    cfg = {**cfg, **heads} if cfg is not None and heads else cfg   # over a config too: named as an override
     fam = FAMILIES[generation]
     return fam.load(name, path, generation, fam, cfg, state, layout, raw, target_cfg, settings, identify)
+
+
+# What flags can replace of what a checkpoint states: (flags, what their value sets (None: the value itself), the
+# drafter's value, does its checkpoint state it?)
+OVERRIDES = (
+    (("--mask-token-id",), None, lambda d: d.mask_token_id, lambda d: True),
+    (("--block-size",), None, lambda d: d.block_size - d.from_anchor, lambda d: "block_size" not in (d.defaults or {})),
+    (("--layers",), None, lambda d: d.layers, lambda d: "target_layer_ids" not in (d.defaults or {})),
+    (("--block-mask", "--sliding-window"), "in-block mask", lambda d: "; ".join(map(rule_label, d.rules)),
+     lambda d: True),
+    (("--head-dim", "--num-heads", "--num-kv-heads"), "attention", lambda d: "{} heads of {}, {} KV heads".format(
+        d.cfg["num_attention_heads"], head_dim_of(d.cfg), d.cfg["num_key_value_heads"]), lambda d: True),
+    (("--xpress-passes",), None, lambda d: (d.head or {}).get("passes"),
+     lambda d: any(dflash_value(d.cfg, k) is not None for k in ("xpress_num_passes", "num_jacobi_passes"))),
+    (("--xpress-topc",), None, lambda d: (d.head or {}).get("topc"),
+     lambda d: dflash_value(d.cfg, "xpress_topc") is not None),
+    (("--drafter-config",), None, lambda d: d.cfg, lambda d: True))
+
+
+def given_flags(settings, mode):
+    """The flags of `mode` the run sets to other than their defaults, as {flag: value}."""
+    defaults = build_parser()
+    return {flag: settings[k] for flag, k in (("--" + k.replace("_", "-"), k) for k in flag_names(mode))
+            if settings.get(k, defaults.get_default(k)) != defaults.get_default(k)}
+
+
+def load_drafter(spec, target_cfg, settings, identify=True, given=None):
+    """read_drafter's drafter; where flags replace what its checkpoint states, also as its checkpoint alone describes it
+    (loaded again, quietly, without them), each such flag named: d.overrides, d.own (the override check drafts both)."""
+    d = read_drafter(spec, target_cfg, settings, identify, given)
+    flags = given_flags(settings, "O")
+    if not flags:
+        return d
+    plain = {**settings, **{k: build_parser().get_default(k) for k in flag_names("O")}}
+    try:
+        own = read_drafter(spec, target_cfg, quietly(plain), False, given)
+    except UsageError:   # the checkpoint does not load without them: they supply what it lacks, override nothing
+        return d
+    d.overrides = {}
+    for names, sets, value, stated in OVERRIDES:
+        if any(f in flags for f in names) and stated(own) and value(d) != value(own):
+            d.overrides[" ".join(f"{f} {flags[f]}" for f in names if f in flags) if sets else names[0]] = \
+                {"given": value(d), "checkpoint": value(own), **({"sets": sets} if sets else {})}
+    if "--drafter-config" in d.overrides:   # the keys the two configs give differently, not two whole configs
+        theirs = d.overrides["--drafter-config"]["checkpoint"]
+        keys = sorted(k for k in set(d.cfg) | set(theirs) if d.cfg.get(k) != theirs.get(k))
+        d.overrides["--drafter-config"] = {"given": settings["drafter_config"], "checkpoint": "config.json beside its "
+                                           "weights", "keys": keys}
+    d.own = own if d.overrides else None
+    return d
+
+
+def override_text(flag, o):
+    """An override as the load line and the report name it."""
+    if "keys" in o:
+        return f"{flag} {o['given']} (overrides {o['checkpoint']}: {', '.join(o['keys'][:6]) or 'no key'} differ)"
+    return f"{flag}{': ' + o['sets'] if 'sets' in o else ''} {o['given']} (overrides the checkpoint's {o['checkpoint']})"
 
 
 def prompt_context(drafter, features, ids=None, embed_w=None):
@@ -3584,10 +3748,16 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
 # References: the target's own (speculative or plain decoding) and a serving engine's
 
 
+DECIDE_ROUNDS = 8   # --reference-generation auto: the speculative rounds timed (the run's first left out) before a plain
+#                     step is timed against them
+
+
 @torch.inference_mode()
 def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, prompt_id=None, sampling=None,
-                         generator=None):
-    """Draft a block, verify it in one cached pass, roll the cache back: the target decides every token."""
+                         generator=None, choose=None):
+    """Draft a block, verify it in one cached pass, roll the cache back: the target decides every token. With `choose`:
+    after each round choose((seconds, tokens), a timer of a plain step here) says "plain" (plain decoding goes on from
+    here: greedy, the same tokens), "speculative" (no more asking) or None (ask again)."""
     _, _, embed, head = target_parts(model)
     logits_of = model_logits(model) if sampling else head   # the drafter reads the head alone
     layers = drafter.layers
@@ -3596,8 +3766,14 @@ def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, p
     if is_hybrid(model.config):
         cache.activate_past_recording()   # after the prompt: recording it would keep every convolution input
     context_kv = prompt_context(drafter, features)   # grown by the accepted tokens only: re-projecting is quadratic
-    tokens = [next_token(logits_of(last[-1:]), sampling, generator)]
+    tokens, timed = [next_token(logits_of(last[-1:]), sampling, generator)], None
     while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
+        if choose and timed:
+            verdict = choose(timed, lambda: min(timed_pass(model, cache, tokens[-1:]) for _ in range(2)))
+            if verdict == "plain":
+                return plain_generate(model, prompt_ids, max_new_tokens, stop_ids, cache=cache, tokens=tokens)
+            choose = choose if verdict is None else None
+        start = time.perf_counter()
         anchor = len(prompt_ids) + len(tokens) - 1   # not yet context: the cache holds positions < anchor
         drafts, _ = draft_all_anchors(drafter, context_kv, torch.tensor([anchor], device=model.device),
                                       torch.tensor(tokens[-1:], device=model.device), embed.weight, head, 0, prompt_id)
@@ -3624,17 +3800,43 @@ def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, p
             tokens.append(token)
             if len(tokens) >= max_new_tokens or token in stop_ids:
                 break
+        timed = (seconds_since(start), accepted + 1)
     return tokens
 
 
-def generate_reference(model, it, settings, speculative, drafter, stops):
-    """The target's reference for one prompt (greedy or sampled), by lossless speculative decoding where it can."""
+def generate_reference(model, it, settings, learned, drafter, stops):
+    """The target's reference for one prompt (greedy or sampled), by lossless speculative decoding where it pays:
+    under --reference-generation auto the first greedy reference's first rounds decide (learned.reference_choice)."""
     sampling, generator = sampling_of(settings), None
     if sampling:
         generator = torch.Generator(device=model.device).manual_seed(sample_seed(settings, it["id"], it["sample"]))
+    if learned.choosing and sampling and learned.reference_method == "speculative":
+        learned.choosing = False
+        learned.reference_choice = ("sampled references are drawn by speculative decoding: a seed's samples depend on "
+                                    "the method, so auto does not switch by timing (--reference-generation plain does)")
+        log(settings, f"references: {learned.reference_choice}")
+
+    def choose(timed, plain_step):   # the run's rounds, its first left out (it warms up), then a plain step
+        learned.rounds_timed.append(timed)
+        if len(learned.rounds_timed) <= DECIDE_ROUNDS:
+            return None
+        plain_s, rounds = plain_step(), learned.rounds_timed[1:]
+        spent, made = sum(r[0] for r in rounds), sum(r[1] for r in rounds)
+        learned.reference_method, learned.choosing = "plain" if spent / made > plain_s else "speculative", False
+        learned.reference_choice = (
+            f"speculative decoding with drafter {drafter.name} made {made / len(rounds):.2f} tokens a round at "
+            f"{1e3 * spent / len(rounds):.3g} ms a round ({1e3 * spent / made:.3g} ms a token) over {len(rounds)} "
+            f"rounds; a plain step takes {1e3 * plain_s:.3g} ms: " +
+            ("the rest by plain decoding (the same tokens; --reference-generation speculative forces speculative)"
+             if learned.reference_method == "plain" else
+             "speculative decoding goes on (--reference-generation plain forces plain)"))
+        log(settings, f"references: {learned.reference_choice}")
+        return learned.reference_method
     with timed("generate_s"):
-        ids = (speculative_generate(model, drafter, it["prompt_ids"], it["room"], stops, it["id"], sampling, generator)
-               if speculative else plain_generate(model, it["prompt_ids"], it["room"], stops, sampling, generator))
+        ids = plain_generate(model, it["prompt_ids"], it["room"], stops, sampling, generator) \
+            if learned.reference_method == "plain" else \
+            speculative_generate(model, drafter, it["prompt_ids"], it["room"], stops, it["id"], sampling, generator,
+                                 choose if learned.choosing else None)
     it.update(completion_ids=ids, source="target")
 
 
@@ -3708,7 +3910,7 @@ def reply_ids(entry, api, what):
     return ids, finish
 
 
-def server_batch(batch, settings, learned):
+def server_batch(batch, settings, learned, what=None):
     """One request for a batch of prompts: [(completion ids, finish reason)] in the batch's order."""
     api, url = settings["server_api"], settings["server"].rstrip("/")
     room = min(it["room"] for it in batch)
@@ -3717,7 +3919,7 @@ def server_batch(batch, settings, learned):
     sampling = sampling_of(settings)
     if sampling:
         neutral.update(temperature=sampling[0], top_p=sampling[1], top_k=sampling[2] or -1, min_p=0.0)
-    what = "prompt " + ", ".join(it["id"] for it in batch[:3]) + (" ..." if len(batch) > 3 else "")
+    what = what or "prompt " + ", ".join(it["id"] for it in batch[:3]) + (" ..." if len(batch) > 3 else "")
     longest = max(batch, key=lambda it: len(it["prompt_ids"]))
     if api == "sglang":
         params = {**neutral, "max_new_tokens": room, "ignore_eos": settings["ignore_eos"]}
@@ -3739,10 +3941,21 @@ def server_batch(batch, settings, learned):
         entries = sorted(entries, key=lambda c: c.get("index", 0))
         if entries and learned.server_ids != "logprobs" and "token_ids" not in entries[0]:
             learned.server_ids = "logprobs"  # older vLLM: ids only as "token_id:N" strings in logprobs
-            return server_batch(batch, settings, learned)
+            return server_batch(batch, settings, learned, what)
     if len(entries) != len(batch):
         fail(f"{what}: the server answered for {len(entries)} prompts, {len(batch)} were sent")
     return [reply_ids(entry, api, what) for entry in entries]
+
+
+def check_server(settings, learned, target_cfg):
+    """--server before any model loads (minutes for a big target): one request for one token, whose answer must hold
+    token ids. Unreachable, another model name, a refusal or no ids: one line, exit 2."""
+    token = next((t for t in (getattr(target_cfg, "bos_token_id", None), getattr(target_cfg, "eos_token_id", None))
+                  if isinstance(t, int)), 0)
+    probe = {"id": "probe", "prompt_ids": [token], "room": 1, "sample": 0 if sampling_of(settings) else None}
+    server_batch([probe], {**settings, "server_timeout": min(settings["server_timeout"], 60)}, learned,
+                 f"checking --server with a one-token request before anything loads (--server-api "
+                 f"{settings['server_api']}{', --server-model ' + settings['server_model'] if settings['server_model'] else ''})")
 
 
 def fetch_references(items, settings, learned, keep):
@@ -4047,14 +4260,14 @@ def check_depths(drafters, settings):
              "--depths")
 
 
-MASK_CHECK_ANCHORS = 32   # anchors per prompt, evenly spaced
+CHECK_ANCHORS = 32   # anchors per prompt, evenly spaced, that the mask and override checks draft again
 
-# "Clearly better" is judged on the same drafted positions (a paired, McNemar-style count): the other mode must
-# gain at least MASK_CHECK_MIN_GAIN accuracy AND its wins over the configured mode must exceed its losses by
-# MASK_CHECK_Z standard errors. A fixed margin alone either misses real mismatches (a causal-trained drafter
-# run bidirectional typically loses only 1-3% accuracy) or fires on a handful of anchors.
-MASK_CHECK_MIN_GAIN = 0.01
-MASK_CHECK_Z = 3.0
+# "Clearly better" is judged on the same drafted positions (a paired, McNemar-style count): the other variant must
+# gain at least CHECK_MIN_GAIN accuracy AND its wins over the run's own must exceed its losses by CHECK_Z standard
+# errors. A fixed margin alone either misses real mismatches (a causal-trained drafter run bidirectional typically
+# loses only 1-3% accuracy) or fires on a handful of anchors.
+CHECK_MIN_GAIN = 0.01
+CHECK_Z = 3.0
 
 
 def mask_variants(drafter, settings):
@@ -4071,43 +4284,84 @@ def mask_variants(drafter, settings):
                for name, mode, window in options}}
 
 
-def check_mask_prompt(drafter, variants, features, ids, anchors, embed_w, head):
-    """Per mode: [draft hits, drafts, matched drafts, anchors, wins, losses] on a sample of this prompt's
-    anchors; wins/losses count drafts this mode gets right and the configured mode wrong, and the reverse."""
+def check_variants(d):
+    """What the checks draft beside drafter d on sampled anchors: {check: {name: drafter}}, the run's own first. The
+    mask check (--check-mask): other in-block masks; the override check: the checkpoint's own values (d.own)."""
+    checks = {"mask_check": {name: replace(d, rules=rules) for name, rules in (d.mask_variants or {}).items()}}
+    return {**checks, "override_check": {"as given": d, "checkpoint's own values": d.own} if d.own else {}}
+
+
+def variant_counts(variants, features, ids, n_prompt, embed_w, head, device):
+    """Per variant ({name: drafter}, the first the base): [draft hits, drafts, matched drafts, anchors, wins, losses]
+    on a sample of a prompt's anchors, over the drafts every variant makes; wins / losses count the drafts it gets right
+    and the base wrong, and the reverse. None when the features lack a variant's layers (saved without them)."""
+    if any(L not in features for v in variants.values() for L in v.layers):
+        return None
+    anchors = fitting_anchors(n_prompt, len(ids), max(v.block_size for v in variants.values())).to(device)
     if anchors.numel() == 0:
         return {name: [0] * 6 for name in variants}
-    sample = anchors[torch.linspace(0, anchors.numel() - 1, min(MASK_CHECK_ANCHORS, anchors.numel())).long()]
-    reference = torch.tensor(ids)[sample.cpu()[:, None] + torch.arange(1, drafter.block_size)]
-    context_kv, first = prompt_context(drafter, features, ids, embed_w), torch.tensor(ids, device=sample.device)[sample]
-    counts, base = {}, None
-    for name, rules in variants.items():   # "configured" comes first
-        drafts, _ = draft_all_anchors(replace(drafter, rules=rules), context_kv, sample, first, embed_w, head)
-        equal = drafts == reference
+    sample = anchors[torch.linspace(0, anchors.numel() - 1, min(CHECK_ANCHORS, anchors.numel())).long()]
+    width = min(v.block_size for v in variants.values()) - 1
+    reference = torch.tensor(ids)[sample.cpu()[:, None] + torch.arange(1, width + 1)]
+    first, contexts, counts, base = torch.tensor(ids, device=device)[sample], {}, {}, None
+    for name, v in variants.items():
+        key = (id(v.weights), tuple(v.layers))   # the mask check's variants share one context
+        if key not in contexts:
+            contexts[key] = prompt_context(v, features, ids, embed_w)
+        equal = draft_all_anchors(v, contexts[key], sample, first, embed_w, head)[0][:, :width] == reference
         base = equal if base is None else base
         counts[name] = [int(equal.sum()), equal.numel(), int(equal.long().cumprod(1).sum()), equal.shape[0],
                         int((equal & ~base).sum()), int((base & ~equal).sum())]
     return counts
 
 
-def mask_check_summary(modes, per_prompt):
-    """Accuracy and mean acceptance per mode ({name: mask labels}); a warning when another mode clearly wins."""
+def check_table(per_prompt, shown):
+    """Accuracy, mean acceptance, wins and losses against the first variant, per variant ({name: what it shows})."""
     table = {}
-    for name, labels in modes.items():
+    for name, fields in shown.items():
         hits, drafts, matched, anchors, wins, losses = (sum(c[name][i] for c in per_prompt) for i in range(6))
         z = (wins - losses - 1) / math.sqrt(wins + losses) if wins + losses else 0.0  # continuity-corrected
-        table[name] = {"block_mask": labels, "accuracy": hits / drafts if drafts else None,
+        table[name] = {**fields, "accuracy": hits / drafts if drafts else None,
                        "tau_all_anchors": 1 + matched / anchors if anchors else None, "anchors": anchors,
                        "wins": wins, "losses": losses, "z": round(z, 2)}
-    base = table["configured"]["accuracy"]
-    better = [name for name, t in table.items() if base is not None and t["accuracy"] is not None
-              and t["accuracy"] >= base + MASK_CHECK_MIN_GAIN and t["z"] >= MASK_CHECK_Z]
-    best = max(better, key=lambda n: table[n]["accuracy"], default=None)
-    t = table.get(best)
+    return table
+
+
+def clearly_better(table, name, base):
+    a, b = table[name]["accuracy"], table[base]["accuracy"]
+    return None not in (a, b) and a >= b + CHECK_MIN_GAIN and table[name]["z"] >= CHECK_Z
+
+
+def mask_check_summary(modes, per_prompt):
+    """Accuracy and mean acceptance per mode ({name: mask labels}); a warning when another mode clearly wins."""
+    table = check_table(per_prompt, {name: {"block_mask": labels} for name, labels in modes.items()})
+    best = max((n for n in table if clearly_better(table, n, "configured")), key=lambda n: table[n]["accuracy"],
+               default=None)
+    t, base = table.get(best), table["configured"]["accuracy"]
     warning = None if t is None else (
         f"mode '{best}' drafts clearly better than the configured one (accuracy {t['accuracy']:.3f} vs {base:.3f}; "
         f"right where the configured mode is wrong {t['wins']} times, the reverse {t['losses']}): the drafter was "
         "probably trained with that mask")
     return {"modes": table, "warning": warning}
+
+
+def override_summary(overrides, per_prompt):
+    """The override check: how the drafter drafts as given against its checkpoint's own values on the same sampled
+    anchors, and the one warning that names the overriding flags with that verdict."""
+    named = "; ".join(override_text(flag, o) for flag, o in overrides.items())
+    counts = [c for c in per_prompt if c is not None]
+    if not counts:
+        return None, (f"{named}: its figures are not the checkpoint's as trained (not checked against its own values: "
+                      "the saved features lack the layers its checkpoint names)")
+    table = check_table(counts, {"as given": {}, "checkpoint's own values": {}})
+    own, given = table["checkpoint's own values"], table["as given"]
+    verdict = (f"on {own['anchors']} sampled anchors it drafts clearly worse than with the checkpoint's own values "
+               f"(accuracy {fmt(given['accuracy'])} against {fmt(own['accuracy'])}; its own values right where the "
+               f"flag's are wrong {own['wins']} times, the reverse {own['losses']}): check the flag, or drop it to "
+               "run the checkpoint as trained" if clearly_better(table, "checkpoint's own values", "as given") else
+               f"its figures are not the checkpoint's as trained (on {own['anchors']} sampled anchors: accuracy "
+               f"{fmt(given['accuracy'])} as given, {fmt(own['accuracy'])} with its own values)")
+    return {"modes": table}, f"{named}: {verdict}"
 
 
 FEATURE_CHECK_ANCHORS = 32   # anchors per prompt, evenly spaced, drafted again with the target's features shuffled
@@ -4163,7 +4417,7 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
         prompts.append((features, it["prompt_ids"] + it["completion_ids"], len(it["prompt_ids"]), it["id"]))
     results = [[] for _ in group]
     for stub in drafters:
-        d = stub if stub.weights is not None else replace(stub, weights=stub.reload())   # a step: for this group
+        d = stub if stub.weights is not None else replace(stub, **stub.reload())   # a step: for this group
         budgets = [] if family(d).ddtree_note else settings["ddtree_budgets"]   # chains: no tree verifier
         scored = score_drafter(d, prompts, group, embed_w, head, settings, budgets, settings["verify"])
         for depth in served_depths(d, settings):   # the engines' shorter blocks: 1 + K slots, chain only
@@ -4171,10 +4425,11 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
                                                         embed_w, head, settings, [], settings["verify"][:1])):
                 res.setdefault("depths", {})[depth] = other
         for (features, ids, n_prompt, _), res, kept in zip(prompts, scored, results):
-            if d.mask_variants:
-                with timed("mask_check_s"):
-                    res["mask_check"] = check_mask_prompt(d, d.mask_variants, features, ids, fitting_anchors(
-                        n_prompt, len(ids), d.block_size).to(settings["device"]), embed_w, head)
+            for check, variants in check_variants(d).items():
+                if variants:
+                    with timed(f"{check}_s"):
+                        res[check] = variant_counts(variants, features, ids, n_prompt, embed_w, head,
+                                                    settings["device"])
             with timed("feature_check_s"):
                 res["feature_check"] = feature_check_prompt(d, res, features, ids, embed_w, head, settings["device"])
             kept.append(res)
@@ -4325,29 +4580,12 @@ def measure_costs(model, drafters, settings, items):
     if is_hybrid(model.config):
         cache.activate_past_recording()
 
-    def target_step(n, verifying):   # a plain step (n = 1) or a verify pass; then the cache as it was
-        saved = [(layer, i, layer.recurrent_states[i].clone()) for layer, i in recurrent_states(cache)]
-        start = time.perf_counter()
-        if verifying:
-            features, last, _ = target_pass(model, ids[L:L + n], layers, cache)
-            check_finite(features, "cost")
-            verify(ids[L:L + n], head(last), None, None)
-        else:
-            out = model(input_ids=torch.tensor([ids[L:L + 1]], device=model.device), use_cache=True,
-                        **cache_kwarg(model, cache))
-            next_token(out.logits[0, -1:], None, None)
-        elapsed = seconds_since(start)
-        for layer, i, state in saved:
-            layer.recurrent_states[i].copy_(state)
-        cache.crop(-n)
-        return elapsed
-
     costs = {"context": L, "repeats": COST_REPEATS, "device": settings["device"], "dtype": settings["dtype"],
              "target": {}, "draft": {}}
-    timings = [(costs["target"], "1", lambda: target_step(1, False)),   # (where, key, a timed run)
-               *((costs["target"], str(n), lambda n=n: target_step(n, True)) for n in sizes)]
+    timings = [(costs["target"], "1", lambda: timed_pass(model, cache, ids[L:L + 1])),   # (where, key, a timed run)
+               *((costs["target"], str(n), lambda n=n: timed_pass(model, cache, ids[L:L + n], layers)) for n in sizes)]
     for d in drafters:
-        d = d if d.weights is not None else replace(d, weights=d.reload())
+        d = d if d.weights is not None else replace(d, **d.reload())
         g = torch.Generator().manual_seed(0)
         feats = torch.randn(L + sizes[-1], len(d.layers) * d.cfg["hidden_size"], generator=g).to(embed.weight)
         first = torch.tensor([ids[L]], device=embed.weight.device)
@@ -4375,10 +4613,13 @@ def measure_costs(model, drafters, settings, items):
         timings += [(costs["draft"].setdefault(d.name, {}), str(k), lambda k=k, draft=draft: draft(k))
                     for k in [d.block_size - 1, *served_depths(d, settings)]]
         timings += [(costs["draft"][d.name], "tree", draft_tree)] if d.tree else []
-    seconds = [[run_once()] for _, _, run_once in timings]   # the warm-up, not counted
-    for _ in range(COST_REPEATS):   # every size in turn, so that a slow moment does not fall on one of them
-        for (_, _, run_once), runs in zip(timings, seconds):
-            runs.append(run_once())
+    with progress(settings, len(timings) * (1 + COST_REPEATS), "costs", unit="timed passes") as bar:
+        seconds = [[run_once()] for _, _, run_once in timings]   # the warm-up, not counted
+        bar.update(len(timings))
+        for _ in range(COST_REPEATS):   # every size in turn, so that a slow moment does not fall on one of them
+            for (_, _, run_once), runs in zip(timings, seconds):
+                runs.append(run_once())
+            bar.update(len(timings))
     for (where, key, _), runs in zip(timings, seconds):
         where[key] = min(runs[1:])
     return costs
@@ -4527,6 +4768,7 @@ def drafter_facts(d):
             **({"series": d.name.rpartition("@")[0], "step": d.step} if d.step is not None else {}),
             **({"eagle_tree": d.tree} if d.tree else {}),
             "layers": d.layers, "mask_token_id": d.mask_token_id, "block_mask": [rule_label(r) for r in d.rules],
+            **({"overrides": d.overrides} if d.overrides else {}),
             "mask_modes": {name: [rule_label(r) for r in rules] for name, rules in d.mask_variants.items()}
             if d.mask_variants else None}
 
@@ -4572,8 +4814,11 @@ def drafter_report(d, results, items):
 
     whole = section()
     check = feature_check_summary([res["feature_check"] for res in results if "feature_check" in res])
+    overridden = override_summary(d["overrides"], [r.get("override_check") for r in results]) \
+        if d.get("overrides") else None
     splits = {split: section(lambda it: it["split"] == split) for split in sorted({it["split"] for it in items})}
-    turns = {str(t): section(lambda it: it.get("turn") == t) for t in sorted({it.get("turn") for it in items} - {None})}
+    numbers = sorted({it.get("turn") for it in items} - {None})   # rows per turn where there are several
+    turns = {str(t): section(lambda it: it.get("turn") == t) for t in numbers} if len(numbers) > 1 else {}
     depths = {B - 1: whole, **{k: section(depth=k) for k in (results[0].get("depths", {}) if results else {})}}
     verify = {rule: section(pick=lambda res, rule=rule: res["verify"][rule])
               for rule in (results[0].get("verify", {}) if results else {})}
@@ -4589,9 +4834,11 @@ def drafter_report(d, results, items):
             **({"depths": {str(k): {**{key: s[key] for key in DEPTH_KEYS}, "engine_metrics": engine_metrics(s, k)}
                            for k, s in sorted(depths.items())}} if len(depths) > 1 else {}),
             "by_context": by_context([res["by_context"] for res in results]),
-            "feature_check": check, "warnings": d["warnings"] + acceptance_warning(whole, check), "splits": splits,
+            "feature_check": check, "warnings": d["warnings"] + acceptance_warning(whole, check) +
+            ([overridden[1]] if overridden else []), "splits": splits,
             **({"turns": turns} if turns else {}), **({"mask_check": mask_check_summary(
                 d["mask_modes"], [r["mask_check"] for r in results if "mask_check" in r])} if d["mask_modes"] else {}),
+            **({"override_check": overridden[0]} if overridden and overridden[0] else {}),
             "prompts": [prompt_report(it, res, B) for it, res in zip(items, results)]}
 
 
@@ -4655,6 +4902,11 @@ def make_report(config, facts, done, skipped, seconds, interrupted, warn=True):
               **({"gguf": {k: config["target_gguf"][k] for k in ("file", "type", "sha256")}}
                  if config.get("target_gguf") else {}),
               **reference_fit(finished, sampling, "agreement")[0], "self_check": check}
+    argmax = [sum(x) for x in zip(*(it["agree"] for it in finished))]
+    if sampling and argmax and argmax[0] == argmax[1]:   # the sampled texts are the greedy text
+        target["sampling_note"] = (f"every token of the {len(finished)} sampled references is the target's argmax: at "
+                                   f"{describe_sampling(sampling)} sampling changed nothing here, so tau is greedy "
+                                   "decoding's (a flatter target, or a higher temperature, would differ)")
     report = {"config": config, "target": target, "drafters": drafters,
               **({"comparison": side_by_side(drafters, results, finished)} if len(drafters) > 1 and done else {}),
               "skipped": skipped,
@@ -4663,10 +4915,6 @@ def make_report(config, facts, done, skipped, seconds, interrupted, warn=True):
     if config.get("costs_used"):
         predicted_speedups(report, config["costs_used"])
     return report
-
-
-def fmt(x, digits=3):
-    return "n/a" if x is None else f"{x:.{digits}f}"
 
 
 def interval(ci):
@@ -4782,6 +5030,8 @@ def report_lines(report):
     if sampling:
         yield (f"sampled decoding at {describe_sampling(sampling)}, {config['draft_policy']} proposals: tau is the "
                "expected acceptance given each sampled reference, pooled, with a 95% interval over prompts")
+    if target.get("sampling_note"):
+        yield f"note: {target['sampling_note']}"
     if target.get("self_check") and not target["self_check"]["passed"]:
         yield f"WARNING: self-check failed: {target['self_check']['message']}"
     if cache:
@@ -4914,14 +5164,18 @@ def plotted_drafters(source):
 
 def plot_panels(source):
     """What --plot draws, as data: [(title, x label, y label, kind, [(label, xs, ys, 95% intervals or None)])], one
-    panel per figure that has data. kind: line, bars (grouped), or steps (a training series, its best step marked)."""
+    panel per figure that has data. kind: line, bars (grouped), steps (a training series, its best step marked) or
+    depths (measured depths as points, joined where they are neighbours)."""
     shown, series = plotted_drafters(source)
     panels = []
 
-    def add(title, xlabel, ylabel, kind, rows):
-        rows = [r for r in rows if r[1]]
-        if rows:
-            panels.append((title, xlabel, ylabel, kind, rows))
+    def add(title, xlabel, ylabel, kind, rows):   # series of equal values drawn once, one label naming them all
+        merged = {}
+        for label, xs, ys, cis in (r for r in rows if r[1]):
+            key = (tuple(xs), tuple(ys))
+            merged[key] = (f"{merged[key][0]} = {label}", xs, ys, cis) if key in merged else (label, xs, ys, cis)
+        if merged:
+            panels.append((title, xlabel, ylabel, kind, list(merged.values())))
 
     add("acceptance by position (conditional)", "position in the block", "P(accept | reached)", "line",
         [(d["name"], list(range(1, len(d["per_position"]["acceptance"]) + 1)), d["per_position"]["acceptance"], None)
@@ -4932,7 +5186,7 @@ def plot_panels(source):
     add("acceptance lengths", "tokens a round (accepted drafts + 1)", "share of rounds", "bars",
         [(d["name"], list(range(1, len(d["histogram"]) + 1)), [c / sum(d["histogram"]) for c in d["histogram"]], None)
          for d in shown if sum(d.get("histogram") or []) > 0])
-    add("tau by served depth", "depth K (drafts a round)", "tau (tokens a round)", "line",
+    add("tau by served depth", "depth K (drafts a round)", "tau (tokens a round)", "depths",
         [(d["name"], [int(k) for k in d["depths"]], [s["tau"] for s in d["depths"].values()],
           [s["tau_ci95"] for s in d["depths"].values()]) for d in shown if len(d.get("depths") or {}) > 1])
     add("tau by training step", "training step", "tau (tokens a round)", "steps",
@@ -4965,8 +5219,16 @@ def draw_plot(source, path):
                 ax.bar([ticks.index(x) + (i - (len(series) - 1) / 2) * width for x in xs], ys, width, label=label)
                 ax.set_xticks(range(len(ticks)), [str(x) for x in ticks])
                 continue
-            line, = ax.plot(xs, ys, marker="o", label=label)
-            if cis and any(cis):
+            line, = ax.plot(xs, ys, marker="o", label=label, linestyle="none" if kind == "depths" else "-")
+            if kind == "depths":   # joined only where no depth lies between: a gap is not a measurement
+                for x0, y0, x1, y1 in zip(xs, ys, xs[1:], ys[1:]):
+                    ax.plot([x0, x1], [y0, y1], color=line.get_color(), linestyle="-" if x1 - x0 == 1 else ":",
+                            label="_gap" if x1 - x0 > 1 else "_joined")
+                if cis and any(cis):
+                    ax.errorbar(xs, ys, yerr=[[y - c[0] if c else 0 for c, y in zip(cis, ys)],
+                                              [c[1] - y if c else 0 for c, y in zip(cis, ys)]],
+                                fmt="none", ecolor=line.get_color(), alpha=0.5)
+            elif cis and any(cis):
                 ax.fill_between(xs, [c[0] if c else y for c, y in zip(cis, ys)],
                                 [c[1] if c else y for c, y in zip(cis, ys)], color=line.get_color(), alpha=0.2)
             if kind == "steps":
@@ -5023,14 +5285,18 @@ def write_board(writer, drafters):
 # content, never by path: the same files elsewhere, or named another way, are the same run.
 RESUME_KEYS = ("target_hash", "prompts_hash", "hidden_hashes", *flag_names("R"))
 SLICE_KEYS = ("shard", "ranks")   # a resumed run must take the same slice of the prompts
+ORIGIN_KEYS = ("target_hash", "prompts_hash", *flag_names("G"))   # the settings a generated reference depends on
 KEY_WORDS = {"target_hash": "the target (its config or weights)", "prompts_hash": "the prompts (file content)",
-             "hidden_hashes": "the saved features (--load-hidden files)"}
+             "hidden_hashes": "the saved features (--load-hidden files)", "series": "the series' name",
+             "run": "the run directory"}
 REFERENCE_KEYS = ("index", "id", "sample", "turn", "completion_ids", "source", "finish_reason")
 
 
 def differences(a, b, keys=RESUME_KEYS):
     """What differs between two runs' settings (a, b: config dicts, with "drafters": their facts): named."""
-    named = [KEY_WORDS.get(k, k) for k in keys if a.get(k) != b.get(k)]
+    named = [KEY_WORDS.get(k, "--" + k.replace("_", "-")) for k in keys if a.get(k) != b.get(k)]
+    if "drafters" not in a or "drafters" not in b:   # settings alone
+        return named
     da, db = a.get("drafters", []), b.get("drafters", [])
     if len(da) != len(db):
         return named + [f"the drafters ({len(da)} against {len(db)})"]
@@ -5040,14 +5306,14 @@ def differences(a, b, keys=RESUME_KEYS):
 
 
 def fingerprint(config, facts):
-    return {**{k: config.get(k) for k in RESUME_KEYS + SLICE_KEYS}, "drafters": facts}
+    return {**{k: config.get(k) for k in dict.fromkeys(RESUME_KEYS + SLICE_KEYS + ORIGIN_KEYS)}, "drafters": facts}
 
 
 def result_json(r):
     return {"rounds": r["rounds"], "ddtree_rounds": {str(b): v for b, v in r["ddtree_rounds"].items()},
             "anchors": r["anchors"].tolist(), "matched": r["matched"].tolist(),
             "equal": [int(sum(1 << k for k, e in enumerate(row) if e)) for row in r["equal"].tolist()],
-            "mask_check": r.get("mask_check"), "by_context": r["by_context"],
+            "mask_check": r.get("mask_check"), "override_check": r.get("override_check"), "by_context": r["by_context"],
             **{k: r[k] for k in ("expected", "feature_check") if k in r},
             **({"depths": {str(k): result_json(v) for k, v in r["depths"].items()}} if "depths" in r else {}),
             **({"tree": result_json(r["tree"])} if "tree" in r else {}),
@@ -5064,7 +5330,8 @@ def result_from_json(r, drafts, tree_drafts=None):
     return {"rounds": r["rounds"], "ddtree_rounds": {int(b): v for b, v in r["ddtree_rounds"].items()},
             "anchors": torch.tensor(r["anchors"], dtype=torch.long),
             "matched": torch.tensor(r["matched"], dtype=torch.long), "equal": (bits >> torch.arange(drafts)) & 1 == 1,
-            "by_context": r["by_context"], **{k: r[k] for k in ("mask_check", "expected", "feature_check") if r.get(k)},
+            "by_context": r["by_context"],
+            **{k: r[k] for k in ("mask_check", "override_check", "expected", "feature_check") if r.get(k)},
             **({"depths": {int(k): result_from_json(v, int(k)) for k, v in r["depths"].items()}}
                if "depths" in r else {}),
             **({"tree": result_from_json(r["tree"], tree_drafts)} if "tree" in r else {}),
@@ -5136,13 +5403,31 @@ def resume_records(settings, learned, facts):
     differ = differences(rows[0]["fingerprint"], fingerprint(run_config(settings, learned), facts),
                          RESUME_KEYS + SLICE_KEYS)
     if differ:
-        fail(f"--resume: {path} was written with other settings ({', '.join(differ)} differ); rerun with the "
-             "same settings, or with --overwrite instead of --resume to start over")
+        fail(f"--resume: {path} was written with other settings ({', '.join(differ)} differ): a resume may change "
+             "only flags that leave the numbers alone (--threads, --quiet, --plot, --tensorboard, ...); to run with "
+             "these settings, give --overwrite instead of --resume: it starts over, keeps the file as a backup and "
+             "reuses its references where what they depend on agrees (target, prompts, --max-new-tokens, sampling)")
     records = collect([row for row in rows if "item" in row], facts)
     references = {row["reference"]["index"]: row["reference"] for row in rows if "reference" in row}
     log(settings, f"resuming: {len(records)} prompts already finished in {path}" +
         (f", {len(set(references) - set(records))} more references generated" if references else ""))
     return records, references
+
+
+def earlier_references(settings, learned, path):
+    """{index: reference fields} an --overwrite reuses from the earlier run's partial file (`path`, its backup): the
+    references it generated or fetched, finished prompts' too, when what they depend on (ORIGIN_KEYS) agrees."""
+    rows = partial_rows(path) or [{}]
+    earlier = rows[0].get("fingerprint") or {}
+    differ = differences(earlier, run_config(settings, learned), ORIGIN_KEYS)
+    refs = {row["reference"]["index"]: row["reference"] for row in rows if isinstance(row.get("reference"), dict)}
+    refs.update({row["item"]["index"]: {k: row["item"].get(k) for k in REFERENCE_KEYS} for row in rows
+                 if isinstance(row.get("item"), dict)})
+    if refs:
+        log(settings, f"note: --overwrite: {len(refs)} references of the earlier run " +
+            (f"not reused ({', '.join(differ)} differ; they depend on it)" if differ else "reused (what they depend "
+             "on agrees); the rest are generated"))
+    return {} if differ else refs
 
 
 def partial_held(path):
@@ -5236,17 +5521,18 @@ def replaced_input(settings):
 @contextlib.contextmanager
 def output_claimed(settings):
     """--output for this run alone, checked before anything loads (README, "Nothing overwritten"); the lock goes at the
-    end, whichever way the run ends. Under torchrun rank 0 holds the lock, and all ranks refuse together."""
+    end, whichever way the run ends. Under torchrun rank 0 holds the lock, and all ranks refuse together. Yields the
+    backup of an earlier run's partial file that --overwrite moved aside (its references are reused), or None."""
     output = settings.get("output")
     if not output or settings.get("output_streamed"):
-        yield
+        yield None
         return
     clash = replaced_input(settings)
     if clash:
         fail(f"--output {output} is {clash[0]} ({clash[1]}): the report would replace it; pick another --output")
     path = None if settings.get("merge") or settings.get("compare_hidden") or settings.get("watch") else \
         partial_path(settings)   # a watch's series is its own record: it is appended, a line a step
-    lock, locked = os.path.realpath(output) + ".lock", False
+    lock, locked, backup = os.path.realpath(output) + ".lock", False, None
     try:
         why = take_lock(settings, lock) if settings.get("rank", 0) == 0 else None
         locked = why is None and settings.get("rank", 0) == 0
@@ -5268,7 +5554,7 @@ def output_claimed(settings):
                 backup = f"{path}.bak{n}"
             os.rename(path, backup)
             log(settings, f"note: --overwrite: the earlier run's {path} ({held}) is kept as {backup}")
-        yield
+        yield backup
     finally:
         if locked:
             with contextlib.suppress(FileNotFoundError):
@@ -5491,17 +5777,19 @@ def save_hidden(settings, learned, layer_union, saved):
     log(settings, f"wrote hidden states of {len(parts)} prompts, layers {layer_union}, to {path}")
 
 
-def open_hidden(paths, settings, learned, target_cfg, layer_union, skip=lambda it: False):
+def open_hidden(paths, settings, learned, target_cfg, layer_union, skip=lambda it: False, wanted=()):
     """Checked prompts and a lazy stream of (item, features, argmax), skip(item) ones left out, from --save-hidden
-    files (several: a run's shards' or ranks' caches, joined in prompt order)."""
+    files (several: a run's shards' or ranks' caches, joined in prompt order); `wanted` layers too where all hold them
+    (the override check's)."""
     metas = [read_hidden_meta(path) for path in paths]
+    layer_union = sorted(set(layer_union) | {L for L in wanted if all(L in m["layers"] for m in metas)})
     sampling = sampling_of(settings)
     for path, meta in zip(paths, metas):
         version = version_tuple(meta["format"].rpartition("/")[2])[0]
         if meta["target_hash"] != (learned.target_hash if version == 3 else target_hash(settings["target"], version)):
             fail(f"{path} was extracted from another target than {settings['target']} (the hash of its config and "
                  "weights differs); pass the target it was made with, or extract again")
-        missing = sorted(set(layer_union) - set(meta["layers"]))
+        missing = sorted(set(layer_union) - set(meta["layers"]))   # `wanted` ones are there
         if missing:
             fail(f"{path} holds layers {meta['layers']} but the drafters need {layer_union} (missing {missing}); "
                  "extract again with drafters that need them all")
@@ -5579,23 +5867,23 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
         say(f"warning: {settings['dtype']} on CPU with a hybrid (linear-attention) target: the CPU fallback of "
             "those layers drifts from the GPU kernels enough to garble drafts; use --dtype float32 on CPU, or "
             "extract on a GPU")
+    log(settings, f"loading the target {settings['target']} on {settings['device']} ({settings['dtype']})")
     with timed("load_s"):
         model, tokenizer = load_target(settings)
     threads = torch.get_num_threads()
-    log(settings, f"target loaded on {settings['device']} ({settings['dtype']}), {threads} CPU "
-                  f"thread{'s' * (threads > 1)}")
+    log(settings, f"target loaded in {TIMING['load_s']:.1f} s, {threads} CPU thread{'s' * (threads > 1)}")
     limit = target_cfg.max_position_embeddings
     stops = set() if settings["ignore_eos"] else eos_ids(model, tokenizer)
-    speculative = settings["reference_generation"] == "speculative"
-    if speculative and rewindable_cache(model) is None:
-        speculative = False
+    learned.reference_method = "plain" if settings["reference_generation"] == "plain" else "speculative"
+    learned.choosing = settings["reference_generation"] == "auto"   # the first rounds decide
+    if learned.reference_method != "plain" and rewindable_cache(model) is None:
+        learned.reference_method = "plain"
         log(settings, f"note: transformers {settings['transformers_version']} cannot roll back a hybrid target's "
                       "linear-attention cache: references are generated by plain decoding")
-    if speculative and family(drafter).causal:
-        speculative = False
+    if learned.reference_method != "plain" and family(drafter).causal:
+        learned.reference_method = "plain"
         log(settings, f"note: references are generated by plain decoding (the speculative loop drafts with "
                       f"DFlash-family drafters; {drafter.name} is {drafter.generation})")
-    learned.reference_generation = "speculative" if speculative else "plain"
     by_index, saved = {it["index"]: it for it in items}, saved_references(settings)
     todo = [it for it in items if it["index"] not in done]
     capped = []   # the note on --max-new-tokens past the target's positions is made once
@@ -5632,7 +5920,7 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
         with progress(settings, len(todo), "target", 0) as bar:
             for it in todo:
                 if prepare(it):
-                    generate_reference(model, it, settings, speculative, drafter, stops)
+                    generate_reference(model, it, settings, learned, drafter, stops)
                     keep(it)
                 bar.update()
                 if it.get("skip"):
@@ -5673,7 +5961,9 @@ def load_run(settings, learned):
         d.step = step
         if step is not None and drafters:
             d.weights = None
-            d.reload = lambda spec=spec: load_drafter(spec, target_cfg, quietly(settings), identify=False).weights
+            d.own = None   # the checkpoint's own values, if flags override them, are reloaded with it
+            d.reload = lambda spec=spec: (lambda r: {"weights": r.weights, "own": r.own})(
+                load_drafter(spec, target_cfg, quietly(settings), identify=False))
         drafters.append(d)
     seen = {}
     for d in drafters:  # run1/ckpt and run2/ckpt would both be "ckpt": keep names apart
@@ -5688,7 +5978,8 @@ def load_run(settings, learned):
                       "causal chain)" if family(d).causal else f"block {d.block_size - d.from_anchor}"
                       f"{why['block_size']}, layers {d.layers}{why['target_layer_ids']}, in-block mask per layer: "
                       f"{', '.join(rule_label(r) for r in d.rules)}") +
-            "".join(f"; {k} {v} ({text})" for k, (v, text) in defaults.items() if k not in why))
+            "".join(f"; {k} {v} ({text})" for k, (v, text) in defaults.items() if k not in why) +
+            "".join(f"; {override_text(flag, o)}" for flag, o in (d.overrides or {}).items()))
         d.mask_variants = mask_variants(d, settings)
     note_maskless(drafters, settings)
     learned.target_hash = target_hash(settings["target"])
@@ -5700,13 +5991,15 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
     """This slice's prompts through the target (or saved features) and every drafter, each new reference and record
     written to the partial file at once (Ctrl-C or SIGTERM keeps them). Returns (items, {index: record}, start)."""
     layer_union = sorted({L for d in drafters for L in d.layers})
-    records, references = resume_records(settings, learned, facts) if settings["resume"] else ({}, {})
+    checked = sorted({L for d in drafters if d.own for L in d.own.layers} - set(layer_union))   # override check's
+    records, references = resume_records(settings, learned, facts) if settings["resume"] else \
+        ({}, earlier_references(settings, learned, learned.earlier) if learned.earlier else {})
     saved = resume_features(settings, learned, facts, items, records) if settings["save_hidden"] else None
     for it in items or []:   # a finished turn's reply is the next turn's context
         if it["index"] in records:
             it.update({k: records[it["index"]]["item"][k] for k in ("prompt_ids", "completion_ids")})
-        elif it["index"] in references:
-            it.update({k: references[it["index"]][k] for k in ("completion_ids", "source", "finish_reason")})
+        elif references.get(it["index"], {}).get("id") == it["id"]:
+            it.update({k: references[it["index"]].get(k) for k in ("completion_ids", "source", "finish_reason")})
     TIMING.clear()
     partial = open_partial(settings, learned, facts, records, references)
     save = open(settings["save_references"], "ab", buffering=0) if settings.get("save_references") else None
@@ -5723,11 +6016,12 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
     try:
         if settings["load_hidden"]:
             items, stream = open_hidden(settings["load_hidden"], settings, learned, target_cfg, layer_union,
-                                        lambda it: not mine(it, settings) or it["index"] in records)
+                                        lambda it: not mine(it, settings) or it["index"] in records, checked)
             embed_w, head = read_embed_head(settings["target"], target_cfg, settings)
         else:
             stream, embed_w, head = extract_from_target([it for it in items if mine(it, settings)], settings, learned,
-                                                      target_cfg, layer_union, set(records), drafters[0], keep, saved)
+                                                      target_cfg, sorted(layer_union + checked), set(records),
+                                                      drafters[0], keep, saved)
         records = {i: r for i, r in records.items() if i < len(items)}  # resumed with a smaller --limit
         with progress(settings, sum(mine(it, settings) for it in items) - len(records), "draft", 1) as bar:
             for record in scored_records(stream, drafters, embed_w, head, settings):
@@ -5790,6 +6084,8 @@ def finish_run(settings, learned, items, records, drafters, facts, started):
 def evaluate(settings, learned):
     """The report over this process's slice (--shard, or this rank's); under torchrun rank 0's covers all, else None."""
     items = None if settings["load_hidden"] else expand(read_prompts(settings["prompts"], settings["limit"]), settings)
+    if settings["server"]:
+        check_server(settings, learned, read_target_config(settings["target"]))
     target_cfg, drafters = load_run(settings, learned)
     facts = [drafter_facts(d) for d in drafters]
     items, records, started = draft_prompts(settings, learned, items, target_cfg, drafters, facts)
@@ -5860,6 +6156,7 @@ def compare_hidden(settings, shown):
 # <run>-latest link is moved after training_state.pt is written; the tool does not rely on it (links repeat a step and
 # are passed over), since the size check and the load cover every trainer's layout.
 WATCH_TRIES = 3   # looks at which a settled checkpoint fails to load before it is named unreadable
+WATCH_HEARTBEAT = 600   # seconds without a new step after which a line says the watch still waits
 WATCH_KEYS = ("series", "step", "checkpoint", "hash", "tau", "tau_ci95", "tau_prompt_mean", "rounds", "anchors",
               "histogram", "per_position", "ddtree", "eagle_tree", "verify", "depths", "engine_metrics", "by_context",
               "feature_check", "warnings")   # a step's line, as the JSON
@@ -5994,6 +6291,8 @@ def watch(settings, shown):
     if is_checkpoint(run_dir):
         fail(f"--watch {run_dir} is one checkpoint, not a run's directory of steps: evaluate it with --ckpt")
     target_cfg = read_target_config(settings["target"])
+    if settings["server"]:
+        check_server(settings, learned, target_cfg)
     learned.target_hash = target_hash(settings["target"])
     config = run_config(settings, learned)
     header = json.loads(json.dumps({"watch": {"series": series, "run": os.path.abspath(run_dir),
@@ -6002,7 +6301,7 @@ def watch(settings, shown):
     if lines:
         log(settings, f"note: --output {settings['output']} holds steps {', '.join(map(str, sorted(lines)))}: not "
                       "evaluated again")
-    seen, source, news, until = {}, None, time.time(), settings["watch_until"]
+    seen, source, news, heard, until = {}, None, time.time(), 0.0, settings["watch_until"]
     best = max((line["tau"] for line in lines.values() if line.get("tau") is not None), default=None)
     board = board_writer(settings["tensorboard"]) if settings["tensorboard"] else None
     try:
@@ -6039,6 +6338,10 @@ def watch(settings, shown):
                     settings["watch_idle"]:
                 log(settings, f"no new step for {settings['watch_idle']:g} s (--watch-idle): the watch ends")
                 break
+            if time.time() - max(news, heard) > WATCH_HEARTBEAT:   # a log shows the watch alive, not hung
+                heard = time.time()
+                log(settings, f"watching {run_dir}: {len(lines)} steps in the series, none new for "
+                              f"{heard - news:.0f} s")
             time.sleep(settings["watch_interval"])
     except (KeyboardInterrupt, RuntimeError) as e:
         if not ctrl_c(e):
@@ -6073,7 +6376,8 @@ def plot_from(settings):
     return {}
 
 
-def run(settings):
+def run(settings, earlier=None):
+    """The run the settings ask for (earlier: an --overwrite's backup of the earlier partial file): its report."""
     if settings.get("from"):
         return plot_from(settings)
     if settings["threads"]:
@@ -6087,7 +6391,7 @@ def run(settings):
         return compare_hidden(settings, shown)
     if settings.get("watch"):
         return watch(settings, shown)
-    learned = Run()
+    learned = Run(earlier=earlier)
     report = merge_shards(settings) if settings.get("merge") else evaluate(settings, learned)
     if report is None:   # a torchrun rank other than 0: rank 0 reports for all
         if not learned.interrupted and settings["output"]:
@@ -6126,7 +6430,10 @@ def run(settings):
 
 # The Python entry point: a training loop imports this file and calls measure() every N steps. It writes nothing,
 # installs no signal handler, leaves torch's thread count and the drafter module (training mode, gradients) as they
-# are, and costs the drafter pass over the saved features (the target is never built).
+# are, and costs the drafter pass over the saved features (the target is never built). Its pass runs on one CPU thread
+# (threads=N for more): libgomp's threads spin between torch's parallel regions (GOMP_SPINCOUNT is read once, when
+# torch loads, so only the CLI, which sets it before, can shorten it), and on a box whose cores are busy, as a
+# training box's are, the spinning threads took the cores the pass needed: 3-30x slower than one thread.
 @dataclass
 class Features:
     """Saved features loaded once (load_features) and reused by every measure() call."""
@@ -6136,6 +6443,7 @@ class Features:
     entries: list      # [(item, {layer: features}, target argmax)] of every prompt
     embed_w: object
     head: object
+    threads: int = 1   # torch's CPU threads during a measure() call (the caller's are put back after it)
 
 
 def api_settings(target, paths, options):
@@ -6166,7 +6474,8 @@ def load_features(paths, target, **options):
 
     target: the target model directory the features were extracted from (its embedding and lm_head are read).
     options: the tool's flags as keywords, e.g. depths="3,7", ddtree_budgets="none", block_size=8, limit=50,
-    device="cuda", temperature=0.7 (the extraction's settings). Bad input raises UsageError, with the CLI's message."""
+    device="cuda", temperature=0.7 (the extraction's settings), threads=4 (measure()'s CPU threads; default 1). Bad
+    input raises UsageError, with the CLI's message."""
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     settings = api_settings(os.fspath(target), [os.fspath(p) for p in paths], options)
     learned = Run(target_hash=target_hash(settings["target"]))
@@ -6175,7 +6484,7 @@ def load_features(paths, target, **options):
     _, stream = open_hidden(settings["load_hidden"], settings, learned, target_cfg, layers)
     entries = list(stream)
     embed_w, head = read_embed_head(settings["target"], target_cfg, settings)
-    return Features(settings, learned, target_cfg, entries, embed_w, head)
+    return Features(settings, learned, target_cfg, entries, embed_w, head, options.get("threads") or 1)
 
 
 def measure(drafter, features, config=None, target=None, name="drafter", step=None, **options):
@@ -6205,7 +6514,22 @@ def measure(drafter, features, config=None, target=None, name="drafter", step=No
     d.name += "" if step is None else f"@{step}"   # a training series' step, named as --steps names one
     d.mask_variants = mask_variants(d, f.settings)
     check_depths([d], f.settings)
-    return drafter_figures(f.settings, f.learned, d, iter(f.entries), f.embed_w, f.head)
+    held = torch.get_num_threads()
+    torch.set_num_threads(f.threads)
+    try:
+        return drafter_figures(f.settings, f.learned, d, iter(f.entries), f.embed_w, f.head)
+    finally:
+        torch.set_num_threads(held)
+
+
+def supported():
+    """What --help lists last: every drafter family of the family table, where its checkpoints come from, who serves
+    it; the target kinds."""
+    return "drafters (--ckpt), from the family table:\n" + "".join(
+        f"  {name:<9} {fam.sources}; served by {fam.engines}\n" for name, fam in FAMILIES.items()) + (
+        "  and any of them as a .safetensors file, a training .pt/.pth/.bin state dict or a run's directory of steps\n"
+        "targets (--target): a Hugging Face directory of a decoder-only model (Qwen3, hybrid Qwen3.5/3.6, Llama, "
+        "gpt-oss, ...) or a GGUF file (dequantized once to a directory beside it)")
 
 
 def leave_ranks():
@@ -6224,9 +6548,9 @@ def main(argv=None):
         signal.signal(signal.SIGINT, signal.default_int_handler)
     settings = None
     try:
-        settings = resolve_settings(parse_args(argv))
-        with output_claimed(settings):
-            report = run(settings)
+        settings = resolve_settings(parse_args(argv, supported()))
+        with output_claimed(settings) as earlier:
+            report = run(settings, earlier)
         leave_ranks()
     except UsageError as e:
         if int(os.environ.get("RANK", "0")) == 0:   # under torchrun every rank stops; one says why

@@ -39,10 +39,12 @@ target's own greedy output (given as completion_ids, so no generation is timed i
   m. the demo as a user runs it, on an idle box and with 2 x cores other processes spinning: the default threads
      against --threads 1 (goal: within 2x on the busy box) and against libgomp's own spin count, the old default.
   r. (--only r) the real pair: SmolLM2-135M-Instruct's GGUF converted afresh and found converted, the whole
-     `--demo real` process, its target pass in tokens per second and its drafter's time per anchor.
+     `--demo real` process under the old reference default (speculative) and the new one (auto), its target pass
+     in tokens per second and its drafter's time per anchor.
   t. (--only t) the Python entry point as a training loop calls it: eval_drafter.measure() on the demo drafter
      over the demo prompts' saved features (load_features once), its time per call against the drafter pass
-     inside it (the overhead: loading the weights from memory, the report), and the CLI's --load-hidden process.
+     inside it, idle and on a busy box, with the caller's threads (the old default) and one thread (the new);
+     and the CLI's --load-hidden process.
   Also: whole-process time of `eval_drafter.py --demo --limit 2 --quiet` split into imports and the rest;
   b with --anchors walk (one run); plain vs speculative reference generation (--reference-generation) on
   the benchmark pair and on the bundled demo pair; a cProfile of one b run and of the tool's
@@ -876,8 +878,9 @@ def busy_verdict(m):
 def real_pair(args, work):
     """The real pair (python tests/fetch_real.py first): SmolLM2-135M-Instruct's Q4_1 GGUF converted afresh (a link
     to it in `work`, so the repository's converted copy is not reused) and the converted copy loaded again; then the
-    whole `eval_drafter.py --demo real --quiet` process, with the target pass in tokens per second and the drafter's
-    time per anchor from its JSON timing (the anchors: every completion token)."""
+    whole `eval_drafter.py --demo real --quiet` process under the old default (--reference-generation speculative)
+    and the new one (auto), each with the target pass in tokens per second and the drafter's time per anchor from
+    its JSON timing (the anchors: every completion token)."""
     gguf = os.path.join(ROOT, "tests", "fixtures", "real", "SmolLM2-135M-Instruct.Q4_1.gguf")
     if not os.path.isfile(gguf):
         raise SystemExit(f"row r needs {gguf}: run python tests/fetch_real.py first")
@@ -887,35 +890,47 @@ def real_pair(args, work):
             "ed.gguf_target({path!r}, True); print(time.perf_counter() - t)")
     convert, again = (float(subprocess.run([sys.executable, "-c", code.format(root=ROOT, path=link)], check=True,
                                            capture_output=True, text=True).stdout.split()[-1]) for _ in range(2))
-    out = os.path.join(work, "real.json")
-    start = time.perf_counter()
-    subprocess.run([sys.executable, TOOL, "--demo", "real", "--quiet", "--output", out], check=True,
-                   stdout=subprocess.DEVNULL)
-    wall = time.perf_counter() - start
-    report = json.load(open(out))
-    prompts = report["drafters"][0]["prompts"]
-    tokens = sum(p["prompt_tokens"] + p["completion_tokens"] for p in prompts)
-    anchors = sum(p["completion_tokens"] for p in prompts)
-    t = report["timing"]
-    return {"convert_s": convert, "converted_s": again, "wall_s": wall, "timing": t, "tokens": tokens,
-            "anchors": anchors, "tau": report["drafters"][0]["tau"], "prompts": len(prompts),
-            "target_tok_s": tokens / t["target_s"], "drafter_ms_anchor": 1e3 * t["drafter_s"] / anchors,
-            "generate_tok_s": anchors / t["generate_s"] if t.get("generate_s") else None}
+    runs = {}
+    for label, extra in (("speculative (the old default)", ["--reference-generation", "speculative"]),
+                         ("auto (the new default)", [])):
+        out = os.path.join(work, "real.json")
+        start = time.perf_counter()
+        subprocess.run([sys.executable, TOOL, "--demo", "real", "--quiet", "--output", out, *extra], check=True,
+                       stdout=subprocess.DEVNULL)
+        wall = time.perf_counter() - start
+        report = json.load(open(out))
+        prompts = report["drafters"][0]["prompts"]
+        tokens = sum(p["prompt_tokens"] + p["completion_tokens"] for p in prompts)
+        anchors = sum(p["completion_tokens"] for p in prompts)
+        t = report["timing"]
+        runs[label] = {"wall_s": wall, "timing": t, "tokens": tokens, "anchors": anchors,
+                       "tau": report["drafters"][0]["tau"], "prompts": len(prompts),
+                       "target_tok_s": tokens / t["target_s"], "drafter_ms_anchor": 1e3 * t["drafter_s"] / anchors,
+                       "generate_tok_s": anchors / t["generate_s"] if t.get("generate_s") else None,
+                       "used": report["config"]["reference_generation_used"],
+                       "choice": report["config"].get("reference_generation_choice")}
+    return {"convert_s": convert, "converted_s": again, "runs": runs}
 
 
 def report_real(r):
-    t = r["timing"]
     say(f"r. the real pair (SmolLM2-135M-Instruct Q4_1 GGUF + tests/fixtures/real_drafter): GGUF converted in "
-        f"{r['convert_s']:.1f} s, found converted in {r['converted_s']:.1f} s; `eval_drafter.py --demo real --quiet` "
-        f"{r['wall_s']:.1f} s whole process over {r['prompts']} prompts (tau {r['tau']:.3f}): load "
-        f"{t.get('load_s', 0):.1f} s, references {t.get('generate_s', 0):.1f} s ({r['generate_tok_s']:.1f} tokens/s), "
-        f"target pass {t['target_s']:.1f} s ({r['target_tok_s']:.0f} tokens/s over {r['tokens']} tokens), drafter "
-        f"{t['drafter_s']:.1f} s ({r['drafter_ms_anchor']:.2f} ms per anchor over {r['anchors']} anchors)")
+        f"{r['convert_s']:.1f} s, found converted in {r['converted_s']:.1f} s")
+    for label, x in r["runs"].items():
+        t = x["timing"]
+        say(f"   `eval_drafter.py --demo real --quiet`, {label}: {x['wall_s']:.1f} s whole process over {x['prompts']} "
+            f"prompts (tau {x['tau']:.3f}): load {t.get('load_s', 0):.1f} s, references {t.get('generate_s', 0):.1f} s "
+            f"({x['generate_tok_s']:.1f} tokens/s, by {x['used']}), target pass {t['target_s']:.1f} s "
+            f"({x['target_tok_s']:.0f} tokens/s over {x['tokens']} tokens), drafter {t['drafter_s']:.1f} s "
+            f"({x['drafter_ms_anchor']:.2f} ms per anchor over {x['anchors']} anchors)")
+        if x["choice"]:
+            say(f"      its choice: {x['choice']}")
 
 
 def entry_point(args, work):
     """t: measure() per call (best of --repeats after a warm-up), the drafter's stages inside it (eval_drafter's
-    TIMING: drafter, trees, metrics, feature check), and the CLI over the same saved features, whole process."""
+    TIMING: drafter, trees, metrics, feature check), and the CLI over the same saved features, whole process; on this
+    box as it is, and with 2 x cores other processes spinning (a busy training box), under the old default (the
+    caller's torch threads, here torch's own count) and the new one (one thread for the pass)."""
     from safetensors.torch import load_file
     demo = os.path.join(ROOT, "tests", "fixtures", "demo")
     saved = os.path.join(work, "demo_features.safetensors")
@@ -926,26 +941,38 @@ def entry_point(args, work):
     start = time.perf_counter()
     features = ed.load_features(saved, os.path.join(demo, "target"))
     load = time.perf_counter() - start
-    ed.measure(weights, features, config=cfg)   # warm-up
-    calls, stages = [], []
-    for _ in range(max(3, args.repeats)):
-        start = time.perf_counter()
-        r = ed.measure(weights, features, config=cfg)
-        calls.append(time.perf_counter() - start)
-        stages.append(sum(ed.TIMING.values()))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    calls = {}
+    for busy in (0, 2 * cores):
+        spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+        try:
+            for label, threads in (("old default", torch.get_num_threads()), ("new default", 1)):
+                features.threads = threads
+                ed.measure(weights, features, config=cfg)   # warm-up
+                runs, stages = [], []
+                for _ in range(max(3, args.repeats)):
+                    start = time.perf_counter()
+                    r = ed.measure(weights, features, config=cfg)
+                    runs.append(time.perf_counter() - start)
+                    stages.append(sum(ed.TIMING.values()))
+                calls[(busy, label)] = (best(runs), best(stages), threads)
+        finally:
+            for p in spinners:
+                p.kill()
+                p.wait()
     start = time.perf_counter()
     subprocess.run([sys.executable, TOOL, "--target", os.path.join(demo, "target"), "--ckpt", os.path.join(demo, "drafter"),
                     "--load-hidden", saved, "--quiet"], check=True, stdout=subprocess.DEVNULL)
-    return {"load_s": load, "call_s": best(calls), "stages_s": best(stages), "cli_s": time.perf_counter() - start,
+    return {"load_s": load, "calls": calls, "busy": 2 * cores, "cli_s": time.perf_counter() - start,
             "tau": r["tau"], "prompts": len(r["prompts"]), "anchors": r["anchors"]}
 
 
 def report_entry(t):
     say(f"t. measure() on the demo pair ({t['prompts']} prompts, {t['anchors']} anchors, tau {t['tau']:.3f}): "
-        f"load_features once {t['load_s']:.2f} s; a call {1e3 * t['call_s']:.0f} ms, of which the drafter pass "
-        f"{1e3 * t['stages_s']:.0f} ms: overhead {1e3 * (t['call_s'] - t['stages_s']):.0f} ms "
-        f"(x{t['call_s'] / t['stages_s']:.2f} the drafter pass); the CLI from the same features, whole process, "
-        f"{t['cli_s']:.1f} s")
+        f"load_features once {t['load_s']:.2f} s; the CLI from the same features, whole process, {t['cli_s']:.1f} s")
+    for (busy, label), (call, stages, threads) in t["calls"].items():
+        say(f"   {'idle box' if not busy else f'busy box ({busy} spinning processes)'}, {label} ({threads} thread"
+            f"{'s' * (threads > 1)}): a call {1e3 * call:.0f} ms, of which the drafter pass {1e3 * stages:.0f} ms")
 
 
 def reference_generation(paths, args, work):

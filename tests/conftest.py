@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import sys
+import time
 
 import pytest
 import torch
@@ -65,6 +66,46 @@ def stop_in_prompt(out, real, done=2):
                 raise KeyboardInterrupt
         return real(*args, **kwargs)
     return stopping, calls
+
+
+def pausing_program(folder, name, when):
+    """A stand-in for eval_drafter.py as a program (torchrun or a plain interpreter runs it): eval_drafter.<name>
+    runs as usual, but once a call for which `when` (a Python expression of the call's `args` and of `calls`, the
+    calls so far) holds returns, the process writes <folder>/paused.<pid> and waits there until a signal ends the
+    wait (a Ctrl-C becomes the KeyboardInterrupt the tool handles). A test waits for those files (paused_at): the
+    program has reached the point, whatever the scheduler did. Returns the script's path."""
+    script = os.path.join(str(folder), "pausing_eval.py")
+    with open(script, "w", encoding="utf-8") as f:
+        f.write(f"""import os, sys, time
+sys.path.insert(0, {ROOT!r})
+import eval_drafter as ed
+real, calls = ed.{name}, []
+
+
+def pausing(*args, **kwargs):
+    out = real(*args, **kwargs)
+    calls.append(args)
+    if {when}:
+        open(os.path.join({str(folder)!r}, f"paused.{{os.getpid()}}"), "w").close()
+        while True:
+            time.sleep(0.05)
+    return out
+
+
+ed.{name} = pausing
+sys.exit(ed.main())
+""")
+    return script
+
+
+def paused_at(folder, proc, n=1, timeout=600):
+    """Wait until n processes of a pausing_program wrote their paused.<pid> files in `folder` (the program must not
+    end first: it would have skipped the point)."""
+    deadline = time.time() + timeout
+    while len([f for f in os.listdir(str(folder)) if f.startswith("paused.")]) < n:
+        assert proc.poll() is None, f"the run ended before it reached the pause: {proc.communicate()}"
+        assert time.time() < deadline, "the run did not reach the pause"
+        time.sleep(0.05)
 
 
 def interrupted_then_resumed(monkeypatch, argv, out, name, n, kept):

@@ -751,7 +751,7 @@ def test_check_mask_on_demo(demo, tmp_path):
     assert modes["causal"]["block_mask"] == ["causal, window 32", "causal"]
     assert modes["no sliding window"]["block_mask"] == ["bidirectional", "bidirectional"]
     for t in modes.values():
-        assert t["anchors"] == 4 * ed.MASK_CHECK_ANCHORS          # 33 fitting anchors per prompt, 32 sampled
+        assert t["anchors"] == 4 * ed.CHECK_ANCHORS          # 33 fitting anchors per prompt, 32 sampled
         assert 0 <= t["accuracy"] <= 1 and 1 <= t["tau_all_anchors"] <= d["block_size"]
     assert modes["configured"]["accuracy"] > 0.9
     assert modes["no sliding window"]["accuracy"] < modes["configured"]["accuracy"]
@@ -777,8 +777,8 @@ def test_check_mask_flags_wrong_window(tmp_path):
     d, stdout, stderr = mask_check_run(tmp_path, "w2", *DEMO_ARGS, "--ckpt", f"w2={ckpt}")
     modes = d["mask_check"]["modes"]
     assert modes["configured"]["block_mask"] == ["causal, window 2", "bidirectional"]
-    assert modes["no sliding window"]["accuracy"] >= modes["configured"]["accuracy"] + ed.MASK_CHECK_MIN_GAIN
-    assert modes["no sliding window"]["z"] >= ed.MASK_CHECK_Z
+    assert modes["no sliding window"]["accuracy"] >= modes["configured"]["accuracy"] + ed.CHECK_MIN_GAIN
+    assert modes["no sliding window"]["z"] >= ed.CHECK_Z
     assert_warns(d, stdout, stderr, "no sliding window")
 
 

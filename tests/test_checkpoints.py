@@ -147,11 +147,13 @@ def read_json(path):
         return json.load(f)
 
 
-def same_results(a, b):
+def same_results(a, b, also=()):
     """A drafter's report entries without its name, checkpoint path and hash (of weights and config: a config
-    inferred from the shapes is not the file's, though it describes the same drafter)."""
-    strip = ("name", "checkpoint", "hash")
-    return {k: v for k, v in a.items() if k not in strip} == {k: v for k, v in b.items() if k not in strip}
+    inferred from the shapes is not the file's, though it describes the same drafter), and `also`."""
+    strip = ("name", "checkpoint", "hash", *also)
+    a, b = ({k: v for k, v in d.items() if k not in strip} for d in (a, b))
+    assert a == b, {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
+    return True
 
 
 def partial_of(out):
@@ -191,7 +193,7 @@ def _resume_with_other_settings(t):
     facts = [ed.drafter_facts(ed.load_drafter(spec, cfg, settings)) for spec in settings["ckpt"]]
     header = {"fingerprint": ed.fingerprint({**settings, "target_hash": ed.target_hash(settings["target"])}, facts)}
     write_lines(partial_of(t.out), [header])
-    return {"argv": argv, "own_argv": True, "fragment": "was written with other settings (max_new_tokens differ)"}
+    return {"argv": argv, "own_argv": True, "fragment": "was written with other settings (--max-new-tokens differ)"}
 
 
 def _resume_foreign_partial(first_line):
@@ -480,7 +482,10 @@ def test_pt_without_config_inferred_from_shapes(forms, tmp_path, capsys):
     public, bare = read_json(out)["drafters"]
     assert bare["block_mask"] == ["bidirectional", "bidirectional"] == public["block_mask"]
     assert [p["rounds"] for p in bare["prompts"]] == [p["rounds"] for p in public["prompts"]]
-    assert same_results(bare, public)
+    # the public drafter's sliding window is what --sliding-window overrides (named, checked, warned); the bare one
+    # has no window to override: the same numbers, and that difference alone
+    assert list(public["overrides"]) == ["--sliding-window ignore"] and "overrides" not in bare
+    assert same_results(bare, public, also=("overrides", "override_check", "warnings"))
 
 
 def test_inferred_block_size_default_is_said(forms, capsys):
@@ -570,16 +575,15 @@ def test_layers_flag_wins_over_config_with_a_note(tmp_path, capsys):
     rc, _, err = run_main(["--demo", "--limit", "1", "--max-new-tokens", "16", "--layers", "0,2,4",
                            "--output", out], capsys)
     assert rc == 0, err
-    notes = [line for line in err.splitlines() if "wins over" in line]
-    assert notes == ["drafter demo: --layers [0, 2, 4] wins over the config's target_layer_ids [1, 3, 4] (an explicit "
-                     "flag beats the file; check this is what you mean)"]
+    notes = [line for line in err.splitlines() if "overrides" in line and not line.startswith("warning:")]
+    assert len(notes) == 1 and notes[0].endswith("; --layers [0, 2, 4] (overrides the checkpoint's [1, 3, 4])")
     assert read_json(out)["drafters"][0]["layers"] == [0, 2, 4]
 
 
 def test_layers_flag_equal_to_config_says_nothing(capsys):
     rc, _, err = run_main(["--demo", "--limit", "1", "--max-new-tokens", "16", "--layers", "1,3,4"], capsys)
     assert rc == 0, err
-    assert "wins over" not in err and "default rule" not in err
+    assert "overrides" not in err and "default rule" not in err
 
 
 def test_config_without_layer_ids_uses_public_rule_with_a_note(tmp_path, capsys):

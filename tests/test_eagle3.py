@@ -201,8 +201,9 @@ def test_saved_features_and_shards_give_the_same_results(tmp_path, whole):
 
 def test_an_interruption_inside_the_chain_loses_nothing(tmp_path, monkeypatch, whole):
     out = tmp_path / "cut.json"   # cut in the third prompt's trained depth (each prompt: trained depth, depths 3, 5,
-    argv = [*ARGV, "--depths", "3,5", "--quiet", "--output", str(out)]   # the feature check's shuffled features)
-    assert results(interrupted_then_resumed(monkeypatch, argv, out, "causal_chain", 9, 2)) == results(whole)
+    # the override check's two drafters (--block-size 8 overrides the checkpoint's steps), the feature check's
+    argv = [*ARGV, "--depths", "3,5", "--quiet", "--output", str(out)]   # shuffled features)
+    assert results(interrupted_then_resumed(monkeypatch, argv, out, "causal_chain", 13, 2)) == results(whole)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -173,8 +173,8 @@ def qwen_argv(q, target, out, *extra):
 
 @pytest.fixture(scope="module")
 def word_run(hybrid):
-    out = hybrid["tmp"] / "word_run.json"
-    assert ed.main(word_argv(hybrid, out)) == 0
+    out = hybrid["tmp"] / "word_run.json"   # speculative references forced: auto would pick plain decoding over this
+    assert ed.main(word_argv(hybrid, out, "--reference-generation", "speculative")) == 0   # random drafter
     return read_json(out)
 
 

@@ -11,15 +11,15 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
 import eval_drafter as ed
-from conftest import ROOT, interrupt_at
+from conftest import ROOT, interrupt_at, paused_at, pausing_program
 
 BASE = ["--demo", "--limit", "7", "--max-new-tokens", "48", "--ddtree-budgets", "8,32", "--quiet"]
-PROCESS_FACTS = {"output", "merge", "ranks", "save_hidden", "load_hidden", "shard", "resume", "quiet"}
+PROCESS_FACTS = {"output", "merge", "ranks", "save_hidden", "load_hidden", "shard", "resume", "quiet",
+                 "reference_generation_choice"}   # said with the times auto measured
 
 
 def run(tmp_path, name, *argv, code=0):
@@ -64,7 +64,7 @@ def test_merge_refusals(tmp_path, capsys):
     paths = {n: str(tmp_path / f"{n}.json") for n in "abcd"}
     capsys.readouterr()
     assert ed.main(["--merge", paths["a"], paths["c"]]) == 2
-    one_error(capsys, "were run with other settings (ddtree_budgets differ)")
+    one_error(capsys, "were run with other settings (--ddtree-budgets differ)")
     assert ed.main(["--merge", paths["a"], paths["d"]]) == 2
     one_error(capsys, "hold other prompt lists")
     assert ed.main(["--merge", paths["a"]]) == 2
@@ -104,10 +104,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def torchrun(tmp_path, name, *argv, ranks=2, wait=True):
+def torchrun(tmp_path, name, *argv, ranks=2, wait=True, script=os.path.join(ROOT, "eval_drafter.py")):
     """`torchrun --nproc_per_node=ranks eval_drafter.py argv --output <name>.json` on this machine (gloo)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={ranks}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.join(ROOT, "eval_drafter.py"),
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", script,
            *argv, "--output", str(tmp_path / f"{name}.json")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -139,13 +139,11 @@ def test_torchrun_interrupted_then_resumed(tmp_path):
     partial file stays; --resume under torchrun completes it to the uninterrupted numbers."""
     many = [*BASE[:1], "--limit", "10", "--max-new-tokens", "128", "--ddtree-budgets", "8", "--quiet"]
     want = run(tmp_path, "want", *many)
-    proc = torchrun(tmp_path, "cut", *many, wait=False)
+    # each rank pauses once a prompt's record is on disk in its partial file
+    proc = torchrun(tmp_path, "cut", *many, wait=False,
+                    script=pausing_program(tmp_path, "write_row", "'item' in args[1]"))
     partials = [tmp_path / f"cut.json.partial.rank{r}.jsonl" for r in (0, 1)]
-    deadline = time.time() + 300
-    while not all(p.exists() and p.read_text().count('{"item"') >= 1 for p in partials):   # a prompt scored on each
-        assert proc.poll() is None, proc.communicate()
-        assert time.time() < deadline
-        time.sleep(0.05)
+    paused_at(tmp_path, proc, 2)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)
     report = json.loads((tmp_path / "cut.json").read_text())

@@ -22,6 +22,7 @@ from conftest import ROOT, drafter_settings, interrupt_at, write_jsonl
 DEMO = os.path.join(ROOT, "tests", "fixtures", "demo")
 # Facts of the process, not of the results: which flags were given, where the files were.
 PROCESS = {"resume", "output", "merge", "shard", "ranks", "ckpt", "target", "prompts", "save_references", "quiet",
+           "reference_generation_choice",   # timings: auto's choice is said with the times it measured
            "demo"}
 
 TURNS = [{"id": "a", "turns": ["w5 w9 w13", "w20 w21"]}, {"id": "b", "prompt": "w30 w31 w32"},

@@ -11,14 +11,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from safetensors import safe_open
 
 import eval_drafter as ed
-from conftest import ROOT, interrupt_at, interrupted_then_resumed
+from conftest import ROOT, interrupt_at, interrupted_then_resumed, paused_at, pausing_program
 
 ARGV = ["--demo", "--limit", "5", "--max-new-tokens", "24", "--ignore-eos", "--quiet"]
 PROCESS = {"resume", "output", "save_hidden", "load_hidden", "hidden_cache", "quiet"}   # where, not what
@@ -239,13 +238,13 @@ def test_a_failed_write_of_features_is_one_line(whole, tmp_path, monkeypatch, ca
     assert_same_cache(tmp_path / "h.safetensors", whole / "h.safetensors")
 
 
-def torchrun(folder, *argv):
+def torchrun(folder, *argv, script=os.path.join(ROOT, "eval_drafter.py")):
     """`torchrun --nproc_per_node=2 eval_drafter.py argv` in folder (gloo on CPU), started: its process."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={port}", os.path.join(ROOT, "eval_drafter.py"), *argv]
+           f"--master_port={port}", script, *argv]
     return subprocess.Popen(cmd, cwd=str(folder), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -258,13 +257,10 @@ def test_torchrun_ranks_keep_their_features_and_resume(tmp_path):
     long = [*ARGV[:1], "--limit", "10", "--max-new-tokens", "128", "--quiet"]   # long enough to stop in the middle
     assert ed.main([*long, "--output", str(tmp_path / "want.json")]) == 0
     argv = [*long, "--save-hidden", str(tmp_path / "h.safetensors"), "--output", str(tmp_path / "out.json")]
-    proc = torchrun(tmp_path, *argv)
-    parts = [tmp_path / f"h.rank{r}-of-2.safetensors.partial.0.safetensors" for r in (0, 1)]
-    deadline = time.time() + 300
-    while not all(p.exists() for p in parts):
-        assert proc.poll() is None, proc.communicate()
-        assert time.time() < deadline
-        time.sleep(0.05)
+    # each rank pauses once its second prompt's features are written (its first prompt is finished by then)
+    proc = torchrun(tmp_path, *argv, script=pausing_program(tmp_path, "keep_hidden", "len(calls) == 2"))
+    paused_at(tmp_path, proc, 2)
+    assert all((tmp_path / f"h.rank{r}-of-2.safetensors.partial.{i}.safetensors").exists() for r in (0, 1) for i in (0, 1))
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode != 0 and json.loads((tmp_path / "out.json").read_text()).get("interrupted"), err

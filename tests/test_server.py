@@ -31,6 +31,9 @@ COMMON = ["--demo", "--max-new-tokens", str(N_NEW), "--quiet", "--ddtree-budgets
 BASE = COMMON + ["--limit", str(LIMIT), "--ignore-eos"]
 NEUTRAL = {"temperature": 0, "repetition_penalty": 1.0, "frequency_penalty": 0, "presence_penalty": 0}
 SERVER_WORDS = "CUDA error: an illegal memory access was encountered"
+# Faults a server shows from its first request on: the tool's check before loading meets them
+PERSISTENT = ("always_500", "malformed", "non_dict_entries", "missing_ids", "wrong_count", "error_400_other",
+              "openai_no_token_ids")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -63,7 +66,7 @@ class FakeEngine(ThreadingHTTPServer):
             self.release = threading.Event()
             self.behaviour = {"mode": "normal", "perturb_at": 5, "sleep_s": 10.0, "words": "error.message",
                               "context_len": None, "fail_prompt": None, "fail_delay_s": 0.0, **behaviour}
-            self.requests = []
+            self.requests, self.probes = [], []
 
     def handle_error(self, request, client_address):
         pass  # clients that gave up (timeouts) leave broken pipes behind: expected here
@@ -108,9 +111,15 @@ class EngineHandler(BaseHTTPRequestHandler):
     def do_POST(self):
         srv = self.server
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        # The tool's one-token request before anything loads (--server checked first): kept apart from the fetches,
+        # and answered as a server that is broken from the start would (PERSISTENT faults), else as a healthy one
+        params = body.get("sampling_params") or {}
+        probe = (body.get("max_tokens") or (params[0] if isinstance(params, list) else params).get("max_new_tokens")) == 1
         with srv.state_lock:
-            srv.requests.append({"path": self.path, "body": body})
+            (srv.probes if probe else srv.requests).append({"path": self.path, "body": body})
             n, b, release = len(srv.requests), dict(srv.behaviour), srv.release
+        if probe and b["mode"] not in PERSISTENT:
+            b["mode"] = "normal"
         if self.path == "/generate":
             api, prompts = "sglang", body["input_ids"]
             params = body["sampling_params"]   # one dict for the batch, or one per prompt (sampled, seeded)
@@ -360,12 +369,13 @@ def test_legacy_reply_shapes_give_the_same_rounds(tmp_path, server, local, api, 
     assert all(p["reference_source"] == "server" for p in prompts_of(report))
     assert [row["finish_reason"] for row in read_jsonl(refs)] == ["length"] * LIMIT
     if mode == "openai_no_token_ids":
-        # First the return_token_ids request, then the resend asking for token_id:N logprob strings.
-        assert len(server.requests) == 2
-        retry = server.requests[1]["body"]
+        # The check before loading learns it: first the return_token_ids request, then the resend asking for
+        # token_id:N logprob strings; the fetch then asks in that form at once.
+        assert len(server.probes) == 2 and len(server.requests) == 1
+        retry = server.probes[1]["body"]
         assert retry["logprobs"] == 0 and retry["return_tokens_as_token_ids"] is True
-        assert "return_token_ids" not in retry
-        assert retry["prompt"] == server.requests[0]["body"]["prompt"]
+        assert "return_token_ids" not in retry and "return_token_ids" not in server.requests[0]["body"]
+        assert retry["prompt"] == server.probes[0]["body"]["prompt"]
     else:
         assert len(server.requests) == 1
 
@@ -419,14 +429,19 @@ def test_transient_fault_is_retried(tmp_path, server, local, mode):
     assert_same_rounds(report, local)
 
 
+BEFORE = "checking --server with a one-token request before anything loads"
+
+
 @pytest.mark.parametrize("words", ["error.message", "message", "detail", "text"])
-def test_persistent_500_names_the_prompt_and_the_server_words(tmp_path, server, capsys, words):
+def test_persistent_500_is_found_before_loading_with_the_server_words(tmp_path, server, capsys, words, monkeypatch):
+    loads = []
+    monkeypatch.setattr(ed, "load_target", lambda *a: loads.append(1))
     server.reset(mode="always_500", words=words)
     code, _ = run_tool(tmp_path, BASE + server_args(server) + ["--server-retries", "1"])
     assert code == 2
     line = error_line(capsys)
-    assert SERVER_WORDS in line and "train-0" in line and "500" in line
-    assert len(server.requests) == 2  # the first try and one retry
+    assert SERVER_WORDS in line and BEFORE in line and "500" in line
+    assert len(server.probes) == 2 and server.requests == [] and loads == []  # the first try and one retry
 
 
 def test_timeout(tmp_path, server, capsys):
@@ -453,33 +468,33 @@ def test_wrong_url_path_is_a_404(tmp_path, server, capsys):
     code, _ = run_tool(tmp_path, BASE + server_args(server, url=server.url + "/nope"))
     assert code == 2
     line = error_line(capsys)
-    assert "HTTP 404" in line and "Not Found" in line and "train-0" in line
-    assert len(server.requests) == 1  # a 4xx is not retried
+    assert "HTTP 404" in line and "Not Found" in line and BEFORE in line
+    assert len(server.probes) == 1 and server.requests == []  # a 4xx is not retried
 
 
 def test_malformed_json(tmp_path, server, capsys):
     line = fault_line(tmp_path, server, capsys, "malformed", server_args(server))
-    assert "malformed JSON" in line and "train-0" in line
-    assert len(server.requests) == 1
+    assert "malformed JSON" in line and BEFORE in line
+    assert len(server.probes) == 1 and server.requests == []
 
 
 @pytest.mark.parametrize("api", ["sglang", "openai"])
 def test_missing_id_fields(tmp_path, server, capsys, api):
     line = fault_line(tmp_path, server, capsys, "missing_ids", server_args(server, api))
-    assert "no token ids" in line and "train-0" in line
+    assert "no token ids" in line and BEFORE in line
     assert ("output_ids" in line) if api == "sglang" else ("token_id:N" in line)
 
 
 @pytest.mark.parametrize("api", ["sglang", "openai"])
 def test_reply_entries_that_are_not_objects(tmp_path, server, capsys, api):
     """Valid JSON, right count, wrong shape (strings where objects belong): still one clear line, exit 2."""
-    assert "train-0" in fault_line(tmp_path, server, capsys, "non_dict_entries", server_args(server, api))
+    assert BEFORE in fault_line(tmp_path, server, capsys, "non_dict_entries", server_args(server, api))
 
 
 @pytest.mark.parametrize("api", ["sglang", "openai"])
 def test_wrong_number_of_replies(tmp_path, server, capsys, api):
     line = fault_line(tmp_path, server, capsys, "wrong_count", server_args(server, api))
-    assert f"answered for {LIMIT - 1} prompts, {LIMIT} were sent" in line and "train-0" in line
+    assert "answered for 0 prompts, 1 were sent" in line and BEFORE in line
 
 
 @pytest.mark.parametrize("api", ["sglang", "openai"])
@@ -506,9 +521,9 @@ def test_context_length_400_in_a_batch_names_the_long_prompt(tmp_path, server, c
 def test_other_400_shows_the_server_message(tmp_path, server, capsys, api):
     line = fault_line(tmp_path, server, capsys, "error_400_other", server_args(server, api))
     words = "The model `demo-target` does not exist." if api == "openai" else "unknown field 'min_p_x'"
-    assert "HTTP 400" in line and words in line and "train-0" in line
+    assert "HTTP 400" in line and words in line and BEFORE in line
     assert "prompt tokens" not in line
-    assert len(server.requests) == 1
+    assert len(server.probes) == 1 and server.requests == []
 
 
 def test_cli_failure_is_one_line_without_traceback(server):
@@ -520,7 +535,7 @@ def test_cli_failure_is_one_line_without_traceback(server):
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: prompt train-0, train-1: "), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"error: {BEFORE}"), proc.stderr
     assert SERVER_WORDS in lines[0]
 
 
