@@ -726,9 +726,15 @@ FLAGS = [
     ("deployment", "--depths", "R", None, dict(help="also evaluate every drafter at these served depths K (drafts a "
         "round: vLLM's num_speculative_tokens, SGLang's --speculative-num-draft-tokens minus 1), e.g. 3,5 or all (1 "
         ".. the trained depth): the drafter re-run with a block of 1 + K (EAGLE-3 and MTP: K chained steps, any K)")),
-    ("deployment", "--costs", "", None, dict(metavar="measure|FILE", help="predicted speedup per depth and DDTree "
-        "budget: measure = time the target's and the drafters' forwards here, on the run's device and dtype; FILE = a "
-        "JSON table of your own (see README)")),
+    ("deployment", "--costs", "", None, dict(metavar="measure|gpu:NAME|FILE", help="predicted speedup, with its 95%% "
+        "interval, per depth, DDTree budget, tree and rule: measure = time the target's and the drafters' passes here "
+        "(the run's device and dtype), interleaved and repeated until stable; gpu:NAME = a roofline of each pass from "
+        "the models' shapes for an accelerator (H100, H200, B200, A100, A6000, L40S, RTX4090, RTX3090, MI300X) or "
+        "gpu:SPEC.json (peak_tflops, bandwidth_tbs); FILE = a JSON table of seconds (see README, or --save-costs)")),
+    ("deployment", "--batch-sizes", "", None, dict(default="1", metavar="B,...", help="with --costs gpu:NAME, the "
+        "batch sizes to price, e.g. 1,8,32 (default 1): verification turns compute-bound as they grow")),
+    ("deployment", "--save-costs", "W", None, dict(metavar="FILE.json", help="write the costs the run used (--costs "
+        "measure on a GPU box) as a table that --costs FILE reads on another box")),
     ("deployment", "--export-vllm-synthetic", "W", None, dict(metavar="FILE.json", help="write vLLM's speculative "
         "config replaying the first drafter's measured acceptance profile (rejection_sample_method synthetic) at "
         "--export-depth")),
@@ -904,6 +910,34 @@ def check_transformers():
     return transformers.__version__
 
 
+# Accelerators --costs gpu:NAME prices: dense 16-bit peak (TFLOP/s, no sparsity) and memory bandwidth (TB/s), from the
+# vendors' datasheets. A pass reaches ROOFLINE's shares of them (measured decode kernels reach ~80% of the bandwidth;
+# matmuls of a few hundred rows ~60% of the peak) and pays a fixed cost: the step's host work and launches replayed
+# from a CUDA graph (pass_us), and the gaps between a layer's kernels (layer_us).
+GPUS = {"H100": (989, 3.35), "H200": (989, 4.8), "B200": (2250, 8.0), "A100": (312, 2.04), "A6000": (155, 0.768),
+        "L40S": (362, 0.864), "RTX4090": (165, 1.01), "RTX3090": (71, 0.936), "MI300X": (1307, 5.3)}
+ROOFLINE = {"bandwidth_share": 0.8, "compute_share": 0.6, "pass_us": 40.0, "layer_us": 4.0, "weight_bytes": 2}
+
+
+def gpu_spec(text):
+    """--costs gpu:NAME or gpu:SPEC.json: the accelerator a roofline prices for, with ROOFLINE's defaults."""
+    name = text[4:]
+    key = name.upper().replace(" ", "").replace("-", "")
+    if key in GPUS:
+        return {"name": key, "peak_tflops": GPUS[key][0], "bandwidth_tbs": GPUS[key][1], **ROOFLINE}
+    if not os.path.isfile(name):
+        fail(f"--costs {text}: no accelerator named {name!r}; give one of {', '.join(GPUS)}, or gpu:FILE.json with "
+             "peak_tflops and bandwidth_tbs")
+    spec = {"name": os.path.basename(name), **ROOFLINE, **read_json(name)}
+    bad = next((k for k in ("peak_tflops", "bandwidth_tbs", *ROOFLINE) if not (is_number(spec[k]) and spec[k] >= 0)
+                or k in ("peak_tflops", "bandwidth_tbs") and not spec[k] > 0), None) if all(
+        k in spec for k in ("peak_tflops", "bandwidth_tbs")) else "peak_tflops"
+    if bad:
+        fail(f"--costs {text}: {bad} must be a number above 0 (the file gives peak_tflops and bandwidth_tbs, and may "
+             f"give {', '.join(ROOFLINE)})")
+    return spec
+
+
 def read_costs(path):
     """A --costs FILE: {"target": {"<new tokens n>": seconds}, "draft": {"<depth K>": seconds} or {"<drafter>":
     {"<K>": seconds}}}, or several of those under "batch_sizes": {"<batch size>": {...}}."""
@@ -917,7 +951,7 @@ def read_costs(path):
                 all((is_int(x) or isinstance(x, float)) and x > 0 for x in flat)):
             fail(f"--costs {path}: batch size {batch} needs \"target\" (seconds per n new tokens, \"1\" among them) "
                  "and \"draft\" (seconds per depth, or per drafter and depth), every value a number above 0")
-    return {"file": os.path.abspath(path), "batch_sizes": tables}
+    return {"source": f"the table {os.path.abspath(path)}", "file": os.path.abspath(path), "batch_sizes": tables}
 
 
 def sampling_of(settings):
@@ -1078,7 +1112,7 @@ def resolve_settings(args, ranks=True):
         fail(f"the target {args.target} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the model's "
              "tokenizer files beside its config.json")
     check_outputs(args)
-    for flag, path in (("--save-hidden", args.save_hidden),
+    for flag, path in (("--save-hidden", args.save_hidden), ("--save-costs", args.save_costs),
                        ("--save-references", args.save_references),
                        ("--export-vllm-synthetic", args.export_vllm_synthetic)):
         if path:
@@ -1111,9 +1145,11 @@ def resolve_settings(args, ranks=True):
     parse_steps(args.steps)
     if args.export_depth and not args.export_vllm_synthetic:
         fail("--export-depth sets the depth of --export-vllm-synthetic, which is not given")
-    if args.costs and args.costs != "measure" and not os.path.isfile(args.costs):
-        fail(f"--costs takes measure or a JSON file of costs; {args.costs} is neither "
+    if args.costs and args.costs != "measure" and not args.costs.startswith("gpu:") and not os.path.isfile(args.costs):
+        fail(f"--costs takes measure, gpu:NAME or a JSON file of costs; {args.costs} is none of them "
              "(see README, Choosing what to serve)")
+    if (args.batch_sizes != "1" or args.save_costs) and not args.costs:
+        fail("--batch-sizes and --save-costs go with --costs (gpu:NAME prices batch sizes; measure's table is saved)")
     if args.costs == "measure" and (args.load_hidden or args.compare_hidden):
         fail("--costs measure times the target model, which a run from saved features does not build: give --costs "
              "FILE (costs measured where the target runs), or measure in a run with the target")
@@ -1155,7 +1191,11 @@ def resolve_settings(args, ranks=True):
                 "chat_template": "off" if args.no_chat_template else None,
                 "ddtree_budgets": parse_budgets(args.ddtree_budgets), "depths": parse_depths(args.depths),
                 "eagle_tree": parse_eagle_tree(args.eagle_tree), "verify": parse_verify(args.verify),
-                "costs_used": read_costs(args.costs) if args.costs and args.costs != "measure" else None,
+                "costs_used": read_costs(args.costs) if args.costs and args.costs != "measure" and
+                not args.costs.startswith("gpu:") else None,
+                "gpu": gpu_spec(args.costs) if args.costs and args.costs.startswith("gpu:") else None,
+                "batch_sizes": int_list(args.batch_sizes, f"--batch-sizes takes batch sizes >= 1 like 1,8,32; got "
+                                                          f"{args.batch_sizes!r}"),
                 "shard": shard, "ranks": 1, "rank": 0, "output_streamed": output_streamed,
                 "walk_rule": "first anchor = first completion token; next anchor = anchor + acceptance; "
                              "stop when the next block's drafts would pass the end of the reference",
@@ -4559,7 +4599,30 @@ def by_context(sums_per_prompt):
             for _, label in CONTEXT_BUCKETS if label in total for c, r, f, n in [total[label]] if r}
 
 
-COST_REPEATS = 10   # timed runs per forward: the fastest counts (interference on a shared box only adds time)
+COST_ROUNDS = (10, 400)   # --costs measure: rounds of every timed pass in turn, at least and at most
+COST_BUDGET_S = 30.0      # past the least, rounds go on until each pass's median is known within COST_PRECISION,
+COST_PRECISION = 0.02     # or this many seconds are spent
+
+
+def median_ci95(values):
+    """(median, 95% interval) of a sample by its order statistics (a binomial count: no distribution assumed)."""
+    v, n = sorted(values), len(values)
+    k = max(0, int(n / 2 - 0.98 * math.sqrt(n)))
+    return (v[(n - 1) // 2] + v[n // 2]) / 2, (v[k], v[n - 1 - k])
+
+
+def typical_context(items):
+    """The context a round's costs are taken at: the prompts' median prompt + half their reference (64 without)."""
+    return sorted(len(it["prompt_ids"]) + len(it["completion_ids"]) // 2 for it in items)[len(items) // 2] if items \
+        else 64
+
+
+def cost_sizes(drafters, settings):
+    """What a round can verify (1 + K, 1 + a DDTree budget, a tree's tokens) and draft: ({n}, {drafter: [keys]})."""
+    keys = {d.name: [str(k) for k in [d.block_size - 1, *served_depths(d, settings)]] + ["tree"] * bool(d.tree)
+            for d in drafters}
+    return sorted({1 + int(k) for ks in keys.values() for k in ks if k != "tree"} |
+                  {1 + b for b in settings["ddtree_budgets"]} | {d.tree["tokens"] for d in drafters if d.tree}), keys
 
 
 @torch.inference_mode()
@@ -4567,10 +4630,7 @@ def measure_costs(model, drafters, settings, items):
     """Seconds of a plain step, a verify pass over 1 + K tokens (1 + budget: DDTree) and each drafter's round at
     depth K, at the prompts' median context L (prompt + half the reference)."""
     _, _, embed, head = target_parts(model)
-    depths = {d.block_size - 1 for d in drafters} | {k for d in drafters for k in served_depths(d, settings)}
-    sizes = sorted({1 + k for k in depths} | {1 + b for b in settings["ddtree_budgets"]}
-                   | {d.tree["tokens"] for d in drafters if d.tree})
-    L = sorted(len(it["prompt_ids"]) + len(it["completion_ids"]) // 2 for it in items)[len(items) // 2] if items else 64
+    sizes, L = cost_sizes(drafters, settings)[0], typical_context(items)
     ids = [t for it in items for t in it["prompt_ids"] + it["completion_ids"]] or [0]
     ids = (ids * ((L + sizes[-1]) // len(ids) + 1))[:L + sizes[-1]]   # real tokens, repeated as far as needed
     cache, layers = rewindable_cache(model), sorted({L for d in drafters for L in d.layers})
@@ -4580,8 +4640,8 @@ def measure_costs(model, drafters, settings, items):
     if is_hybrid(model.config):
         cache.activate_past_recording()
 
-    costs = {"context": L, "repeats": COST_REPEATS, "device": settings["device"], "dtype": settings["dtype"],
-             "target": {}, "draft": {}}
+    costs = {"source": f"measured here ({settings['device']}, {settings['dtype']})", "context": L,
+             "device": settings["device"], "dtype": settings["dtype"], "target": {}, "draft": {}}
     timings = [(costs["target"], "1", lambda: timed_pass(model, cache, ids[L:L + 1])),   # (where, key, a timed run)
                *((costs["target"], str(n), lambda n=n: timed_pass(model, cache, ids[L:L + n], layers)) for n in sizes)]
     for d in drafters:
@@ -4613,49 +4673,156 @@ def measure_costs(model, drafters, settings, items):
         timings += [(costs["draft"].setdefault(d.name, {}), str(k), lambda k=k, draft=draft: draft(k))
                     for k in [d.block_size - 1, *served_depths(d, settings)]]
         timings += [(costs["draft"][d.name], "tree", draft_tree)] if d.tree else []
-    with progress(settings, len(timings) * (1 + COST_REPEATS), "costs", unit="timed passes") as bar:
-        seconds = [[run_once()] for _, _, run_once in timings]   # the warm-up, not counted
-        bar.update(len(timings))
-        for _ in range(COST_REPEATS):   # every size in turn, so that a slow moment does not fall on one of them
+    # Rounds of every pass in turn: a slow moment of a busy box falls on a whole round, and a round's ratios (plain
+    # step against verify + draft) keep it out of the speedup (predicted_speedups pairs them by round)
+    with progress(settings, COST_ROUNDS[0] + 1, "costs", unit="rounds of timed passes (at least)") as bar:
+        seconds, start = [[run_once()] for _, _, run_once in timings], time.time()   # the warm-up, not counted
+        while len(seconds[0]) <= COST_ROUNDS[1]:
             for (_, _, run_once), runs in zip(timings, seconds):
                 runs.append(run_once())
-            bar.update(len(timings))
+            bar.update(1 if len(seconds[0]) <= COST_ROUNDS[0] + 1 else 0)
+            spread = [(lambda m, ci: (ci[1] - ci[0]) / 2 / m)(*median_ci95(r[1:])) for r in seconds]
+            if len(seconds[0]) > COST_ROUNDS[0] and (max(spread) <= COST_PRECISION or
+                                                     time.time() - start > COST_BUDGET_S):
+                break
+    costs["rounds"], costs["runs"] = len(seconds[0]) - 1, {"target": {}, "draft": {}}
     for (where, key, _), runs in zip(timings, seconds):
-        where[key] = min(runs[1:])
+        part = costs["runs"]["target"] if where is costs["target"] else \
+            costs["runs"]["draft"].setdefault(next(n for n, w in costs["draft"].items() if w is where), {})
+        part[key] = [round(x, 7) for x in runs[1:]]
+        where[key] = median_ci95(part[key])[0]
     return costs
 
 
-def speedup(tau, one, verify_s, draft):
-    value = tau * one / (verify_s + draft) if None not in (tau, one, verify_s, draft) else None
-    return {"tau": tau, "target_s": verify_s, "draft_s": draft, "speedup": value}
+def shape_of(cfg):
+    """What a roofline reads of a target config: matmul weights a token passes through (dense, per expert, the
+    head), the experts and those a token picks, full-attention layers and their KV bytes a token, linear-attention
+    state bytes a sequence, and the attention width (query heads x head dim)."""
+    c = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    get = (lambda k, d=None: getattr(c, k, d)) if not isinstance(c, dict) else c.get
+    H, L, V, nh = get("hidden_size"), get("num_hidden_layers"), get("vocab_size"), get("num_attention_heads")
+    hd, nkv = get("head_dim") or H // nh, get("num_key_value_heads") or nh
+    types = get("layer_types") or ["full_attention"] * L
+    full = sum(t != "linear_attention" for t in types)
+    nk, dk, nv, dv = (get(k, 0) or 0 for k in ("linear_num_key_heads", "linear_key_head_dim",
+                                              "linear_num_value_heads", "linear_value_head_dim"))
+    experts, picks = get("num_experts") or get("num_local_experts") or 0, get("num_experts_per_tok") or 0
+    expert = 3 * H * (get("moe_intermediate_size") or get("intermediate_size")) if experts else 0
+    mlp = 3 * H * (get("shared_expert_intermediate_size") or 0) + H * experts if experts else \
+        3 * H * get("intermediate_size")
+    dense = full * 2 * H * (nh + nkv) * hd + (L - full) * H * (2 * nk * dk + 2 * nv * dv + 2 * nv + nv * dv) + L * mlp
+    return {"dense": dense, "expert": expert * L, "experts": experts, "picks": picks, "head": V * H, "layers": L,
+            "full_layers": full, "kv_token": full * 2 * nkv * hd * 2, "state": (L - full) * nv * dk * dv * 4,
+            "width": nh * hd}
+
+
+def pass_seconds(gpu, shape, batch, tokens, context, weights=None):
+    """A roofline of one pass of `tokens` new tokens a sequence over `context` cached ones, for `batch` sequences:
+    max(bytes read / bandwidth, FLOPs / peak) at ROOFLINE's shares, plus the fixed cost of a pass and its layers.
+    Bytes: the weights at weight_bytes each (of the experts, those some token picks), each sequence's KV cache (or
+    linear-attention state); FLOPs: 2 per weight per token, 4 per cached position per token and attention width."""
+    n = batch * tokens
+    reached = shape["experts"] * (1 - (1 - shape["picks"] / shape["experts"]) ** n) if shape["experts"] else 0
+    per_expert = shape["expert"] / max(shape["experts"], 1)
+    read = gpu["weight_bytes"] * (shape["dense"] + shape["head"] + reached * per_expert) + \
+        batch * (context * shape["kv_token"] + shape["state"])
+    flops = 2 * n * (shape["dense"] + shape["head"] + shape["picks"] * per_expert) + \
+        4 * n * (context + tokens) * shape["width"] * shape["full_layers"]
+    return max(read / (gpu["bandwidth_tbs"] * 1e12 * gpu["bandwidth_share"]),
+               flops / (gpu["peak_tflops"] * 1e12 * gpu["compute_share"])) + \
+        1e-6 * (gpu["pass_us"] + gpu["layer_us"] * shape["layers"])
+
+
+LOOKUP_TENSORS = ("embed", "codebook", "markov_w1", "token_embed")   # rows gathered, not read whole
+
+
+def drafter_shape(d, target):
+    """A drafter's passes as shape_of gives a target's: its matmul weights (the target's head where it drafts through
+    it), its layers and the KV bytes a context token leaves in them; the target's head counted once."""
+    w = d.weights if d.weights is not None else d.reload()["weights"]
+    own = sum(t.numel() for k, t in w.items() if t.dim() > 1 and not any(x in k for x in LOOKUP_TENSORS))
+    cfg, layers = d.cfg, 1 if family(d).causal else d.cfg["num_hidden_layers"]
+    kv = layers * 2 * cfg["num_key_value_heads"] * head_dim_of(cfg) * 2
+    head = 0 if "lm_head.weight" in w else target["head"]   # its own head is among its weights
+    return {"dense": own, "expert": 0, "experts": 0, "picks": 0, "head": head, "layers": layers, "full_layers": layers,
+            "kv_token": kv, "state": 0, "width": cfg["num_attention_heads"] * head_dim_of(cfg)}
+
+
+def round_seconds(gpu, shape, kind, key, batch, context, tree=None):
+    """A drafter's round priced by pass_seconds. kind block: one pass over 1 + K tokens; chain (EAGLE-3, MTP): K
+    passes, the first over the window of K + 1 new rows (as --costs measure times it); parallel (P-EAGLE): one pass
+    over them and K - 1 mask slots; key "tree": SGLang's tree, its steps + 1 rows, then steps - 1 passes of top-k."""
+    if key == "tree":
+        return pass_seconds(gpu, shape, batch, tree["steps"] + 1, context) + \
+            (tree["steps"] - 1) * pass_seconds(gpu, shape, batch, tree["topk"], context)
+    k = int(key)
+    return pass_seconds(gpu, shape, batch, {"block": k + 1, "chain": k + 1, "parallel": 2 * k}[kind], context) + \
+        (k - 1) * pass_seconds(gpu, shape, batch, 1, context) * (kind == "chain")
+
+
+def roofline_table(gpu, target, drafters, sizes, batch_sizes, context):
+    """Costs per batch size from shapes alone: the target's plain step and verify passes of `sizes` tokens, each
+    drafter's rounds (drafters: [(name, shape, kind, keys, tree)])."""
+    return {str(b): {"target": {str(n): pass_seconds(gpu, target, b, n, context) for n in [1, *sizes]},
+                     "draft": {name: {k: round_seconds(gpu, shape, kind, k, b, context, tree) for k in keys}
+                               for name, shape, kind, keys, tree in drafters}} for b in batch_sizes}
+
+
+def roofline_costs(target_cfg, drafters, settings, items):
+    """--costs gpu:NAME: the run's target and drafters priced by roofline_table, at the prompts' typical context."""
+    gpu, context, target = settings["gpu"], typical_context(items), shape_of(target_cfg)
+    sizes, keys = cost_sizes(drafters, settings)
+    kinds = [(d.name, drafter_shape(d, target), "parallel" if d.generation == "P-EAGLE" else
+              "chain" if family(d).causal else "block", keys[d.name], d.tree) for d in drafters]
+    return {"source": f"a roofline for {gpu['name']} ({gpu['bandwidth_tbs']:g} TB/s x {gpu['bandwidth_share']:g}, "
+                      f"{gpu['peak_tflops']:g} TFLOP/s x {gpu['compute_share']:g}, {gpu['pass_us']:g} us a pass + "
+                      f"{gpu['layer_us']:g} us a layer, {gpu['weight_bytes']} bytes a weight) at a context of "
+                      f"{context} tokens", "gpu": gpu, "context": context,
+            "batch_sizes": roofline_table(gpu, target, kinds, sizes, settings["batch_sizes"], context)}
+
+
+def speedup(tau, tau_ci, t, draft, n, k):
+    """A row's predicted speedup tau * c_target(1) / (c_target(n) + c_draft(k)) and its 95% interval: tau's interval
+    times that of the cost ratio's median over the measured rounds, each round's ratio from passes timed together
+    (one ratio without rounds: a file's or a roofline's costs)."""
+    one, verify_s, draft_s = t["target"]["1"], t["target"].get(n), draft.get(k)
+    if None in (tau, verify_s, draft_s):
+        return {"tau": tau, "target_s": verify_s, "draft_s": draft_s, "speedup": None, "speedup_ci95": None}
+    runs = t.get("runs") or {}
+    paired = [runs.get("target", {}).get(x) for x in ("1", n)] + [runs.get("draft", {}).get(draft.get("name"), {}).get(k)]
+    ratio, (lo, hi) = median_ci95([a / (b + c) for a, b, c in zip(*paired)]) if all(paired) else \
+        (one / (verify_s + draft_s), (one / (verify_s + draft_s),) * 2)
+    low, high = tau_ci or (tau, tau)
+    return {"tau": tau, "target_s": verify_s, "draft_s": draft_s, "speedup": tau * ratio,
+            "speedup_ci95": [low * lo, high * hi]}
 
 
 def predicted_speedups(report, costs):
-    """speedup(K) = tau(K) * c_target(1) / (c_target(1 + K) + c_draft(K)) per depth (DDTree budget b: c_target(1 + b),
-    the trained depth's draft); None where a cost is missing. Leaves out batching, scheduling, engine overheads."""
+    """Every row's predicted speedup (speedup()) per batch size: each depth K verifies 1 + K tokens, a DDTree budget b
+    1 + b with the trained depth's draft, SGLang's tree its draft tokens. The best is named only when its interval
+    clears every other row's; else the leaders (the rows whose interval reaches the top one's) are listed as
+    indistinguishable. Leaves out batching in a measured table, scheduling and the last rounds of a request."""
     for d in report["drafters"]:
         depths = d.get("depths") or {str(d["drafts_per_round"]): d}
-        out = {}
+        out, K = {}, str(d["drafts_per_round"])
+        rows = {f"K={k}": (s, str(1 + int(k)), k) for k, s in depths.items()}
+        rows.update({f"DDTree {b}": (s, str(1 + int(b)), K) for b, s in (d["ddtree"] or {}).items()})
+        rows.update({f"K={K} {rule}": (s, str(1 + int(K)), K) for rule, s in (d.get("verify") or {}).items()})
+        tree = d.get("eagle_tree")
+        if tree and "tau" in tree:   # SGLang verifies its draft tokens, the anchor's included
+            rows[f"SGLang tree {tree['steps']},{tree['topk']},{tree['tokens']}"] = (tree, str(tree["tokens"]), "tree")
         for batch, t in costs.get("batch_sizes", {"1": costs}).items():
             draft = t["draft"].get(d["name"], t["draft"])
-            rows = {f"K={k}": (s["tau"], str(1 + int(k)), k) for k, s in depths.items()}
-            rows.update({f"DDTree {b}": (s["tau"], str(1 + int(b)), str(d["drafts_per_round"]))
-                         for b, s in (d["ddtree"] or {}).items()})
-            K = str(d["drafts_per_round"])
-            rows.update({f"K={K} {rule}": (s["tau"], str(1 + int(K)), K)
-                         for rule, s in (d.get("verify") or {}).items()})
-            tree = d.get("eagle_tree")
-            if tree and "tau" in tree:   # SGLang verifies its draft tokens, the anchor's included
-                shape = f"{tree['steps']},{tree['topk']},{tree['tokens']}"
-                rows[f"SGLang tree {shape}"] = (tree["tau"], str(tree["tokens"]), "tree")
-            rows = {name: speedup(tau, t["target"]["1"], t["target"].get(n), draft.get(k))
-                    for name, (tau, n, k) in rows.items()}
-            best = max((r for r in rows.items() if r[1]["speedup"]), key=lambda r: r[1]["speedup"], default=None)
-            out[batch] = {"plain_s": t["target"]["1"], "rows": rows, "best": best[0] if best else None}
+            priced = {name: speedup(s["tau"], s.get("tau_ci95"), t, {**draft, "name": d["name"]}, n, k)
+                      for name, (s, n, k) in rows.items()}
+            ranked = sorted((r for r in priced.items() if r[1]["speedup"]), key=lambda r: -r[1]["speedup"])
+            leaders = [name for name, r in ranked if ranked and r["speedup_ci95"][1] >= ranked[0][1]["speedup_ci95"][0]]
+            out[batch] = {"plain_s": t["target"]["1"], "rows": priced, "leaders": leaders,
+                          "best": leaders[0] if len(leaders) == 1 else None}
         d["predicted_speedup"] = out
     for row, d in zip((report.get("comparison") or {}).get("drafters", []), report["drafters"]):
-        row["predicted_speedup"] = {batch: {"best": p["best"], "speedup": p["rows"][p["best"]]["speedup"] if p["best"]
-                                            else None} for batch, p in d["predicted_speedup"].items()}
+        row["predicted_speedup"] = {batch: {"best": p["best"], "leaders": p["leaders"], "speedup": p["rows"][
+            p["leaders"][0]]["speedup"] if p["leaders"] else None} for batch, p in d["predicted_speedup"].items()}
 
 
 def export_vllm_synthetic(report, path, depth):
@@ -4808,8 +4975,12 @@ def drafter_report(d, results, items):
         chosen = [(pick(res), it) for res, it in zip(results, items) if keep(it)]
         totals = list(prompt_totals(*zip(*chosen)).values()) if chosen else []
         size = B if depth is None else depth + 1
-        return {**summarize([res for res, _ in chosen], size),
-                "tau_ci95": ratio_ci95([c for c, _ in totals], [r for _, r in totals]),
+        summary = summarize([res for res, _ in chosen], size)
+        for b, t in (summary["ddtree"] or {}).items():   # a tree's interval over prompts, as the chain's
+            units = prompt_totals([{"rounds": res["ddtree_rounds"][int(b)]} for res, _ in chosen],
+                                  [it for _, it in chosen]).values()
+            t["tau_ci95"] = ratio_ci95([c for c, _ in units], [r for _, r in units])
+        return {**summary, "tau_ci95": ratio_ci95([c for c, _ in totals], [r for _, r in totals]),
                 **reference_fit([it for _, it in chosen], sampled)[0], **(no_trees if depth is None else {})}
 
     whole = section()
@@ -4929,8 +5100,9 @@ def reference_line(stats):
     return f"target agreement {fmt(stats.get('target_agreement', stats.get('agreement')), 4)}"
 
 
-def serving_lines(d):
-    """Per served depth: tau, the engines' own figures under their names and, with --costs, predicted speedups."""
+def serving_lines(d, source=None):
+    """Per served depth: tau, the engines' own figures under their names and, with --costs, predicted speedups (their
+    costs' `source` named)."""
     depths = d.get("depths") or {str(d["drafts_per_round"]): d}
     for k, s in depths.items():
         if not s.get("engine_metrics"):
@@ -4947,14 +5119,19 @@ def serving_lines(d):
     for batch, p in (d.get("predicted_speedup") or {}).items():
         yield (f"   predicted speedup{'' if batch == '1' else f' at batch size {batch}'} = tau x plain decoding's "
                f"{1e3 * p['plain_s']:.3g} ms a token / a round's cost (the target verifying 1 + K tokens, or a tree's "
-               "nodes + 1, plus the drafter's pass; no batching or scheduling):")
+               f"nodes + 1, plus the drafter's round), 95% intervals; costs: {source or 'given'}:")
         width = max([12, *map(len, p["rows"])])
         for name, r in p["rows"].items():
             cost = "n/a" if None in (r["target_s"], r["draft_s"]) else \
                 f"{1e3 * r['target_s']:.3g} + {1e3 * r['draft_s']:.3g} ms"
-            speed = "n/a" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+            speed = "n/a" if r["speedup"] is None else \
+                f"{r['speedup']:.2f}x [{r['speedup_ci95'][0]:.2f}, {r['speedup_ci95'][1]:.2f}]"
             yield (f"     {name:<{width}} tau {fmt(r['tau'])}  round {cost:<20} speedup {speed}"
-                   + ("  <- best" if name == p["best"] else ""))
+                   + ("  <- best" if name == p["best"] else "  <- a leader" if name in p["leaders"][1:] or
+                      name == p["leaders"][0] and not p["best"] else ""))
+        if len(p["leaders"]) > 1:
+            yield (f"     no best at this precision: {', '.join(p['leaders'])} are indistinguishable (their intervals "
+                   "overlap the top one's)")
 
 
 def comparison_lines(c):
@@ -4974,7 +5151,8 @@ def comparison_lines(c):
         best = "  <- best of " + row["series"] if "series" in row and c["best_steps"].get(row["series"]) == \
             row["step"] and sum(r.get("series") == row["series"] for r in c["drafters"]) > 1 else ""
         p = (row.get("predicted_speedup") or {}).get(batch) or {}   # the best speedup and where (a depth, a budget)
-        speed = "" if not batch else "  n/a" if p.get("speedup") is None else f"  {p['speedup']:>5.2f}x at {p['best']}"
+        speed = "" if not batch else "  n/a" if p.get("speedup") is None else \
+            f"  {p['speedup']:>5.2f}x at {p['best'] or ' ~ '.join(p['leaders'])}"
         yield (f"   {row['name']:<{width}}  {fmt(row['tau']):>5}  {interval(row['tau_ci95']):<16}  "
                f"{fmt(row['first_position_acceptance']):>8}"
                + "".join(f"  {fmt(row['ddtree'].get(b)):>11}" for b in budgets)
@@ -5097,7 +5275,7 @@ def report_lines(report):
             if d["mask_check"]["warning"]:
                 yield f"   WARNING: {d['mask_check']['warning']}"
                 print(f"warning: drafter {d['name']}: {d['mask_check']['warning']}", file=sys.stderr)
-        served = list(serving_lines(d))
+        served = list(serving_lines(d, (config.get("costs_used") or {}).get("source")))
         if served and len(sections) > 1:   # labelled: else they would read as the last split's or turn's
             over = " and ".join(w for w, many in (("split", len(d["splits"]) > 1), ("turn", d.get("turns"))) if many)
             yield (f"-- all, pooled over every {over}: the engines' figures"
@@ -6055,6 +6233,14 @@ def scored_records(stream, drafters, embed_w, head, settings):
         yield from evaluate_prompts(group, drafters, embed_w, head, settings)
 
 
+def price(settings, learned, drafters, items):
+    """--costs gpu:NAME's roofline of these drafters' rounds; --save-costs writes the costs the run used."""
+    if settings.get("gpu"):
+        learned.costs_used = roofline_costs(read_target_config(settings["target"]), drafters, settings, items)
+    if settings.get("save_costs") and learned.costs_used:
+        write_json(settings["save_costs"], learned.costs_used)
+
+
 def finish_run(settings, learned, items, records, drafters, facts, started):
     """The run's costs (--costs measure), every rank's records gathered, the report."""
     skipped = [{"id": it["id"], "reason": it["skip"]} for it in items if it.get("skip") and mine(it, settings)]
@@ -6067,6 +6253,7 @@ def finish_run(settings, learned, items, records, drafters, facts, started):
             learned.interrupted = True
             say(interrupt_message(settings, len(records), 0, " while measuring costs (none are reported)"))
     learned.model = None   # the target's memory freed before the ranks gather
+    price(settings, learned, drafters, [r["item"] for r in records.values()])
     if settings["ranks"] > 1:
         gathered = gather_ranks(settings, learned, facts, records, skipped)
         if gathered is None:
@@ -6238,6 +6425,7 @@ def drafter_figures(settings, learned, d, stream, embed_w, head):
     not printed): a watch's step, a measure() call."""
     TIMING.clear()
     records = list(scored_records(stream, [d], embed_w, head, settings))
+    price(settings, learned, [d], [r["item"] for r in records])
     return make_report(run_config(settings, learned), [drafter_facts(d)], records, [], 0.0, False,
                        warn=False)["drafters"][0]
 

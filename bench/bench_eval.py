@@ -157,7 +157,9 @@ def parse_args(argv=None):
                                   "k = predicted against measured speedup on the demo pair, l = DSpark and Domino "
                                   "against DFlash, m = the demo on a busy box, default threads against --threads 1, "
                                   "r = the real pair (GGUF conversion, --demo real, target tokens/s, drafter ms "
-                                  "per anchor), t = measure(), the Python entry point, against its drafter pass")
+                                  "per anchor), t = measure(), the Python entry point, against its drafter pass, "
+                                  "p = published speedups against the roofline, q = a ranking priced for an H100, "
+                                  "n = three --costs measure runs on a busy box")
     p.add_argument("--write-results", action=argparse.BooleanOptionalAction,
                    help="write bench/RESULTS.md (default on, off with --quick)")
     args = p.parse_args(argv)
@@ -975,6 +977,119 @@ def report_entry(t):
             f"{'s' * (threads > 1)}): a call {1e3 * call:.0f} ms, of which the drafter pass {1e3 * stages:.0f} ms")
 
 
+# p. Published speedups against the roofline: rows of bench/published_speedups.json (collected from the sources
+# named there); each priced by eval_drafter's roofline at the published tau, for the published GPU and shapes.
+PUBLISHED_ROWS = list(range(21, 31)) + list(range(63, 118, 6)) + [186, 191, 192, 197]   # DFlash Qwen3-8B at T 0 on
+# B200 (z-lab's README) and H200 (the DDTree paper, plain DFlash), EAGLE-2 / EAGLE-3 trees on A100 (Spec-Bench)
+GPU_NAMES = {"B200": "B200", "H200": "H200", "A100": "A100", "3090": "RTX3090"}
+
+
+def drafter_shape_of(dr, target):
+    """A public drafter's passes from its published shape: DFlash's layers and fc over its feature layers; an EAGLE
+    head's one layer and fc over [embedding; hidden] (EAGLE-1/2) or three captured layers (EAGLE-3); the target's
+    head."""
+    tgt, H = target, dr["hidden_size"]
+    nh, nkv, hd = tgt["num_attention_heads"], tgt["num_key_value_heads"], tgt["head_dim"]
+    layers = dr["num_layers"]
+    per = H * (nh + nkv) * hd * 2 + 3 * H * dr.get("intermediate_size", tgt["intermediate_size"])
+    fc = H * H * (len(dr["target_layer_ids"]) if dr.get("target_layer_ids") else 3 if "EAGLE-3" in dr["family"] else 2)
+    return {"dense": layers * per + fc, "expert": 0, "experts": 0, "picks": 0, "head": tgt["vocab_size"] * H,
+            "layers": layers, "full_layers": layers, "kv_token": layers * 2 * nkv * hd * 2, "state": 0, "width": nh * hd}
+
+
+def published(args):
+    table = json.load(open(os.path.join(BENCH, "published_speedups.json")))["rows"]
+    rows = []
+    for r in (r for r in table if r["id"] in PUBLISHED_ROWS):
+        gpu = ed.gpu_spec("gpu:" + next(v for k, v in GPU_NAMES.items() if k in r["gpu"]["name"]))
+        target = {k: r["target"][k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                              "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size")}
+        t, d = ed.shape_of(target), drafter_shape_of(r["drafter"], target)
+        context = 512   # a typical mid-reply context: the sources give prompts and replies of ~100 to 2k tokens
+        if r["drafter"]["tree"]:   # EAGLE's dynamic tree: depth 5 of top-10 rows, then 60 tokens verified
+            draft = ed.round_seconds(gpu, d, "chain", "tree", 1, context, {"steps": 5, "topk": 10})
+            verify = ed.pass_seconds(gpu, t, 1, r["drafter"]["tree_nodes"], context)
+        else:
+            K = r["drafter"]["block_size"] - 1
+            draft, verify = ed.round_seconds(gpu, d, "block", str(K), 1, context), ed.pass_seconds(gpu, t, 1, K + 1,
+                                                                                                      context)
+        predicted = r["tau"] * ed.pass_seconds(gpu, t, 1, 1, context) / (verify + draft)
+        rows.append({"id": r["id"], "source": r["source"]["name"].split(" (")[0].split(",")[0], "url": r["source"]["url"],
+                     "gpu": gpu["name"], "target": r["target"]["hf_name"], "drafter": r["drafter"]["family"],
+                     "dataset": r["dataset"].split(" (")[0], "tau": r["tau"], "published": r["speedup"],
+                     "predicted": predicted, "off": predicted / r["speedup"] - 1})
+    return rows
+
+
+def report_published(rows):
+    say(f"p. published speedups against the roofline at the published tau (batch 1, context 512): "
+        f"{sum(abs(r['off']) <= 0.2 for r in rows)} of {len(rows)} within 20%")
+    say("| id | source | GPU | target | drafter | dataset | tau | published | predicted | off |")
+    say("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        say(f"| {r['id']} | [{r['source']}]({r['url']}) | {r['gpu']} | {r['target']} | {r['drafter']} | "
+            f"{r['dataset']} | {r['tau']} | {r['published']}x | {r['predicted']:.2f}x | {100 * r['off']:+.0f}% |")
+
+
+def ranked_8b(args, work):
+    """q. A CPU box deciding for an H100: the demo drafter's tau at every depth (--depths all, measured here) priced
+    for a Qwen3-8B target and its public DFlash drafter's shape (5 layers, block 16: the demo's depths scaled to it
+    are not claimed; the ranking by batch size is the point) at batch 1 and 32."""
+    out = os.path.join(work, "depths.json")
+    subprocess.run([sys.executable, TOOL, "--demo", "--depths", "all", "--quiet", "--output", out], check=True,
+                   stdout=subprocess.DEVNULL)
+    d = json.load(open(out))["drafters"][0]
+    target = {"hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936}
+    drafter = drafter_shape_of({"hidden_size": 4096, "num_layers": 5, "target_layer_ids": [1, 9, 17, 25, 33],
+                                "family": "DFlash"}, target)
+    t, gpu, ranks = ed.shape_of(target), ed.gpu_spec("gpu:H100"), {}
+    for batch in (1, 32):
+        ranks[batch] = sorted(((s["tau"] * ed.pass_seconds(gpu, t, batch, 1, 1024) /
+                                (ed.pass_seconds(gpu, t, batch, int(k) + 1, 1024) +
+                                 ed.round_seconds(gpu, drafter, "block", k, batch, 1024)), k)
+                               for k, s in d["depths"].items()), reverse=True)
+    return ranks
+
+
+def report_ranked(ranks):
+    for batch, rows in ranks.items():
+        say(f"q. the demo drafter's tau by depth priced for Qwen3-8B + a 5-layer DFlash drafter on an H100, batch "
+            f"{batch}: " + ", ".join(f"K={k} {x:.2f}x" for x, k in rows[:5]))
+
+
+def busy_costs(args):
+    """n. Three identical `eval_drafter.py --demo --depths 3,5 --costs measure` runs with 2 x cores other processes
+    spinning: the best row each names, or the leaders it calls indistinguishable."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * cores)]
+    picks = []
+    try:
+        for _ in range(3):
+            with tempfile.TemporaryDirectory() as tmp:
+                out = os.path.join(tmp, "o.json")
+                subprocess.run([sys.executable, TOOL, "--demo", "--depths", "3,5", "--costs", "measure", "--quiet",
+                                "--output", out], check=True, stdout=subprocess.DEVNULL)
+                p = json.load(open(out))["drafters"][0]["predicted_speedup"]["1"]
+                picks.append((p["best"], p["leaders"], {n: (r["speedup"], r["speedup_ci95"]) for n, r in
+                                                        p["rows"].items()}))
+    finally:
+        for sp in spinners:
+            sp.kill()
+            sp.wait()
+    return {"busy": 2 * cores, "picks": picks}
+
+
+def report_busy_costs(n):
+    for i, (best, leaders, rows) in enumerate(n["picks"], 1):
+        say(f"n. run {i} on a busy box ({n['busy']} spinning processes): " +
+            (f"best {best}" if best else f"leaders indistinguishable: {', '.join(leaders)}") + "; " +
+            ", ".join(f"{k} {x:.2f}x [{c[0]:.2f}, {c[1]:.2f}]" for k, (x, c) in rows.items()))
+    same = len({(b, tuple(sorted(l))) if b else ("leaders",) for b, l, _ in n["picks"]}) == 1
+    verdict(same, "three busy-box --costs measure runs name the same best row, or all call the leaders "
+                  "indistinguishable")
+
+
 def reference_generation(paths, args, work):
     """generate_s of the tool's plain vs speculative reference generation: on the benchmark pair (random
     drafter, first prompt, GEN_TOKENS tokens with EOS ignored, one run each: slow) and on the bundled demo
@@ -1431,6 +1546,12 @@ def main(argv=None):
                 f["k"] = measure_speedup(args, work)
                 report_speedup(f["k"])
                 speedup_verdict(f["k"])
+            if "p" in rows:
+                report_published(published(args))
+            if "q" in rows:
+                report_ranked(ranked_8b(args, work))
+            if "n" in rows:
+                report_busy_costs(busy_costs(args))
             if "r" in rows:
                 report_real(real_pair(args, work))
             if "t" in rows:

@@ -134,7 +134,7 @@ def load_argv(target, cache, *ckpts):
 
 CONFIG_KEYS_ALLOWED_TO_DIFFER = {"prompts", "load_hidden", "save_hidden", "output", "max_new_tokens", "limit",
                                  "demo", "chat_template", "prompts_hash", "hidden_cache", "hidden_hashes",
-                                 "reference_generation_used"}
+                                 "reference_generation_used", "reference_generation_choice"}
 
 
 def test_demo_save_does_not_change_results(demo):

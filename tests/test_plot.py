@@ -43,8 +43,8 @@ def figure_data(fig):
             continue
         panels[ax.get_title()] = {
             "lines": [(line.get_label(), numbers(line.get_xdata()), numbers(line.get_ydata()))
-                      for line in ax.get_lines()],
-            "bars": [(c.get_label(), numbers(p.get_height() for p in c.patches)) for c in ax.containers],
+                      for line in ax.get_lines() if not line.get_label().startswith("_")],   # not the joins
+            "bars": [(c.get_label(), numbers(p.get_height() for p in c.patches)) for c in ax.containers if hasattr(c, "patches")],
             "ticks": [t.get_text() for t in ax.get_xticklabels()]}
     return panels
 

@@ -377,7 +377,7 @@ def test_rerun_with_other_settings_onto_a_series_is_refused(saved, series, tmp_p
     before = open(out, "rb").read()
     argv = [*series["argv"]]
     argv[argv.index("--output") + 1] = out
-    refused_in_one_line(capsys, [*argv, "--ddtree-budgets", "8,16"], "ddtree_budgets")
+    refused_in_one_line(capsys, [*argv, "--ddtree-budgets", "8,16"], "--ddtree-budgets")
     assert open(out, "rb").read() == before
     assert ed.main(argv) == 0
     assert open(out, "rb").read() == before
