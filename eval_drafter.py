@@ -1678,10 +1678,32 @@ def rewindable_cache(model):
     return DynamicCache(config=model.config) if hasattr(DynamicCache, "activate_past_recording") else None
 
 
+def record_the_past(cache):
+    """Keep a hybrid cache's convolution inputs until the next crop. 5.25 added an optional count of intermediate
+    recurrent states to keep, whose default (None) its own forward cannot compare: ask for none, we snapshot them."""
+    try:
+        cache.activate_past_recording(recurrent_states_to_keep=0)
+    except TypeError:   # before 5.25: no such argument
+        cache.activate_past_recording()
+
+
 def recurrent_states(cache):
-    """[(layer cache, state index)] of every recurrent state a hybrid cache holds."""
-    return [(layer, i) for layer in getattr(cache, "layers", [])
+    """[(layer cache, state index, a copy of the state)] of every recurrent state a hybrid cache holds: no crop
+    undoes what a pass did to them, so a pass that may be undone saves them first."""
+    return [(layer, i, state.clone()) for layer in getattr(cache, "layers", [])
             for i, state in (getattr(layer, "recurrent_states", None) or {}).items() if state is not None]
+
+
+def rewind(cache, saved, n):
+    """Drop the last n positions of a cache whose recurrent states were `saved` before those n went in: the states
+    are put back, then crop cuts the attention and convolution caches. Since 5.25 crop itself takes each recurrent
+    state from a history it keeps, one entry per pass when no intermediate states are kept: the saved one is put
+    where it looks, n entries back (our chunked pass and rerun stay the same computation on every version)."""
+    for layer, i, state in saved:
+        layer.recurrent_states[i].copy_(state)
+        if getattr(layer, "recurrent_states_history", None) is not None:
+            layer.recurrent_states_history[i] = [state] * n
+    cache.crop(-n)   # n = 0 only on a hybrid (5.x): trims the recorded convolution inputs back to the kernel width
 
 
 def target_parts(model):
@@ -1879,7 +1901,7 @@ def verify(block, logits, sampling, generator):
 def timed_pass(model, cache, ids, layers=None):
     """Seconds of one target pass over `ids` after what `cache` holds, the cache then as it was: a plain decoding step
     (layers None: the forward and its next token), or a verify pass (`layers`' features and the block's verdict)."""
-    saved = [(layer, i, layer.recurrent_states[i].clone()) for layer, i in recurrent_states(cache)]
+    saved = recurrent_states(cache)
     start = time.perf_counter()
     if layers is None:
         out = model(input_ids=torch.tensor([ids], device=model.device), use_cache=True, **cache_kwarg(model, cache))
@@ -1889,9 +1911,7 @@ def timed_pass(model, cache, ids, layers=None):
         check_finite(features, "cost")
         verify(ids, target_parts(model)[3](last), None, None)
     elapsed = seconds_since(start)
-    for layer, i, state in saved:
-        layer.recurrent_states[i].copy_(state)
-    cache.crop(-len(ids))
+    rewind(cache, saved, len(ids))
     return elapsed
 
 
@@ -3570,6 +3590,8 @@ class Family:
     tree: bool = False          # SGLang also serves it with token trees (--eagle-tree)
     sources: str = ""           # the layouts its checkpoints come in (--help, the manual's support table)
     engines: str = ""           # who serves it
+    rounds: str = "block"       # how a round runs, for the roofline: one block pass; chain, K steps; parallel, one
+    #                             pass over the window and K - 1 mask slots
 
 
 FAMILIES = {
@@ -3598,17 +3620,18 @@ FAMILIES = {
                        full_vocabulary="candidate lattice's scores", ddtree_note="LiLiCorr drafts a chain: its walk "
                        "picks each slot's candidate after the one before it, and both engines verify a chain, so no "
                        "DDTree rows"),
-    "EAGLE-3": Family(load_eagle3, causal_round, causal=True, method="eagle3", tree=True, sources="speculators', "
+    "EAGLE-3": Family(load_eagle3, causal_round, causal=True, method="eagle3", tree=True, rounds="chain", sources="speculators', "
                       "SpecForge's exports and training states", engines="vLLM 0.33 (chains), SGLang 0.5.23 (trees)",
                       ddtree_note=(
         "EAGLE-3 drafts a chain here, as vLLM serves it; its trees are SGLang's, built step by step (the SGLang tree "
         "row, --eagle-tree), not DDTree's from one pass, so no DDTree rows")),
     "P-EAGLE": Family(load_eagle3, parallel_round, causal=True, method="eagle3", vllm={"parallel_drafting": True},
+                      rounds="parallel",
                       sources="speculators', SpecForge's", engines="vLLM 0.33 (V1 runner)",
                       ddtree_note="P-EAGLE drafts a chain here, as vLLM, the one engine serving it, verifies its K "
                       "parallel drafts, so no DDTree rows"),
     # the MTP layer is read from a target directory: load_drafter takes it to load_mtp before any checkpoint is read
-    "MTP": Family(None, causal_round, causal=True, method="mtp", sources="the target's own mtp.* layer (Qwen3.5/3.6, "
+    "MTP": Family(None, causal_round, causal=True, method="mtp", rounds="chain", sources="the target's own mtp.* layer (Qwen3.5/3.6, "
                   "Qwen3-Next)", engines="vLLM 0.33, SGLang 0.5.23", ddtree_note=(
         "the MTP layer drafts a chain here, as vLLM serves it and SGLang by default (top-1; its token trees are out "
         "of scope), so no DDTree rows")),
@@ -3804,7 +3827,7 @@ def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, p
     features, last, cache = target_pass(model, prompt_ids, layers, rewindable_cache(model))
     check_finite(features, prompt_id)
     if is_hybrid(model.config):
-        cache.activate_past_recording()   # after the prompt: recording it would keep every convolution input
+        record_the_past(cache)   # after the prompt: recording it would keep every convolution input
     context_kv = prompt_context(drafter, features)   # grown by the accepted tokens only: re-projecting is quadratic
     tokens, timed = [next_token(logits_of(last[-1:]), sampling, generator)], None
     while len(tokens) < max_new_tokens and tokens[-1] not in stop_ids:
@@ -3820,17 +3843,15 @@ def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, p
         block = tokens[-1:] + drafts[0].tolist()
         # The target over the block, the cache then left holding the anchor and accepted drafts. A hybrid's recurrent
         # state saw the whole block (no crop undoes it): it is restored, the kept tokens rerun.
-        saved = [(layer, i, layer.recurrent_states[i].clone()) for layer, i in recurrent_states(cache)]
+        saved = recurrent_states(cache)
         new_feats, last, cache = target_pass(model, block, layers, cache)
         accepted, bonus = verify(block, logits_of(last), sampling, generator)
         if not saved:
             roll_back(cache, len(block) - 1 - accepted)
         elif accepted == len(block) - 1:
-            cache.crop(0)    # nothing to drop; trims the recorded convolution inputs back to the kernel width
+            rewind(cache, [], 0)
         else:
-            for layer, i, state in saved:
-                layer.recurrent_states[i].copy_(state)
-            cache.crop(-len(block))
+            rewind(cache, saved, len(block))
             target_pass(model, block[:accepted + 1], [], cache)
         check_finite(new_feats, prompt_id)
         new_kv = drafter_context(drafter, torch.cat([new_feats[L][:accepted + 1] for L in layers], dim=-1), anchor)
@@ -4638,7 +4659,7 @@ def measure_costs(model, drafters, settings, items):
         fail("--costs measure needs a target cache that rolls back: a hybrid target needs transformers 5.x")
     _, _, cache = target_pass(model, ids[:L], [], cache)
     if is_hybrid(model.config):
-        cache.activate_past_recording()
+        record_the_past(cache)
 
     costs = {"source": f"measured here ({settings['device']}, {settings['dtype']})", "context": L,
              "device": settings["device"], "dtype": settings["dtype"], "target": {}, "draft": {}}
@@ -4772,8 +4793,7 @@ def roofline_costs(target_cfg, drafters, settings, items):
     """--costs gpu:NAME: the run's target and drafters priced by roofline_table, at the prompts' typical context."""
     gpu, context, target = settings["gpu"], typical_context(items), shape_of(target_cfg)
     sizes, keys = cost_sizes(drafters, settings)
-    kinds = [(d.name, drafter_shape(d, target), "parallel" if d.generation == "P-EAGLE" else
-              "chain" if family(d).causal else "block", keys[d.name], d.tree) for d in drafters]
+    kinds = [(d.name, drafter_shape(d, target), family(d).rounds, keys[d.name], d.tree) for d in drafters]
     return {"source": f"a roofline for {gpu['name']} ({gpu['bandwidth_tbs']:g} TB/s x {gpu['bandwidth_share']:g}, "
                       f"{gpu['peak_tflops']:g} TFLOP/s x {gpu['compute_share']:g}, {gpu['pass_us']:g} us a pass + "
                       f"{gpu['layer_us']:g} us a layer, {gpu['weight_bytes']} bytes a weight) at a context of "
@@ -4784,17 +4804,17 @@ def roofline_costs(target_cfg, drafters, settings, items):
 def speedup(tau, tau_ci, t, draft, n, k):
     """A row's predicted speedup tau * c_target(1) / (c_target(n) + c_draft(k)) and its 95% interval: tau's interval
     times that of the cost ratio's median over the measured rounds, each round's ratio from passes timed together
-    (one ratio without rounds: a file's or a roofline's costs)."""
+    (widened to hold the ratio of the median costs; none without rounds: a file's or a roofline's costs)."""
     one, verify_s, draft_s = t["target"]["1"], t["target"].get(n), draft.get(k)
     if None in (tau, verify_s, draft_s):
         return {"tau": tau, "target_s": verify_s, "draft_s": draft_s, "speedup": None, "speedup_ci95": None}
     runs = t.get("runs") or {}
     paired = [runs.get("target", {}).get(x) for x in ("1", n)] + [runs.get("draft", {}).get(draft.get("name"), {}).get(k)]
-    ratio, (lo, hi) = median_ci95([a / (b + c) for a, b, c in zip(*paired)]) if all(paired) else \
-        (one / (verify_s + draft_s), (one / (verify_s + draft_s),) * 2)
+    ratio = one / (verify_s + draft_s)   # the costs as printed; their rounds' spread gives the interval
+    _, (lo, hi) = median_ci95([a / (b + c) for a, b, c in zip(*paired)]) if all(paired) else (ratio, (ratio, ratio))
     low, high = tau_ci or (tau, tau)
     return {"tau": tau, "target_s": verify_s, "draft_s": draft_s, "speedup": tau * ratio,
-            "speedup_ci95": [low * lo, high * hi]}
+            "speedup_ci95": [low * min(lo, ratio), high * max(hi, ratio)]}
 
 
 def predicted_speedups(report, costs):

@@ -327,7 +327,11 @@ def test_hybrid_demo_speculative_equals_plain_greedy(monkeypatch):
 def test_hybrid_speculative_needs_the_state_put_back(hybrid, monkeypatch):
     """The control: without the snapshot (attention and convolution crop only) the tokens drift."""
     target, drafter = load_word_pair(hybrid)
-    monkeypatch.setattr(ed, "recurrent_states", lambda cache: [])
+    rewind = ed.rewind
+
+    def without_the_snapshot(cache, saved, n):   # each recurrent state left as the whole block made it
+        rewind(cache, [(layer, i, layer.recurrent_states[i].clone()) for layer, i, _ in saved], n)
+    monkeypatch.setattr(ed, "rewind", without_the_snapshot)
     differ = [i for i in range(6) if ed.speculative_generate(target, drafter, word_prompt_ids(i), 60, set())
               != ed.plain_generate(target, word_prompt_ids(i), 60, set())]
     assert differ, "dropping the recurrent snapshot changed nothing: the test would not see a broken rollback"

@@ -184,7 +184,7 @@ def test_auto_references_keep_the_faster_method_and_say_why(tmp_path, capsys, mo
     config = report["config"]
     assert config["reference_generation_used"] == method
     choice = config["reference_generation_choice"]
-    assert choice.startswith("speculative decoding with drafter demo made ") and f"a plain step takes" in choice
+    assert choice.startswith("speculative decoding with drafter demo made ") and "a plain step takes" in choice
     assert ("the rest by plain decoding" in choice) == (method == "plain")
     assert sum(line == f"references: {choice}" for line in err) == 1
     assert report["drafters"] == want["drafters"]

@@ -159,7 +159,8 @@ def test_predicted_speedup_from_a_costs_file(tmp_path, capsys):
     assert one["rows"]["DDTree 8"]["speedup"] == pytest.approx(tree * 0.010 / (0.015 + 0.003))
     assert many["rows"]["K=7"]["speedup"] == pytest.approx(tau7 * 0.012 / (0.030 + 0.006))
     assert many["rows"]["DDTree 8"]["speedup"] is None   # no cost for verifying 9 tokens at this batch size
-    assert one["best"] == max(one["rows"], key=lambda k: one["rows"][k]["speedup"])
+    top = max(one["rows"], key=lambda k: one["rows"][k]["speedup"])
+    assert one["leaders"][0] == top and one["best"] == (top if one["leaders"] == [top] else None)
     assert report["config"]["costs_used"]["batch_sizes"]["16"]["target"]["8"] == 0.030
     out = capsys.readouterr().out
     assert "predicted speedup at batch size 16" in out and "<- best" in out
@@ -180,7 +181,7 @@ def test_costs_measured_here(tmp_path):
     (["--depths", "3", "--export-vllm-synthetic", "x.json", "--export-depth", "5"],
      "--export-depth 5: drafter demo is not evaluated at depth 5"),
     (["--export-depth", "3"], "--export-depth sets the depth of --export-vllm-synthetic, which is not given"),
-    (["--costs", "nope.json"], "--costs takes measure or a JSON file"),
+    (["--costs", "nope.json"], "--costs takes measure, gpu:NAME or a JSON file"),
     (["--load-hidden", "h.safetensors", "--costs", "measure"], "--costs measure times the target model"),
 ])
 def test_serving_flag_refusals(argv, fragment, capsys, tmp_path, monkeypatch):
