@@ -19,7 +19,7 @@ from conftest import ROOT, interrupt_at, paused_at, pausing_program
 
 BASE = ["--demo", "--limit", "7", "--max-new-tokens", "48", "--ddtree-budgets", "8,32", "--quiet"]
 PROCESS_FACTS = {"output", "merge", "ranks", "save_hidden", "load_hidden", "shard", "resume", "quiet",
-                 "reference_generation_choice"}   # said with the times auto measured
+                 "reference_generation_choice", "reference_generation_used"}   # said with the times auto measured
 
 
 def run(tmp_path, name, *argv, code=0):

@@ -28,9 +28,9 @@ def no_model(monkeypatch):
 
 def interrupted(tmp_path, monkeypatch, out):
     """A run on `out` cut by Ctrl-C as its 3rd reference is generated: its partial file's bytes (2 prompts done)."""
-    real, _ = interrupt_at(monkeypatch, "speculative_generate", 3)
+    real, _ = interrupt_at(monkeypatch, "generate_reference", 3)
     assert ed.main([*FAST, "--output", str(out)]) == 130
-    monkeypatch.setattr(ed, "speculative_generate", real)
+    monkeypatch.setattr(ed, "generate_reference", real)
     partial = tmp_path / f"{out.name}.partial.jsonl"
     assert sum('"item"' in line for line in partial.read_text().splitlines()) == 2
     return partial, partial.read_bytes()
@@ -55,7 +55,7 @@ def test_resume_after_the_refusal_finishes_the_run(tmp_path, monkeypatch, capsys
     partial, _ = interrupted(tmp_path, monkeypatch, out)
     capsys.readouterr()
     refused_in_one_line(capsys, [*FAST, "--output", str(out)], "--resume")
-    real, calls = interrupt_at(monkeypatch, "speculative_generate", 10 ** 9)
+    real, calls = interrupt_at(monkeypatch, "generate_reference", 10 ** 9)
     assert ed.main([*FAST, "--output", str(out), "--resume"]) == 0
     assert len(calls) == 1   # only the 3rd prompt's reference is made
     assert "interrupted" not in json.loads(out.read_text()) and not partial.exists()

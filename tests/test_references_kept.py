@@ -22,17 +22,19 @@ from conftest import ROOT, drafter_settings, interrupt_at, write_jsonl
 DEMO = os.path.join(ROOT, "tests", "fixtures", "demo")
 # Facts of the process, not of the results: which flags were given, where the files were.
 PROCESS = {"resume", "output", "merge", "shard", "ranks", "ckpt", "target", "prompts", "save_references", "quiet",
-           "reference_generation_choice",   # timings: auto's choice is said with the times it measured
+           "reference_generation_choice", "reference_generation_used",   # auto decides by the times it measures
            "demo"}
 
 TURNS = [{"id": "a", "turns": ["w5 w9 w13", "w20 w21"]}, {"id": "b", "prompt": "w30 w31 w32"},
          {"id": "c", "turns": ["w7 w3 w1 w8", "w40 w2 w9"]}, {"id": "d", "prompt": "w3 w4 w5"}]
+# Under the default --reference-generation auto the method is chosen by timing, so these interrupt
+# generate_reference, which every reference passes through whichever method makes it.
 MODES = {   # name: (extra flags, the generation function to interrupt, a prompts file or None for the demo's)
-    "greedy": ([], "speculative_generate", None),
+    "greedy": ([], "generate_reference", None),
     "plain": (["--reference-generation", "plain"], "plain_generate", None),
     "sampled": (["--temperature", "1.5", "--top-k", "30", "--samples-per-prompt", "2"], "speculative_generate", None),
-    "walk": (["--anchors", "walk"], "speculative_generate", None),   # 16 prompts drafted together: none scored yet
-    "turns": ([], "speculative_generate", TURNS),
+    "walk": (["--anchors", "walk"], "generate_reference", None),   # 16 prompts drafted together: none scored yet
+    "turns": ([], "generate_reference", TURNS),
 }
 
 
@@ -104,14 +106,14 @@ def test_interrupted_twice_keeps_what_the_first_run_kept(tmp_path, monkeypatch):
     """A resumed run that is interrupted again still holds the references of the first run."""
     argv = argv_of(tmp_path, "walk")
     whole = run(tmp_path, "whole", *argv)
-    real, _ = interrupt_at(monkeypatch, "speculative_generate", 3)
+    real, _ = interrupt_at(monkeypatch, "generate_reference", 3)
     run(tmp_path, "cut", *argv, code=130)
-    monkeypatch.setattr(ed, "speculative_generate", real)
-    real, calls = interrupt_at(monkeypatch, "speculative_generate", 3)
+    monkeypatch.setattr(ed, "generate_reference", real)
+    real, calls = interrupt_at(monkeypatch, "generate_reference", 3)
     run(tmp_path, "cut", *argv, "--resume", code=130)
     refs = [row for row in partial_lines(tmp_path / "cut.json") if "reference" in row]
     assert len(refs) == 4   # 2 from the first run, 2 more
-    monkeypatch.setattr(ed, "speculative_generate", real)
+    monkeypatch.setattr(ed, "generate_reference", real)
     same_results(run(tmp_path, "cut", *argv, "--resume"), whole)
 
 
@@ -120,21 +122,21 @@ def test_save_references_locally_as_generated_and_read_back(tmp_path, monkeypatc
     are --prompts input: no target generation, the same rounds. A conversation's turn lines join again."""
     saved = tmp_path / "refs.jsonl"
     argv = argv_of(tmp_path, "turns") + ["--save-references", str(saved)]
-    real, calls = interrupt_at(monkeypatch, "speculative_generate", 4)
+    real, calls = interrupt_at(monkeypatch, "generate_reference", 4)
     run(tmp_path, "cut", *argv, code=130)
     rows = [json.loads(line) for line in saved.read_text().splitlines()]
     assert [(r["id"], r.get("turn")) for r in rows] == [("a", 1), ("a", 2), ("b", None)]
-    assert all(r["reference_source"] == "target" and r["reference_generation"] == "speculative" and
+    assert all(r["reference_source"] == "target" and r["reference_generation"] in ("speculative", "plain") and
                r["max_new_tokens"] == 40 and r["ignore_eos"] is True for r in rows)
-    monkeypatch.setattr(ed, "speculative_generate", real)
+    monkeypatch.setattr(ed, "generate_reference", real)
     whole = run(tmp_path, "whole", *argv_of(tmp_path, "turns"))
 
     # a rerun with the same file takes those three from it, generates the others, and appends them
-    real, calls = interrupt_at(monkeypatch, "speculative_generate", 10 ** 9)
+    real, calls = interrupt_at(monkeypatch, "generate_reference", 10 ** 9)
     again = run(tmp_path, "again", *argv)
     assert len(calls) == 3   # c's two turns and d
     same_results(again, whole)
-    monkeypatch.setattr(ed, "speculative_generate", real)
+    monkeypatch.setattr(ed, "generate_reference", real)
     rows = [json.loads(line) for line in saved.read_text().splitlines()]
     assert sorted((r["id"], r.get("turn")) for r in rows) == [("a", 1), ("a", 2), ("b", None), ("c", 1), ("c", 2),
                                                              ("d", None)]
@@ -142,7 +144,7 @@ def test_save_references_locally_as_generated_and_read_back(tmp_path, monkeypatc
     def no_generation(*args, **kwargs):
         raise AssertionError("the target generated a reference that the file holds")
 
-    monkeypatch.setattr(ed, "speculative_generate", no_generation)
+    monkeypatch.setattr(ed, "generate_reference", no_generation)
     monkeypatch.setattr(ed, "plain_generate", no_generation)
     back = run(tmp_path, "back", "--demo", "--prompts", str(saved), "--ddtree-budgets", "8")
     got = {(p["id"], p.get("turn")): p for p in back["drafters"][0]["prompts"]}

@@ -21,7 +21,7 @@ from conftest import ROOT, interrupt_at, interrupted_then_resumed, paused_at, pa
 
 ARGV = ["--demo", "--limit", "5", "--max-new-tokens", "24", "--ignore-eos", "--quiet"]
 PROCESS = {"resume", "output", "save_hidden", "load_hidden", "hidden_cache", "quiet",   # where, not what
-           "reference_generation_choice"}   # said with the times auto measured
+           "reference_generation_choice", "reference_generation_used"}   # said with the times auto measured
 
 
 def argv_in(folder):
