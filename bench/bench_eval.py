@@ -1034,7 +1034,7 @@ def report_published(rows):
 def ranked_8b(args, work):
     """q. A CPU box deciding for an H100: the demo drafter's tau at every depth (--depths all, measured here) priced
     for a Qwen3-8B target and its public DFlash drafter's shape (5 layers, block 16: the demo's depths scaled to it
-    are not claimed; the ranking by batch size is the point) at batch 1 and 32."""
+    are not claimed; the ranking by batch size is the point) at batch 1, 32 and 128."""
     out = os.path.join(work, "depths.json")
     subprocess.run([sys.executable, TOOL, "--demo", "--depths", "all", "--quiet", "--output", out], check=True,
                    stdout=subprocess.DEVNULL)
@@ -1044,7 +1044,7 @@ def ranked_8b(args, work):
     drafter = drafter_shape_of({"hidden_size": 4096, "num_layers": 5, "target_layer_ids": [1, 9, 17, 25, 33],
                                 "family": "DFlash"}, target)
     t, gpu, ranks = ed.shape_of(target), ed.gpu_spec("gpu:H100"), {}
-    for batch in (1, 32):
+    for batch in (1, 32, 128):
         ranks[batch] = sorted(((s["tau"] * ed.pass_seconds(gpu, t, batch, 1, 1024) /
                                 (ed.pass_seconds(gpu, t, batch, int(k) + 1, 1024) +
                                  ed.round_seconds(gpu, drafter, "block", k, batch, 1024)), k)
