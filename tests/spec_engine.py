@@ -200,6 +200,8 @@ class SpecHandler(BaseHTTPRequestHandler):
         except (KeyError, TypeError, ValueError) as e:
             return self.send_json(400, {"error": {"message": f"bad request: {e!r}", "type": "BadRequestError",
                                                   "code": 400}})
+        except Exception as e:  # a misconfiguration the drafter cannot run with (e.g. another number of layers)
+            return self.send_json(500, {"error": {"message": repr(e), "type": "InternalServerError", "code": 500}})
         self.send_json(404, {"detail": "Not Found"})
 
     def sglang(self, srv, body):
@@ -212,7 +214,7 @@ class SpecHandler(BaseHTTPRequestHandler):
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             out, finish, steps = srv.decode(prompt, p.get("max_new_tokens", 128), p.get("ignore_eos", False),
                                             sampling_of(p), p.get("sampling_seed"))
-            reason = {"type": "length", "length": len(out)} if finish == "length" else {"type": "stop", "matched": out[-1]}
+            reason = {"type": finish, **({"length": len(out)} if finish == "length" else {"matched": out[-1]})}
             meta = {"id": f"req-{len(srv.requests)}-{i}", "prompt_tokens": len(prompt), "completion_tokens": len(out),
                     "finish_reason": reason, **srv.sglang_meta(steps, out)}
             entries.append({"text": "", "output_ids": out, "meta_info": meta})

@@ -1,0 +1,96 @@
+"""The tool's rounds against an engine that serves the drafter: the groundwork of holding served acceptance against the
+exact figures.
+
+tests/spec_engine.py decodes the demo pair by real online speculative decoding, one request at a time, and keeps the
+drafts each verify step accepted, as vLLM 0.33 and SGLang 0.5.23 report them per request. Served by a correctly
+configured engine, greedy, the tool's rounds for the engine's own text (fetched by --server) are the engine's verify
+steps, one for one, up to the last steps the tool leaves unscored (a block that would pass the reply's end), at the
+trained depth and at a served depth K (--depths K against an engine verifying K drafts). An engine that feeds the
+drafter another mask token or other layers draws other rounds from the same text: the comparison sees it.
+"""
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+import eval_drafter as ed
+from spec_engine import TARGET, load_demo, start_engine
+
+N_NEW, LIMIT = 40, 6
+BASE = ["--demo", "--limit", str(LIMIT), "--max-new-tokens", str(N_NEW), "--ignore-eos", "--ddtree-budgets", "none",
+        "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    model, drafter, _ = load_demo()
+    srv = start_engine(model, drafter)
+    decode, srv.steps = srv.decode, {}
+
+    def keeping(prompt, *args):   # each request's verify steps, by its prompt (two demo prompts share a reply)
+        out, finish, steps = decode(prompt, *args)
+        srv.steps[tuple(prompt)] = steps
+        return out, finish, steps
+    srv.decode = keeping
+    tok = AutoTokenizer.from_pretrained(TARGET)
+    srv.tokenize = lambda text: tok(text)["input_ids"]
+    yield srv
+    srv.shutdown()
+
+
+def served(engine, tmp_path, api, *extra, **serving):
+    """The tool's report on the engine's own text, and the engine's (completion, accepted drafts per verify step) for
+    each of the report's prompts (the references --save-references kept say which prompt is whose: the demo's are
+    plain text, no chat template)."""
+    engine.reset(**serving)
+    engine.steps.clear()
+    out, refs = tmp_path / "out.json", tmp_path / "refs.jsonl"
+    server = ["--server", engine.url] + (["--server-api", "openai", "--server-model", "demo"] if api == "openai" else [])
+    assert ed.main(BASE + server + list(extra) + ["--save-references", str(refs), "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    kept = {r["id"]: r for r in map(json.loads, refs.read_text().splitlines())}
+    return report, [(kept[p["id"]]["completion_ids"], engine.steps[tuple(engine.tokenize(kept[p["id"]]["prompt"]))])
+                    for p in report["drafters"][0]["prompts"]]
+
+
+def held(rounds, completion, steps, block):
+    """The tool's rounds equal the engine's first verify steps (accepted drafts + 1), and the steps after them commit
+    only the tokens the tool leaves unscored: a round is scored while its drafts lie inside the reply (its bonus token
+    may fall past the end: -1 left), so fewer than a block's drafts are left to the engine's last steps."""
+    assert [j + 1 for j in steps[:len(rounds)]] == rounds
+    left = len(completion) - 1 - sum(rounds)   # the prefill's token, then the scored rounds
+    assert -1 <= left < block - 1 and (left <= 0) == (len(steps) == len(rounds))
+
+
+@pytest.mark.parametrize("api", ["sglang", "openai"])
+def test_the_tools_rounds_are_the_engines_verify_steps(engine, tmp_path, api):
+    report, by_request = served(engine, tmp_path, api)
+    d = report["drafters"][0]
+    assert len(d["prompts"]) == LIMIT == len(by_request)
+    for p, (completion, steps) in zip(d["prompts"], by_request):
+        assert p["completion_tokens"] == len(completion)
+        held(p["rounds"], completion, steps, d["block_size"])
+    assert any(r < d["block_size"] for p in d["prompts"] for r in p["rounds"]), "every draft accepted: a weak test"
+
+
+def test_at_a_served_depth(engine, tmp_path):
+    """An engine verifying K = 3 drafts a round (a block of 1 + 3, as vLLM runs DFlash at num_speculative_tokens 3):
+    the tool's --depths 3 rounds are its steps."""
+    report, by_request = served(engine, tmp_path, "sglang", "--depths", "3", k=3)
+    for p, (completion, steps) in zip(report["drafters"][0]["prompts"], by_request):
+        assert max(steps) <= 3
+        held(p["depth_rounds"]["3"], completion, steps, 4)
+
+
+@pytest.mark.parametrize("serving", [{"mask_token_id": 7}, {"layers": [4, 3, 1]}], ids=["mask_token", "layers"])
+def test_a_misconfigured_engine_draws_other_rounds(engine, tmp_path, serving):
+    """Another mask token or other feature layers in the engine: the same greedy text (references equal), other verify
+    steps, fewer drafts accepted than the tool's exact rounds say the drafter earns."""
+    report, by_request = served(engine, tmp_path, "sglang", **serving)
+    prompts = report["drafters"][0]["prompts"]
+    differ = [p["id"] for p, (_, steps) in zip(prompts, by_request)
+              if [j + 1 for j in steps[:len(p["rounds"])]] != p["rounds"]]
+    assert len(differ) >= LIMIT // 2, differ
+    exact = sum(sum(p["rounds"]) for p in prompts) / sum(len(p["rounds"]) for p in prompts)
+    engine_tau = 1 + sum(sum(s) for _, s in by_request) / sum(len(s) for _, s in by_request)
+    assert engine_tau < exact - 0.5
