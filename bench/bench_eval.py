@@ -932,7 +932,8 @@ def entry_point(args, work):
     """t: measure() per call (best of --repeats after a warm-up), the drafter's stages inside it (eval_drafter's
     TIMING: drafter, trees, metrics, feature check), and the CLI over the same saved features, whole process; on this
     box as it is, and with 2 x cores other processes spinning (a busy training box), under the old default (the
-    caller's torch threads, here torch's own count) and the new one (one thread for the pass)."""
+    caller's torch threads: one a core, torch's default in a fresh process, whatever this one was left with) and the
+    new one (one thread for the pass)."""
     from safetensors.torch import load_file
     demo = os.path.join(ROOT, "tests", "fixtures", "demo")
     saved = os.path.join(work, "demo_features.safetensors")
@@ -948,7 +949,7 @@ def entry_point(args, work):
     for busy in (0, 2 * cores):
         spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
         try:
-            for label, threads in (("old default", torch.get_num_threads()), ("new default", 1)):
+            for label, threads in (("old default", max(cores, torch.get_num_threads())), ("new default", 1)):
                 features.threads = threads
                 ed.measure(weights, features, config=cfg)   # warm-up
                 runs, stages = [], []
