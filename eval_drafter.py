@@ -1226,6 +1226,7 @@ class Run:
     reference_choice: str = None      # why auto kept speculative decoding or went on by plain decoding
     rounds_timed: list = field(default_factory=list)   # auto: (seconds, tokens) of the speculative rounds so far
     server_ids: str = None            # "logprobs": the server gives token ids only inside its logprobs
+    served_one_by_one: bool = False   # the server reports its drafts per request: one prompt a request (vLLM)
     hidden_cache: dict = None         # --load-hidden: where and how the features were extracted
     costs_used: dict = None           # --costs measure: what was measured
     interrupted: bool = False         # Ctrl-C or SIGTERM in this process (under torchrun: in any rank)
@@ -1248,7 +1249,8 @@ def run_config(settings, learned):
 
 # What a saved reference line adds to its prompt line (and what reading it back as a prompt line drops).
 SAVED_REFERENCE_KEYS = ("completion_ids", "reference_source", "server", "server_api", "finish_reason", "sample",
-                        "sampling", "turn", "max_new_tokens", "ignore_eos", "reference_generation", "device", "dtype")
+                        "sampling", "turn", "max_new_tokens", "ignore_eos", "reference_generation", "device", "dtype",
+                        "served")
 
 
 def saved_turn(row):
@@ -1322,7 +1324,8 @@ def parse_prompt_row(row, where, number):
     name = next((k for k in ID_KEYS if row.get(k) is not None), None)
     item = {"id": str(row[name] if name else number), "split": str(row.get("split", "all")), "row": row,
             "completion": row.get("completion"), "completion_ids": row.get("completion_ids"),
-            "source": "server" if row.get("reference_source") == "server" else "file"}
+            "source": "server" if row.get("reference_source") == "server" else "file",
+            **({"served": row["served"]} if isinstance(row.get("served"), dict) else {})}
     if isinstance(row.get("prompt"), str):
         item["messages"] = [{"role": "user", "content": row["prompt"]}]
     elif isinstance(row.get("messages"), list) and row["messages"]:
@@ -1539,7 +1542,7 @@ def take_saved(it, saved, settings):
             any(row.get(k, v) != v for k, v in reference_origin(it, settings).items()):
         return False
     it.update(completion_ids=row["completion_ids"], source=row.get("reference_source", "server"),
-              finish_reason=row.get("finish_reason"))
+              finish_reason=row.get("finish_reason"), **({"served": row["served"]} if row.get("served") else {}))
     return True
 
 
@@ -1551,7 +1554,7 @@ def saved_line(it, settings, learned):
                   {"reference_generation": learned.reference_method})
     return {**prompt_line(it["row"]), "id": it["id"], "split": it["split"],
             **{k: it[k] for k in ("turn", "sample") if it.get(k) is not None},
-            "completion_ids": it["completion_ids"], **origin}
+            "completion_ids": it["completion_ids"], **origin, **({"served": it["served"]} if it.get("served") else {})}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -3971,6 +3974,26 @@ def reply_ids(entry, api, what):
     return ids, finish
 
 
+def served_figures(entry, reply, api):
+    """What the engine says its drafter did on one request, in one shape: vLLM 0.33's metrics.speculative_decoding
+    (--per-request-spec-decode-metrics; a one-prompt request's reply only), SGLang 0.5.23's meta_info spec_* fields
+    (its spec_accept_length divides the prefill's token too: the counts are kept, not it). None where there are none."""
+    if api == "sglang":
+        meta = entry.get("meta_info") or {}
+        steps, accepted, drafted = (meta.get(k) for k in ("spec_verify_ct", "spec_num_correct_drafts",
+                                                          "spec_num_proposed_drafts"))
+        figures = {"engine": "sglang", "k": drafted // steps if isinstance(drafted, int) and steps else None,
+                   "steps": steps, "accepted": accepted, "histogram": meta.get("spec_correct_drafts_histogram"),
+                   "per_step": None}
+    else:
+        spec = ((reply.get("metrics") or {}) if isinstance(reply, dict) else {}).get("speculative_decoding") or {}
+        figures = {"engine": "vllm", "k": spec.get("num_spec_tokens"), "steps": spec.get("num_spec_steps"),
+                   "accepted": spec.get("num_accepted_draft_tokens"), "histogram": spec.get("acceptance_histogram"),
+                   "per_step": spec.get("per_step_accepted")}
+        figures["prompt_ids"] = entry.get("prompt_token_ids")
+    return figures if isinstance(figures["steps"], int) and isinstance(figures["accepted"], int) else None
+
+
 def server_batch(batch, settings, learned, what=None):
     """One request for a batch of prompts: [(completion ids, finish reason)] in the batch's order."""
     api, url = settings["server_api"], settings["server"].rstrip("/")
@@ -4005,7 +4028,9 @@ def server_batch(batch, settings, learned, what=None):
             return server_batch(batch, settings, learned, what)
     if len(entries) != len(batch):
         fail(f"{what}: the server answered for {len(entries)} prompts, {len(batch)} were sent")
-    return [reply_ids(entry, api, what) for entry in entries]
+    if api != "sglang" and len(batch) == 1 and served_figures(entries[0], reply, api):
+        learned.served_one_by_one = True   # vLLM gives its figures for one-prompt requests only
+    return [(*reply_ids(entry, api, what), served_figures(entry, reply, api)) for entry in entries]
 
 
 def check_server(settings, learned, target_cfg):
@@ -4025,7 +4050,8 @@ def fetch_references(items, settings, learned, keep):
     by_room = {}
     for it in items:  # one max_new_tokens (and one sample index: one seed) per request
         by_room.setdefault((it["room"], it.get("sample")), []).append(it)
-    batches = [group[i:i + SERVER_BATCH] for group in by_room.values() for i in range(0, len(group), SERVER_BATCH)]
+    size = 1 if learned.served_one_by_one else SERVER_BATCH
+    batches = [group[i:i + size] for group in by_room.values() for i in range(0, len(group), size)]
     error = None
     with ThreadPoolExecutor(settings["server_concurrency"]) as pool, progress(settings, len(items), "server") as bar:
         futures = {pool.submit(server_batch, batch, settings, learned): batch for batch in batches}
@@ -4035,8 +4061,9 @@ def fetch_references(items, settings, learned, keep):
             except UsageError as e:  # keep the batches that did answer, then report the first fault
                 error = error or e
                 continue
-            for it, (ids, finish) in zip(futures[future], replies):
-                it.update(completion_ids=ids, source="server", finish_reason=finish)
+            for it, (ids, finish, served) in zip(futures[future], replies):
+                it.update(completion_ids=ids, source="server", finish_reason=finish, **({"served": served} if served
+                                                                                         else {}))
                 keep(it)
             bar.update(len(futures[future]))
     if error:
@@ -4496,7 +4523,7 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
             kept.append(res)
     records = []
     keep = ("index", "id", "split", "prompt_ids", "completion_ids", "agree", "source", "sample", "support", "turn",
-            "reply")
+            "reply", "served")
     for (it, _, argmax), res in zip(group, results):
         diverge = next((k for k, (a, b) in enumerate(zip(argmax, it["completion_ids"])) if a != b), None)
         detail = None if diverge is None else {"reference": it["completion_ids"][diverge], "argmax": argmax[diverge],
@@ -4921,6 +4948,68 @@ def self_check(items, config):
     return check
 
 
+def held_served(it, res, B):
+    """One request's served figures (an engine's own, from --server or a saved line) against the exact rounds on its
+    text at the served K: greedy, the engine's verify steps are those rounds one for one, then only steps over the
+    reply's last tokens, which no round scores. vLLM's detailed figures compare step by step, the rest by histogram."""
+    s, depths = it["served"], res.get("depths") or {}
+    k = s["k"] or B - 1
+    exact = res["rounds"] if k == B - 1 else (depths.get(k) or depths.get(str(k)) or {}).get("rounds")
+    held = {"engine": s["engine"], "k": k, "steps": s["steps"], "accepted": s["accepted"],
+            "tau_served": 1 + s["accepted"] / s["steps"] if s["steps"] else None, "tau_exact": None, "equal": None}
+    theirs, ours = s.get("prompt_ids"), it["prompt_ids"]
+    if theirs is not None and list(theirs) != list(ours):   # the engine's chat template, thinking or system prompt
+        held["prompt_differs_at"] = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b),
+                                         min(len(theirs), len(ours)))
+    if not exact:   # K not evaluated (--depths K), or sampled: no rounds of its own
+        return held
+    spare = max(len(it["completion_ids"]) - 1 - sum(exact), 0)   # after the prefill's token and the scored rounds
+    held.update(tau_exact=sum(exact) / len(exact), exact_rounds=len(exact), exact_committed=sum(exact))
+    if s.get("per_step") is not None:
+        steps = [j + 1 for j in s["per_step"]]
+        held["first_difference"] = next((i for i, (a, b) in enumerate(zip(steps, exact)) if a != b), None)
+        held["equal"] = held["first_difference"] is None and 0 <= len(steps) - len(exact) <= spare
+    else:
+        histogram, ours = list(s.get("histogram") or []), {}
+        for r in exact:
+            ours[r - 1] = ours.get(r - 1, 0) + 1
+        held["equal"] = 0 <= s["steps"] - len(exact) <= spare and \
+            all(j < len(histogram) and histogram[j] >= n for j, n in ours.items())
+    return held
+
+
+def served_summary(held, B, evaluated):
+    """The requests' served figures pooled against the exact ones on the same texts, and the causes the data name."""
+    n, engine, ks = len(held), held[0]["engine"], sorted({h["k"] for h in held})
+    steps, accepted = sum(h["steps"] for h in held), sum(h["accepted"] for h in held)
+    compared = [h for h in held if h["equal"] is not None]
+    exact = sum(h["exact_committed"] for h in compared) / sum(h["exact_rounds"] for h in compared) \
+        if compared else None
+    served = 1 + accepted / steps if steps else None
+    equal = sum(h["equal"] for h in compared)
+    causes = [f"the engine drafts K={k} a round; this run evaluated K={', '.join(map(str, evaluated))}: add --depths "
+              f"{k} to hold its rounds against the exact ones" for k in ks if k not in evaluated]
+    other = [h for h in held if "prompt_differs_at" in h]
+    if other:
+        causes.append(f"{len(other)} of {n} requests were served another prompt than this run's (first at token "
+                      f"{other[0]['prompt_differs_at']}): the chat template, thinking or a system prompt differ")
+    differ = [h for h in compared if not h["equal"]]
+    if compared and not differ and not other:
+        causes.append("none: every served verify step is the exact round on the same text")
+    elif differ and served is not None and served < exact:
+        early = sum(h.get("first_difference") in (0, 1) for h in differ)
+        causes.append(f"{len(differ)} of {len(compared)} requests drew other rounds on the same text"
+                      f"{f' ({early} from their first steps)' if early else ''}: the engine's drafter gets other "
+                      "inputs than this run's: another mask token, other target layers (--engine conventions) or "
+                      "other weights")
+    elif differ:
+        causes.append(f"{len(differ)} of {len(compared)} requests drew other rounds and the engine accepted more: "
+                      "this run's setup is the suspect (its layers, mask token, template or depth)")
+    return {"engine": engine, "k": ks, "requests": n, "steps": steps, "tau_served": served, "tau_exact": exact,
+            "gap": served - exact if None not in (served, exact) else None, "compared": len(compared),
+            "equal": equal, "causes": causes}
+
+
 def prompt_report(it, res, B):
     """One reference's entry: its source, how it sits with the target, its rounds (or their expectation)."""
     sampled = "expected" in res
@@ -4941,6 +5030,8 @@ def prompt_report(it, res, B):
         entry.setdefault("verify_tau", {})[rule] = c / r if r else None
     if "depths" in res:
         entry["depth_rounds"] = {str(k): other["rounds"] for k, other in sorted(res["depths"].items())}
+    if it.get("served"):
+        entry["served"] = held_served(it, res, B)
     if not (res["rounds"] or res.get("expected", {}).get("rounds")):
         entry["note"] = (f"completion of {len(it['completion_ids'])} tokens is shorter than one block ({B} tokens: "
                          f"the anchor and {B - 1} drafts): nothing to score")
@@ -5013,6 +5104,8 @@ def drafter_report(d, results, items):
     depths = {B - 1: whole, **{k: section(depth=k) for k in (results[0].get("depths", {}) if results else {})}}
     verify = {rule: section(pick=lambda res, rule=rule: res["verify"][rule])
               for rule in (results[0].get("verify", {}) if results else {})}
+    prompts = [prompt_report(it, res, B) for it, res in zip(items, results)]
+    held = [p["served"] for p in prompts if "served" in p]
     tree = d.get("eagle_tree")
     if tree and results and "tree" in results[0]:   # SGLang's token tree: its walk, its rounds of up to steps + 1
         s = section(depth=tree["steps"], pick=lambda res: res["tree"])
@@ -5030,7 +5123,7 @@ def drafter_report(d, results, items):
             **({"turns": turns} if turns else {}), **({"mask_check": mask_check_summary(
                 d["mask_modes"], [r["mask_check"] for r in results if "mask_check" in r])} if d["mask_modes"] else {}),
             **({"override_check": overridden[0]} if overridden and overridden[0] else {}),
-            "prompts": [prompt_report(it, res, B) for it, res in zip(items, results)]}
+            "prompts": prompts, **({"served": served_summary(held, B, sorted(depths))} if held else {})}
 
 
 def side_by_side(drafters, results, items):
@@ -5136,6 +5229,14 @@ def serving_lines(d, source=None):
                f"Avg Draft acceptance rate {v['avg_draft_acceptance_rate']:.1f}%")
         yield (f"     SGLang (--speculative-num-draft-tokens {g['speculative_num_draft_tokens']}): accept len "
                f"{g['accept_len']:.2f}, accept rate {g['accept_rate']:.3f}")
+    served = d.get("served")
+    if served:
+        yield (f"   served by {served['engine']} (K={', '.join(map(str, served['k']))}, {served['requests']} requests, "
+               f"{served['steps']} verify steps): tau {fmt(served['tau_served'])} against the exact "
+               f"{fmt(served['tau_exact'])} on the same text; equal round for round in {served['equal']} of "
+               f"{served['compared']} requests")
+        for cause in served["causes"]:
+            yield f"     cause: {cause}"
     for batch, p in (d.get("predicted_speedup") or {}).items():
         yield (f"   predicted speedup{'' if batch == '1' else f' at batch size {batch}'} = tau x plain decoding's "
                f"{1e3 * p['plain_s']:.3g} ms a token / a round's cost (the target verifying 1 + K tokens, or a tree's "
@@ -5487,7 +5588,7 @@ ORIGIN_KEYS = ("target_hash", "prompts_hash", *flag_names("G"))   # the settings
 KEY_WORDS = {"target_hash": "the target (its config or weights)", "prompts_hash": "the prompts (file content)",
              "hidden_hashes": "the saved features (--load-hidden files)", "series": "the series' name",
              "run": "the run directory"}
-REFERENCE_KEYS = ("index", "id", "sample", "turn", "completion_ids", "source", "finish_reason")
+REFERENCE_KEYS = ("index", "id", "sample", "turn", "completion_ids", "source", "finish_reason", "served")
 
 
 def differences(a, b, keys=RESUME_KEYS):
