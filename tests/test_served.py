@@ -44,7 +44,9 @@ def served(engine, tmp_path, api, *extra, **serving):
     plain text, no chat template)."""
     engine.reset(**serving)
     engine.steps.clear()
-    out, refs = tmp_path / "out.json", tmp_path / "refs.jsonl"
+    here = tmp_path / f"run{len(list(tmp_path.iterdir()))}"   # a fresh folder: nothing saved is reused
+    here.mkdir()
+    out, refs = here / "out.json", here / "refs.jsonl"
     server = ["--server", engine.url] + (["--server-api", "openai", "--server-model", "demo"] if api == "openai" else [])
     assert ed.main(BASE + server + list(extra) + ["--save-references", str(refs), "--output", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -94,3 +96,49 @@ def test_a_misconfigured_engine_draws_other_rounds(engine, tmp_path, serving):
     exact = sum(sum(p["rounds"]) for p in prompts) / sum(len(p["rounds"]) for p in prompts)
     engine_tau = 1 + sum(sum(s) for _, s in by_request) / sum(len(s) for _, s in by_request)
     assert engine_tau < exact - 0.5
+
+
+# ----------------------------------------------------------------------------------------------------
+# Issue 43 (work in progress): the tool reads the engine's own figures and holds them against the exact rounds
+
+
+def served_summary(engine, tmp_path, api, *extra, **serving):
+    report, _ = served(engine, tmp_path, api, *extra, **serving)
+    d = report["drafters"][0]
+    return d["served"], d["prompts"]
+
+
+@pytest.mark.parametrize("api", ["sglang", "openai"])
+def test_a_correct_engine_is_held_equal(engine, tmp_path, api):
+    s, prompts = served_summary(engine, tmp_path, api)
+    assert s["engine"] == ("sglang" if api == "sglang" else "vllm") and s["k"] == [7]
+    assert s["requests"] == s["compared"] == s["equal"] == LIMIT
+    assert s["causes"] == ["none: every served verify step is the exact round on the same text"]
+    assert all(p["served"]["equal"] for p in prompts)
+    if api == "openai":   # vLLM gives its figures for one-prompt requests only: one prompt a request after the probe
+        assert all(len(r["body"]["prompt"]) == 1 for r in engine.requests)
+
+
+def test_another_depth_is_named_then_held(engine, tmp_path):
+    s, _ = served_summary(engine, tmp_path, "sglang", k=3)
+    assert s["compared"] == 0 and "add --depths 3" in s["causes"][0]
+    s, _ = served_summary(engine, tmp_path, "sglang", "--depths", "3", k=3)
+    assert s["equal"] == LIMIT and s["causes"][0].startswith("none")
+
+
+@pytest.mark.parametrize("serving", [{"mask_token_id": 7}, {"layers": [4, 3, 1]}], ids=["mask_token", "layers"])
+def test_other_drafter_inputs_are_named(engine, tmp_path, serving):
+    s, _ = served_summary(engine, tmp_path, "openai", **serving)
+    assert s["equal"] < LIMIT // 2 and s["gap"] < -0.5
+    assert "the engine's drafter gets other inputs" in s["causes"][-1]
+
+
+def test_saved_served_lines_give_the_same_report_without_the_server(engine, tmp_path):
+    report, _ = served(engine, tmp_path, "openai", mask_token_id=7)
+    refs = tmp_path / "run0" / "refs.jsonl"
+    assert all("served" in json.loads(line) for line in refs.read_text().splitlines())
+    out = tmp_path / "again.json"
+    assert ed.main(["--demo", "--prompts", str(refs), "--max-new-tokens", str(N_NEW), "--ignore-eos",
+                    "--ddtree-budgets", "none", "--quiet", "--output", str(out)]) == 0
+    again = json.loads(out.read_text())["drafters"][0]
+    assert again["served"] == report["drafters"][0]["served"]
