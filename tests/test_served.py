@@ -142,3 +142,24 @@ def test_saved_served_lines_give_the_same_report_without_the_server(engine, tmp_
                     "--ddtree-budgets", "none", "--quiet", "--output", str(out)]) == 0
     again = json.loads(out.read_text())["drafters"][0]
     assert again["served"] == report["drafters"][0]["served"]
+
+
+def test_a_served_file_gives_the_report_of_the_server(engine, tmp_path):
+    """--served FILE: the engine's own replies saved a line each (vLLM's, with return_token_ids) give the report
+    --server gives on the same requests, with no server."""
+    import urllib.request
+    report, _ = served(engine, tmp_path, "openai", mask_token_id=7)
+    rows = [json.loads(line) for line in open(f"{ed.DEMO_DIR}/prompts.jsonl", encoding="utf-8")][:LIMIT]
+    lines = []
+    for r in reversed(rows):   # any order: a line is its prompt's by the prompt ids it carries
+        body = {"model": "demo", "prompt": [engine.tokenize(r["prompt"])], "max_tokens": N_NEW, "ignore_eos": True,
+                "temperature": 0, "return_token_ids": True}
+        request = urllib.request.Request(engine.url + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        lines.append(urllib.request.urlopen(request).read().decode())
+    (tmp_path / "served.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "file.json"
+    assert ed.main(BASE + ["--served", str(tmp_path / "served.jsonl"), "--output", str(out)]) == 0
+    got, want = json.loads(out.read_text())["drafters"][0], report["drafters"][0]
+    assert got["served"] == want["served"] and got["served"]["equal"] == 0
+    assert [p["rounds"] for p in got["prompts"]] == [p["rounds"] for p in want["prompts"]]
