@@ -2079,6 +2079,7 @@ class Drafter:
     tree: dict = None           # EAGLE-3: the token tree SGLang serves it with {steps, topk, tokens, source}
     overrides: dict = None      # {flag: {"given", "checkpoint"}} of the flags that replace what its checkpoint states
     own: object = None          # the same drafter as its checkpoint alone describes it, when flags override it
+    suspects: dict = None       # {what: changed fields} of the inputs a serving engine may feed it instead
 
 
 def dflash_value(cfg, name, default=None):
@@ -3998,7 +3999,6 @@ def served_figures(entry, reply, api):
         figures = {"engine": "vllm", "k": spec.get("num_spec_tokens"), "steps": spec.get("num_spec_steps"),
                    "accepted": spec.get("num_accepted_draft_tokens"), "histogram": spec.get("acceptance_histogram"),
                    "per_step": spec.get("per_step_accepted")}
-        figures["prompt_ids"] = entry.get("prompt_token_ids")
     return figures if isinstance(figures["steps"], int) and isinstance(figures["accepted"], int) else None
 
 
@@ -4023,7 +4023,8 @@ def server_batch(batch, settings, learned, what=None):
     else:
         body = {"model": settings["server_model"], "prompt": [it["prompt_ids"] for it in batch], "max_tokens": room,
                 "ignore_eos": settings["ignore_eos"], "skip_special_tokens": False, **neutral,
-                **({"seed": sample_seed(settings, "request", batch[0]["sample"]) % 2**31} if sampling else {})}
+                **({"seed": sample_seed(settings, batch[0]["id"] if len(batch) == 1 else "request",
+                                          batch[0]["sample"]) % 2**31} if sampling else {})}
         body.update({"logprobs": 0, "return_tokens_as_token_ids": True} if learned.server_ids == "logprobs"
                     else {"return_token_ids": True})
         reply = post_json(url + "/v1/completions", body, settings, longest, what)
@@ -4052,18 +4053,34 @@ def read_served(path):
         entry = row["choices"][0] if api == "openai" else row
         ids, finish = reply_ids(entry, api, f"--served {path} {label}")
         prompt = entry.get("prompt_token_ids") if api == "openai" else row.get("input_ids", row.get("prompt_ids"))
+        served = served_figures(entry, row, api)
         lines.append((str(row.get("prompt_id", row.get("id"))), prompt, ids, finish,
-                      served_figures(entry, row, api)))
+                      served and {**served, "prompt_ids": prompt}))
     return lines
 
 
 def take_served(it, lines):
     """Give `it` its reference and served figures from the --served line of its prompt ids, else of its id."""
     line = next((x for x in lines if x[1] is not None and list(x[1]) == it["prompt_ids"]), None) or \
-        next((x for x in lines if x[1] is None and x[0] == it["id"]), None)
+        next((x for x in lines if x[0] == it["id"]), None)
     if line:
         it.update(completion_ids=line[2], source="server", finish_reason=line[3],
                   **({"served": line[4]} if line[4] else {}))
+
+
+def served_prompt(tokenizer, it, settings):
+    """Where the engine's prompt (a --served line's ids) leaves this run's, and the flag that, flipped, gives it."""
+    theirs, ours = it["served"].get("prompt_ids"), it["prompt_ids"]
+    if theirs is None or list(theirs) == ours:
+        return
+    it["served"]["prompt_differs_at"] = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b),
+                                             min(len(theirs), len(ours)))
+    for flag, key in (("--enable-thinking", "enable_thinking"), ("--no-chat-template", "no_chat_template")):
+        trial = {"messages": it["messages"], "completion": None, "completion_ids": None, "id": it["id"]}
+        if encode_prompts(tokenizer, [trial], {**settings, key: not settings[key]}, True) == "applied" or \
+                key == "no_chat_template":
+            if trial["prompt_ids"] == list(theirs):
+                it["served"]["prompt_flag"] = f"{'drop ' * settings[key]}{flag}"
 
 
 def check_server(settings, learned, target_cfg):
@@ -4271,11 +4288,29 @@ def block_accept(q, p_at):
     return torch.where(reach[:, :-1] > -math.inf, (reach[:, 1:] - reach[:, :-1]).exp(), torch.zeros_like(q))
 
 
-def add_expectations(res, block_size, n_prompt, total_len, p, q=None, rules=("standard",)):
+def served_moments(accept, per_step):
+    """An engine's verify steps (drafts accepted each) on a text whose anchors' slot chances are the rows of `accept`:
+    [accepted, its expectation, variance, steps, steps of probability 0] over the steps at those anchors. Given the
+    text a step's count depends on its anchor alone, so the differences add up as a martingale's: a z-score."""
+    reach = torch.cat([torch.ones(accept.shape[0], 1, dtype=torch.float64), accept.double().cumprod(1),
+                       torch.zeros(accept.shape[0], 1, dtype=torch.float64)], dim=1).tolist()
+    out, anchor = [0, 0.0, 0.0, 0, 0], 0
+    for j in per_step:
+        if anchor >= len(reach):
+            break
+        r = reach[anchor]
+        mean, second = sum(r[1:]), sum((2 * i - 1) * x for i, x in enumerate(r) if i)
+        out = [out[0] + j, out[1] + mean, out[2] + second - mean * mean, out[3] + 1, out[4] + (r[j] - r[j + 1] <= 0)]
+        anchor += j + 1
+    return out
+
+
+def add_expectations(res, block_size, n_prompt, total_len, p, q=None, rules=("standard",), served=None):
     """Temperature > 0, under each verification rule: each drafted slot's acceptance probability (argmax proposals:
     draft == text, the walk already taken, the same under both rules; sampled: standard min(1, q / p), 0 where p
     is; block: block_accept), the expected walk and the per-position sums (sampled: by context). The first rule's
-    figures are res's own, the others' go to res["verify"]."""
+    figures are res's own, the others' go to res["verify"]; an engine's per-step figures (served, at this depth) are
+    held against the first rule's chances."""
     p_at = p[res["anchors"][:, None] + torch.arange(1, block_size) - n_prompt]
     sampled = q is not None
     q = q if sampled else res["equal"].double()
@@ -4286,6 +4321,8 @@ def add_expectations(res, block_size, n_prompt, total_len, p, q=None, rules=("st
         if sampled:
             expected = expected_walk(accept, n_prompt, total_len, block_size)
             length, start = expected.pop("length"), expected.pop("start")
+            if rule == rules[0] and (served or {}).get("per_step") is not None and served["k"] == block_size - 1:
+                expected["served"] = served_moments(accept, served["per_step"])
         else:
             expected = round_sums(res["rounds"], block_size, float)
         reach = torch.cat([torch.ones(accept.shape[0], 1, dtype=torch.float64), accept.cumprod(1)], dim=1)
@@ -4350,7 +4387,8 @@ def score_drafter(d, prompts, group, embed_w, head, settings, budgets, rules):
                 res["by_context"] = context_sums(res["anchors"], res["matched"] >= 1,
                                                  [n_prompt + sum(rounds[:i]) for i in range(len(rounds))], rounds)
             if sampling:
-                add_expectations(res, d.block_size, n_prompt, len(ids), group[i][0]["p"], q, rules)
+                add_expectations(res, d.block_size, n_prompt, len(ids), group[i][0]["p"], q, rules,
+                                 group[i][0].get("served"))
             elif rules[1:]:   # greedy: every rule is the argmax comparison, the engines' greedy path
                 res["verify"] = {rule: {**{k: res[k] for k in ("anchors", "matched", "equal", "rounds")},
                                         "ddtree_rounds": {}, "by_context": {}} for rule in rules[1:]}
@@ -4410,6 +4448,43 @@ def check_variants(d):
     mask check (--check-mask): other in-block masks; the override check: the checkpoint's own values (d.own)."""
     checks = {"mask_check": {name: replace(d, rules=rules) for name, rules in (d.mask_variants or {}).items()}}
     return {**checks, "override_check": {"as given": d, "checkpoint's own values": d.own} if d.own else {}}
+
+
+def suspect_inputs(d, target_cfg):
+    """What an engine may feed drafter d instead of this run's inputs, {what: changed fields}: each captured layer one
+    off, all of them (hidden_states indices against layer outputs: the --engine conventions' difference) or in reverse
+    order; a block's mask token read from another field (the configs' pad, eos, bos; vLLM's other mask fields)."""
+    L, out = target_cfg.num_hidden_layers, {}
+    options = [[i + s for i in d.layers] for s in (-1, 1)] + [d.layers[::-1]] + \
+        [d.layers[:n] + [i + s] + d.layers[n + 1:] for n, i in enumerate(d.layers) for s in (-1, 1)]
+    for ids in options:
+        if ids != d.layers and len(set(ids)) == len(ids) and all(0 <= i < L for i in ids):
+            out.setdefault(f"layers {ids}", {"layers": ids})
+    fields = [(d.cfg.get(key), key) for key in ("mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")]
+    fields += [(getattr(target_cfg, key, None), f"the target's {key}") for key in ("pad_token_id", "eos_token_id",
+                                                                                  "bos_token_id")]
+    for value, key in fields if d.rules else []:
+        for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, int) and token != d.mask_token_id:
+                out.setdefault(f"mask token {token} ({key})", {"mask_token_id": token})
+    return out
+
+
+def served_suspects(d, prompt, item, res, embed_w, head, settings):
+    """Which of d.suspects draws the engine's verify steps on this text, greedy, where this run's rounds do not."""
+    s = item["served"]
+    k = s["k"] or d.block_size - 1
+    ours = res["rounds"] if k == d.block_size - 1 else (res.get("depths", {}).get(k) or {}).get("rounds")
+    if not (d.suspects and ours) or served_equal(s, ours, len(item["completion_ids"]))[0]:
+        return None
+    found = []
+    for name, change in d.suspects.items():
+        v = replace(d, **change, block_size=k + 1, tree=None)
+        if all(L in prompt[0] for L in v.layers):
+            rounds = score_drafter(v, [prompt], [(item, None, None)], embed_w, head, settings, [], ["standard"])[0]
+            if rounds["rounds"] and served_equal(s, rounds["rounds"], len(item["completion_ids"]))[0]:
+                found.append(name)
+    return found
 
 
 def variant_counts(variants, features, ids, n_prompt, embed_w, head, device):
@@ -4545,7 +4620,7 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
             for res, other in zip(scored, score_drafter(replace(d, block_size=depth + 1, tree=None), prompts, group,
                                                         embed_w, head, settings, [], settings["verify"][:1])):
                 res.setdefault("depths", {})[depth] = other
-        for (features, ids, n_prompt, _), res, kept in zip(prompts, scored, results):
+        for (it, _, _), (features, ids, n_prompt, prompt_id), res, kept in zip(group, prompts, scored, results):
             for check, variants in check_variants(d).items():
                 if variants:
                     with timed(f"{check}_s"):
@@ -4553,6 +4628,9 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
                                                     settings["device"])
             with timed("feature_check_s"):
                 res["feature_check"] = feature_check_prompt(d, res, features, ids, embed_w, head, settings["device"])
+            if it.get("served"):
+                res["suspects"] = served_suspects(d, (features, ids, n_prompt, prompt_id), it, res, embed_w, head,
+                                                  settings)
             kept.append(res)
     records = []
     keep = ("index", "id", "split", "prompt_ids", "completion_ids", "agree", "source", "sample", "support", "turn",
@@ -4981,66 +5059,120 @@ def self_check(items, config):
     return check
 
 
-def held_served(it, res, B):
-    """One request's served figures (an engine's own, from --server or a saved line) against the exact rounds on its
-    text at the served K: greedy, the engine's verify steps are those rounds one for one, then only steps over the
-    reply's last tokens, which no round scores. vLLM's detailed figures compare step by step, the rest by histogram."""
-    s, depths = it["served"], res.get("depths") or {}
-    k = s["k"] or B - 1
-    exact = res["rounds"] if k == B - 1 else (depths.get(k) or depths.get(str(k)) or {}).get("rounds")
-    held = {"engine": s["engine"], "k": k, "steps": s["steps"], "accepted": s["accepted"],
-            "tau_served": 1 + s["accepted"] / s["steps"] if s["steps"] else None, "tau_exact": None, "equal": None}
-    theirs, ours = s.get("prompt_ids"), it["prompt_ids"]
-    if theirs is not None and list(theirs) != list(ours):   # the engine's chat template, thinking or system prompt
-        held["prompt_differs_at"] = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b),
-                                         min(len(theirs), len(ours)))
-    if not exact:   # K not evaluated (--depths K), or sampled: no rounds of its own
-        return held
-    spare = max(len(it["completion_ids"]) - 1 - sum(exact), 0)   # after the prefill's token and the scored rounds
-    held.update(tau_exact=sum(exact) / len(exact), exact_rounds=len(exact), exact_committed=sum(exact))
+def served_equal(s, exact, n_completion):
+    """(equal, first step that differs) of an engine's verify steps (served figures s) against greedy rounds on its text:
+    the rounds one for one, then only steps over the reply's last tokens, which no round scores. vLLM's detailed
+    figures compare step by step, the rest by histogram."""
+    spare = max(n_completion - 1 - sum(exact), 0)   # after the prefill's token and the scored rounds
     if s.get("per_step") is not None:
         steps = [j + 1 for j in s["per_step"]]
-        held["first_difference"] = next((i for i, (a, b) in enumerate(zip(steps, exact)) if a != b), None)
-        held["equal"] = held["first_difference"] is None and 0 <= len(steps) - len(exact) <= spare
-    else:
-        histogram, ours = list(s.get("histogram") or []), {}
-        for r in exact:
-            ours[r - 1] = ours.get(r - 1, 0) + 1
-        held["equal"] = 0 <= s["steps"] - len(exact) <= spare and \
-            all(j < len(histogram) and histogram[j] >= n for j, n in ours.items())
+        first = next((i for i, (a, b) in enumerate(zip(steps, exact)) if a != b), None)
+        return first is None and 0 <= len(steps) - len(exact) <= spare, first
+    histogram = list(s.get("histogram") or [])
+    return 0 <= s["steps"] - len(exact) <= spare and all(
+        j < len(histogram) and histogram[j] >= exact.count(j + 1) for j in set(r - 1 for r in exact)), None
+
+
+def held_served(it, res, B):
+    """One request's served figures (an engine's own) against the exact ones on its text at the served K, in the
+    engine's units: greedy, its rounds; sampled drafts, the expectation over the steps the engine took. units: the
+    (committed, steps) of each over the same steps where vLLM's detailed figures say which, for the paired gap."""
+    s, depths = it["served"], res.get("depths") or {}
+    k = s["k"] or B - 1
+    at = res if k == B - 1 else depths.get(k) or depths.get(str(k)) or {}
+    exact, moments = at.get("rounds"), (at.get("expected") or {}).get("served")
+    held = {"engine": s["engine"], "k": k, "steps": s["steps"], "accepted": s["accepted"],
+            "tau_served": 1 + s["accepted"] / s["steps"] if s["steps"] else None, "tau_exact": None, "equal": None,
+            "histogram": s.get("histogram"),
+            "agreement": it["agree"][0] / it["agree"][1] if it.get("agree") and it["agree"][1] else None,
+            **{key: s[key] for key in ("prompt_differs_at", "prompt_flag") if key in s},
+            **({"suspects": res["suspects"]} if res.get("suspects") is not None else {})}
+    served = [s["accepted"] + s["steps"], s["steps"]]
+    if s.get("per_step") is not None:   # the steps at anchors this run scores: blocks inside the reply
+        offset, served, held["histogram"] = 0, [0, 0], [0] * (k + 1)
+        for j in s["per_step"]:
+            if offset >= len(it["completion_ids"]) - k:
+                break
+            offset, served = offset + j + 1, [served[0] + j + 1, served[1] + 1]
+            held["histogram"][j] += 1
+    if moments:   # [accepted, its expectation, variance, steps, impossible steps]
+        obs, mean, var, n, _ = moments
+        held.update(tau_exact=1 + mean / n if n else None, moments=moments, units=[[obs + n, n], [mean + n, n]],
+                    z=(obs - mean) / math.sqrt(var) if var > 0 else 0.0 if obs == mean else math.inf)
+    elif exact:
+        held["equal"], held["first_difference"] = served_equal(s, exact, len(it["completion_ids"]))
+        held.update(tau_exact=sum(exact) / len(exact), units=[served, [sum(exact), len(exact)]])
     return held
 
 
-def served_summary(held, B, evaluated):
-    """The requests' served figures pooled against the exact ones on the same texts, and the causes the data name."""
-    n, engine, ks = len(held), held[0]["engine"], sorted({h["k"] for h in held})
-    steps, accepted = sum(h["steps"] for h in held), sum(h["accepted"] for h in held)
-    compared = [h for h in held if h["equal"] is not None]
-    exact = sum(h["exact_committed"] for h in compared) / sum(h["exact_rounds"] for h in compared) \
-        if compared else None
-    served = 1 + accepted / steps if steps else None
-    equal = sum(h["equal"] for h in compared)
-    causes = [f"the engine drafts K={k} a round; this run evaluated K={', '.join(map(str, evaluated))}: add --depths "
-              f"{k} to hold its rounds against the exact ones" for k in ks if k not in evaluated]
+def round_acceptance(histograms, k):
+    """Each slot's acceptance over the rounds that reach it, from histograms of drafts accepted a round."""
+    histogram = [0] * (k + 1)
+    for h in histograms:
+        for j, n in enumerate(h or []):
+            histogram[min(j, k)] += n
+    tail = [sum(histogram[j:]) for j in range(k + 1)]
+    return [tail[j + 1] / tail[j] if tail[j] else None for j in range(k)]
+
+
+def served_causes(held, compared, ks, evaluated, z):
+    """What the data say about a gap between served and exact figures, each cause with its evidence."""
+    n, causes = len(held), [f"the engine drafts K={k} a round; this run evaluated K={', '.join(map(str, evaluated))}: "
+                            f"add --depths {k} to hold its rounds against the exact ones" for k in ks if k not in evaluated]
     other = [h for h in held if "prompt_differs_at" in h]
+    flags = sorted({h["prompt_flag"] for h in other if "prompt_flag" in h})
     if other:
         causes.append(f"{len(other)} of {n} requests were served another prompt than this run's (first at token "
-                      f"{other[0]['prompt_differs_at']}): the chat template, thinking or a system prompt differ")
-    differ = [h for h in compared if not h["equal"]]
-    if compared and not differ and not other:
+                      f"{other[0]['prompt_differs_at']}): " + (f"this run with {' or '.join(flags)} gives the "
+                      "engine's prompt ids: run so to hold the same text" if flags else "the chat template, thinking "
+                      "or a system prompt differ"))
+    differ = [h for h in compared if h["equal"] is False and "prompt_differs_at" not in h]
+    agreement = [h["agreement"] for h in compared if h["agreement"] is not None and "z" not in h]
+    if agreement and min(agreement) < 0.95:
+        causes.append(f"this run's target takes the served text's token as its argmax at {min(agreement):.0%} of its "
+                      "positions on the worst request: the engine's target computes otherwise (a quantized or bf16 "
+                      "target, other numerics)")
+    if z is not None:
+        causes.append(f"{'none: ' if abs(z) <= 3 else ''}the served acceptance is {abs(z):.1f} standard errors "
+                      f"{'above' if z > 0 else 'below'} the exact expectation on the same texts" +
+                      ("" if abs(z) <= 3 else ": the engine's drafter or rule differs from this run's"))
+    elif compared and not differ and not other:
         causes.append("none: every served verify step is the exact round on the same text")
-    elif differ and served is not None and served < exact:
-        early = sum(h.get("first_difference") in (0, 1) for h in differ)
-        causes.append(f"{len(differ)} of {len(compared)} requests drew other rounds on the same text"
-                      f"{f' ({early} from their first steps)' if early else ''}: the engine's drafter gets other "
-                      "inputs than this run's: another mask token, other target layers (--engine conventions) or "
-                      "other weights")
-    elif differ:
-        causes.append(f"{len(differ)} of {len(compared)} requests drew other rounds and the engine accepted more: "
-                      "this run's setup is the suspect (its layers, mask token, template or depth)")
-    return {"engine": engine, "k": ks, "requests": n, "steps": steps, "tau_served": served, "tau_exact": exact,
-            "gap": served - exact if None not in (served, exact) else None, "compared": len(compared),
-            "equal": equal, "causes": causes}
+    found = {}
+    for name in (x for h in differ for x in h.get("suspects") or []):
+        found[name] = found.get(name, 0) + 1
+    for name, found in sorted(found.items(), key=lambda x: -x[1]):   # the one that fits every request first
+        causes.append(f"the engine's drafter gets {name}: with it this run's rounds are the served steps in {found} "
+                      f"of {len(differ)} requests that differ")
+    if differ and not any(h.get("suspects") for h in differ):
+        causes.append(f"{len(differ)} of {len(compared)} requests drew other rounds on the same text; "
+                      + ("none of the neighbouring layer ids, their reverse order or the configs' other token ids "
+                         "reproduce them: other weights, " if any("suspects" in h for h in differ) else "")
+                      + "another mask token or other target layers (--engine conventions) in the engine")
+    return causes
+
+
+def served_summary(held, B, depths):
+    """The requests' served figures pooled against the exact ones on the same texts, the gap with its paired interval
+    over requests, per position, and the causes the data name."""
+    ks = sorted({h["k"] for h in held})
+    steps, accepted = sum(h["steps"] for h in held), sum(h["accepted"] for h in held)
+    compared = [h for h in held if "units" in h]
+    pooled_tau = [sum(h["units"][i][0] for h in compared) / sum(h["units"][i][1] for h in compared)
+                  if sum(h["units"][i][1] for h in compared) else None for i in (0, 1)]
+    gap, ci = paired_delta({i: h["units"][0] for i, h in enumerate(compared)},
+                           {i: h["units"][1] for i, h in enumerate(compared)})
+    moments = [sum(h["moments"][i] for h in compared if "moments" in h) for i in range(5)]
+    z = (moments[0] - moments[1]) / math.sqrt(moments[2]) if moments[2] > 0 else None
+    exact = depths.get(ks[0], {}).get("histogram") if len(ks) == 1 else None
+    return {"engine": held[0]["engine"], "k": ks, "requests": len(held), "steps": steps,
+            "tau_served": 1 + accepted / steps if steps else None,
+            "tau_served_scored": pooled_tau[0], "tau_exact": pooled_tau[1],
+            "gap": gap, "gap_ci95": ci, "compared": len(compared), "equal": sum(h["equal"] is True for h in compared),
+            **({"z": z, "beyond_3se": sum(abs(h["z"]) > 3 for h in compared if "z" in h)} if z is not None else {}),
+            **({"per_position": {"served": round_acceptance([h["histogram"] for h in held], ks[0]),
+                                 "exact": round_acceptance([exact], ks[0])}} if exact else {}),
+            "causes": served_causes(held, compared, ks, sorted(depths), z)}
 
 
 def prompt_report(it, res, B):
@@ -5156,7 +5288,7 @@ def drafter_report(d, results, items):
             **({"turns": turns} if turns else {}), **({"mask_check": mask_check_summary(
                 d["mask_modes"], [r["mask_check"] for r in results if "mask_check" in r])} if d["mask_modes"] else {}),
             **({"override_check": overridden[0]} if overridden and overridden[0] else {}),
-            "prompts": prompts, **({"served": served_summary(held, B, sorted(depths))} if held else {})}
+            "prompts": prompts, **({"served": served_summary(held, B, depths)} if held else {})}
 
 
 def side_by_side(drafters, results, items):
@@ -5265,9 +5397,15 @@ def serving_lines(d, source=None):
     served = d.get("served")
     if served:
         yield (f"   served by {served['engine']} (K={', '.join(map(str, served['k']))}, {served['requests']} requests, "
-               f"{served['steps']} verify steps): tau {fmt(served['tau_served'])} against the exact "
-               f"{fmt(served['tau_exact'])} on the same text; equal round for round in {served['equal']} of "
-               f"{served['compared']} requests")
+               f"{served['steps']} verify steps): tau {fmt(served['tau_served'])}, {fmt(served['tau_served_scored'])} "
+               f"over the steps this run scores, against the exact {fmt(served['tau_exact'])} on the same text: gap "
+               f"{fmt(served['gap'])} {interval(served['gap_ci95'])}; " + (
+                   f"z = {served['z']:.2f} pooled, {served['beyond_3se']} of {served['compared']} requests past 3 "
+                   "standard errors" if "z" in served else
+                   f"equal round for round in {served['equal']} of {served['compared']} requests"))
+        if "per_position" in served:
+            yield "     per position, served / exact: " + " ".join(
+                f"{fmt(a, 2)}/{fmt(b, 2)}" for a, b in zip(*served["per_position"].values()))
         for cause in served["causes"]:
             yield f"     cause: {cause}"
     for batch, p in (d.get("predicted_speedup") or {}).items():
@@ -5646,7 +5784,7 @@ def result_json(r):
             "anchors": r["anchors"].tolist(), "matched": r["matched"].tolist(),
             "equal": [int(sum(1 << k for k, e in enumerate(row) if e)) for row in r["equal"].tolist()],
             "mask_check": r.get("mask_check"), "override_check": r.get("override_check"), "by_context": r["by_context"],
-            **{k: r[k] for k in ("expected", "feature_check") if k in r},
+            **{k: r[k] for k in ("expected", "feature_check", "suspects") if k in r},
             **({"depths": {str(k): result_json(v) for k, v in r["depths"].items()}} if "depths" in r else {}),
             **({"tree": result_json(r["tree"])} if "tree" in r else {}),
             **({"verify": {rule: result_json(v) for rule, v in r["verify"].items()}} if "verify" in r else {})}
@@ -5663,7 +5801,8 @@ def result_from_json(r, drafts, tree_drafts=None):
             "anchors": torch.tensor(r["anchors"], dtype=torch.long),
             "matched": torch.tensor(r["matched"], dtype=torch.long), "equal": (bits >> torch.arange(drafts)) & 1 == 1,
             "by_context": r["by_context"],
-            **{k: r[k] for k in ("mask_check", "override_check", "expected", "feature_check") if r.get(k)},
+            **{k: r[k] for k in ("mask_check", "override_check", "expected", "feature_check", "suspects")
+               if r.get(k) is not None},
             **({"depths": {int(k): result_from_json(v, int(k)) for k, v in r["depths"].items()}}
                if "depths" in r else {}),
             **({"tree": result_from_json(r["tree"], tree_drafts)} if "tree" in r else {}),
@@ -6232,6 +6371,8 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
             learned.chat_template = encode_prompts(tokenizer, [it], settings, learned.chat_template is not None)
             if served and it["completion_ids"] is None:
                 take_served(it, served)
+            if it.get("served"):
+                served_prompt(tokenizer, it, settings)
             total = len(it["prompt_ids"]) + len(it["completion_ids"] or [])
             if len(it["prompt_ids"]) >= limit or total > limit:
                 it["skip"] = f"prompt + completion ({total} tokens) exceed the target's {limit} positions"
@@ -6316,6 +6457,7 @@ def load_run(settings, learned):
             "".join(f"; {k} {v} ({text})" for k, (v, text) in defaults.items() if k not in why) +
             "".join(f"; {override_text(flag, o)}" for flag, o in (d.overrides or {}).items()))
         d.mask_variants = mask_variants(d, settings)
+        d.suspects = suspect_inputs(d, target_cfg)
     note_maskless(drafters, settings)
     learned.target_hash = target_hash(settings["target"])
     check_depths(drafters, settings)
@@ -6326,7 +6468,9 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
     """This slice's prompts through the target (or saved features) and every drafter, each new reference and record
     written to the partial file at once (Ctrl-C or SIGTERM keeps them). Returns (items, {index: record}, start)."""
     layer_union = sorted({L for d in drafters for L in d.layers})
-    checked = sorted({L for d in drafters if d.own for L in d.own.layers} - set(layer_union))   # override check's
+    served = settings["server"] or settings["served"] or any(it.get("served") for it in items or [])
+    checked = sorted({L for d in drafters for L in (d.own.layers if d.own else []) + [
+        L for change in (d.suspects if served else {}).values() for L in change.get("layers", [])]} - set(layer_union))
     records, references = resume_records(settings, learned, facts) if settings["resume"] else \
         ({}, earlier_references(settings, learned, learned.earlier) if learned.earlier else {})
     saved = resume_features(settings, learned, facts, items, records) if settings["save_hidden"] else None

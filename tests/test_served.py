@@ -126,11 +126,28 @@ def test_another_depth_is_named_then_held(engine, tmp_path):
     assert s["equal"] == LIMIT and s["causes"][0].startswith("none")
 
 
-@pytest.mark.parametrize("serving", [{"mask_token_id": 7}, {"layers": [4, 3, 1]}], ids=["mask_token", "layers"])
-def test_other_drafter_inputs_are_named(engine, tmp_path, serving):
-    s, _ = served_summary(engine, tmp_path, "openai", **serving)
+@pytest.mark.parametrize("serving, named", [
+    ({"layers": [0, 2, 3]}, "layers [0, 2, 3]"), ({"layers": [4, 3, 1]}, "layers [4, 3, 1]"),
+    ({"mask_token_id": 0}, "mask token 0 (the target's pad_token_id)")], ids=["layers_one_lower", "reversed", "pad"])
+def test_the_engines_other_inputs_are_named(engine, tmp_path, serving, named):
+    """An engine reading the layer ids one lower (hidden_states indices as layer outputs), in reverse order, or the pad
+    token as its mask: the run redrafts the requests that differ with each suspect and names the one whose rounds are
+    the engine's steps, in every such request."""
+    s, prompts = served_summary(engine, tmp_path, "openai", **serving)
+    differ = [p for p in prompts if p["served"]["equal"] is False]
+    assert differ and s["equal"] == LIMIT - len(differ)
+    assert all(named in p["served"]["suspects"] for p in differ), [p["served"].get("suspects") for p in differ]
+    assert f"the engine's drafter gets {named}: with it this run's rounds are the served steps in {len(differ)} of " \
+           f"{len(differ)} requests that differ" in s["causes"]
+    assert s["gap"] < 0 and s["gap_ci95"][0] < s["gap"] < s["gap_ci95"][1]
+
+
+def test_an_input_no_suspect_explains_is_said_plainly(engine, tmp_path):
+    s, prompts = served_summary(engine, tmp_path, "openai", mask_token_id=7)
     assert s["equal"] < LIMIT // 2 and s["gap"] < -0.5
-    assert "the engine's drafter gets other inputs" in s["causes"][-1]
+    assert all(p["served"]["suspects"] == [] for p in prompts if p["served"]["equal"] is False)
+    assert "none of the neighbouring layer ids, their reverse order or the configs' other token ids reproduce " \
+           "them" in s["causes"][-1]
 
 
 def test_saved_served_lines_give_the_same_report_without_the_server(engine, tmp_path):
@@ -163,3 +180,58 @@ def test_a_served_file_gives_the_report_of_the_server(engine, tmp_path):
     got, want = json.loads(out.read_text())["drafters"][0], report["drafters"][0]
     assert got["served"] == want["served"] and got["served"]["equal"] == 0
     assert [p["rounds"] for p in got["prompts"]] == [p["rounds"] for p in want["prompts"]]
+
+
+@pytest.mark.parametrize("serving", [{}, {"mask_token_id": 7}], ids=["correct", "mask_token"])
+def test_sampled_requests_are_held_to_the_exact_expectation(engine, tmp_path, serving):
+    """Sampled drafts (the public loop's policy), 150 requests: a correct engine's accepted drafts lie within 3 standard
+    errors of the exact expectation on the texts it served, pooled (a z-score summed step by step: each step's count
+    depends on its anchor alone), and per request at the rate chance gives; an engine with another mask token does
+    not."""
+    report, _ = served(engine, tmp_path, "openai", "--temperature", "0.8", "--draft-policy", "sample",
+                       "--samples-per-prompt", "15", "--limit", "10", "--max-new-tokens", "24", **serving)
+    s = report["drafters"][0]["served"]
+    assert s["requests"] == s["compared"] == 150
+    print(s["z"], s["beyond_3se"], s["tau_served_scored"], s["tau_exact"], s["gap"], s["gap_ci95"], s["causes"])
+    if not serving:
+        assert abs(s["z"]) <= 3 and s["beyond_3se"] <= 3 and s["causes"][-1].startswith("none: ")
+        assert s["gap_ci95"][0] <= 0 <= s["gap_ci95"][1]
+    else:
+        assert s["z"] < -3 and "below the exact expectation" in s["causes"][-1]
+
+
+def test_thinking_on_against_off_is_named(engine, tmp_path):
+    """The engine's prompts rendered by the real Qwen3 chat template with thinking on, this run's with it off (the
+    default): the --served lines, matched by id, carry other prompt ids; the run names the flag that gives the engine's
+    prompts, and with it every request is held equal."""
+    import shutil
+    import urllib.request
+    from conftest import qwen_tokenizer_dir
+    target = tmp_path / "target"
+    shutil.copytree(TARGET, target)
+    template = json.load(open(f"{qwen_tokenizer_dir()}/tokenizer_config.json"))["chat_template"]
+    cfg = json.loads((target / "tokenizer_config.json").read_text())
+    (target / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+    tok = AutoTokenizer.from_pretrained(str(target))
+    engine.reset()
+    lines = []
+    for r in [json.loads(line) for line in open(f"{ed.DEMO_DIR}/prompts.jsonl", encoding="utf-8")][:LIMIT]:
+        prompt = tok(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
+                                             add_generation_prompt=True, enable_thinking=True))["input_ids"]
+        body = {"model": "demo", "prompt": [prompt], "max_tokens": N_NEW, "ignore_eos": True, "temperature": 0,
+                "return_token_ids": True}
+        request = urllib.request.Request(engine.url + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        lines.append(json.dumps({**json.loads(urllib.request.urlopen(request).read()), "prompt_id": r["id"]}))
+    (tmp_path / "served.jsonl").write_text("\n".join(lines) + "\n")
+    reports = []
+    for extra in ([], ["--enable-thinking"]):
+        out = tmp_path / f"out{len(reports)}.json"
+        assert ed.main(BASE + ["--target", str(target), "--served", str(tmp_path / "served.jsonl"), "--output",
+                               str(out)] + extra) == 0
+        reports.append(json.loads(out.read_text())["drafters"][0]["served"])
+    off, on = reports
+    assert f"{LIMIT} of {LIMIT} requests were served another prompt than this run's" in off["causes"][0]
+    assert "this run with --enable-thinking gives the engine's prompt ids" in off["causes"][0]
+    assert on["equal"] == on["compared"] == LIMIT and on["causes"] == [
+        "none: every served verify step is the exact round on the same text"]
