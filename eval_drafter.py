@@ -5073,6 +5073,15 @@ def served_equal(s, exact, n_completion):
         j < len(histogram) and histogram[j] >= exact.count(j + 1) for j in set(r - 1 for r in exact)), None
 
 
+def halves(lengths, half):
+    """[(committed, rounds)] of a walk's rounds starting in the reply's first `half` positions, then after them."""
+    out, offset = [[0, 0], [0, 0]], 0
+    for n in lengths:
+        out[offset >= half] = [out[offset >= half][0] + n, out[offset >= half][1] + 1]
+        offset += n
+    return out
+
+
 def held_served(it, res, B):
     """One request's served figures (an engine's own) against the exact ones on its text at the served K, in the
     engine's units: greedy, its rounds; sampled drafts, the expectation over the steps the engine took. units: the
@@ -5102,6 +5111,10 @@ def held_served(it, res, B):
     elif exact:
         held["equal"], held["first_difference"] = served_equal(s, exact, len(it["completion_ids"]))
         held.update(tau_exact=sum(exact) / len(exact), units=[served, [sum(exact), len(exact)]])
+        if s.get("per_step") is not None:   # the gap along the reply, for a gap that grows with the context
+            half = len(it["completion_ids"]) // 2
+            held["halves"] = [halves([j + 1 for j in s["per_step"][:served[1]]], half), halves(exact, half)]
+            held["context_half"] = len(it["prompt_ids"]) + half
     return held
 
 
@@ -5115,7 +5128,7 @@ def round_acceptance(histograms, k):
     return [tail[j + 1] / tail[j] if tail[j] else None for j in range(k)]
 
 
-def served_causes(held, compared, ks, evaluated, z):
+def served_causes(held, compared, ks, evaluated, z, impossible):
     """What the data say about a gap between served and exact figures, each cause with its evidence."""
     n, causes = len(held), [f"the engine drafts K={k} a round; this run evaluated K={', '.join(map(str, evaluated))}: "
                             f"add --depths {k} to hold its rounds against the exact ones" for k in ks if k not in evaluated]
@@ -5132,10 +5145,19 @@ def served_causes(held, compared, ks, evaluated, z):
         causes.append(f"this run's target takes the served text's token as its argmax at {min(agreement):.0%} of its "
                       "positions on the worst request: the engine's target computes otherwise (a quantized or bf16 "
                       "target, other numerics)")
+    along = [paired_delta({i: h["halves"][0][x] for i, h in enumerate(differ) if "halves" in h},
+                          {i: h["halves"][1][x] for i, h in enumerate(differ) if "halves" in h}) for x in (0, 1)]
+    if along[0][1] and along[1][1] and along[1][1][1] < along[0][1][0]:
+        middle = sorted(h["context_half"] for h in differ if "halves" in h)
+        middle = middle[len(middle) // 2]
+        causes.append(f"the gap grows along the replies: {along[0][0]:+.2f} in their first halves, {along[1][0]:+.2f} "
+                      f"in their second (contexts past about {middle} tokens), intervals apart: the engine serves the "
+                      "drafter contexts it handles worse than this run's (a context cap, a window, longer than trained)")
     if z is not None:
         causes.append(f"{'none: ' if abs(z) <= 3 else ''}the served acceptance is {abs(z):.1f} standard errors "
                       f"{'above' if z > 0 else 'below'} the exact expectation on the same texts" +
-                      ("" if abs(z) <= 3 else ": the engine's drafter or rule differs from this run's"))
+                      ("" if abs(z) <= 3 else ": the engine's drafter or rule differs from this run's") +
+                      (f"; {impossible} served steps are ones this run's drafter never takes" if impossible else ""))
     elif compared and not differ and not other:
         causes.append("none: every served verify step is the exact round on the same text")
     found = {}
@@ -5172,7 +5194,7 @@ def served_summary(held, B, depths):
             **({"z": z, "beyond_3se": sum(abs(h["z"]) > 3 for h in compared if "z" in h)} if z is not None else {}),
             **({"per_position": {"served": round_acceptance([h["histogram"] for h in held], ks[0]),
                                  "exact": round_acceptance([exact], ks[0])}} if exact else {}),
-            "causes": served_causes(held, compared, ks, sorted(depths), z)}
+            "causes": served_causes(held, compared, ks, sorted(depths), z, moments[4])}
 
 
 def prompt_report(it, res, B):

@@ -81,14 +81,15 @@ class SpecEngine(ThreadingHTTPServer):
     def reset(self, **cfg):
         """k: drafts verified a round (default: the drafter's block - 1); layers, mask_token_id: what the engine feeds
         the drafter (None: its own); full_block: draft the trained block and verify its first k (default: a block
-        of 1 + k, as vLLM's DFlash runs bonus + k mask slots); detailed: vLLM's per-step arrays (else summary);
+        of 1 + k, as vLLM's DFlash runs bonus + k mask slots); context: past `context` committed tokens the drafter's
+        features come from a pass over the last 3 only (a drafter served contexts longer than it handles); detailed: vLLM's per-step arrays (else summary);
         metrics: False = vLLM started without per-request metrics (SGLang reports its spec_* fields regardless)."""
-        unknown = set(cfg) - {"k", "layers", "mask_token_id", "detailed", "metrics", "full_block"}
+        unknown = set(cfg) - {"k", "layers", "mask_token_id", "detailed", "metrics", "full_block", "context"}
         if unknown:
             raise TypeError(f"unknown engine settings {sorted(unknown)}")
         d = self.drafter
         cfg = {"k": d.block_size - 1, "layers": None, "mask_token_id": None, "detailed": True, "metrics": True,
-               "full_block": False, **cfg}
+               "full_block": False, "context": None, **cfg}
         if cfg["k"] < 1 or (cfg["full_block"] and cfg["k"] > d.block_size - 1):
             raise ValueError(f"k={cfg['k']} with a block of {d.block_size}")
         with self.model_lock:
@@ -120,7 +121,8 @@ class SpecEngine(ThreadingHTTPServer):
             steps = []
             while len(out) < max_new and out[-1] not in stops:
                 seq = list(prompt) + out
-                q_logits = model.get_output_embeddings()(online_draft_hidden(model, d, seq, slots)[1:k + 1])
+                seen = seq[-3:] if self.cfg["context"] and len(seq) > self.cfg["context"] else seq
+                q_logits = model.get_output_embeddings()(online_draft_hidden(model, d, seen, slots)[1:k + 1])
                 q = None if sampling is None else ed.sampling_probs(q_logits, sampling)
                 drafts = (q_logits.argmax(-1) if q is None else draw(q, generator)).tolist()
                 p_logits = model(torch.tensor([seq + drafts]), use_cache=False).logits[0, len(seq) - 1:]

@@ -9,6 +9,7 @@ trained depth and at a served depth K (--depths K against an engine verifying K 
 drafter another mask token or other layers draws other rounds from the same text: the comparison sees it.
 """
 import json
+import re
 
 import pytest
 from transformers import AutoTokenizer
@@ -235,3 +236,15 @@ def test_thinking_on_against_off_is_named(engine, tmp_path):
     assert "this run with --enable-thinking gives the engine's prompt ids" in off["causes"][0]
     assert on["equal"] == on["compared"] == LIMIT and on["causes"] == [
         "none: every served verify step is the exact round on the same text"]
+
+
+def test_a_gap_that_grows_with_the_context_is_named(engine, tmp_path):
+    """An engine that feeds the drafter past 24 tokens the features of the last 3 only: the early rounds of each reply are the exact
+    ones, the later ones fall short; the run names a gap that grows along the replies, with both halves' figures."""
+    s, prompts = served_summary(engine, tmp_path, "openai", context=24)
+    grows = [c for c in s["causes"] if c.startswith("the gap grows along the replies")]
+    assert grows, s["causes"]
+    early, late = (float(x) for x in re.findall(r"([+-]\d\.\d\d) in their", grows[0]))
+    assert late < early - 0.5
+    s, _ = served_summary(engine, tmp_path, "openai")
+    assert not any("grows" in c for c in s["causes"])
