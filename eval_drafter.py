@@ -6233,7 +6233,7 @@ def keep_hidden(saved, it, ids, x, layer_union):
     row = {"id": it["id"], "index": it["index"], "line": it.get("line", it["index"]), "split": it["split"],
            "prompt_tokens": len(it["prompt_ids"]), "completion_tokens": len(it["completion_ids"]),
            "source": it["source"], "reply": it.get("reply"),
-           **{k: it[k] for k in ("sample", "turn") if it.get(k) is not None}}
+           **{k: it[k] for k in ("sample", "turn", "served") if it.get(k) is not None}}
     path = f"{saved['prefix']}{i}.safetensors"
     write_part(saved, path, tensors, {"eval_drafter_part": json.dumps({"run": saved["run"], "position": i,
                                                                        "row": row})})
@@ -6325,7 +6325,7 @@ def open_hidden(paths, settings, learned, target_cfg, layer_union, skip=lambda i
                           "prompt_ids": ids[:row["prompt_tokens"]], "completion_ids": ids[row["prompt_tokens"]:],
                           "sample": row.get("sample"), "turn": row.get("turn"), "cache": (j, i),
                           "source": row.get("source", "target" if row.get("generated") else "file"),
-                          "reply": row.get("reply")})
+                          "reply": row.get("reply"), **({"served": row["served"]} if row.get("served") else {})})
     learned.chat_template = "applied" if metas[0].get("chat_template") else "not applied"   # at extraction
     learned.hidden_cache = {k: metas[0].get(k) for k in ("format", "dtype", "device", "torch_version",
                                                              "transformers_version", "prompts_file", "layers")}
@@ -6490,7 +6490,8 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
     """This slice's prompts through the target (or saved features) and every drafter, each new reference and record
     written to the partial file at once (Ctrl-C or SIGTERM keeps them). Returns (items, {index: record}, start)."""
     layer_union = sorted({L for d in drafters for L in d.layers})
-    served = settings["server"] or settings["served"] or any(it.get("served") for it in items or [])
+    served = settings["server"] or settings["served"] or settings["load_hidden"] or any(it.get("served") for it in
+                                                                                         items or [])
     checked = sorted({L for d in drafters for L in (d.own.layers if d.own else []) + [
         L for change in (d.suspects if served else {}).values() for L in change.get("layers", [])]} - set(layer_union))
     records, references = resume_records(settings, learned, facts) if settings["resume"] else \
@@ -6500,7 +6501,8 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
         if it["index"] in records:
             it.update({k: records[it["index"]]["item"][k] for k in ("prompt_ids", "completion_ids")})
         elif references.get(it["index"], {}).get("id") == it["id"]:
-            it.update({k: references[it["index"]].get(k) for k in ("completion_ids", "source", "finish_reason")})
+            it.update({k: references[it["index"]].get(k) for k in ("completion_ids", "source", "finish_reason",
+                                                                      "served")})
     TIMING.clear()
     partial = open_partial(settings, learned, facts, records, references)
     save = open(settings["save_references"], "ab", buffering=0) if settings.get("save_references") else None
