@@ -9,14 +9,9 @@ DFlash family (DFlash, DFlash 2, DSpark, Domino) in z-lab's, transformers', spec
 a training run's steps, and the baselines they must beat, EAGLE-3 and the target's own MTP layer; targets: any
 decoder-only transformers model (Qwen3, hybrid Qwen3.5/3.6, Llama, gpt-oss, ...).
 
-    python eval_drafter.py --target QWEN_DIR --ckpt DRAFTER --prompts prompts.jsonl
-    python eval_drafter.py --target QWEN_DIR --ckpt mine=ckpt_a --ckpt ref=ckpt_b --prompts p.jsonl \
-        --output result.json
+    python eval_drafter.py --target QWEN_DIR --ckpt mine=ckpt_a --ckpt ref=ckpt_b --prompts p.jsonl --output r.json
     python eval_drafter.py --target QWEN_DIR --ckpt run5=RUN_DIR --steps last:5 --prompts p.jsonl
-    python eval_drafter.py --target QWEN_DIR --ckpt mine=DRAFTER --mtp --depths 3,7 --prompts p.jsonl
-    python eval_drafter.py --target QWEN_DIR --load-hidden feats.safetensors --watch run5=RUN_DIR --output run5.jsonl
     python eval_drafter.py --demo             # the whole pipeline on the tiny bundled pair
-    python eval_drafter.py --demo real        # ... on SmolLM2-135M-Instruct and a drafter trained for it
 
 The sections, in the order data flows (each definition stands under its banner, above its first use):
     Files: JSON, safetensors, and identities by content
@@ -87,6 +82,13 @@ class UsageError(Exception):
 
 def fail(message):
     raise UsageError(message)
+
+
+def refuse(*refusals):
+    """The first message of (condition, message) pairs whose condition holds, as fail's error."""
+    for refused, message in refusals:
+        if refused:
+            fail(message)
 
 
 TIMING = {}  # seconds per stage of the current run, reported under "timing"
@@ -1016,12 +1018,14 @@ def check_outputs(args):
     if args.watch and args.costs == "measure":
         fail("--costs measure times the target once, which a watch does not keep: give --costs FILE (costs measured "
              "in a run with the target)")
-    for flag, path in (("--output", args.output), ("--plot", args.plot)):
+    board = args.tensorboard and (os.path.join(args.tensorboard, "events") if os.path.isdir(args.tensorboard) else
+                                  args.tensorboard)   # made at the end, in a directory that exists
+    for flag, path in (("--output", args.output), ("--plot", args.plot), ("--tensorboard", board),
+                       ("--save-hidden", args.save_hidden), ("--save-costs", args.save_costs),
+                       ("--save-references", args.save_references),
+                       ("--export-vllm-synthetic", args.export_vllm_synthetic)):
         if path:
             check_writable(flag, path)
-    if args.tensorboard:
-        check_writable("--tensorboard", os.path.join(args.tensorboard, "events") if os.path.isdir(args.tensorboard)
-                       else args.tensorboard)   # made at the end, in a directory that exists
 
 
 def resolve_merge(args):
@@ -1116,55 +1120,47 @@ def resolve_settings(args, ranks=True):
         fail(f"the target {args.target} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the model's "
              "tokenizer files beside its config.json")
     check_outputs(args)
-    for flag, path in (("--save-hidden", args.save_hidden), ("--save-costs", args.save_costs),
-                       ("--save-references", args.save_references),
-                       ("--export-vllm-synthetic", args.export_vllm_synthetic)):
-        if path:
-            check_writable(flag, path)
-    if args.served and not os.path.isfile(args.served):
-        fail(f"--served file not found: {args.served}")
-    if args.served and args.server:
-        fail("--served and --server both give the references: give one")
-    if args.server and not args.server.startswith(("http://", "https://")):
-        fail(f"--server must be an http:// or https:// URL, got {args.server!r}")
-    if args.server and args.server_api == "openai" and not args.server_model:
-        fail("--server-api openai needs --server-model (the name the server serves the target under)")
-    if args.temperature == 0 and (args.samples_per_prompt > 1 or args.draft_policy != "argmax"):
-        fail("--samples-per-prompt and --draft-policy sample need --temperature > 0: greedy decoding has one text "
-             "per prompt and argmax drafts")
-    if args.temperature == 0 and (args.top_p < 1 or args.top_k):
-        fail("--top-p and --top-k shape sampling; at --temperature 0 (greedy) they do nothing: give a temperature")
-    if args.draft_policy == "sample" and args.anchors == "walk":
-        fail("--anchors walk follows one walk; with --draft-policy sample every anchor can start a round: "
-             "use --anchors all")
-    if args.resume and not args.output:
-        fail("--resume needs --output: the partial results live in <output>.partial.jsonl")
-    if args.resume and args.overwrite:
-        fail("--resume continues the partial file and --overwrite starts over: give one of them")
-    if args.overwrite and not args.output:
-        fail("--overwrite starts over an --output's partial file: without --output there is none; drop --overwrite")
     output_streamed = bool(args.output) and streamed(args.output)
-    if output_streamed and (args.resume or args.overwrite):
-        fail(f"--output {args.output} is not a regular file (a device, FIFO or terminal): no partial file is kept "
-             f"beside it, so there is nothing to {'resume' if args.resume else 'overwrite'}; give --output a file")
-    if args.drafter_config and not os.path.isfile(args.drafter_config):
-        fail(f"--drafter-config file not found: {args.drafter_config}")
+    refuse((args.served and not os.path.isfile(args.served), f"--served file not found: {args.served}"),
+           (args.served and args.server, "--served and --server both give the references: give one"),
+           (args.server and not args.server.startswith(("http://", "https://")),
+            f"--server must be an http:// or https:// URL, got {args.server!r}"),
+           (args.server and args.server_api == "openai" and not args.server_model,
+            "--server-api openai needs --server-model (the name the server serves the target under)"),
+           (args.temperature == 0 and (args.samples_per_prompt > 1 or args.draft_policy != "argmax"),
+            "--samples-per-prompt and --draft-policy sample need --temperature > 0: greedy decoding has one text "
+            "per prompt and argmax drafts"),
+           (args.temperature == 0 and (args.top_p < 1 or args.top_k), "--top-p and --top-k shape sampling; at "
+            "--temperature 0 (greedy) they do nothing: give a temperature"),
+           (args.draft_policy == "sample" and args.anchors == "walk", "--anchors walk follows one walk; with "
+            "--draft-policy sample every anchor can start a round: use --anchors all"),
+           (args.resume and not args.output,
+            "--resume needs --output: the partial results live in <output>.partial.jsonl"),
+           (args.resume and args.overwrite,
+            "--resume continues the partial file and --overwrite starts over: give one of them"),
+           (args.overwrite and not args.output, "--overwrite starts over an --output's partial file: without "
+            "--output there is none; drop --overwrite"),
+           (output_streamed and (args.resume or args.overwrite), f"--output {args.output} is not a regular file (a "
+            "device, FIFO or terminal): no partial file is kept beside it, so there is nothing to "
+            f"{'resume' if args.resume else 'overwrite'}; give --output a file"),
+           (args.drafter_config and not os.path.isfile(args.drafter_config),
+            f"--drafter-config file not found: {args.drafter_config}"))
     shard = parse_shard(args.shard) if args.shard else None
     parse_steps(args.steps)
-    if args.export_depth and not args.export_vllm_synthetic:
-        fail("--export-depth sets the depth of --export-vllm-synthetic, which is not given")
-    if args.costs and args.costs != "measure" and not args.costs.startswith("gpu:") and not os.path.isfile(args.costs):
-        fail(f"--costs takes measure, gpu:NAME or a JSON file of costs; {args.costs} is none of them "
-             "(see README, Choosing what to serve)")
-    if (args.batch_sizes != "1" or args.save_costs) and not args.costs:
-        fail("--batch-sizes and --save-costs go with --costs (gpu:NAME prices batch sizes; measure's table is saved)")
-    if args.costs == "measure" and (args.load_hidden or args.compare_hidden):
-        fail("--costs measure times the target model, which a run from saved features does not build: give --costs "
-             "FILE (costs measured where the target runs), or measure in a run with the target")
-    if shard and not args.output:
-        fail("--shard needs --output: a shard's records are for --merge, which reads them from that file")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
+    refuse((args.export_depth and not args.export_vllm_synthetic,
+            "--export-depth sets the depth of --export-vllm-synthetic, which is not given"),
+           (args.costs and args.costs != "measure" and not args.costs.startswith("gpu:") and
+            not os.path.isfile(args.costs), f"--costs takes measure, gpu:NAME or a JSON file of costs; {args.costs} "
+            "is none of them (see README, Choosing what to serve)"),
+           ((args.batch_sizes != "1" or args.save_costs) and not args.costs, "--batch-sizes and --save-costs go with "
+            "--costs (gpu:NAME prices batch sizes; measure's table is saved)"),
+           (args.costs == "measure" and (args.load_hidden or args.compare_hidden), "--costs measure times the target "
+            "model, which a run from saved features does not build: give --costs FILE (costs measured where the "
+            "target runs), or measure in a run with the target"),
+           (shard and not args.output,
+            "--shard needs --output: a shard's records are for --merge, which reads them from that file"),
+           (args.device == "cuda" and not torch.cuda.is_available(),
+            "--device cuda was asked for but torch sees no CUDA device; use --device cpu"))
     device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     if args.device_map:
