@@ -313,8 +313,7 @@ def write_safetensors(path, tensors, metadata=None):
 
 
 def open_safetensors(path, device="cpu", whole=False):
-    """safe_open of a target's file (whole: a drafter's, every tensor read); one cut short (an interrupted download)
-    or damaged is refused naming it."""
+    """safe_open of a target's file (whole: a drafter's, every tensor read); one cut short or damaged is refused."""
     from safetensors import safe_open
     from safetensors.torch import load_file
     if not os.path.isfile(path):
@@ -1487,8 +1486,7 @@ REPLY_WORDS = 8   # of each reply, shown in the per-prompt rows and kept in the 
 
 
 def reply_start(tokenizer, ids):
-    """The reference's first REPLY_WORDS words, decoded, on one line (from at most 8 tokens a word: a long reference
-    is not decoded whole for them)."""
+    """The reference's first REPLY_WORDS words, on one line (decoded from at most 8 tokens a word, not whole)."""
     words = tokenizer.decode(ids[:8 * REPLY_WORDS], skip_special_tokens=True).split()
     return " ".join(words[:REPLY_WORDS]) + (" ..." if len(words) > REPLY_WORDS or len(ids) > 8 * REPLY_WORDS else "")
 
@@ -1732,7 +1730,6 @@ def target_pass(model, ids, layer_ids, cache=None):
         def hook(module, inputs, output):
             captured[layer_id] = (output[0] if isinstance(output, tuple) else output)[0].to(home)
         return hook
-
     for layer_id in sorted(set(layer_ids)):
         module = decoder.norm if layer_id == len(layers) - 1 else layers[layer_id]
         handles.append(module.register_forward_hook(keep(layer_id)))
@@ -1816,7 +1813,6 @@ def model_logits(model):
         z = z * scale if scale else z
         z = z / divide if divide else z
         return torch.tanh(z / softcap) * softcap if softcap else z
-
     probe = torch.arange(4, 12, device=model.device)[None] % cfg.vocab_size
     with torch.inference_mode():
         got = logits(target_pass(model, probe[0].tolist(), [])[1]).float()
@@ -2276,7 +2272,6 @@ def check_drafter_tensors(weights, shapes, name, generation):
     """Every expected tensor present with its shape and finite; nothing unexpected."""
     def listed(keys):
         return f"{', '.join(keys[:3]) or 'none'}{', ...' if len(keys) > 3 else ''}"
-
     missing = [k for k in shapes if k not in weights]
     unexpected = [k for k in weights if k not in shapes and not k.endswith("rotary_emb.inv_freq")]
     if missing or unexpected or not any(k.startswith("layers.") for k in shapes):
@@ -2611,8 +2606,7 @@ SPECULATORS_KEYS = {"speculators_model_type", "architectures", "transformer_laye
 
 def speculators_config(cfg, name):
     """A speculators DFlash / DFlash 2 / DSpark / XPress config under the public keys (aux_hidden_state_layer_ids
-    L + 1 as layer id L); a key it cannot map is refused. DSpark's sample_from_anchor defaults to true, as in
-    speculators."""
+    L + 1 as layer id L); a key it cannot map is refused. DSpark's sample_from_anchor defaults to true, as there."""
     kind, layer = cfg.get("speculators_model_type"), cfg.get("transformer_layer_config")
     where = f"drafter {name}: its speculators config"
     if kind not in ("dflash", "dflash2", "dspark", "xpress"):
@@ -3019,7 +3013,6 @@ def chain_drafts(drafter, head, hidden, first, embed_w, prompt_id, given=None, s
 
     def base(k):
         return every[:, k] if every is not None else base_logits(drafter, head, hidden[:, k])
-
     if drafter.generation == "Domino" and h["pool"] and S > 1:   # one pool per block, ranked by the best base logit
         best = torch.stack([base(k) for k in range(1, S)]).amax(0)
         pool = best.topk(min(h["pool"], best.shape[-1]), dim=-1).indices
@@ -3323,8 +3316,7 @@ def mlp(d, p, y):
 
 def causal_layer(d, emb, g, positions, attend):
     """EAGLE-3's, P-EAGLE's or MTP's decoder layer on rows (embedding, hidden g); attend(q, k, v) gives the attention.
-    EAGLE-3's q/k/v read [norm(emb); norm(g)] (2H), MTP's fc of them feeds the target's layer. Returns (h pre-norm,
-    k, v)."""
+    EAGLE-3's q/k/v read [norm(emb); norm(g)] (2H), MTP's fc of them feeds the target's layer: (h pre-norm, k, v)."""
     w, cfg, p, eps = d.weights, d.cfg, "layers.0.", d.cfg.get("rms_norm_eps", 1e-6)
     if d.generation != "MTP":
         normed = rms_norm(g, w[p + "hidden_norm.weight"], eps)
@@ -3461,8 +3453,7 @@ def eagle_trees(d, context, anchors, starts, embed_w, head, prompt_id):
     down the path and the k best of the k * k kept as the next branches; the tokens - 1 best-scored nodes form the
     tree. Branch j keeps its own KV slots: after a re-selection it reads the slots that branch j held before, not
     its new parent's (SGLang's draft attention indexes slots by branch). (tokens, parents) (n, tokens - 1): target
-    ids; a parent's place in the list, -1 the anchor, -2 a node whose parent was not kept (SGLang never reaches
-    it)."""
+    ids; a parent's place in the list, -1 the anchor, -2 a node whose parent was not kept (never reached)."""
     (k_ctx, v_ctx, h_ctx), = context
     steps, topk, size = d.tree["steps"], d.tree["topk"], d.tree["tokens"] - 1
     n, dev, R = anchors.shape[0], anchors.device, anchors.shape[0] * d.tree["topk"]
@@ -3550,8 +3541,8 @@ def parallel_round(d, context, anchors, first, starts, embed_w, head, prompt_id,
 
 def recognize(cfg, state, name):
     """(generation, layout, config, state) under the public DFlash keys and names: the native assistant's encoder.*
-    renamed, speculators' config unnested, DFlash 2's codebook `.weight`, SpecForge's DSpark logit_head. dropped,
-    vLLM's XPress head under speculators' names."""
+    renamed, speculators' config unnested, DFlash 2's codebook `.weight` and SpecForge's DSpark logit_head. dropped,
+    vLLM's XPress head renamed."""
     given = cfg or {}
     archs, speculators = given.get("architectures") or [], "speculators_model_type" in given
     kind = given.get("speculators_model_type")
@@ -4222,7 +4213,6 @@ def score_walks_only(d, prompts, embed_w, head, budgets):
         if kind is None:
             return 1 + int((drafts == ids_t[p][a + 1:a + B]).long().cumprod(0).sum())
         return tree_acceptance(tree, ids_t[p][a + 1:a + B], kind, top_k)
-
     while True:
         for (p, kind), (rounds, a) in walks.items():   # each walk as far as the drafted blocks go
             if a is not None:
@@ -4305,8 +4295,8 @@ def add_expectations(res, block_size, n_prompt, total_len, p, q=None, rules=("st
     """Temperature > 0, under each verification rule: each drafted slot's acceptance probability (argmax proposals:
     draft == text, the walk already taken, the same under both rules; sampled: standard min(1, q / p), 0 where p
     is; block: block_accept), the expected walk and the per-position sums (sampled: by context). The first rule's
-    figures are res's own, the others' go to res["verify"]; an engine's per-step figures (served, at this depth) are
-    held against the first rule's chances."""
+    figures are res's own, the others' go to res["verify"]; an engine's per-step figures (served, at this depth) meet
+    the first rule's chances."""
     p_at = p[res["anchors"][:, None] + torch.arange(1, block_size) - n_prompt]
     sampled = q is not None
     q = q if sampled else res["equal"].double()
@@ -4464,6 +4454,20 @@ def suspect_inputs(d, target_cfg):
             if isinstance(token, int) and token != d.mask_token_id:
                 out.setdefault(f"mask token {token} ({key})", {"mask_token_id": token})
     return out
+
+
+def served_equal(s, exact, n_completion):
+    """(equal, first step that differs) of an engine's verify steps (served figures s) against greedy rounds on its text:
+    the rounds one for one, then only steps over the reply's last tokens, which no round scores. vLLM's detailed
+    figures compare step by step, the rest by histogram."""
+    spare = max(n_completion - 1 - sum(exact), 0)   # after the prefill's token and the scored rounds
+    if s.get("per_step") is not None:
+        steps = [j + 1 for j in s["per_step"]]
+        first = next((i for i, (a, b) in enumerate(zip(steps, exact)) if a != b), None)
+        return first is None and 0 <= len(steps) - len(exact) <= spare, first
+    histogram = list(s.get("histogram") or [])
+    return 0 <= s["steps"] - len(exact) <= spare and all(
+        j < len(histogram) and histogram[j] >= exact.count(j + 1) for j in set(r - 1 for r in exact)), None
 
 
 def served_suspects(d, prompt, item, res, embed_w, head, settings):
@@ -4824,7 +4828,6 @@ def measure_costs(model, drafters, settings, items):
             eagle_trees(d, grown, torch.tensor([L + d.tree["steps"]], device=first.device), None, embed.weight, head,
                         "cost")
             return seconds_since(start)
-
         timings += [(costs["draft"].setdefault(d.name, {}), str(k), lambda k=k, draft=draft: draft(k))
                     for k in [d.block_size - 1, *served_depths(d, settings)]]
         timings += [(costs["draft"][d.name], "tree", draft_tree)] if d.tree else []
@@ -5055,20 +5058,6 @@ def self_check(items, config):
     return check
 
 
-def served_equal(s, exact, n_completion):
-    """(equal, first step that differs) of an engine's verify steps (served figures s) against greedy rounds on its text:
-    the rounds one for one, then only steps over the reply's last tokens, which no round scores. vLLM's detailed
-    figures compare step by step, the rest by histogram."""
-    spare = max(n_completion - 1 - sum(exact), 0)   # after the prefill's token and the scored rounds
-    if s.get("per_step") is not None:
-        steps = [j + 1 for j in s["per_step"]]
-        first = next((i for i, (a, b) in enumerate(zip(steps, exact)) if a != b), None)
-        return first is None and 0 <= len(steps) - len(exact) <= spare, first
-    histogram = list(s.get("histogram") or [])
-    return 0 <= s["steps"] - len(exact) <= spare and all(
-        j < len(histogram) and histogram[j] >= exact.count(j + 1) for j in set(r - 1 for r in exact)), None
-
-
 def halves(lengths, half):
     """[(committed, rounds)] of a walk's rounds starting in the reply's first `half` positions, then after them."""
     out, offset = [[0, 0], [0, 0]], 0
@@ -5276,7 +5265,6 @@ def drafter_report(d, results, items):
             t["tau_ci95"] = ratio_ci95([c for c, _ in units], [r for _, r in units])
         return {**summary, "tau_ci95": ratio_ci95([c for c, _ in totals], [r for _, r in totals]),
                 **reference_fit([it for _, it in chosen], sampled)[0], **(no_trees if depth is None else {})}
-
     whole = section()
     check = feature_check_summary([res["feature_check"] for res in results if "feature_check" in res])
     overridden = override_summary(d["overrides"], [r.get("override_check") for r in results]) \
@@ -5320,7 +5308,6 @@ def side_by_side(drafters, results, items):
                   for k, res in zip(trained, results)]
         deltas = [(None, None), *(paired_delta(t, totals[0]) for t in totals[1:])]
         return [{**row, "delta_tau": delta, "delta_tau_ci95": ci} for row, (delta, ci) in zip(rows, deltas)]
-
     rows = paired([{"name": d["name"], **{k: d[k] for k in ("series", "step") if k in d}, "tau": d["tau"],
                     "tau_ci95": d["tau_ci95"], "first_position_acceptance": d["per_position"]["acceptance"][0],
                     "ddtree": {b: s["tau"] for b, s in (d["ddtree"] or {}).items()},
@@ -5397,8 +5384,7 @@ def reference_line(stats):
 
 
 def serving_lines(d, source=None):
-    """Per served depth: tau, the engines' own figures under their names and, with --costs, predicted speedups (their
-    costs' `source` named)."""
+    """Per served depth: tau, the engines' figures under their names, with --costs predicted speedups (`source`'s)."""
     depths = d.get("depths") or {str(d["drafts_per_round"]): d}
     for k, s in depths.items():
         if not s.get("engine_metrics"):
@@ -5664,7 +5650,6 @@ def plot_panels(source):
             merged[key] = (f"{merged[key][0]} = {label}", xs, ys, cis) if key in merged else (label, xs, ys, cis)
         if merged:
             panels.append((title, xlabel, ylabel, kind, list(merged.values())))
-
     add("acceptance by position (conditional)", "position in the block", "P(accept | reached)", "line",
         [(d["name"], list(range(1, len(d["per_position"]["acceptance"]) + 1)), d["per_position"]["acceptance"], None)
          for d in shown if d.get("per_position")])
@@ -6268,8 +6253,7 @@ def save_hidden(settings, learned, layer_union, saved):
 
 def open_hidden(paths, settings, learned, target_cfg, layer_union, skip=lambda it: False, wanted=()):
     """Checked prompts and a lazy stream of (item, features, argmax), skip(item) ones left out, from --save-hidden
-    files (several: a run's shards' or ranks' caches, joined in prompt order); `wanted` layers too where all hold them
-    (the override check's)."""
+    files (several: a run's shards' or ranks' caches, joined in prompt order), `wanted` layers where all hold them."""
     metas = [read_hidden_meta(path) for path in paths]
     layer_union = sorted(set(layer_union) | {L for L in wanted if all(L in m["layers"] for m in metas)})
     sampling = sampling_of(settings)
@@ -6312,7 +6296,6 @@ def open_hidden(paths, settings, learned, target_cfg, layer_union, skip=lambda i
                 if sampling:
                     it["p"] = get(f"{i}.p").double().cpu()
                 yield it, {L: get(f"{i}.layer{L}").to(dtype) for L in layer_union}, argmax
-
     with contextlib.ExitStack() as stack:
         getters = [stack.enter_context(hidden_tensors(path, meta)) for path, meta in zip(paths, metas)]
         for index, j, i, row in entries:
@@ -6350,8 +6333,7 @@ def prompt_groups(stream, size, budget=0):
 
 def extract_from_target(items, settings, learned, target_cfg, layer_union, done, drafter, keep, features=None):
     """Load the target; then a stream of (item, features, argmax) per prompt not in `done`: tokenized, its reference
-    generated if missing (to keep(item) at once), one teacher-forced pass; features go to --save-hidden (`features`,
-    as resume_features begins it)."""
+    generated if missing (to keep(item) at once), one teacher-forced pass; features to --save-hidden (`features`)."""
     if settings["device"] == "cpu" and settings["dtype"] != "float32" and is_hybrid(target_cfg):
         say(f"warning: {settings['dtype']} on CPU with a hybrid (linear-attention) target: the CPU fallback of "
             "those layers drifts from the GPU kernels enough to garble drafts; use --dtype float32 on CPU, or "
@@ -6403,7 +6385,6 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
                                   f"completion reach {limit} tokens")
                 take_saved(it, saved, settings)
         return it["completion_ids"] is None and not it.get("skip")
-
     if settings["server"]:
         for turn in sorted({it.get("turn", 1) for it in todo}):   # a turn's context holds the replies before it
             with timed("generate_s"):
@@ -6429,7 +6410,6 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
                 yield it, x.features, x.argmax
         if features is not None:
             save_hidden(settings, learned, layer_union, features)
-
     _, _, embed, head = target_parts(model)
     learned.model = model   # for --costs measure, after the prompts
     return stream(), embed.weight, head
@@ -6507,7 +6487,6 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
         write_row(partial, {"reference": {k: it.get(k) for k in REFERENCE_KEYS}})
         if save:   # one write per line: torchrun ranks may share the file
             save.write((json.dumps(saved_line(it, settings, learned)) + "\n").encode())
-
     started = time.time()
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if is_main_thread() else None
     try:
@@ -6740,8 +6719,7 @@ def watch_source(settings, learned, target_cfg, first):
 
 
 def drafter_figures(settings, learned, d, stream, embed_w, head):
-    """One drafter over a stream of prompts' features: its entry of the report's "drafters" (its warnings kept there,
-    not printed): a watch's step, a measure() call."""
+    """One drafter over a stream of prompts' features (a watch's step, measure()): its report entry, unprinted."""
     TIMING.clear()
     records = list(scored_records(stream, [d], embed_w, head, settings))
     price(settings, learned, [d], [r["item"] for r in records])
@@ -6771,8 +6749,9 @@ def step_text(line, best):
 
 def ready_drafter(settings, target_cfg, series, step, path, seen, quiet):
     """Step `step` of `series` (at `path`) once it is complete, else None: its files unchanged since the last look
-    (`seen`: what that look saw, and the loads failed since) and loading. A load that fails WATCH_TRIES looks in a row
-    is named, once."""
+    (`seen`: what that look saw, and the loads failed since) and loading; failing WATCH_TRIES looks, named once."""
+
+
     files = step_files(path)
     if seen.get("files") != files or not files:   # new, still being written, or an empty directory
         seen.update(files=files, fails=0, at=time.time())
@@ -7030,8 +7009,8 @@ def measure(drafter, features, config=None, target=None, name="drafter", step=No
 
 
 def supported():
-    """What --help lists last: every drafter family of the family table, where its checkpoints come from, who serves
-    it; the target kinds."""
+    """What --help lists last: each family of the family table, where its checkpoints come from, who serves it."""
+
     return "drafters (--ckpt), from the family table:\n" + "".join(
         f"  {name:<9} {fam.sources}; served by {fam.engines}\n" for name, fam in FAMILIES.items()) + (
         "  and any of them as a .safetensors file, a training .pt/.pth/.bin state dict or a run's directory of steps\n"
