@@ -1589,8 +1589,7 @@ def target_config(path):
 def read_target_config(path):
     """The target's text config (multimodal Qwen3.5/3.6 checkpoints nest it), after checking its head."""
     config, _ = target_config(path)
-    text = getattr(config, "text_config", None) or config
-    names = target_tensor_files(path)
+    text, names = getattr(config, "text_config", None) or config, target_tensor_files(path)
     # The loaded text model ties its head by the TEXT config's flag (a multimodal top-level flag is ignored).
     if names and not getattr(text, "tie_word_embeddings", False) and "lm_head.weight" not in names:
         fail(f"the target checkpoint in {path} has no lm_head.weight but its config says the head is not tied "
@@ -1904,8 +1903,7 @@ def verify(block, logits, sampling, generator):
 def timed_pass(model, cache, ids, layers=None):
     """Seconds of one target pass over `ids` after what `cache` holds, the cache then as it was: a plain decoding step
     (layers None: the forward and its next token), or a verify pass (`layers`' features and the block's verdict)."""
-    saved = recurrent_states(cache)
-    start = time.perf_counter()
+    saved, start = recurrent_states(cache), time.perf_counter()
     if layers is None:
         out = model(input_ids=torch.tensor([ids], device=model.device), use_cache=True, **cache_kwarg(model, cache))
         next_token(out.logits[0, -1:], None, None)
@@ -2355,8 +2353,7 @@ def layer_rules(cfg, settings, layout="public"):
         window = None
     types = cfg.get("layer_types")
     if not types:
-        sliding = cfg.get("use_sliding_window") and window
-        first = cfg.get("max_window_layers", n)
+        sliding, first = cfg.get("use_sliding_window") and window, cfg.get("max_window_layers", n)
         types = ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(n)]
     forced = cfg.get("is_causal", (cfg.get("dflash_config") or {}).get("causal")) if layout == "public" else \
         False if layout == "transformers-native assistant" else None
@@ -2453,8 +2450,7 @@ def block_mask(anchors, n_ctx, block_size, rule, starts=None):
     q_pos = anchors[q_block] + q_slot
     start = (torch.zeros_like(anchors) if starts is None else starts)[q_block][:, None]
     ctx_pos = torch.arange(n_ctx, device=dev)[None, :] - start   # position within the block's own prompt
-    ctx_ok = (ctx_pos >= 0) & (ctx_pos < anchors[q_block][:, None])
-    blk_ok = q_block[:, None] == q_block[None, :]
+    ctx_ok, blk_ok = (ctx_pos >= 0) & (ctx_pos < anchors[q_block][:, None]), q_block[:, None] == q_block[None, :]
     if mode == "causal":
         blk_ok &= q_slot[None, :] <= q_slot[:, None]
     if window is not None and anchored:   # speculators: the W positions before the anchor; none in the block
@@ -2513,8 +2509,7 @@ def drafter_forward(drafter, context_kv, anchors, block_ids, embed_w, starts=Non
     on). Embeddings: raw rows of `embed_w` times the config's scale (the public code bypasses the target's module)."""
     w, cfg, eps = drafter.weights, drafter.cfg, drafter.cfg.get("rms_norm_eps", 1e-6)
     n, B = block_ids.shape
-    n_ctx = int((anchors if starts is None else anchors + starts).max())
-    x = F.embedding(block_ids.reshape(-1), embed_w)
+    n_ctx, x = int((anchors if starts is None else anchors + starts).max()), F.embedding(block_ids.reshape(-1), embed_w)
     if drafter.embed_scale != 1.0:
         x = x * drafter.embed_scale
     cos, sin = rope_cos_sin(drafter, (anchors[:, None] + torch.arange(B, device=anchors.device)).reshape(-1), x.dtype)
@@ -2583,8 +2578,7 @@ def proposal_rows(drafter, hidden):
 
 NATIVE_NAMES = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
 NATIVE_DEFAULTS = {"rms_norm_eps": 1e-5, "sliding_window": 2048, "rope_theta": 500000.0}   # its config class's
-SELECTOR = "candidate_selector."
-LILICORR = "lilicorr."
+SELECTOR, LILICORR = "candidate_selector.", "lilicorr."
 XPRESS = "refiner_head."   # speculators' names for XPress's head; vLLM's checkpoints name it xpress_head.*
 XPRESS_NAMES = {"xpress_head." + v: XPRESS + k for k, v in {
     "token_embed.weight": "w1.weight", "readout.weight": "w2.weight", "mix_l": "mix.L",
@@ -2744,8 +2738,7 @@ def select_path(drafter, unary, candidates, projected, first):
 def selector_prob(drafter, unary, candidates, projected, first, reference, temperature):
     """DFlash 2 sampling (the public loop): slot j draws from softmax(scores / temperature) over its candidates,
     scored against the reference's token before it. float64 (n * (B-1),) probability of each reference token."""
-    w = drafter.weights
-    previous = torch.cat([first[:, None], reference[:, :-1]], dim=1).reshape(-1)
+    w, previous = drafter.weights, torch.cat([first[:, None], reference[:, :-1]], dim=1).reshape(-1)
     scores = unary + torch.einsum("nr,nkr->nk", w[SELECTOR + "predecessor_codebook"][previous] * projected,
                                   w[SELECTOR + "successor_codebook"][candidates])
     q = (scores.float() / temperature).softmax(-1)
@@ -3356,10 +3349,8 @@ def own_embedding(d, embed_w):
 def causal_pass(d, features, ids, embed_w, cache=None):
     """[(K, V, outputs)] of EAGLE-3's and MTP's causal pass over the text, as engines prefill their cache: row j reads
     token j + 1's embedding and the features at j. With `cache` (a pass over the first rows), only the rows after it."""
-    n0 = 0 if cache is None else cache[0][0].shape[1]
-    embed_w = own_embedding(d, embed_w)
-    ids_t = torch.tensor(ids[n0 + 1:], device=features.device)
-    g = features[n0:len(ids) - 1]
+    n0, embed_w = 0 if cache is None else cache[0][0].shape[1], own_embedding(d, embed_w)
+    ids_t, g = torch.tensor(ids[n0 + 1:], device=features.device), features[n0:len(ids) - 1]
     if d.generation != "MTP":
         g = fused(d, g)
     positions = torch.arange(n0, len(ids) - 1, device=features.device)
@@ -3524,8 +3515,7 @@ def parallel_round(d, context, anchors, first, starts, embed_w, head, prompt_id,
         g = fused(d, w["mask_hidden"].view(1, -1)).expand(n * (S - 1), -1)
         h = causal_layer(d, emb, g, (anchors[:, None] + slot).reshape(-1), attend)[0]
         rows = torch.cat([rows, h.view(n, S - 1, -1)], 1)
-    normed = rms_norm(rows, w["norm.weight"], eps)
-    out = torch.empty(n, S, dtype=torch.long, device=anchors.device)
+    normed, out = rms_norm(rows, w["norm.weight"], eps), torch.empty(n, S, dtype=torch.long, device=anchors.device)
     q = None if given is None else torch.empty(n, S, dtype=torch.float64, device=anchors.device)
     for k in range(S):
         logits, drafted = drafter_logits(d, head, normed[:, k], prompt_id)
@@ -3698,8 +3688,7 @@ def given_flags(settings, mode):
 def load_drafter(spec, target_cfg, settings, identify=True, given=None):
     """read_drafter's drafter; where flags replace what its checkpoint states, also as its checkpoint alone describes it
     (loaded again, quietly, without them), each such flag named: d.overrides, d.own (the override check drafts both)."""
-    d = read_drafter(spec, target_cfg, settings, identify, given)
-    flags = given_flags(settings, "O")
+    d, flags = read_drafter(spec, target_cfg, settings, identify, given), given_flags(settings, "O")
     if not flags:
         return d
     plain = {**settings, **{k: build_parser().get_default(k) for k in flag_names("O")}}
@@ -3952,8 +3941,7 @@ def reply_ids(entry, api, what):
     if not isinstance(entry, dict):
         fail(f"{what}: the server's reply holds {type(entry).__name__} where an object per prompt belongs")
     if api == "sglang":
-        ids = entry.get("output_ids", entry.get("token_ids"))
-        meta = entry.get("meta_info") or {}
+        ids, meta = entry.get("output_ids", entry.get("token_ids")), entry.get("meta_info") or {}
         finish, n = meta.get("finish_reason"), meta.get("completion_tokens")
         if isinstance(ids, list) and isinstance(n, int) and len(ids) > n:
             ids = ids[len(ids) - n:]  # some builds echo the prompt ids first
@@ -4088,8 +4076,7 @@ def fetch_references(items, settings, learned, keep):
     for it in items:  # one max_new_tokens (and one sample index: one seed) per request
         by_room.setdefault((it["room"], it.get("sample")), []).append(it)
     size = 1 if learned.served_one_by_one else SERVER_BATCH
-    batches = [group[i:i + size] for group in by_room.values() for i in range(0, len(group), size)]
-    error = None
+    batches, error = [group[i:i + size] for group in by_room.values() for i in range(0, len(group), size)], None
     with ThreadPoolExecutor(settings["server_concurrency"]) as pool, progress(settings, len(items), "server") as bar:
         futures = {pool.submit(server_batch, batch, settings, learned): batch for batch in batches}
         for future in as_completed(futures):
@@ -4133,8 +4120,7 @@ CONTEXT_BUCKETS = ((512, "<512"), (2048, "512-2k"), (8192, "2k-8k"), (math.inf, 
 
 def context_sums(anchors, first_accepted, round_anchors, lengths, weights=None):
     """{context bucket: [committed, rounds, first drafts accepted, anchors]} by anchor position (rounds: P-weighted)."""
-    totals = {}
-    rows = [(a, [0.0, 0.0, float(ok), 1]) for a, ok in zip(anchors.tolist(), first_accepted.tolist())]
+    totals, rows = {}, [(a, [0.0, 0.0, float(ok), 1]) for a, ok in zip(anchors.tolist(), first_accepted.tolist())]
     rows += [(a, [w * n, w, 0.0, 0]) for a, n, w in zip(round_anchors, lengths, weights or [1.0] * len(lengths))]
     for a, values in rows:
         bucket = next(label for bound, label in CONTEXT_BUCKETS if a < bound)
@@ -4297,8 +4283,7 @@ def add_expectations(res, block_size, n_prompt, total_len, p, q=None, rules=("st
     is; block: block_accept), the expected walk and the per-position sums (sampled: by context). The first rule's
     figures are res's own, the others' go to res["verify"]; an engine's per-step figures (served, at this depth) meet
     the first rule's chances."""
-    p_at = p[res["anchors"][:, None] + torch.arange(1, block_size) - n_prompt]
-    sampled = q is not None
+    p_at, sampled = p[res["anchors"][:, None] + torch.arange(1, block_size) - n_prompt], q is not None
     q = q if sampled else res["equal"].double()
     accepts = {"standard": torch.where(p_at > 0, (q / p_at.clamp_min(1e-300)).clamp(max=1.0), torch.zeros_like(q)),
                "block": block_accept(q, p_at)}
@@ -4330,8 +4315,7 @@ def score_tree(d, features, ids, n_prompt, prompt_id, embed_w, head, device):
     the reference reaches down each, the walk. Under sampling too: SGLang verifies a tree against the target's own
     samples (target-only), so given the text the walk is this one."""
     E = d.tree["steps"] + 1
-    anchors = fitting_anchors(n_prompt, len(ids), E)
-    ids_t = torch.tensor(ids)
+    anchors, ids_t = fitting_anchors(n_prompt, len(ids), E), torch.tensor(ids)
     reference = ids_t[anchors[:, None] + torch.arange(1, E)]
     context, per_call = prompt_context(d, features, ids, embed_w), max(1, ANCHOR_TOKENS_PER_CHUNK // d.tree["topk"])
     reached = [tree_reach(*(t.cpu() for t in eagle_trees(d, context, part.to(device), None, embed_w, head, prompt_id)),
@@ -4411,8 +4395,7 @@ CHECK_ANCHORS = 32   # anchors per prompt, evenly spaced, that the mask and over
 # gain at least CHECK_MIN_GAIN accuracy AND its wins over the run's own must exceed its losses by CHECK_Z standard
 # errors. A fixed margin alone either misses real mismatches (a causal-trained drafter run bidirectional typically
 # loses only 1-3% accuracy) or fires on a handful of anchors.
-CHECK_MIN_GAIN = 0.01
-CHECK_Z = 3.0
+CHECK_MIN_GAIN, CHECK_Z = 0.01, 3.0
 
 
 def mask_variants(drafter, settings):
@@ -4647,8 +4630,7 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
 def ratio_terms(units):
     """tau = sum(committed) / sum(rounds) over units [(committed, rounds)], and each unit's delta-method term
     (committed - tau * rounds) / mean rounds: the standard error of tau is their root mean square / sqrt(n - 1)."""
-    tau = sum(c for c, _ in units) / sum(r for _, r in units)
-    mean_r = sum(r for _, r in units) / len(units)
+    tau, mean_r = sum(c for c, _ in units) / sum(r for _, r in units), sum(r for _, r in units) / len(units)
     return tau, [(c - tau * r) / mean_r for c, r in units]
 
 
@@ -4713,8 +4695,7 @@ def summarize(results, block_size):
     accuracy; counts are divided in Python (float64): a float32 mean would carry noise into the 7th digit."""
     e = [sums(res, block_size) for res in results]
     reach = [sum(x["reach"][j] for x in e) for j in range(block_size)]
-    hits = [sum(x["hits"][j] for x in e) for j in range(block_size - 1)]
-    anchors = sum(x["anchors"] for x in e)
+    hits, anchors = [sum(x["hits"][j] for x in e) for j in range(block_size - 1)], sum(x["anchors"] for x in e)
     return {**pooled(e, block_size), "tau_all_anchors": 1 + sum(reach[1:]) / anchors if anchors else None,
             "anchors": anchors, "per_position": {"acceptance": [reach[j + 1] / reach[j] if reach[j] else None
                                                                 for j in range(block_size - 1)],
@@ -4804,11 +4785,9 @@ def measure_costs(model, drafters, settings, items):
     timings = [(costs["target"], "1", lambda: timed_pass(model, cache, ids[L:L + 1])),   # (where, key, a timed run)
                *((costs["target"], str(n), lambda n=n: timed_pass(model, cache, ids[L:L + n], layers)) for n in sizes)]
     for d in drafters:
-        d = d if d.weights is not None else replace(d, **d.reload())
-        g = torch.Generator().manual_seed(0)
+        d, g = d if d.weights is not None else replace(d, **d.reload()), torch.Generator().manual_seed(0)
         feats = torch.randn(L + sizes[-1], len(d.layers) * d.cfg["hidden_size"], generator=g).to(embed.weight)
-        first = torch.tensor([ids[L]], device=embed.weight.device)
-        causal = family(d).causal
+        first, causal = torch.tensor([ids[L]], device=embed.weight.device), family(d).causal
         context = causal_pass(d, feats, ids[:L], embed.weight) if causal else drafter_context(d, feats[:L])
 
         def draft(k, d=d, feats=feats, context=context, first=first, causal=causal):
@@ -4991,8 +4970,7 @@ def export_vllm_synthetic(report, path, depth):
     if stats is None or not stats.get("engine_metrics"):
         fail(f"--export-vllm-synthetic: drafter {d['name']} has no rounds at depth {depth}; evaluate that depth "
              f"(--depths {depth}) or pick another with --export-depth")
-    rates = stats["engine_metrics"]["vllm"]["per_position_acceptance_rate"]
-    method = FAMILIES[d["generation"]].method
+    rates, method = stats["engine_metrics"]["vllm"]["per_position_acceptance_rate"], FAMILIES[d["generation"]].method
     config = {"method": method, **({} if method == "mtp" else {"model": d["checkpoint"]}),
               **(FAMILIES[d["generation"]].vllm or {}),
               "num_speculative_tokens": depth, "rejection_sample_method": "synthetic",
@@ -5228,8 +5206,7 @@ def drafter_facts(d):
 # Warn when, on the same anchors, the real features match no significantly more drafts (z below FEATURE_CHECK_Z) AND,
 # with 95% confidence, add less than FEATURE_CHECK_MARGIN drafts per anchor (a few anchors give no verdict); only on
 # the target's own references (agreement or support >= TRUSTED_REFERENCES): foreign ones say nothing of the drafter.
-FEATURE_CHECK_Z = 1.96
-FEATURE_CHECK_MARGIN = 0.1
+FEATURE_CHECK_Z, FEATURE_CHECK_MARGIN = 1.96, 0.1
 TRUSTED_REFERENCES = 0.9
 
 
@@ -5256,8 +5233,7 @@ def drafter_report(d, results, items):
     def section(keep=lambda it: True, depth=None, pick=None):   # the kept prompts' figures, at the trained depth,
         pick = pick or (lambda res: res if depth is None else res["depths"][depth])   # `depth`, or what pick picks
         chosen = [(pick(res), it) for res, it in zip(results, items) if keep(it)]
-        totals = list(prompt_totals(*zip(*chosen)).values()) if chosen else []
-        size = B if depth is None else depth + 1
+        totals, size = list(prompt_totals(*zip(*chosen)).values()) if chosen else [], B if depth is None else depth + 1
         summary = summarize([res for res, _ in chosen], size)
         for b, t in (summary["ddtree"] or {}).items():   # a tree's interval over prompts, as the chain's
             units = prompt_totals([{"rounds": res["ddtree_rounds"][int(b)]} for res, _ in chosen],
@@ -5265,8 +5241,7 @@ def drafter_report(d, results, items):
             t["tau_ci95"] = ratio_ci95([c for c, _ in units], [r for _, r in units])
         return {**summary, "tau_ci95": ratio_ci95([c for c, _ in totals], [r for _, r in totals]),
                 **reference_fit([it for _, it in chosen], sampled)[0], **(no_trees if depth is None else {})}
-    whole = section()
-    check = feature_check_summary([res["feature_check"] for res in results if "feature_check" in res])
+    whole, check = section(), feature_check_summary([res["feature_check"] for res in results if "feature_check" in res])
     overridden = override_summary(d["overrides"], [r.get("override_check") for r in results]) \
         if d.get("overrides") else None
     splits = {split: section(lambda it: it["split"] == split) for split in sorted({it["split"] for it in items})}
@@ -5276,8 +5251,7 @@ def drafter_report(d, results, items):
     verify = {rule: section(pick=lambda res, rule=rule: res["verify"][rule])
               for rule in (results[0].get("verify", {}) if results else {})}
     prompts = [prompt_report(it, res, B) for it, res in zip(items, results)]
-    held = [p["served"] for p in prompts if "served" in p]
-    tree = d.get("eagle_tree")
+    held, tree = [p["served"] for p in prompts if "served" in p], d.get("eagle_tree")
     if tree and results and "tree" in results[0]:   # SGLang's token tree: its walk, its rounds of up to steps + 1
         s = section(depth=tree["steps"], pick=lambda res: res["tree"])
         tree = {**tree, **{key: s[key] for key in DEPTH_KEYS}, "engine_metrics": engine_metrics(s, tree["steps"],
@@ -5457,8 +5431,7 @@ def comparison_lines(c):
 
     def deltas(rows, where=""):
         for row in rows[1:]:
-            ci = row["delta_tau_ci95"]
-            delta = "n/a" if row["delta_tau"] is None else f"{row['delta_tau']:+.2f}"
+            ci, delta = row["delta_tau_ci95"], "n/a" if row["delta_tau"] is None else f"{row['delta_tau']:+.2f}"
             yield f"   {row['name']} − {c['reference']}{where}: Δτ {delta}" + \
                 (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "")
     yield from deltas(c["drafters"])
@@ -5624,8 +5597,7 @@ def plotted_drafters(source):
     if isinstance(source, list):   # a watch's lines: {"watch": header} first, then a line a step
         source = {"drafters": [{**line, "name": f"{line['series']}@{line['step']}"} for line in source
                                if "step" in line]}
-    drafters = source.get("drafters") or []
-    series = {}
+    drafters, series = source.get("drafters") or [], {}
     for d in drafters:
         if d.get("series") is not None and d.get("tau") is not None:
             series.setdefault(d["series"], []).append(d)
@@ -6205,8 +6177,7 @@ def write_part(saved, path, tensors, metadata):
 
 def keep_hidden(saved, it, ids, x, layer_union):
     """One prompt's tensors (x: its Extraction) written at once as the run's next part, named by its position."""
-    i = len(saved["parts"])
-    gap = torch.zeros(len(x.argmax))
+    i, gap = len(saved["parts"]), torch.zeros(len(x.argmax))
     gap[list(x.gaps)] = torch.tensor(list(x.gaps.values()))
     tensors = {f"{i}.ids": torch.tensor(ids), f"{i}.argmax": torch.tensor(x.argmax), f"{i}.gaps": gap,
                **({f"{i}.p": x.p} if x.p is not None else {}),
@@ -6234,8 +6205,7 @@ def save_hidden(settings, learned, layer_union, saved):
             "prompts_hash": file_hash(settings["prompts"]), "chat_template": learned.chat_template == "applied",
             "enable_thinking": settings["enable_thinking"], "sampling": sampling_of(settings),
             "prompts": [row for _, row in saved["parts"]], "shards": shards}
-    folder = os.path.dirname(os.path.abspath(path))
-    old_shards = []
+    folder, old_shards = os.path.dirname(os.path.abspath(path)), []
     with contextlib.suppress(UsageError):  # what was there may be no cache at all
         old_shards = read_hidden_meta(path).get("shards", []) if os.path.isfile(path) else []
     try:   # never over a live cache's shards: these names hold this run's id
@@ -6277,8 +6247,7 @@ def open_hidden(paths, settings, learned, target_cfg, layer_union, skip=lambda i
     twice = [row["id"] for (a, _, _, row), (b, _, _, _) in zip(entries, entries[1:]) if a == b]
     if twice:
         fail(f"prompt {twice[0]} is in more than one of the --load-hidden files: give each shard's cache once")
-    entries = entries[:settings["limit"]] if settings["limit"] else entries
-    items = []
+    entries, items = entries[:settings["limit"]] if settings["limit"] else entries, []
 
     def stream():
         dtype = getattr(torch, settings["dtype"])
@@ -6343,8 +6312,7 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
         model, tokenizer = load_target(settings)
     threads = torch.get_num_threads()
     log(settings, f"target loaded in {TIMING['load_s']:.1f} s, {threads} CPU thread{'s' * (threads > 1)}")
-    limit = target_cfg.max_position_embeddings
-    stops = set() if settings["ignore_eos"] else eos_ids(model, tokenizer)
+    limit, stops = target_cfg.max_position_embeddings, set() if settings["ignore_eos"] else eos_ids(model, tokenizer)
     learned.reference_method = "plain" if settings["reference_generation"] == "plain" else "speculative"
     learned.choosing = settings["reference_generation"] == "auto"   # the first rounds decide
     if learned.reference_method != "plain" and rewindable_cache(model) is None:
@@ -6428,8 +6396,7 @@ def note_maskless(drafters, settings):
 
 def load_run(settings, learned):
     """The target's config and every --ckpt drafter, named apart (training-run steps after the first wait on disk)."""
-    target_cfg = read_target_config(settings["target"])
-    drafters = []
+    target_cfg, drafters = read_target_config(settings["target"]), []
     for spec, step in checkpoint_specs(settings):
         d = load_drafter(spec, target_cfg, settings)
         d.step = step
@@ -6479,8 +6446,7 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
             it.update({k: references[it["index"]].get(k) for k in ("completion_ids", "source", "finish_reason")})
     TIMING.clear()
     partial = open_partial(settings, learned, facts, records, references)
-    save = open(settings["save_references"], "ab", buffering=0) if settings.get("save_references") else None
-    made = []
+    save, made = open(settings["save_references"], "ab", buffering=0) if settings.get("save_references") else None, []
 
     def keep(it):   # a reference the moment it exists: to the partial file (for --resume) and --save-references
         made.append(it["index"])
@@ -6581,8 +6547,7 @@ def hidden_drafters(settings, path):
     """--compare-hidden with --ckpt: the drafters' reports from one file, as a quiet --load-hidden run gives them."""
     quiet, learned = quietly(settings), Run()
     target_cfg, drafters = load_run(quiet, learned)
-    layer_union = sorted({L for d in drafters for L in d.layers})
-    records = []
+    layer_union, records = sorted({L for d in drafters for L in d.layers}), []
     try:
         items, stream = open_hidden([path], quiet, learned, target_cfg, layer_union)
         embed_w, head = read_embed_head(settings["target"], target_cfg, quiet)
@@ -6649,8 +6614,7 @@ WATCH_KEYS = ("series", "step", "checkpoint", "hash", "tau", "tau_ci95", "tau_pr
 
 def step_files(path):
     """(file, size, mtime) of every file of a step checkpoint (a file, or a directory's files)."""
-    names = [os.path.join(r, n) for r, _, ns in os.walk(path) for n in ns] if os.path.isdir(path) else [path]
-    found = []
+    names, found = [os.path.join(r, n) for r, _, ns in os.walk(path) for n in ns] if os.path.isdir(path) else [path], []
     for name in sorted(names):
         with contextlib.suppress(OSError):   # removed between the listing and the look
             st = os.stat(name)
@@ -6729,8 +6693,7 @@ def drafter_figures(settings, learned, d, stream, embed_w, head):
 
 def step_line(settings, learned, d, source, embed_w, head):
     """One step evaluated: its line of the series, the same figures as the JSON report of that checkpoint alone."""
-    started = time.time()
-    r = drafter_figures(settings, learned, d, source(d), embed_w, head)
+    started, r = time.time(), drafter_figures(settings, learned, d, source(d), embed_w, head)
     return {**{k: r[k] for k in WATCH_KEYS if k in r}, "prompts": len(r["prompts"]),
             "seconds": round(time.time() - started, 3), "first_position_acceptance": r["per_position"]["acceptance"][0]}
 
@@ -6964,8 +6927,7 @@ def load_features(paths, target, **options):
     input raises UsageError, with the CLI's message."""
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     settings = api_settings(os.fspath(target), [os.fspath(p) for p in paths], options)
-    learned = Run(target_hash=target_hash(settings["target"]))
-    target_cfg = read_target_config(settings["target"])
+    learned, target_cfg = Run(target_hash=target_hash(settings["target"])), read_target_config(settings["target"])
     layers = sorted({L for path in settings["load_hidden"] for L in read_hidden_meta(path)["layers"]})
     _, stream = open_hidden(settings["load_hidden"], settings, learned, target_cfg, layers)
     entries = list(stream)
