@@ -992,10 +992,9 @@ def resolve_plot(args):
     """--plot --from: the picture of a finished run, nothing else."""
     check_outputs(args)
     source = getattr(args, "from")   # "from" is a keyword: no args.from
-    if not args.plot:
-        fail("--from names a finished run's JSON for --plot to draw; give --plot FILE.png")
-    if not os.path.isfile(source):
-        fail(f"--from {source}: file not found (give a run's --output: a report's JSON or a --watch series)")
+    refuse((not args.plot, "--from names a finished run's JSON for --plot to draw; give --plot FILE.png"),
+           (not os.path.isfile(source),
+            f"--from {source}: file not found (give a run's --output: a report's JSON or a --watch series)"))
     return {"from": os.path.abspath(source), "plot": args.plot, "quiet": args.quiet, "output": None, "merge": None,
             "compare_hidden": None}
 
@@ -1103,10 +1102,9 @@ def resolve_settings(args, ranks=True):
         fail(f"target directory not found: {args.target} (pass a local model directory or a GGUF file to --target)")
     if args.mtp:
         args.ckpt = [*args.ckpt, "mtp=" + args.target]
-    if sum(map(bool, (args.save_hidden, args.load_hidden, args.compare_hidden))) > 1:
-        fail("--save-hidden, --load-hidden and --compare-hidden go in separate runs")
-    if not from_file and not args.prompts:
-        fail("--prompts is required (or run --demo for the bundled example)")
+    refuse((sum(map(bool, (args.save_hidden, args.load_hidden, args.compare_hidden))) > 1,
+            "--save-hidden, --load-hidden and --compare-hidden go in separate runs"),
+           (not from_file and not args.prompts, "--prompts is required (or run --demo for the bundled example)"))
     if not from_file and args.prompts == "-":
         if sys.stdin is None or sys.stdin.isatty():
             fail("--prompts - reads the prompts from stdin, which is a terminal: pipe them in (... < prompts.jsonl)")
@@ -1424,11 +1422,10 @@ def read_prompts(path, limit=None):
         items.append({**item, "index": len(items), "line": len(items)})
         if limit and len(items) >= limit:
             break
-    if not items:
-        fail(f"{name} holds no prompts")
-    if all(it.get("skip") for it in items):
-        fail(f"every prompt of {name} is empty ({', '.join(empty[:10])}{', ...' if len(empty) > 10 else ''}): "
-             "nothing to evaluate; give each line its text")
+    refuse((not items, f"{name} holds no prompts"),
+           (all(it.get("skip") for it in items),
+            f"every prompt of {name} is empty ({', '.join(empty[:10])}{', ...' if len(empty) > 10 else ''}): "
+            "nothing to evaluate; give each line its text"))
     return items
 
 
@@ -1504,10 +1501,9 @@ def encode_prompts(tokenizer, items, settings, noted=False):
         item["prompt_ids"] = tokenizer(text, add_special_tokens=not use_template)["input_ids"]
         if item["completion_ids"] is None and item["completion"] is not None:
             item["completion_ids"] = tokenizer(item["completion"], add_special_tokens=False)["input_ids"]
-        if item["completion_ids"] is not None and any(not 0 <= t < vocab for t in item["completion_ids"]):
-            fail(f"prompt {item['id']}: completion_ids hold ids outside the tokenizer's vocab ({vocab})")
-        if not item["prompt_ids"]:
-            fail(f"prompt {item['id']}: the prompt tokenizes to nothing")
+        refuse((item["completion_ids"] is not None and any(not 0 <= t < vocab for t in item["completion_ids"]),
+                f"prompt {item['id']}: completion_ids hold ids outside the tokenizer's vocab ({vocab})"),
+               (not item["prompt_ids"], f"prompt {item['id']}: the prompt tokenizes to nothing"))
     return "applied" if use_template else "off" if settings["no_chat_template"] else "none in the tokenizer: plain text"
 
 
@@ -2631,8 +2627,7 @@ def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab
     """{name: shape} of every tensor a drafter of this config holds (None: a dimension checked elsewhere)."""
     H, hd = cfg["hidden_size"], head_dim_of(cfg)
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    eagle = generation in ("EAGLE-3", "P-EAGLE")   # one layer, q/k/v over [embedding; features] (2H); Llama's: no
-    # q/k norm
+    eagle = generation in ("EAGLE-3", "P-EAGLE")   # one layer, q/k/v over [embedding; features] (2H), maybe no q/k norm
     width = 2 * H if eagle else H
     per_layer = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
                  **mlp_tensors(cfg, "layers.0.mlp.gate.weight" in state),
@@ -3180,10 +3175,9 @@ def eagle3_layers(e, target_cfg, settings, name, n_fc, parallel):
         ids, source = [1, L // 2 - 1, L - 4], "the engines' default"
         if e["nested_ids"] is not None:
             source += " (vLLM's default runner ignores eagle_config's ids; --engine sglang reads them)"
-    if len(ids) != n_fc:
-        fail(f"drafter {name}: fc expects {n_fc} captured layers, {source} gives {ids}")
-    if any(not 0 <= i < L - 1 for i in ids):
-        fail(f"drafter {name}: captured layer ids {ids} ({source}) must lie in 0..{L - 2} for this {L}-layer target")
+    refuse((len(ids) != n_fc, f"drafter {name}: fc expects {n_fc} captured layers, {source} gives {ids}"),
+           (any(not 0 <= i < L - 1 for i in ids),
+            f"drafter {name}: captured layer ids {ids} ({source}) must lie in 0..{L - 2} for this {L}-layer target"))
     return sorted(ids), source
 
 
@@ -3563,8 +3557,7 @@ def recognize(cfg, state, name):
 @dataclass
 class Family:
     """A drafter family as the rest of the tool sees it: how it loads and proposes, what the report says of it."""
-    load: object                # (name, path, generation, this entry, cfg, state, layout, raw, target_cfg, settings,
-    #                             identify)
+    load: object                # (name, path, generation, entry, cfg, state, layout, raw, target_cfg, settings, ...)
     propose: object = None      # a chained round: (drafts, proposal probabilities); None: each slot's argmax
     causal: bool = False        # one causal pass over the text, then K chained one-layer steps: no block, no mask
     head: object = None         # (cfg, state, where, settings) -> what its proposal step reads
@@ -3579,8 +3572,8 @@ class Family:
     tree: bool = False          # SGLang also serves it with token trees (--eagle-tree)
     sources: str = ""           # the layouts its checkpoints come in (--help, the manual's support table)
     engines: str = ""           # who serves it
-    rounds: str = "block"       # how a round runs, for the roofline: one block pass; chain, K steps; parallel, one
-    #                             pass over the window and K - 1 mask slots
+    rounds: str = "block"       # a round for the roofline: block, one pass; chain, K steps; parallel, + K - 1 masks
+
 
 
 FAMILIES = {
@@ -3799,8 +3792,8 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
 # References: the target's own (speculative or plain decoding) and a serving engine's
 
 
-DECIDE_ROUNDS = 8   # --reference-generation auto: the speculative rounds timed (the run's first left out) before a plain
-#                     step is timed against them
+DECIDE_ROUNDS = 8   # --reference-generation auto: speculative rounds timed (the first left out) against a plain step
+
 
 
 @torch.inference_mode()
@@ -3922,11 +3915,10 @@ def post_json(url, body, settings, longest, what):
                 fail(f"{what}: the server at {url} answered with malformed JSON: {text[:100]!r}")
         except urllib.error.HTTPError as e:
             words = server_words(e)
-            if e.code == 400 and ("context" in words.lower() or "too long" in words.lower()):
-                fail(f"prompt {longest['id']} ({len(longest['prompt_ids'])} prompt tokens, the longest in its request) "
-                     f"does not fit the server's context: {words}")
-            if e.code < 500 or last:
-                fail(f"{what}: the server at {url} answered HTTP {e.code}: {words}")
+            refuse((e.code == 400 and ("context" in words.lower() or "too long" in words.lower()),
+                    f"prompt {longest['id']} ({len(longest['prompt_ids'])} prompt tokens, the longest in its request) "
+                    f"does not fit the server's context: {words}"),
+                   (e.code < 500 or last, f"{what}: the server at {url} answered HTTP {e.code}: {words}"))
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             reason = getattr(e, "reason", e)
             if isinstance(reason, ConnectionRefusedError):
