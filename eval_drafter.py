@@ -9,14 +9,9 @@ DFlash family (DFlash, DFlash 2, DSpark, Domino) in z-lab's, transformers', spec
 a training run's steps, and the baselines they must beat, EAGLE-3 and the target's own MTP layer; targets: any
 decoder-only transformers model (Qwen3, hybrid Qwen3.5/3.6, Llama, gpt-oss, ...).
 
-    python eval_drafter.py --target QWEN_DIR --ckpt DRAFTER --prompts prompts.jsonl
-    python eval_drafter.py --target QWEN_DIR --ckpt mine=ckpt_a --ckpt ref=ckpt_b --prompts p.jsonl \
-        --output result.json
+    python eval_drafter.py --target QWEN_DIR --ckpt mine=ckpt_a --ckpt ref=ckpt_b --prompts p.jsonl --output r.json
     python eval_drafter.py --target QWEN_DIR --ckpt run5=RUN_DIR --steps last:5 --prompts p.jsonl
-    python eval_drafter.py --target QWEN_DIR --ckpt mine=DRAFTER --mtp --depths 3,7 --prompts p.jsonl
-    python eval_drafter.py --target QWEN_DIR --load-hidden feats.safetensors --watch run5=RUN_DIR --output run5.jsonl
     python eval_drafter.py --demo             # the whole pipeline on the tiny bundled pair
-    python eval_drafter.py --demo real        # ... on SmolLM2-135M-Instruct and a drafter trained for it
 
 The sections, in the order data flows (each definition stands under its banner, above its first use):
     Files: JSON, safetensors, and identities by content
@@ -87,6 +82,13 @@ class UsageError(Exception):
 
 def fail(message):
     raise UsageError(message)
+
+
+def refuse(*refusals):
+    """The first message of (condition, message) pairs whose condition holds, as fail's error."""
+    for refused, message in refusals:
+        if refused:
+            fail(message)
 
 
 TIMING = {}  # seconds per stage of the current run, reported under "timing"
@@ -311,8 +313,7 @@ def write_safetensors(path, tensors, metadata=None):
 
 
 def open_safetensors(path, device="cpu", whole=False):
-    """safe_open of a target's file (whole: a drafter's, every tensor read); one cut short (an interrupted download)
-    or damaged is refused naming it."""
+    """safe_open of a target's file (whole: a drafter's, every tensor read); one cut short or damaged is refused."""
     from safetensors import safe_open
     from safetensors.torch import load_file
     if not os.path.isfile(path):
@@ -991,10 +992,9 @@ def resolve_plot(args):
     """--plot --from: the picture of a finished run, nothing else."""
     check_outputs(args)
     source = getattr(args, "from")   # "from" is a keyword: no args.from
-    if not args.plot:
-        fail("--from names a finished run's JSON for --plot to draw; give --plot FILE.png")
-    if not os.path.isfile(source):
-        fail(f"--from {source}: file not found (give a run's --output: a report's JSON or a --watch series)")
+    refuse((not args.plot, "--from names a finished run's JSON for --plot to draw; give --plot FILE.png"),
+           (not os.path.isfile(source),
+            f"--from {source}: file not found (give a run's --output: a report's JSON or a --watch series)"))
     return {"from": os.path.abspath(source), "plot": args.plot, "quiet": args.quiet, "output": None, "merge": None,
             "compare_hidden": None}
 
@@ -1016,12 +1016,14 @@ def check_outputs(args):
     if args.watch and args.costs == "measure":
         fail("--costs measure times the target once, which a watch does not keep: give --costs FILE (costs measured "
              "in a run with the target)")
-    for flag, path in (("--output", args.output), ("--plot", args.plot)):
+    board = args.tensorboard and (os.path.join(args.tensorboard, "events") if os.path.isdir(args.tensorboard) else
+                                  args.tensorboard)   # made at the end, in a directory that exists
+    for flag, path in (("--output", args.output), ("--plot", args.plot), ("--tensorboard", board),
+                       ("--save-hidden", args.save_hidden), ("--save-costs", args.save_costs),
+                       ("--save-references", args.save_references),
+                       ("--export-vllm-synthetic", args.export_vllm_synthetic)):
         if path:
             check_writable(flag, path)
-    if args.tensorboard:
-        check_writable("--tensorboard", os.path.join(args.tensorboard, "events") if os.path.isdir(args.tensorboard)
-                       else args.tensorboard)   # made at the end, in a directory that exists
 
 
 def resolve_merge(args):
@@ -1100,10 +1102,9 @@ def resolve_settings(args, ranks=True):
         fail(f"target directory not found: {args.target} (pass a local model directory or a GGUF file to --target)")
     if args.mtp:
         args.ckpt = [*args.ckpt, "mtp=" + args.target]
-    if sum(map(bool, (args.save_hidden, args.load_hidden, args.compare_hidden))) > 1:
-        fail("--save-hidden, --load-hidden and --compare-hidden go in separate runs")
-    if not from_file and not args.prompts:
-        fail("--prompts is required (or run --demo for the bundled example)")
+    refuse((sum(map(bool, (args.save_hidden, args.load_hidden, args.compare_hidden))) > 1,
+            "--save-hidden, --load-hidden and --compare-hidden go in separate runs"),
+           (not from_file and not args.prompts, "--prompts is required (or run --demo for the bundled example)"))
     if not from_file and args.prompts == "-":
         if sys.stdin is None or sys.stdin.isatty():
             fail("--prompts - reads the prompts from stdin, which is a terminal: pipe them in (... < prompts.jsonl)")
@@ -1116,55 +1117,47 @@ def resolve_settings(args, ranks=True):
         fail(f"the target {args.target} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the model's "
              "tokenizer files beside its config.json")
     check_outputs(args)
-    for flag, path in (("--save-hidden", args.save_hidden), ("--save-costs", args.save_costs),
-                       ("--save-references", args.save_references),
-                       ("--export-vllm-synthetic", args.export_vllm_synthetic)):
-        if path:
-            check_writable(flag, path)
-    if args.served and not os.path.isfile(args.served):
-        fail(f"--served file not found: {args.served}")
-    if args.served and args.server:
-        fail("--served and --server both give the references: give one")
-    if args.server and not args.server.startswith(("http://", "https://")):
-        fail(f"--server must be an http:// or https:// URL, got {args.server!r}")
-    if args.server and args.server_api == "openai" and not args.server_model:
-        fail("--server-api openai needs --server-model (the name the server serves the target under)")
-    if args.temperature == 0 and (args.samples_per_prompt > 1 or args.draft_policy != "argmax"):
-        fail("--samples-per-prompt and --draft-policy sample need --temperature > 0: greedy decoding has one text "
-             "per prompt and argmax drafts")
-    if args.temperature == 0 and (args.top_p < 1 or args.top_k):
-        fail("--top-p and --top-k shape sampling; at --temperature 0 (greedy) they do nothing: give a temperature")
-    if args.draft_policy == "sample" and args.anchors == "walk":
-        fail("--anchors walk follows one walk; with --draft-policy sample every anchor can start a round: "
-             "use --anchors all")
-    if args.resume and not args.output:
-        fail("--resume needs --output: the partial results live in <output>.partial.jsonl")
-    if args.resume and args.overwrite:
-        fail("--resume continues the partial file and --overwrite starts over: give one of them")
-    if args.overwrite and not args.output:
-        fail("--overwrite starts over an --output's partial file: without --output there is none; drop --overwrite")
     output_streamed = bool(args.output) and streamed(args.output)
-    if output_streamed and (args.resume or args.overwrite):
-        fail(f"--output {args.output} is not a regular file (a device, FIFO or terminal): no partial file is kept "
-             f"beside it, so there is nothing to {'resume' if args.resume else 'overwrite'}; give --output a file")
-    if args.drafter_config and not os.path.isfile(args.drafter_config):
-        fail(f"--drafter-config file not found: {args.drafter_config}")
+    refuse((args.served and not os.path.isfile(args.served), f"--served file not found: {args.served}"),
+           (args.served and args.server, "--served and --server both give the references: give one"),
+           (args.server and not args.server.startswith(("http://", "https://")),
+            f"--server must be an http:// or https:// URL, got {args.server!r}"),
+           (args.server and args.server_api == "openai" and not args.server_model,
+            "--server-api openai needs --server-model (the name the server serves the target under)"),
+           (args.temperature == 0 and (args.samples_per_prompt > 1 or args.draft_policy != "argmax"),
+            "--samples-per-prompt and --draft-policy sample need --temperature > 0: greedy decoding has one text "
+            "per prompt and argmax drafts"),
+           (args.temperature == 0 and (args.top_p < 1 or args.top_k), "--top-p and --top-k shape sampling; at "
+            "--temperature 0 (greedy) they do nothing: give a temperature"),
+           (args.draft_policy == "sample" and args.anchors == "walk", "--anchors walk follows one walk; with "
+            "--draft-policy sample every anchor can start a round: use --anchors all"),
+           (args.resume and not args.output,
+            "--resume needs --output: the partial results live in <output>.partial.jsonl"),
+           (args.resume and args.overwrite,
+            "--resume continues the partial file and --overwrite starts over: give one of them"),
+           (args.overwrite and not args.output, "--overwrite starts over an --output's partial file: without "
+            "--output there is none; drop --overwrite"),
+           (output_streamed and (args.resume or args.overwrite), f"--output {args.output} is not a regular file (a "
+            "device, FIFO or terminal): no partial file is kept beside it, so there is nothing to "
+            f"{'resume' if args.resume else 'overwrite'}; give --output a file"),
+           (args.drafter_config and not os.path.isfile(args.drafter_config),
+            f"--drafter-config file not found: {args.drafter_config}"))
     shard = parse_shard(args.shard) if args.shard else None
     parse_steps(args.steps)
-    if args.export_depth and not args.export_vllm_synthetic:
-        fail("--export-depth sets the depth of --export-vllm-synthetic, which is not given")
-    if args.costs and args.costs != "measure" and not args.costs.startswith("gpu:") and not os.path.isfile(args.costs):
-        fail(f"--costs takes measure, gpu:NAME or a JSON file of costs; {args.costs} is none of them "
-             "(see README, Choosing what to serve)")
-    if (args.batch_sizes != "1" or args.save_costs) and not args.costs:
-        fail("--batch-sizes and --save-costs go with --costs (gpu:NAME prices batch sizes; measure's table is saved)")
-    if args.costs == "measure" and (args.load_hidden or args.compare_hidden):
-        fail("--costs measure times the target model, which a run from saved features does not build: give --costs "
-             "FILE (costs measured where the target runs), or measure in a run with the target")
-    if shard and not args.output:
-        fail("--shard needs --output: a shard's records are for --merge, which reads them from that file")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
+    refuse((args.export_depth and not args.export_vllm_synthetic,
+            "--export-depth sets the depth of --export-vllm-synthetic, which is not given"),
+           (args.costs and args.costs != "measure" and not args.costs.startswith("gpu:") and
+            not os.path.isfile(args.costs), f"--costs takes measure, gpu:NAME or a JSON file of costs; {args.costs} "
+            "is none of them (see README, Choosing what to serve)"),
+           ((args.batch_sizes != "1" or args.save_costs) and not args.costs, "--batch-sizes and --save-costs go with "
+            "--costs (gpu:NAME prices batch sizes; measure's table is saved)"),
+           (args.costs == "measure" and (args.load_hidden or args.compare_hidden), "--costs measure times the target "
+            "model, which a run from saved features does not build: give --costs FILE (costs measured where the "
+            "target runs), or measure in a run with the target"),
+           (shard and not args.output,
+            "--shard needs --output: a shard's records are for --merge, which reads them from that file"),
+           (args.device == "cuda" and not torch.cuda.is_available(),
+            "--device cuda was asked for but torch sees no CUDA device; use --device cpu"))
     device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     if args.device_map:
@@ -1429,11 +1422,10 @@ def read_prompts(path, limit=None):
         items.append({**item, "index": len(items), "line": len(items)})
         if limit and len(items) >= limit:
             break
-    if not items:
-        fail(f"{name} holds no prompts")
-    if all(it.get("skip") for it in items):
-        fail(f"every prompt of {name} is empty ({', '.join(empty[:10])}{', ...' if len(empty) > 10 else ''}): "
-             "nothing to evaluate; give each line its text")
+    refuse((not items, f"{name} holds no prompts"),
+           (all(it.get("skip") for it in items),
+            f"every prompt of {name} is empty ({', '.join(empty[:10])}{', ...' if len(empty) > 10 else ''}): "
+            "nothing to evaluate; give each line its text"))
     return items
 
 
@@ -1491,8 +1483,7 @@ REPLY_WORDS = 8   # of each reply, shown in the per-prompt rows and kept in the 
 
 
 def reply_start(tokenizer, ids):
-    """The reference's first REPLY_WORDS words, decoded, on one line (from at most 8 tokens a word: a long reference
-    is not decoded whole for them)."""
+    """The reference's first REPLY_WORDS words, on one line (decoded from at most 8 tokens a word, not whole)."""
     words = tokenizer.decode(ids[:8 * REPLY_WORDS], skip_special_tokens=True).split()
     return " ".join(words[:REPLY_WORDS]) + (" ..." if len(words) > REPLY_WORDS or len(ids) > 8 * REPLY_WORDS else "")
 
@@ -1510,10 +1501,9 @@ def encode_prompts(tokenizer, items, settings, noted=False):
         item["prompt_ids"] = tokenizer(text, add_special_tokens=not use_template)["input_ids"]
         if item["completion_ids"] is None and item["completion"] is not None:
             item["completion_ids"] = tokenizer(item["completion"], add_special_tokens=False)["input_ids"]
-        if item["completion_ids"] is not None and any(not 0 <= t < vocab for t in item["completion_ids"]):
-            fail(f"prompt {item['id']}: completion_ids hold ids outside the tokenizer's vocab ({vocab})")
-        if not item["prompt_ids"]:
-            fail(f"prompt {item['id']}: the prompt tokenizes to nothing")
+        refuse((item["completion_ids"] is not None and any(not 0 <= t < vocab for t in item["completion_ids"]),
+                f"prompt {item['id']}: completion_ids hold ids outside the tokenizer's vocab ({vocab})"),
+               (not item["prompt_ids"], f"prompt {item['id']}: the prompt tokenizes to nothing"))
     return "applied" if use_template else "off" if settings["no_chat_template"] else "none in the tokenizer: plain text"
 
 
@@ -1595,8 +1585,7 @@ def target_config(path):
 def read_target_config(path):
     """The target's text config (multimodal Qwen3.5/3.6 checkpoints nest it), after checking its head."""
     config, _ = target_config(path)
-    text = getattr(config, "text_config", None) or config
-    names = target_tensor_files(path)
+    text, names = getattr(config, "text_config", None) or config, target_tensor_files(path)
     # The loaded text model ties its head by the TEXT config's flag (a multimodal top-level flag is ignored).
     if names and not getattr(text, "tie_word_embeddings", False) and "lm_head.weight" not in names:
         fail(f"the target checkpoint in {path} has no lm_head.weight but its config says the head is not tied "
@@ -1736,7 +1725,6 @@ def target_pass(model, ids, layer_ids, cache=None):
         def hook(module, inputs, output):
             captured[layer_id] = (output[0] if isinstance(output, tuple) else output)[0].to(home)
         return hook
-
     for layer_id in sorted(set(layer_ids)):
         module = decoder.norm if layer_id == len(layers) - 1 else layers[layer_id]
         handles.append(module.register_forward_hook(keep(layer_id)))
@@ -1820,7 +1808,6 @@ def model_logits(model):
         z = z * scale if scale else z
         z = z / divide if divide else z
         return torch.tanh(z / softcap) * softcap if softcap else z
-
     probe = torch.arange(4, 12, device=model.device)[None] % cfg.vocab_size
     with torch.inference_mode():
         got = logits(target_pass(model, probe[0].tolist(), [])[1]).float()
@@ -1912,8 +1899,7 @@ def verify(block, logits, sampling, generator):
 def timed_pass(model, cache, ids, layers=None):
     """Seconds of one target pass over `ids` after what `cache` holds, the cache then as it was: a plain decoding step
     (layers None: the forward and its next token), or a verify pass (`layers`' features and the block's verdict)."""
-    saved = recurrent_states(cache)
-    start = time.perf_counter()
+    saved, start = recurrent_states(cache), time.perf_counter()
     if layers is None:
         out = model(input_ids=torch.tensor([ids], device=model.device), use_cache=True, **cache_kwarg(model, cache))
         next_token(out.logits[0, -1:], None, None)
@@ -2280,7 +2266,6 @@ def check_drafter_tensors(weights, shapes, name, generation):
     """Every expected tensor present with its shape and finite; nothing unexpected."""
     def listed(keys):
         return f"{', '.join(keys[:3]) or 'none'}{', ...' if len(keys) > 3 else ''}"
-
     missing = [k for k in shapes if k not in weights]
     unexpected = [k for k in weights if k not in shapes and not k.endswith("rotary_emb.inv_freq")]
     if missing or unexpected or not any(k.startswith("layers.") for k in shapes):
@@ -2364,8 +2349,7 @@ def layer_rules(cfg, settings, layout="public"):
         window = None
     types = cfg.get("layer_types")
     if not types:
-        sliding = cfg.get("use_sliding_window") and window
-        first = cfg.get("max_window_layers", n)
+        sliding, first = cfg.get("use_sliding_window") and window, cfg.get("max_window_layers", n)
         types = ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(n)]
     forced = cfg.get("is_causal", (cfg.get("dflash_config") or {}).get("causal")) if layout == "public" else \
         False if layout == "transformers-native assistant" else None
@@ -2462,8 +2446,7 @@ def block_mask(anchors, n_ctx, block_size, rule, starts=None):
     q_pos = anchors[q_block] + q_slot
     start = (torch.zeros_like(anchors) if starts is None else starts)[q_block][:, None]
     ctx_pos = torch.arange(n_ctx, device=dev)[None, :] - start   # position within the block's own prompt
-    ctx_ok = (ctx_pos >= 0) & (ctx_pos < anchors[q_block][:, None])
-    blk_ok = q_block[:, None] == q_block[None, :]
+    ctx_ok, blk_ok = (ctx_pos >= 0) & (ctx_pos < anchors[q_block][:, None]), q_block[:, None] == q_block[None, :]
     if mode == "causal":
         blk_ok &= q_slot[None, :] <= q_slot[:, None]
     if window is not None and anchored:   # speculators: the W positions before the anchor; none in the block
@@ -2522,8 +2505,7 @@ def drafter_forward(drafter, context_kv, anchors, block_ids, embed_w, starts=Non
     on). Embeddings: raw rows of `embed_w` times the config's scale (the public code bypasses the target's module)."""
     w, cfg, eps = drafter.weights, drafter.cfg, drafter.cfg.get("rms_norm_eps", 1e-6)
     n, B = block_ids.shape
-    n_ctx = int((anchors if starts is None else anchors + starts).max())
-    x = F.embedding(block_ids.reshape(-1), embed_w)
+    n_ctx, x = int((anchors if starts is None else anchors + starts).max()), F.embedding(block_ids.reshape(-1), embed_w)
     if drafter.embed_scale != 1.0:
         x = x * drafter.embed_scale
     cos, sin = rope_cos_sin(drafter, (anchors[:, None] + torch.arange(B, device=anchors.device)).reshape(-1), x.dtype)
@@ -2592,8 +2574,7 @@ def proposal_rows(drafter, hidden):
 
 NATIVE_NAMES = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
 NATIVE_DEFAULTS = {"rms_norm_eps": 1e-5, "sliding_window": 2048, "rope_theta": 500000.0}   # its config class's
-SELECTOR = "candidate_selector."
-LILICORR = "lilicorr."
+SELECTOR, LILICORR = "candidate_selector.", "lilicorr."
 XPRESS = "refiner_head."   # speculators' names for XPress's head; vLLM's checkpoints name it xpress_head.*
 XPRESS_NAMES = {"xpress_head." + v: XPRESS + k for k, v in {
     "token_embed.weight": "w1.weight", "readout.weight": "w2.weight", "mix_l": "mix.L",
@@ -2615,8 +2596,7 @@ SPECULATORS_KEYS = {"speculators_model_type", "architectures", "transformer_laye
 
 def speculators_config(cfg, name):
     """A speculators DFlash / DFlash 2 / DSpark / XPress config under the public keys (aux_hidden_state_layer_ids
-    L + 1 as layer id L); a key it cannot map is refused. DSpark's sample_from_anchor defaults to true, as in
-    speculators."""
+    L + 1 as layer id L); a key it cannot map is refused. DSpark's sample_from_anchor defaults to true, as there."""
     kind, layer = cfg.get("speculators_model_type"), cfg.get("transformer_layer_config")
     where = f"drafter {name}: its speculators config"
     if kind not in ("dflash", "dflash2", "dspark", "xpress"):
@@ -2647,8 +2627,7 @@ def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab
     """{name: shape} of every tensor a drafter of this config holds (None: a dimension checked elsewhere)."""
     H, hd = cfg["hidden_size"], head_dim_of(cfg)
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    eagle = generation in ("EAGLE-3", "P-EAGLE")   # one layer, q/k/v over [embedding; features] (2H); Llama's: no
-    # q/k norm
+    eagle = generation in ("EAGLE-3", "P-EAGLE")   # one layer, q/k/v over [embedding; features] (2H), maybe no q/k norm
     width = 2 * H if eagle else H
     per_layer = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
                  **mlp_tensors(cfg, "layers.0.mlp.gate.weight" in state),
@@ -2754,8 +2733,7 @@ def select_path(drafter, unary, candidates, projected, first):
 def selector_prob(drafter, unary, candidates, projected, first, reference, temperature):
     """DFlash 2 sampling (the public loop): slot j draws from softmax(scores / temperature) over its candidates,
     scored against the reference's token before it. float64 (n * (B-1),) probability of each reference token."""
-    w = drafter.weights
-    previous = torch.cat([first[:, None], reference[:, :-1]], dim=1).reshape(-1)
+    w, previous = drafter.weights, torch.cat([first[:, None], reference[:, :-1]], dim=1).reshape(-1)
     scores = unary + torch.einsum("nr,nkr->nk", w[SELECTOR + "predecessor_codebook"][previous] * projected,
                                   w[SELECTOR + "successor_codebook"][candidates])
     q = (scores.float() / temperature).softmax(-1)
@@ -3023,7 +3001,6 @@ def chain_drafts(drafter, head, hidden, first, embed_w, prompt_id, given=None, s
 
     def base(k):
         return every[:, k] if every is not None else base_logits(drafter, head, hidden[:, k])
-
     if drafter.generation == "Domino" and h["pool"] and S > 1:   # one pool per block, ranked by the best base logit
         best = torch.stack([base(k) for k in range(1, S)]).amax(0)
         pool = best.topk(min(h["pool"], best.shape[-1]), dim=-1).indices
@@ -3198,10 +3175,9 @@ def eagle3_layers(e, target_cfg, settings, name, n_fc, parallel):
         ids, source = [1, L // 2 - 1, L - 4], "the engines' default"
         if e["nested_ids"] is not None:
             source += " (vLLM's default runner ignores eagle_config's ids; --engine sglang reads them)"
-    if len(ids) != n_fc:
-        fail(f"drafter {name}: fc expects {n_fc} captured layers, {source} gives {ids}")
-    if any(not 0 <= i < L - 1 for i in ids):
-        fail(f"drafter {name}: captured layer ids {ids} ({source}) must lie in 0..{L - 2} for this {L}-layer target")
+    refuse((len(ids) != n_fc, f"drafter {name}: fc expects {n_fc} captured layers, {source} gives {ids}"),
+           (any(not 0 <= i < L - 1 for i in ids),
+            f"drafter {name}: captured layer ids {ids} ({source}) must lie in 0..{L - 2} for this {L}-layer target"))
     return sorted(ids), source
 
 
@@ -3327,8 +3303,7 @@ def mlp(d, p, y):
 
 def causal_layer(d, emb, g, positions, attend):
     """EAGLE-3's, P-EAGLE's or MTP's decoder layer on rows (embedding, hidden g); attend(q, k, v) gives the attention.
-    EAGLE-3's q/k/v read [norm(emb); norm(g)] (2H), MTP's fc of them feeds the target's layer. Returns (h pre-norm,
-    k, v)."""
+    EAGLE-3's q/k/v read [norm(emb); norm(g)] (2H), MTP's fc of them feeds the target's layer: (h pre-norm, k, v)."""
     w, cfg, p, eps = d.weights, d.cfg, "layers.0.", d.cfg.get("rms_norm_eps", 1e-6)
     if d.generation != "MTP":
         normed = rms_norm(g, w[p + "hidden_norm.weight"], eps)
@@ -3368,10 +3343,8 @@ def own_embedding(d, embed_w):
 def causal_pass(d, features, ids, embed_w, cache=None):
     """[(K, V, outputs)] of EAGLE-3's and MTP's causal pass over the text, as engines prefill their cache: row j reads
     token j + 1's embedding and the features at j. With `cache` (a pass over the first rows), only the rows after it."""
-    n0 = 0 if cache is None else cache[0][0].shape[1]
-    embed_w = own_embedding(d, embed_w)
-    ids_t = torch.tensor(ids[n0 + 1:], device=features.device)
-    g = features[n0:len(ids) - 1]
+    n0, embed_w = 0 if cache is None else cache[0][0].shape[1], own_embedding(d, embed_w)
+    ids_t, g = torch.tensor(ids[n0 + 1:], device=features.device), features[n0:len(ids) - 1]
     if d.generation != "MTP":
         g = fused(d, g)
     positions = torch.arange(n0, len(ids) - 1, device=features.device)
@@ -3465,8 +3438,7 @@ def eagle_trees(d, context, anchors, starts, embed_w, head, prompt_id):
     down the path and the k best of the k * k kept as the next branches; the tokens - 1 best-scored nodes form the
     tree. Branch j keeps its own KV slots: after a re-selection it reads the slots that branch j held before, not
     its new parent's (SGLang's draft attention indexes slots by branch). (tokens, parents) (n, tokens - 1): target
-    ids; a parent's place in the list, -1 the anchor, -2 a node whose parent was not kept (SGLang never reaches
-    it)."""
+    ids; a parent's place in the list, -1 the anchor, -2 a node whose parent was not kept (never reached)."""
     (k_ctx, v_ctx, h_ctx), = context
     steps, topk, size = d.tree["steps"], d.tree["topk"], d.tree["tokens"] - 1
     n, dev, R = anchors.shape[0], anchors.device, anchors.shape[0] * d.tree["topk"]
@@ -3537,8 +3509,7 @@ def parallel_round(d, context, anchors, first, starts, embed_w, head, prompt_id,
         g = fused(d, w["mask_hidden"].view(1, -1)).expand(n * (S - 1), -1)
         h = causal_layer(d, emb, g, (anchors[:, None] + slot).reshape(-1), attend)[0]
         rows = torch.cat([rows, h.view(n, S - 1, -1)], 1)
-    normed = rms_norm(rows, w["norm.weight"], eps)
-    out = torch.empty(n, S, dtype=torch.long, device=anchors.device)
+    normed, out = rms_norm(rows, w["norm.weight"], eps), torch.empty(n, S, dtype=torch.long, device=anchors.device)
     q = None if given is None else torch.empty(n, S, dtype=torch.float64, device=anchors.device)
     for k in range(S):
         logits, drafted = drafter_logits(d, head, normed[:, k], prompt_id)
@@ -3554,8 +3525,8 @@ def parallel_round(d, context, anchors, first, starts, embed_w, head, prompt_id,
 
 def recognize(cfg, state, name):
     """(generation, layout, config, state) under the public DFlash keys and names: the native assistant's encoder.*
-    renamed, speculators' config unnested, DFlash 2's codebook `.weight`, SpecForge's DSpark logit_head. dropped,
-    vLLM's XPress head under speculators' names."""
+    renamed, speculators' config unnested, DFlash 2's codebook `.weight` and SpecForge's DSpark logit_head. dropped,
+    vLLM's XPress head renamed."""
     given = cfg or {}
     archs, speculators = given.get("architectures") or [], "speculators_model_type" in given
     kind = given.get("speculators_model_type")
@@ -3586,8 +3557,7 @@ def recognize(cfg, state, name):
 @dataclass
 class Family:
     """A drafter family as the rest of the tool sees it: how it loads and proposes, what the report says of it."""
-    load: object                # (name, path, generation, this entry, cfg, state, layout, raw, target_cfg, settings,
-    #                             identify)
+    load: object                # (name, path, generation, entry, cfg, state, layout, raw, target_cfg, settings, ...)
     propose: object = None      # a chained round: (drafts, proposal probabilities); None: each slot's argmax
     causal: bool = False        # one causal pass over the text, then K chained one-layer steps: no block, no mask
     head: object = None         # (cfg, state, where, settings) -> what its proposal step reads
@@ -3602,8 +3572,8 @@ class Family:
     tree: bool = False          # SGLang also serves it with token trees (--eagle-tree)
     sources: str = ""           # the layouts its checkpoints come in (--help, the manual's support table)
     engines: str = ""           # who serves it
-    rounds: str = "block"       # how a round runs, for the roofline: one block pass; chain, K steps; parallel, one
-    #                             pass over the window and K - 1 mask slots
+    rounds: str = "block"       # a round for the roofline: block, one pass; chain, K steps; parallel, + K - 1 masks
+
 
 
 FAMILIES = {
@@ -3711,8 +3681,7 @@ def given_flags(settings, mode):
 def load_drafter(spec, target_cfg, settings, identify=True, given=None):
     """read_drafter's drafter; where flags replace what its checkpoint states, also as its checkpoint alone describes it
     (loaded again, quietly, without them), each such flag named: d.overrides, d.own (the override check drafts both)."""
-    d = read_drafter(spec, target_cfg, settings, identify, given)
-    flags = given_flags(settings, "O")
+    d, flags = read_drafter(spec, target_cfg, settings, identify, given), given_flags(settings, "O")
     if not flags:
         return d
     plain = {**settings, **{k: build_parser().get_default(k) for k in flag_names("O")}}
@@ -3823,8 +3792,8 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
 # References: the target's own (speculative or plain decoding) and a serving engine's
 
 
-DECIDE_ROUNDS = 8   # --reference-generation auto: the speculative rounds timed (the run's first left out) before a plain
-#                     step is timed against them
+DECIDE_ROUNDS = 8   # --reference-generation auto: speculative rounds timed (the first left out) against a plain step
+
 
 
 @torch.inference_mode()
@@ -3946,11 +3915,10 @@ def post_json(url, body, settings, longest, what):
                 fail(f"{what}: the server at {url} answered with malformed JSON: {text[:100]!r}")
         except urllib.error.HTTPError as e:
             words = server_words(e)
-            if e.code == 400 and ("context" in words.lower() or "too long" in words.lower()):
-                fail(f"prompt {longest['id']} ({len(longest['prompt_ids'])} prompt tokens, the longest in its request) "
-                     f"does not fit the server's context: {words}")
-            if e.code < 500 or last:
-                fail(f"{what}: the server at {url} answered HTTP {e.code}: {words}")
+            refuse((e.code == 400 and ("context" in words.lower() or "too long" in words.lower()),
+                    f"prompt {longest['id']} ({len(longest['prompt_ids'])} prompt tokens, the longest in its request) "
+                    f"does not fit the server's context: {words}"),
+                   (e.code < 500 or last, f"{what}: the server at {url} answered HTTP {e.code}: {words}"))
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             reason = getattr(e, "reason", e)
             if isinstance(reason, ConnectionRefusedError):
@@ -3965,8 +3933,7 @@ def reply_ids(entry, api, what):
     if not isinstance(entry, dict):
         fail(f"{what}: the server's reply holds {type(entry).__name__} where an object per prompt belongs")
     if api == "sglang":
-        ids = entry.get("output_ids", entry.get("token_ids"))
-        meta = entry.get("meta_info") or {}
+        ids, meta = entry.get("output_ids", entry.get("token_ids")), entry.get("meta_info") or {}
         finish, n = meta.get("finish_reason"), meta.get("completion_tokens")
         if isinstance(ids, list) and isinstance(n, int) and len(ids) > n:
             ids = ids[len(ids) - n:]  # some builds echo the prompt ids first
@@ -4101,8 +4068,7 @@ def fetch_references(items, settings, learned, keep):
     for it in items:  # one max_new_tokens (and one sample index: one seed) per request
         by_room.setdefault((it["room"], it.get("sample")), []).append(it)
     size = 1 if learned.served_one_by_one else SERVER_BATCH
-    batches = [group[i:i + size] for group in by_room.values() for i in range(0, len(group), size)]
-    error = None
+    batches, error = [group[i:i + size] for group in by_room.values() for i in range(0, len(group), size)], None
     with ThreadPoolExecutor(settings["server_concurrency"]) as pool, progress(settings, len(items), "server") as bar:
         futures = {pool.submit(server_batch, batch, settings, learned): batch for batch in batches}
         for future in as_completed(futures):
@@ -4146,8 +4112,7 @@ CONTEXT_BUCKETS = ((512, "<512"), (2048, "512-2k"), (8192, "2k-8k"), (math.inf, 
 
 def context_sums(anchors, first_accepted, round_anchors, lengths, weights=None):
     """{context bucket: [committed, rounds, first drafts accepted, anchors]} by anchor position (rounds: P-weighted)."""
-    totals = {}
-    rows = [(a, [0.0, 0.0, float(ok), 1]) for a, ok in zip(anchors.tolist(), first_accepted.tolist())]
+    totals, rows = {}, [(a, [0.0, 0.0, float(ok), 1]) for a, ok in zip(anchors.tolist(), first_accepted.tolist())]
     rows += [(a, [w * n, w, 0.0, 0]) for a, n, w in zip(round_anchors, lengths, weights or [1.0] * len(lengths))]
     for a, values in rows:
         bucket = next(label for bound, label in CONTEXT_BUCKETS if a < bound)
@@ -4226,7 +4191,6 @@ def score_walks_only(d, prompts, embed_w, head, budgets):
         if kind is None:
             return 1 + int((drafts == ids_t[p][a + 1:a + B]).long().cumprod(0).sum())
         return tree_acceptance(tree, ids_t[p][a + 1:a + B], kind, top_k)
-
     while True:
         for (p, kind), (rounds, a) in walks.items():   # each walk as far as the drafted blocks go
             if a is not None:
@@ -4309,10 +4273,9 @@ def add_expectations(res, block_size, n_prompt, total_len, p, q=None, rules=("st
     """Temperature > 0, under each verification rule: each drafted slot's acceptance probability (argmax proposals:
     draft == text, the walk already taken, the same under both rules; sampled: standard min(1, q / p), 0 where p
     is; block: block_accept), the expected walk and the per-position sums (sampled: by context). The first rule's
-    figures are res's own, the others' go to res["verify"]; an engine's per-step figures (served, at this depth) are
-    held against the first rule's chances."""
-    p_at = p[res["anchors"][:, None] + torch.arange(1, block_size) - n_prompt]
-    sampled = q is not None
+    figures are res's own, the others' go to res["verify"]; an engine's per-step figures (served, at this depth) meet
+    the first rule's chances."""
+    p_at, sampled = p[res["anchors"][:, None] + torch.arange(1, block_size) - n_prompt], q is not None
     q = q if sampled else res["equal"].double()
     accepts = {"standard": torch.where(p_at > 0, (q / p_at.clamp_min(1e-300)).clamp(max=1.0), torch.zeros_like(q)),
                "block": block_accept(q, p_at)}
@@ -4344,8 +4307,7 @@ def score_tree(d, features, ids, n_prompt, prompt_id, embed_w, head, device):
     the reference reaches down each, the walk. Under sampling too: SGLang verifies a tree against the target's own
     samples (target-only), so given the text the walk is this one."""
     E = d.tree["steps"] + 1
-    anchors = fitting_anchors(n_prompt, len(ids), E)
-    ids_t = torch.tensor(ids)
+    anchors, ids_t = fitting_anchors(n_prompt, len(ids), E), torch.tensor(ids)
     reference = ids_t[anchors[:, None] + torch.arange(1, E)]
     context, per_call = prompt_context(d, features, ids, embed_w), max(1, ANCHOR_TOKENS_PER_CHUNK // d.tree["topk"])
     reached = [tree_reach(*(t.cpu() for t in eagle_trees(d, context, part.to(device), None, embed_w, head, prompt_id)),
@@ -4425,8 +4387,7 @@ CHECK_ANCHORS = 32   # anchors per prompt, evenly spaced, that the mask and over
 # gain at least CHECK_MIN_GAIN accuracy AND its wins over the run's own must exceed its losses by CHECK_Z standard
 # errors. A fixed margin alone either misses real mismatches (a causal-trained drafter run bidirectional typically
 # loses only 1-3% accuracy) or fires on a handful of anchors.
-CHECK_MIN_GAIN = 0.01
-CHECK_Z = 3.0
+CHECK_MIN_GAIN, CHECK_Z = 0.01, 3.0
 
 
 def mask_variants(drafter, settings):
@@ -4468,6 +4429,20 @@ def suspect_inputs(d, target_cfg):
             if isinstance(token, int) and token != d.mask_token_id:
                 out.setdefault(f"mask token {token} ({key})", {"mask_token_id": token})
     return out
+
+
+def served_equal(s, exact, n_completion):
+    """(equal, first step that differs) of an engine's verify steps (served figures s) against greedy rounds on its text:
+    the rounds one for one, then only steps over the reply's last tokens, which no round scores. vLLM's detailed
+    figures compare step by step, the rest by histogram."""
+    spare = max(n_completion - 1 - sum(exact), 0)   # after the prefill's token and the scored rounds
+    if s.get("per_step") is not None:
+        steps = [j + 1 for j in s["per_step"]]
+        first = next((i for i, (a, b) in enumerate(zip(steps, exact)) if a != b), None)
+        return first is None and 0 <= len(steps) - len(exact) <= spare, first
+    histogram = list(s.get("histogram") or [])
+    return 0 <= s["steps"] - len(exact) <= spare and all(
+        j < len(histogram) and histogram[j] >= exact.count(j + 1) for j in set(r - 1 for r in exact)), None
 
 
 def served_suspects(d, prompt, item, res, embed_w, head, settings):
@@ -4647,8 +4622,7 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
 def ratio_terms(units):
     """tau = sum(committed) / sum(rounds) over units [(committed, rounds)], and each unit's delta-method term
     (committed - tau * rounds) / mean rounds: the standard error of tau is their root mean square / sqrt(n - 1)."""
-    tau = sum(c for c, _ in units) / sum(r for _, r in units)
-    mean_r = sum(r for _, r in units) / len(units)
+    tau, mean_r = sum(c for c, _ in units) / sum(r for _, r in units), sum(r for _, r in units) / len(units)
     return tau, [(c - tau * r) / mean_r for c, r in units]
 
 
@@ -4713,8 +4687,7 @@ def summarize(results, block_size):
     accuracy; counts are divided in Python (float64): a float32 mean would carry noise into the 7th digit."""
     e = [sums(res, block_size) for res in results]
     reach = [sum(x["reach"][j] for x in e) for j in range(block_size)]
-    hits = [sum(x["hits"][j] for x in e) for j in range(block_size - 1)]
-    anchors = sum(x["anchors"] for x in e)
+    hits, anchors = [sum(x["hits"][j] for x in e) for j in range(block_size - 1)], sum(x["anchors"] for x in e)
     return {**pooled(e, block_size), "tau_all_anchors": 1 + sum(reach[1:]) / anchors if anchors else None,
             "anchors": anchors, "per_position": {"acceptance": [reach[j + 1] / reach[j] if reach[j] else None
                                                                 for j in range(block_size - 1)],
@@ -4804,11 +4777,9 @@ def measure_costs(model, drafters, settings, items):
     timings = [(costs["target"], "1", lambda: timed_pass(model, cache, ids[L:L + 1])),   # (where, key, a timed run)
                *((costs["target"], str(n), lambda n=n: timed_pass(model, cache, ids[L:L + n], layers)) for n in sizes)]
     for d in drafters:
-        d = d if d.weights is not None else replace(d, **d.reload())
-        g = torch.Generator().manual_seed(0)
+        d, g = d if d.weights is not None else replace(d, **d.reload()), torch.Generator().manual_seed(0)
         feats = torch.randn(L + sizes[-1], len(d.layers) * d.cfg["hidden_size"], generator=g).to(embed.weight)
-        first = torch.tensor([ids[L]], device=embed.weight.device)
-        causal = family(d).causal
+        first, causal = torch.tensor([ids[L]], device=embed.weight.device), family(d).causal
         context = causal_pass(d, feats, ids[:L], embed.weight) if causal else drafter_context(d, feats[:L])
 
         def draft(k, d=d, feats=feats, context=context, first=first, causal=causal):
@@ -4828,7 +4799,6 @@ def measure_costs(model, drafters, settings, items):
             eagle_trees(d, grown, torch.tensor([L + d.tree["steps"]], device=first.device), None, embed.weight, head,
                         "cost")
             return seconds_since(start)
-
         timings += [(costs["draft"].setdefault(d.name, {}), str(k), lambda k=k, draft=draft: draft(k))
                     for k in [d.block_size - 1, *served_depths(d, settings)]]
         timings += [(costs["draft"][d.name], "tree", draft_tree)] if d.tree else []
@@ -4992,8 +4962,7 @@ def export_vllm_synthetic(report, path, depth):
     if stats is None or not stats.get("engine_metrics"):
         fail(f"--export-vllm-synthetic: drafter {d['name']} has no rounds at depth {depth}; evaluate that depth "
              f"(--depths {depth}) or pick another with --export-depth")
-    rates = stats["engine_metrics"]["vllm"]["per_position_acceptance_rate"]
-    method = FAMILIES[d["generation"]].method
+    rates, method = stats["engine_metrics"]["vllm"]["per_position_acceptance_rate"], FAMILIES[d["generation"]].method
     config = {"method": method, **({} if method == "mtp" else {"model": d["checkpoint"]}),
               **(FAMILIES[d["generation"]].vllm or {}),
               "num_speculative_tokens": depth, "rejection_sample_method": "synthetic",
@@ -5057,20 +5026,6 @@ def self_check(items, config):
                             f"{'samples' if sampled else 'greedy output'}, so a bug in the tool or numerics is at "
                             "fault, not the references: tau is not exact")
     return check
-
-
-def served_equal(s, exact, n_completion):
-    """(equal, first step that differs) of an engine's verify steps (served figures s) against greedy rounds on its text:
-    the rounds one for one, then only steps over the reply's last tokens, which no round scores. vLLM's detailed
-    figures compare step by step, the rest by histogram."""
-    spare = max(n_completion - 1 - sum(exact), 0)   # after the prefill's token and the scored rounds
-    if s.get("per_step") is not None:
-        steps = [j + 1 for j in s["per_step"]]
-        first = next((i for i, (a, b) in enumerate(zip(steps, exact)) if a != b), None)
-        return first is None and 0 <= len(steps) - len(exact) <= spare, first
-    histogram = list(s.get("histogram") or [])
-    return 0 <= s["steps"] - len(exact) <= spare and all(
-        j < len(histogram) and histogram[j] >= exact.count(j + 1) for j in set(r - 1 for r in exact)), None
 
 
 def halves(lengths, half):
@@ -5243,8 +5198,7 @@ def drafter_facts(d):
 # Warn when, on the same anchors, the real features match no significantly more drafts (z below FEATURE_CHECK_Z) AND,
 # with 95% confidence, add less than FEATURE_CHECK_MARGIN drafts per anchor (a few anchors give no verdict); only on
 # the target's own references (agreement or support >= TRUSTED_REFERENCES): foreign ones say nothing of the drafter.
-FEATURE_CHECK_Z = 1.96
-FEATURE_CHECK_MARGIN = 0.1
+FEATURE_CHECK_Z, FEATURE_CHECK_MARGIN = 1.96, 0.1
 TRUSTED_REFERENCES = 0.9
 
 
@@ -5271,8 +5225,7 @@ def drafter_report(d, results, items):
     def section(keep=lambda it: True, depth=None, pick=None):   # the kept prompts' figures, at the trained depth,
         pick = pick or (lambda res: res if depth is None else res["depths"][depth])   # `depth`, or what pick picks
         chosen = [(pick(res), it) for res, it in zip(results, items) if keep(it)]
-        totals = list(prompt_totals(*zip(*chosen)).values()) if chosen else []
-        size = B if depth is None else depth + 1
+        totals, size = list(prompt_totals(*zip(*chosen)).values()) if chosen else [], B if depth is None else depth + 1
         summary = summarize([res for res, _ in chosen], size)
         for b, t in (summary["ddtree"] or {}).items():   # a tree's interval over prompts, as the chain's
             units = prompt_totals([{"rounds": res["ddtree_rounds"][int(b)]} for res, _ in chosen],
@@ -5280,9 +5233,7 @@ def drafter_report(d, results, items):
             t["tau_ci95"] = ratio_ci95([c for c, _ in units], [r for _, r in units])
         return {**summary, "tau_ci95": ratio_ci95([c for c, _ in totals], [r for _, r in totals]),
                 **reference_fit([it for _, it in chosen], sampled)[0], **(no_trees if depth is None else {})}
-
-    whole = section()
-    check = feature_check_summary([res["feature_check"] for res in results if "feature_check" in res])
+    whole, check = section(), feature_check_summary([res["feature_check"] for res in results if "feature_check" in res])
     overridden = override_summary(d["overrides"], [r.get("override_check") for r in results]) \
         if d.get("overrides") else None
     splits = {split: section(lambda it: it["split"] == split) for split in sorted({it["split"] for it in items})}
@@ -5292,8 +5243,7 @@ def drafter_report(d, results, items):
     verify = {rule: section(pick=lambda res, rule=rule: res["verify"][rule])
               for rule in (results[0].get("verify", {}) if results else {})}
     prompts = [prompt_report(it, res, B) for it, res in zip(items, results)]
-    held = [p["served"] for p in prompts if "served" in p]
-    tree = d.get("eagle_tree")
+    held, tree = [p["served"] for p in prompts if "served" in p], d.get("eagle_tree")
     if tree and results and "tree" in results[0]:   # SGLang's token tree: its walk, its rounds of up to steps + 1
         s = section(depth=tree["steps"], pick=lambda res: res["tree"])
         tree = {**tree, **{key: s[key] for key in DEPTH_KEYS}, "engine_metrics": engine_metrics(s, tree["steps"],
@@ -5324,7 +5274,6 @@ def side_by_side(drafters, results, items):
                   for k, res in zip(trained, results)]
         deltas = [(None, None), *(paired_delta(t, totals[0]) for t in totals[1:])]
         return [{**row, "delta_tau": delta, "delta_tau_ci95": ci} for row, (delta, ci) in zip(rows, deltas)]
-
     rows = paired([{"name": d["name"], **{k: d[k] for k in ("series", "step") if k in d}, "tau": d["tau"],
                     "tau_ci95": d["tau_ci95"], "first_position_acceptance": d["per_position"]["acceptance"][0],
                     "ddtree": {b: s["tau"] for b, s in (d["ddtree"] or {}).items()},
@@ -5401,8 +5350,7 @@ def reference_line(stats):
 
 
 def serving_lines(d, source=None):
-    """Per served depth: tau, the engines' own figures under their names and, with --costs, predicted speedups (their
-    costs' `source` named)."""
+    """Per served depth: tau, the engines' figures under their names, with --costs predicted speedups (`source`'s)."""
     depths = d.get("depths") or {str(d["drafts_per_round"]): d}
     for k, s in depths.items():
         if not s.get("engine_metrics"):
@@ -5475,8 +5423,7 @@ def comparison_lines(c):
 
     def deltas(rows, where=""):
         for row in rows[1:]:
-            ci = row["delta_tau_ci95"]
-            delta = "n/a" if row["delta_tau"] is None else f"{row['delta_tau']:+.2f}"
+            ci, delta = row["delta_tau_ci95"], "n/a" if row["delta_tau"] is None else f"{row['delta_tau']:+.2f}"
             yield f"   {row['name']} − {c['reference']}{where}: Δτ {delta}" + \
                 (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "")
     yield from deltas(c["drafters"])
@@ -5642,8 +5589,7 @@ def plotted_drafters(source):
     if isinstance(source, list):   # a watch's lines: {"watch": header} first, then a line a step
         source = {"drafters": [{**line, "name": f"{line['series']}@{line['step']}"} for line in source
                                if "step" in line]}
-    drafters = source.get("drafters") or []
-    series = {}
+    drafters, series = source.get("drafters") or [], {}
     for d in drafters:
         if d.get("series") is not None and d.get("tau") is not None:
             series.setdefault(d["series"], []).append(d)
@@ -5668,7 +5614,6 @@ def plot_panels(source):
             merged[key] = (f"{merged[key][0]} = {label}", xs, ys, cis) if key in merged else (label, xs, ys, cis)
         if merged:
             panels.append((title, xlabel, ylabel, kind, list(merged.values())))
-
     add("acceptance by position (conditional)", "position in the block", "P(accept | reached)", "line",
         [(d["name"], list(range(1, len(d["per_position"]["acceptance"]) + 1)), d["per_position"]["acceptance"], None)
          for d in shown if d.get("per_position")])
@@ -6224,8 +6169,7 @@ def write_part(saved, path, tensors, metadata):
 
 def keep_hidden(saved, it, ids, x, layer_union):
     """One prompt's tensors (x: its Extraction) written at once as the run's next part, named by its position."""
-    i = len(saved["parts"])
-    gap = torch.zeros(len(x.argmax))
+    i, gap = len(saved["parts"]), torch.zeros(len(x.argmax))
     gap[list(x.gaps)] = torch.tensor(list(x.gaps.values()))
     tensors = {f"{i}.ids": torch.tensor(ids), f"{i}.argmax": torch.tensor(x.argmax), f"{i}.gaps": gap,
                **({f"{i}.p": x.p} if x.p is not None else {}),
@@ -6253,8 +6197,7 @@ def save_hidden(settings, learned, layer_union, saved):
             "prompts_hash": file_hash(settings["prompts"]), "chat_template": learned.chat_template == "applied",
             "enable_thinking": settings["enable_thinking"], "sampling": sampling_of(settings),
             "prompts": [row for _, row in saved["parts"]], "shards": shards}
-    folder = os.path.dirname(os.path.abspath(path))
-    old_shards = []
+    folder, old_shards = os.path.dirname(os.path.abspath(path)), []
     with contextlib.suppress(UsageError):  # what was there may be no cache at all
         old_shards = read_hidden_meta(path).get("shards", []) if os.path.isfile(path) else []
     try:   # never over a live cache's shards: these names hold this run's id
@@ -6272,8 +6215,7 @@ def save_hidden(settings, learned, layer_union, saved):
 
 def open_hidden(paths, settings, learned, target_cfg, layer_union, skip=lambda it: False, wanted=()):
     """Checked prompts and a lazy stream of (item, features, argmax), skip(item) ones left out, from --save-hidden
-    files (several: a run's shards' or ranks' caches, joined in prompt order); `wanted` layers too where all hold them
-    (the override check's)."""
+    files (several: a run's shards' or ranks' caches, joined in prompt order), `wanted` layers where all hold them."""
     metas = [read_hidden_meta(path) for path in paths]
     layer_union = sorted(set(layer_union) | {L for L in wanted if all(L in m["layers"] for m in metas)})
     sampling = sampling_of(settings)
@@ -6297,8 +6239,7 @@ def open_hidden(paths, settings, learned, target_cfg, layer_union, skip=lambda i
     twice = [row["id"] for (a, _, _, row), (b, _, _, _) in zip(entries, entries[1:]) if a == b]
     if twice:
         fail(f"prompt {twice[0]} is in more than one of the --load-hidden files: give each shard's cache once")
-    entries = entries[:settings["limit"]] if settings["limit"] else entries
-    items = []
+    entries, items = entries[:settings["limit"]] if settings["limit"] else entries, []
 
     def stream():
         dtype = getattr(torch, settings["dtype"])
@@ -6316,7 +6257,6 @@ def open_hidden(paths, settings, learned, target_cfg, layer_union, skip=lambda i
                 if sampling:
                     it["p"] = get(f"{i}.p").double().cpu()
                 yield it, {L: get(f"{i}.layer{L}").to(dtype) for L in layer_union}, argmax
-
     with contextlib.ExitStack() as stack:
         getters = [stack.enter_context(hidden_tensors(path, meta)) for path, meta in zip(paths, metas)]
         for index, j, i, row in entries:
@@ -6354,8 +6294,7 @@ def prompt_groups(stream, size, budget=0):
 
 def extract_from_target(items, settings, learned, target_cfg, layer_union, done, drafter, keep, features=None):
     """Load the target; then a stream of (item, features, argmax) per prompt not in `done`: tokenized, its reference
-    generated if missing (to keep(item) at once), one teacher-forced pass; features go to --save-hidden (`features`,
-    as resume_features begins it)."""
+    generated if missing (to keep(item) at once), one teacher-forced pass; features to --save-hidden (`features`)."""
     if settings["device"] == "cpu" and settings["dtype"] != "float32" and is_hybrid(target_cfg):
         say(f"warning: {settings['dtype']} on CPU with a hybrid (linear-attention) target: the CPU fallback of "
             "those layers drifts from the GPU kernels enough to garble drafts; use --dtype float32 on CPU, or "
@@ -6365,8 +6304,7 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
         model, tokenizer = load_target(settings)
     threads = torch.get_num_threads()
     log(settings, f"target loaded in {TIMING['load_s']:.1f} s, {threads} CPU thread{'s' * (threads > 1)}")
-    limit = target_cfg.max_position_embeddings
-    stops = set() if settings["ignore_eos"] else eos_ids(model, tokenizer)
+    limit, stops = target_cfg.max_position_embeddings, set() if settings["ignore_eos"] else eos_ids(model, tokenizer)
     learned.reference_method = "plain" if settings["reference_generation"] == "plain" else "speculative"
     learned.choosing = settings["reference_generation"] == "auto"   # the first rounds decide
     if learned.reference_method != "plain" and rewindable_cache(model) is None:
@@ -6407,7 +6345,6 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
                                   f"completion reach {limit} tokens")
                 take_saved(it, saved, settings)
         return it["completion_ids"] is None and not it.get("skip")
-
     if settings["server"]:
         for turn in sorted({it.get("turn", 1) for it in todo}):   # a turn's context holds the replies before it
             with timed("generate_s"):
@@ -6433,7 +6370,6 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
                 yield it, x.features, x.argmax
         if features is not None:
             save_hidden(settings, learned, layer_union, features)
-
     _, _, embed, head = target_parts(model)
     learned.model = model   # for --costs measure, after the prompts
     return stream(), embed.weight, head
@@ -6452,8 +6388,7 @@ def note_maskless(drafters, settings):
 
 def load_run(settings, learned):
     """The target's config and every --ckpt drafter, named apart (training-run steps after the first wait on disk)."""
-    target_cfg = read_target_config(settings["target"])
-    drafters = []
+    target_cfg, drafters = read_target_config(settings["target"]), []
     for spec, step in checkpoint_specs(settings):
         d = load_drafter(spec, target_cfg, settings)
         d.step = step
@@ -6505,15 +6440,13 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
                                                                       "served")})
     TIMING.clear()
     partial = open_partial(settings, learned, facts, records, references)
-    save = open(settings["save_references"], "ab", buffering=0) if settings.get("save_references") else None
-    made = []
+    save, made = open(settings["save_references"], "ab", buffering=0) if settings.get("save_references") else None, []
 
     def keep(it):   # a reference the moment it exists: to the partial file (for --resume) and --save-references
         made.append(it["index"])
         write_row(partial, {"reference": {k: it.get(k) for k in REFERENCE_KEYS}})
         if save:   # one write per line: torchrun ranks may share the file
             save.write((json.dumps(saved_line(it, settings, learned)) + "\n").encode())
-
     started = time.time()
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if is_main_thread() else None
     try:
@@ -6608,8 +6541,7 @@ def hidden_drafters(settings, path):
     """--compare-hidden with --ckpt: the drafters' reports from one file, as a quiet --load-hidden run gives them."""
     quiet, learned = quietly(settings), Run()
     target_cfg, drafters = load_run(quiet, learned)
-    layer_union = sorted({L for d in drafters for L in d.layers})
-    records = []
+    layer_union, records = sorted({L for d in drafters for L in d.layers}), []
     try:
         items, stream = open_hidden([path], quiet, learned, target_cfg, layer_union)
         embed_w, head = read_embed_head(settings["target"], target_cfg, quiet)
@@ -6676,8 +6608,7 @@ WATCH_KEYS = ("series", "step", "checkpoint", "hash", "tau", "tau_ci95", "tau_pr
 
 def step_files(path):
     """(file, size, mtime) of every file of a step checkpoint (a file, or a directory's files)."""
-    names = [os.path.join(r, n) for r, _, ns in os.walk(path) for n in ns] if os.path.isdir(path) else [path]
-    found = []
+    names, found = [os.path.join(r, n) for r, _, ns in os.walk(path) for n in ns] if os.path.isdir(path) else [path], []
     for name in sorted(names):
         with contextlib.suppress(OSError):   # removed between the listing and the look
             st = os.stat(name)
@@ -6746,8 +6677,7 @@ def watch_source(settings, learned, target_cfg, first):
 
 
 def drafter_figures(settings, learned, d, stream, embed_w, head):
-    """One drafter over a stream of prompts' features: its entry of the report's "drafters" (its warnings kept there,
-    not printed): a watch's step, a measure() call."""
+    """One drafter over a stream of prompts' features (a watch's step, measure()): its report entry, unprinted."""
     TIMING.clear()
     records = list(scored_records(stream, [d], embed_w, head, settings))
     price(settings, learned, [d], [r["item"] for r in records])
@@ -6757,8 +6687,7 @@ def drafter_figures(settings, learned, d, stream, embed_w, head):
 
 def step_line(settings, learned, d, source, embed_w, head):
     """One step evaluated: its line of the series, the same figures as the JSON report of that checkpoint alone."""
-    started = time.time()
-    r = drafter_figures(settings, learned, d, source(d), embed_w, head)
+    started, r = time.time(), drafter_figures(settings, learned, d, source(d), embed_w, head)
     return {**{k: r[k] for k in WATCH_KEYS if k in r}, "prompts": len(r["prompts"]),
             "seconds": round(time.time() - started, 3), "first_position_acceptance": r["per_position"]["acceptance"][0]}
 
@@ -6777,8 +6706,9 @@ def step_text(line, best):
 
 def ready_drafter(settings, target_cfg, series, step, path, seen, quiet):
     """Step `step` of `series` (at `path`) once it is complete, else None: its files unchanged since the last look
-    (`seen`: what that look saw, and the loads failed since) and loading. A load that fails WATCH_TRIES looks in a row
-    is named, once."""
+    (`seen`: what that look saw, and the loads failed since) and loading; failing WATCH_TRIES looks, named once."""
+
+
     files = step_files(path)
     if seen.get("files") != files or not files:   # new, still being written, or an empty directory
         seen.update(files=files, fails=0, at=time.time())
@@ -6991,8 +6921,7 @@ def load_features(paths, target, **options):
     input raises UsageError, with the CLI's message."""
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     settings = api_settings(os.fspath(target), [os.fspath(p) for p in paths], options)
-    learned = Run(target_hash=target_hash(settings["target"]))
-    target_cfg = read_target_config(settings["target"])
+    learned, target_cfg = Run(target_hash=target_hash(settings["target"])), read_target_config(settings["target"])
     layers = sorted({L for path in settings["load_hidden"] for L in read_hidden_meta(path)["layers"]})
     _, stream = open_hidden(settings["load_hidden"], settings, learned, target_cfg, layers)
     entries = list(stream)
@@ -7036,8 +6965,8 @@ def measure(drafter, features, config=None, target=None, name="drafter", step=No
 
 
 def supported():
-    """What --help lists last: every drafter family of the family table, where its checkpoints come from, who serves
-    it; the target kinds."""
+    """What --help lists last: each family of the family table, where its checkpoints come from, who serves it."""
+
     return "drafters (--ckpt), from the family table:\n" + "".join(
         f"  {name:<9} {fam.sources}; served by {fam.engines}\n" for name, fam in FAMILIES.items()) + (
         "  and any of them as a .safetensors file, a training .pt/.pth/.bin state dict or a run's directory of steps\n"
