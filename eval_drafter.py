@@ -690,8 +690,8 @@ FLAGS = [
         help="retries for 5xx, timeouts, resets (default 3)")),
     ("references", "--served", "RHCWG", None, dict(metavar="FILE.jsonl", help="an engine's own replies, one a "
         "line (vLLM's /v1/completions response with return_token_ids and --per-request-spec-decode-metrics, or "
-        "SGLang's /generate reply), matched to the prompts by their prompt token ids, else by \"id\": each reply is "
-        "its prompt's reference, and its served figures are held against the exact ones")),
+        "SGLang's /generate reply), matched to the prompts by their prompt token ids, else by \"prompt_id\" or "
+        "\"id\": each reply is its prompt's reference, its served figures held against the exact ones")),
     ("references", "--save-references", "HCW", None, dict(metavar="FILE.jsonl", help="append every reference the run "
         "generates or fetches (its prompt line + completion_ids) to this file as it is made; it works as --prompts "
         "later, with no generation")),
@@ -4044,10 +4044,9 @@ def served_prompt(tokenizer, it, settings):
                                              min(len(theirs), len(ours)))
     for flag, key in (("--enable-thinking", "enable_thinking"), ("--no-chat-template", "no_chat_template")):
         trial = {"messages": it["messages"], "completion": None, "completion_ids": None, "id": it["id"]}
-        if encode_prompts(tokenizer, [trial], {**settings, key: not settings[key]}, True) == "applied" or \
-                key == "no_chat_template":
-            if trial["prompt_ids"] == list(theirs):
-                it["served"]["prompt_flag"] = f"{'drop ' * settings[key]}{flag}"
+        encode_prompts(tokenizer, [trial], {**settings, key: not settings[key]}, True)
+        if trial["prompt_ids"] == list(theirs):
+            it["served"]["prompt_flag"] = f"{'drop ' * settings[key]}{flag}"
 
 
 def check_server(settings, learned, target_cfg):
@@ -4414,10 +4413,12 @@ def check_variants(d):
 def suspect_inputs(d, target_cfg):
     """What an engine may feed drafter d instead of this run's inputs, {what: changed fields}: each captured layer one
     off, all of them (hidden_states indices against layer outputs: the --engine conventions' difference) or in reverse
-    order; a block's mask token read from another field (the configs' pad, eos, bos; vLLM's other mask fields)."""
+    order, the default ids (the public DFlash rule; the engines' EAGLE-3 default, which vLLM takes over a nested
+    eagle_config's); a block's mask token read from another field (the configs' pad, eos, bos; vLLM's mask fields)."""
     L, out = target_cfg.num_hidden_layers, {}
     options = [[i + s for i in d.layers] for s in (-1, 1)] + [d.layers[::-1]] + \
-        [d.layers[:n] + [i + s] + d.layers[n + 1:] for n, i in enumerate(d.layers) for s in (-1, 1)]
+        [d.layers[:n] + [i + s] + d.layers[n + 1:] for n, i in enumerate(d.layers) for s in (-1, 1)] + \
+        [[1, L // 2 - 1, L - 4] if d.generation == "EAGLE-3" else default_layer_ids(L, len(d.layers))]
     for ids in options:
         if ids != d.layers and len(set(ids)) == len(ids) and all(0 <= i < L for i in ids):
             out.setdefault(f"layers {ids}", {"layers": ids})
