@@ -15,6 +15,7 @@ decoder-only transformers model (Qwen3, hybrid Qwen3.5/3.6, Llama, gpt-oss, ...)
 
 The sections, in the order data flows (each definition stands under its banner, above its first use):
     Files: JSON, safetensors, and identities by content
+    Benchmarks: the papers' datasets read from local copies, their prompts built as the published recipe does
     Settings: the flag table, resolved once and then only read
     Prompts and saved references
     Target: loading, the teacher-forced pass, the sampling math, the decoding loops' steps
@@ -49,9 +50,11 @@ import inspect
 import io
 import json
 import math
+import random
 import re
 import socket
 import stat
+import statistics
 import time
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -352,10 +355,13 @@ TARGET_NORM_NAMES = ("model.norm.weight", "model.language_model.norm.weight")
 
 
 STDIN = {}   # --prompts -: what was read from stdin, which cannot be read twice (resolve_settings empties it)
+BUILT = {}   # --bench: the prompts JSONL built from the benchmarks, under the name that stands for --prompts
 
 
 def read_bytes(path):
     """A file's bytes; "-" is stdin, read once per run and kept (its hash and its prompts come from the same read)."""
+    if path in BUILT:
+        return BUILT[path]
     if path != "-":
         with open(path, "rb") as f:
             return f.read()
@@ -550,6 +556,91 @@ def hidden_tensors(path, meta, device="cpu"):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Benchmarks: the papers' datasets read from local copies, their prompts built as the published recipe does
+
+# z-lab's dflash/benchmark.py (the DFlash tables): each dataset's hub repo, config and split, and the template of a
+# row's fields (str.format: braces in the data stay as they are); MT-Bench's "prompt" is its list of turns, each turn
+# run with the target's earlier replies in its context. The rows are shuffled with seed 42, then --max-samples taken.
+BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+BENCHMARKS = {"gsm8k": ("openai/gsm8k", "main", "test", "{question}" + BOXED),
+              "math500": ("HuggingFaceH4/MATH-500", None, "test", "{problem}" + BOXED),
+              "humaneval": ("openai/openai_humaneval", None, "test", "Write a solution to the following problem and "
+                            "make sure that it passes the tests:\n```python\n{prompt}\n```"),
+              "mbpp": ("google-research-datasets/mbpp", "sanitized", "test", "{prompt}"),
+              "mt-bench": ("HuggingFaceH4/mt_bench_prompts", None, "train", None)}
+BENCH_RECIPE = ("dflash/benchmark.py's: its prompt templates, seed-42 order, every MT-Bench turn; tau pooled over "
+                "verify rounds and the mean of per-request means")
+
+
+def bench_places(name):
+    """Where a benchmark's local copy may lie under --bench-dir, in the order looked at (globs; shards in name order):
+    an export by the benchmark's name or as `datasets` names the split (to_json, a JSON array, dflash's {"turns"}
+    lines), a save_to_disk folder by that name, the hub repo's files (a snapshot, the hub cache), the datasets cache."""
+    repo, config, split, _ = BENCHMARKS[name]
+    org, short = repo.split("/")
+    snake = re.sub(r"([a-z\d])([A-Z])", r"\1_\2", re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1_\2", short)).lower()
+    within = f"{config + '/' if config else ''}**/*{split}*"
+    return [f"{name}.jsonl", f"{name}.json", f"{snake}-{split}.jsonl", f"{snake}-{split}.json", f"{name}/data-*.arrow",
+            f"{name}/{split}/data-*.arrow", *(f"{top}/{within}.{ext}" for top in (short, f"datasets--{org}--{short}/"
+                                                                                   "snapshots/*")
+                                              for ext in ("parquet", "jsonl")),
+            f"{short}/**/mt_bench/question.jsonl", f"{org}___{snake}/{config or '*'}/*/*/{snake}-{split}*.arrow"]
+
+
+def bench_rows(name, where):
+    """A benchmark's rows in the order its split holds them, from the first local copy found (pyarrow reads the
+    parquet and Arrow files, imported here alone): (rows, the files read)."""
+    import glob
+    for pattern in bench_places(name):
+        paths = sorted(glob.glob(os.path.join(where, pattern), recursive=True))
+        if not paths:
+            continue
+        rows = []
+        for path in paths:
+            if path.endswith((".json", ".jsonl")):
+                text = read_bytes(path).decode("utf-8")
+                rows += json.loads(text) if path.endswith(".json") else [json.loads(x) for x in text.splitlines()
+                                                                         if x.strip()]
+                continue
+            try:
+                import pyarrow.ipc
+                import pyarrow.parquet
+            except ImportError:
+                fail(f"--bench {name}: {path} needs pyarrow to be read: pip install pyarrow")
+            rows += (pyarrow.parquet.read_table(path) if path.endswith(".parquet") else
+                     pyarrow.ipc.open_stream(path).read_all()).to_pylist()
+        return rows, paths
+    repo, config, split, _ = BENCHMARKS[name]
+    fail(f"--bench {name}: no local copy in {where} (looked for {', '.join(bench_places(name)[:6])}, the hub repo's "
+         f"files under {repo.split('/')[1]}/ and the datasets cache); save one there, e.g. python -c \"import datasets; "
+         f"datasets.load_dataset('{repo}'{f', {config!r}' if config else ''}, split='{split}').to_json("
+         f"'{os.path.join(where, name + '.jsonl')}')\"")
+
+
+def bench_prompts(names, where, samples):
+    """--bench: the prompts JSONL of each named benchmark, a split each, as the recipe builds them; and what was read."""
+    lines, read = [], {}
+    for name in names:
+        rows, read[name] = bench_rows(name, where)
+        template = BENCHMARKS[name][3]
+        order = list(range(len(rows)))
+        random.Random(42).shuffle(order)
+        for i in order[:samples]:
+            row = rows[i] if isinstance(rows[i], dict) else {}
+            try:
+                turns = row["turns"] if isinstance(row.get("turns"), list) else \
+                    row.get("prompt") if template is None else [template.format(**row)]
+            except (KeyError, IndexError):
+                turns = None
+            if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
+                fail(f"--bench {name}: row {i} of {read[name][0]} has no prompt the recipe can read (its fields: "
+                     f"{', '.join(row)})")
+            lines.append({"id": f"{name}-{i}", "split": name, **({"prompt": turns[0]} if len(turns) == 1 else
+                                                                 {"turns": turns})})
+    return "".join(json.dumps(line) + "\n" for line in lines).encode(), read
+
+
+# ----------------------------------------------------------------------------------------------------
 # Settings: the flag table, resolved once and then only read
 
 
@@ -606,6 +697,14 @@ FLAGS = [
         "prompt / messages / turns / conversations / question / instruction lines, optionally with completion or "
         "completion_ids references (see README)")),
     ("inputs", "--limit", "", AT_LEAST_1, dict(type=int, help="evaluate only the first N prompts")),
+    ("inputs", "--bench", "HC", None, dict(metavar="NAME[,NAME...]", help="instead of --prompts: the benchmarks as "
+        "z-lab's dflash/benchmark.py runs them, from local copies (--bench-dir), a split each: gsm8k, math500, "
+        "humaneval, mbpp, mt-bench, or all; the report adds a table per benchmark (README, Benchmarks)")),
+    ("inputs", "--bench-dir", "HC", None, dict(metavar="DIR", help="where --bench finds the benchmarks (default: "
+        "$HF_DATASETS_CACHE or ~/.cache/huggingface/datasets): NAME.jsonl or .json (a to_json export, dflash's "
+        "{\"turns\"} lines), a save_to_disk folder NAME/, the hub repo's files, or the datasets cache")),
+    ("inputs", "--max-samples", "HC", AT_LEAST_1, dict(type=int, help="--bench: the first N of each benchmark in its "
+        "seed-42 order, as dflash's --max-samples (default: all)")),
     ("drafter", "--drafter-config", "O", None, dict(metavar="FILE", help="the drafter's config.json: for checkpoint files that "
         "have none beside (one beside them is overridden, and the load line says so)")),
     ("drafter", "--layers", "RO", None, dict(help="target layer ids feeding the drafter, e.g. 1,16,31,46,61 (default: "
@@ -1084,7 +1183,7 @@ def resolve_settings(args, ranks=True):
         args.target = args.target or (REAL_DEMO[0] if real else os.path.join(DEMO_DIR, "target"))
         args.ckpt = args.ckpt or ([] if args.watch else
                                   ["real=" + REAL_DEMO[1] if real else "demo=" + os.path.join(DEMO_DIR, "drafter")])
-        if not (args.load_hidden or args.compare_hidden):
+        if not (args.load_hidden or args.compare_hidden or args.bench):
             args.prompts = args.prompts or os.path.join(HERE if real else DEMO_DIR, "prompts.jsonl")
     if args.max_new_tokens is None:
         args.max_new_tokens = 128 if args.demo == "tiny" else 256  # the tiny target was trained on short texts
@@ -1102,6 +1201,17 @@ def resolve_settings(args, ranks=True):
         fail(f"target directory not found: {args.target} (pass a local model directory or a GGUF file to --target)")
     if args.mtp:
         args.ckpt = [*args.ckpt, "mtp=" + args.target]
+    names = list(BENCHMARKS) if args.bench == "all" else [n.strip() for n in (args.bench or "").split(",") if n.strip()]
+    refuse((args.bench and args.prompts, "--bench builds the prompts from the benchmarks: drop --prompts"),
+           (args.bench is not None and (not names or set(names) - set(BENCHMARKS)),
+            f"--bench takes {', '.join(BENCHMARKS)} or all, comma-separated; got {args.bench!r}"),
+           (not args.bench and (args.bench_dir or args.max_samples), "--bench-dir and --max-samples go with --bench"))
+    bench_files = None
+    if names:   # its prompts JSONL, built once here, stands for a --prompts file: hashed, read, resumed as one
+        where = args.bench_dir or os.environ.get("HF_DATASETS_CACHE") or \
+            os.path.expanduser(os.path.join("~", ".cache", "huggingface", "datasets"))
+        args.prompts = f"--bench {','.join(names)}"
+        BUILT[args.prompts], bench_files = bench_prompts(names, where, args.max_samples)
     refuse((sum(map(bool, (args.save_hidden, args.load_hidden, args.compare_hidden))) > 1,
             "--save-hidden, --load-hidden and --compare-hidden go in separate runs"),
            (not from_file and not args.prompts, "--prompts is required (or run --demo for the bundled example)"))
@@ -1111,7 +1221,7 @@ def resolve_settings(args, ranks=True):
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             fail("--prompts - reads stdin, which torchrun does not give every rank: save the prompts to a file")
         STDIN.clear()   # this run's stdin, read once: its hash (for --resume) and its prompts come from that read
-    elif not from_file and not os.path.isfile(args.prompts):
+    elif not from_file and args.prompts not in BUILT and not os.path.isfile(args.prompts):
         fail(f"prompts file not found: {args.prompts} (pass a JSONL file to --prompts)")
     if not from_file and not any(os.path.isfile(os.path.join(args.target, name)) for name in TOKENIZER_FILES):
         fail(f"the target {args.target} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the model's "
@@ -1182,7 +1292,8 @@ def resolve_settings(args, ranks=True):
     transformers_version = check_transformers()
     settings = {**vars(args),  # every flag as given, then what was resolved from it
                 "target": os.path.abspath(args.target) if args.target else None,
-                "prompts": os.path.abspath(args.prompts) if args.prompts not in (None, "-") else args.prompts,
+                "prompts": args.prompts if args.prompts in (None, "-") or args.prompts in BUILT else
+                os.path.abspath(args.prompts), "bench_files": bench_files,
                 # identities by content, which --resume and --merge compare (the target's and drafters' come later)
                 "prompts_hash": file_hash(args.prompts) if args.prompts and not from_file else None,
                 "hidden_hashes": [hidden_hash(path) for path in args.load_hidden] if args.load_hidden else None,
@@ -5295,6 +5406,37 @@ def side_by_side(drafters, results, items):
     return comparison
 
 
+def bench_table(drafters, results, items):
+    """--bench: per benchmark (a split) and drafter, tau pooled over verify rounds and the mean of per-request means
+    (dflash's; a turn is a request), each with its 95% interval, and the paired delta tau from the first drafter; then
+    the average over the benchmarks, each weighing one (the papers' last column), its interval from theirs."""
+    rows = {}
+    for name in dict.fromkeys(it["split"] for it in items):
+        keep = [i for i, it in enumerate(items) if it["split"] == name]
+        totals = [prompt_totals([res[i] for i in keep], [items[i] for i in keep]) for res in results]
+        rows[name] = []
+        for d, t in zip(drafters, totals):
+            means = [p["tau"] for p in d["prompts"] if p["split"] == name and p["tau"] is not None]
+            mean = sum(means) / len(means) if means else None
+            half = 1.96 * statistics.stdev(means) / math.sqrt(len(means)) if len(means) > 1 else None
+            delta, ci = paired_delta(t, totals[0]) if d is not drafters[0] else (None, None)
+            rows[name].append({"drafter": d["name"], "prompts": len(t), "requests": len(means),
+                               "tau": d["splits"][name]["tau"], "tau_ci95": d["splits"][name]["tau_ci95"],
+                               "tau_request_mean": mean, "tau_request_mean_ci95": None if half is None else [mean - half, mean + half],
+                               "delta_tau": delta, "delta_tau_ci95": ci})
+    average = []
+    for j, d in enumerate(drafters):
+        row = {"drafter": d["name"]}
+        for key in ("tau", "tau_request_mean"):
+            got = [r[j] for r in rows.values() if r[j][key] is not None]
+            row[key] = sum(r[key] for r in got) / len(got) if got else None
+            halves = [(r[key + "_ci95"][1] - r[key + "_ci95"][0]) / 2 for r in got if r[key + "_ci95"]]
+            half = math.sqrt(sum(h * h for h in halves)) / len(got) if got and len(halves) == len(got) else None
+            row[key + "_ci95"] = None if half is None else [row[key] - half, row[key] + half]
+        average.append(row)
+    return {"recipe": BENCH_RECIPE, "benchmarks": rows, "average": average}
+
+
 def make_report(config, facts, done, skipped, seconds, interrupted, warn=True):
     """The report of finished prompts' records (in item order): reference checks, drafters' figures, skips, timing.
     Its warnings go to stderr as well (warn=False: only into the report, for a watch's steps and the entry point)."""
@@ -5330,6 +5472,7 @@ def make_report(config, facts, done, skipped, seconds, interrupted, warn=True):
                                    "decoding's (a flatter target, or a higher temperature, would differ)")
     report = {"config": config, "target": target, "drafters": drafters,
               **({"comparison": side_by_side(drafters, results, finished)} if len(drafters) > 1 and done else {}),
+              **({"bench": bench_table(drafters, results, finished)} if config.get("bench") and done else {}),
               "skipped": skipped,
               "timing": {**{k: round(v, 4) for k, v in sorted(TIMING.items())}, "total_s": round(seconds, 4)},
               "elapsed_s": seconds, **({"interrupted": True} if interrupted else {})}
@@ -5452,6 +5595,22 @@ def prompt_lines(entries, sampling):
                + (e.get("reply") or ""))
 
 
+def bench_lines(bench, files):
+    """The --bench table: a row per benchmark per drafter, then the average over the benchmarks."""
+    yield f"benchmarks, as {bench['recipe']}:"
+    for name, where in (files or {}).items():
+        yield f"   {name}: {where[0]}{f' (+{len(where) - 1} more)' if len(where) > 1 else ''}"
+    yield f"   {'benchmark':<12}{'drafter':<14}{'prompts':>8}  {'tau pooled [95%]':<26}{'mean of requests [95%]':<28}" \
+          "delta tau [95%]"
+    for name, rows in [*bench["benchmarks"].items(), ("average", bench["average"])]:
+        for r in rows:
+            yield (f"   {name:<12}{r['drafter']:<14}{r.get('prompts', ''):>8}  "
+                   f"{fmt(r['tau']) + ' ' + interval(r['tau_ci95']):<26}"
+                   f"{fmt(r['tau_request_mean']) + ' ' + interval(r['tau_request_mean_ci95']):<28}"
+                   + (f"{r['delta_tau']:+.3f} {interval(r['delta_tau_ci95'])}" if r.get("delta_tau") is not None
+                      else ""))
+
+
 def report_lines(report):
     """The printed report, line by line (a mask check's warning also goes to stderr, as it is reached)."""
     if not any(d["prompts"] for d in report["drafters"]):
@@ -5560,6 +5719,8 @@ def report_lines(report):
             yield from prompt_lines(d["prompts"], sampling)
     if report.get("comparison"):
         yield from comparison_lines(report["comparison"])
+    if report.get("bench"):
+        yield from bench_lines(report["bench"], config.get("bench_files"))
 
 
 def print_report(report, out=None):
