@@ -575,16 +575,16 @@ BENCH_RECIPE = ("dflash/benchmark.py's: its prompt templates, seed-42 order, eve
 def bench_places(name):
     """Where a benchmark's local copy may lie under --bench-dir, in the order looked at (globs; shards in name order):
     an export by the benchmark's name or as `datasets` names the split (to_json, a JSON array, dflash's {"turns"}
-    lines), a save_to_disk folder by that name, the hub repo's files (a snapshot, the hub cache), the datasets cache."""
-    repo, config, split, _ = BENCHMARKS[name]
+    lines), a save_to_disk folder by that name, the hub repo's files (a snapshot, refs/convert/parquet, the hub cache;
+    FastChat's MT-Bench questions), the datasets cache."""
+    repo, config, split, template = BENCHMARKS[name]
     org, short = repo.split("/")
     snake = re.sub(r"([a-z\d])([A-Z])", r"\1_\2", re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1_\2", short)).lower()
-    within = f"{config + '/' if config else ''}**/*{split}*"
+    hub = [f"{top}/{config + '/' if config else ''}**/{leaf}" for top in (short, f"datasets--{org}--{short}/snapshots/*")
+           for leaf in (f"*{split}*.parquet", f"{split}/*.parquet", f"*{split}*.jsonl")]
     return [f"{name}.jsonl", f"{name}.json", f"{snake}-{split}.jsonl", f"{snake}-{split}.json", f"{name}/data-*.arrow",
-            f"{name}/{split}/data-*.arrow", *(f"{top}/{within}.{ext}" for top in (short, f"datasets--{org}--{short}/"
-                                                                                   "snapshots/*")
-                                              for ext in ("parquet", "jsonl")),
-            f"{short}/**/mt_bench/question.jsonl", f"{org}___{snake}/{config or '*'}/*/*/{snake}-{split}*.arrow"]
+            f"{name}/{split}/data-*.arrow", *hub, *(["**/mt_bench/question.jsonl"] if template is None else []),
+            f"{org}___{snake}/{config or '*'}/*/*/{snake}-{split}*.arrow"]
 
 
 def bench_rows(name, where):

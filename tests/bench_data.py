@@ -459,9 +459,9 @@ def write(name, form, root, rows=None):
             f.write(commit(name))
         return path
     if form == "save_to_disk":
-        return _save_to_disk(name, tbl, os.path.join(root, f"{cache_dataset_name(name)}_saved"))
+        return _save_to_disk(name, tbl, os.path.join(root, name))   # a folder named as the benchmark: --bench finds it
     if form == "save_to_disk_dict":
-        folder = os.path.join(root, f"{cache_dataset_name(name)}_saved_dict")
+        folder = os.path.join(root, name)
         _save_to_disk(name, tbl, os.path.join(folder, split))
         with open(os.path.join(folder, "dataset_dict.json"), "w", encoding="utf-8") as f:
             json.dump({"splits": [split]}, f)
@@ -475,7 +475,7 @@ def write(name, form, root, rows=None):
             json.dump(_dataset_info(name, tbl), f)
         return path
     if form == "turns":
-        path = _mkdir_for(os.path.join(root, f"{cache_dataset_name(name)}-turns.jsonl"))
+        path = _mkdir_for(os.path.join(root, f"{name}.jsonl"))   # named as the benchmark: --bench finds it
         with open(path, "w", encoding="utf-8") as f:
             for sample in dflash_samples(name, rows):
                 f.write(json.dumps(sample, ensure_ascii=False) + "\n")
