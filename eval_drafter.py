@@ -5427,7 +5427,7 @@ def bench_table(drafters, results, items):
     average = []
     for j, d in enumerate(drafters):
         row = {"drafter": d["name"]}
-        for key in ("tau", "tau_request_mean"):
+        for key in ("tau", "tau_request_mean", "delta_tau"):
             got = [r[j] for r in rows.values() if r[j][key] is not None]
             row[key] = sum(r[key] for r in got) / len(got) if got else None
             halves = [(r[key + "_ci95"][1] - r[key + "_ci95"][0]) / 2 for r in got if r[key + "_ci95"]]
@@ -5595,10 +5595,11 @@ def prompt_lines(entries, sampling):
                + (e.get("reply") or ""))
 
 
-def bench_lines(bench, files):
+def bench_lines(bench, config):
     """The --bench table: a row per benchmark per drafter, then the average over the benchmarks."""
-    yield f"benchmarks, as {bench['recipe']}:"
-    for name, where in (files or {}).items():
+    yield (f"benchmarks, as {bench['recipe']}; thinking {'on' if config['enable_thinking'] else 'off'} (dflash's "
+           "--reasoning on|off; without it, the chat template's default):")
+    for name, where in (config.get("bench_files") or {}).items():
         yield f"   {name}: {where[0]}{f' (+{len(where) - 1} more)' if len(where) > 1 else ''}"
     yield f"   {'benchmark':<12}{'drafter':<14}{'prompts':>8}  {'tau pooled [95%]':<26}{'mean of requests [95%]':<28}" \
           "delta tau [95%]"
@@ -5720,7 +5721,7 @@ def report_lines(report):
     if report.get("comparison"):
         yield from comparison_lines(report["comparison"])
     if report.get("bench"):
-        yield from bench_lines(report["bench"], config.get("bench_files"))
+        yield from bench_lines(report["bench"], config)
 
 
 def print_report(report, out=None):

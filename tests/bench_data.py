@@ -551,3 +551,20 @@ def dflash_prompts(name, rows=None, max_samples=None, repeat=False):
     A list of turns lists, one per sample."""
     samples = dflash_samples(name, rows)
     return [s["turns"] for s in dflash_benchmark()._select_dataset(samples, max_samples, repeat=repeat)]
+
+
+def demo_copies(root):
+    """Copies of gsm8k (a to_json export) and humaneval (the hub's parquet) whose text is the demo pair's own words
+    (its prompts, then their replies' words shifted), so the demo target reads them: the README's --bench example."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "fixtures", "demo", "prompts.jsonl"), encoding="utf-8") as f:
+        words = [json.loads(line)["prompt"] for line in f if line.strip()]
+    texts = words + [" ".join(reversed(w.split())) for w in words]
+    gsm8k = [{"question": t, "answer": "#### 0"} for t in texts]
+    humaneval = [{"task_id": f"HumanEval/{i}", "prompt": t, "canonical_solution": "", "test": "", "entry_point": "f"}
+                 for i, t in enumerate(texts)]
+    return write("gsm8k", "jsonl", root, gsm8k), write("humaneval", "parquet", root, humaneval)
+
+
+if __name__ == "__main__":   # python tests/bench_data.py DIR: the README's demo copies
+    print("\n".join(demo_copies(sys.argv[1])))
