@@ -568,8 +568,8 @@ BENCHMARKS = {"gsm8k": ("openai/gsm8k", "main", "test", "{question}" + BOXED),
                             "make sure that it passes the tests:\n```python\n{prompt}\n```"),
               "mbpp": ("google-research-datasets/mbpp", "sanitized", "test", "{prompt}"),
               "mt-bench": ("HuggingFaceH4/mt_bench_prompts", None, "train", None)}
-BENCH_RECIPE = ("dflash/benchmark.py's: its prompt templates, seed-42 order, every MT-Bench turn; tau pooled over "
-                "verify rounds and the mean of per-request means")
+BENCH_RECIPE = ("dflash/benchmark.py's: its prompt templates and seed-42 order; tau pooled over verify rounds and the "
+                "mean of per-request means")
 
 
 def bench_places(name):
@@ -587,20 +587,33 @@ def bench_places(name):
             f"{org}___{snake}/{config or '*'}/*/*/{snake}-{split}*.arrow"]
 
 
-def bench_rows(name, where):
-    """A benchmark's rows in the order its split holds them, from the first local copy found (pyarrow reads the
-    parquet and Arrow files, imported here alone): (rows, the files read)."""
+def version_root(path):
+    """The folder of one cached version: the hub cache's snapshots/COMMIT, the datasets cache's hash folder."""
+    head, sep, tail = path.partition(f"{os.sep}snapshots{os.sep}")
+    return head + sep + tail.split(os.sep)[0] if sep else os.path.dirname(path)
+
+
+def bench_rows(name, where, notes):
+    """A benchmark's rows in the order its split holds them, from the first local copy found (of a cache's versions,
+    the newest; pyarrow reads the parquet and Arrow files, imported here alone): (rows, the files read)."""
     import glob
     for pattern in bench_places(name):
         paths = sorted(glob.glob(os.path.join(where, pattern), recursive=True))
         if not paths:
             continue
+        versions = sorted({version_root(p) for p in paths}, key=os.path.getmtime)
+        if ("snapshots" in pattern or "___" in pattern) and len(versions) > 1:
+            notes.append(f"--bench {name}: {len(versions)} cached versions; the newest is read ({versions[-1]})")
+            paths = [p for p in paths if version_root(p) == versions[-1]]
         rows = []
         for path in paths:
-            if path.endswith((".json", ".jsonl")):
-                text = read_bytes(path).decode("utf-8")
-                rows += json.loads(text) if path.endswith(".json") else [json.loads(x) for x in text.splitlines()
-                                                                         if x.strip()]
+            if path.endswith((".json", ".jsonl")):   # a JSON array, or one object a line (to_json's default)
+                text = read_bytes(path).decode("utf-8", errors="replace")
+                try:
+                    rows += json.loads(text) if text.lstrip().startswith("[") else \
+                        [json.loads(x) for x in text.splitlines() if x.strip()]
+                except json.JSONDecodeError as e:
+                    fail(f"--bench {name}: {path} is not valid JSON ({e.msg}): a JSON array, or one object a line")
                 continue
             try:
                 import pyarrow.ipc
@@ -617,11 +630,11 @@ def bench_rows(name, where):
          f"'{os.path.join(where, name + '.jsonl')}')\"")
 
 
-def bench_prompts(names, where, samples):
+def bench_prompts(names, where, samples, notes):
     """--bench: the prompts JSONL of each named benchmark, a split each, as the recipe builds them; and what was read."""
     lines, read = [], {}
     for name in names:
-        rows, read[name] = bench_rows(name, where)
+        rows, read[name] = bench_rows(name, where, notes)
         template = BENCHMARKS[name][3]
         order = list(range(len(rows)))
         random.Random(42).shuffle(order)
@@ -1205,13 +1218,15 @@ def resolve_settings(args, ranks=True):
     refuse((args.bench and args.prompts, "--bench builds the prompts from the benchmarks: drop --prompts"),
            (args.bench is not None and (not names or set(names) - set(BENCHMARKS)),
             f"--bench takes {', '.join(BENCHMARKS)} or all, comma-separated; got {args.bench!r}"),
-           (not args.bench and (args.bench_dir or args.max_samples), "--bench-dir and --max-samples go with --bench"))
+           (not args.bench and (args.bench_dir or args.max_samples), "--bench-dir and --max-samples go with --bench"),
+           (args.bench and args.limit, "--limit cuts the benchmarks joined, the later ones first: use --max-samples N "
+            "(each benchmark's first N in its seed-42 order)"))
     bench_files = None
     if names:   # its prompts JSONL, built once here, stands for a --prompts file: hashed, read, resumed as one
         where = args.bench_dir or os.environ.get("HF_DATASETS_CACHE") or \
             os.path.expanduser(os.path.join("~", ".cache", "huggingface", "datasets"))
         args.prompts = f"--bench {','.join(names)}"
-        BUILT[args.prompts], bench_files = bench_prompts(names, where, args.max_samples)
+        BUILT[args.prompts], bench_files = bench_prompts(names, where, args.max_samples, notes)
     refuse((sum(map(bool, (args.save_hidden, args.load_hidden, args.compare_hidden))) > 1,
             "--save-hidden, --load-hidden and --compare-hidden go in separate runs"),
            (not from_file and not args.prompts, "--prompts is required (or run --demo for the bundled example)"))
@@ -5597,8 +5612,9 @@ def prompt_lines(entries, sampling):
 
 def bench_lines(bench, config):
     """The --bench table: a row per benchmark per drafter, then the average over the benchmarks."""
-    yield (f"benchmarks, as {bench['recipe']}; thinking {'on' if config['enable_thinking'] else 'off'} (dflash's "
-           "--reasoning on|off; without it, the chat template's default):")
+    yield (f"benchmarks, as {bench['recipe']}; {'every' if config['turns'] == 'all' else 'the first (--turns first)'}"
+           f" MT-Bench turn; thinking {'on' if config['enable_thinking'] else 'off'} (dflash's --reasoning on|off; "
+           "without it, the chat template's default):")
     for name, where in (config.get("bench_files") or {}).items():
         yield f"   {name}: {where[0]}{f' (+{len(where) - 1} more)' if len(where) > 1 else ''}"
     yield f"   {'benchmark':<12}{'drafter':<14}{'prompts':>8}  {'tau pooled [95%]':<26}{'mean of requests [95%]':<28}" \

@@ -36,8 +36,8 @@ CASES = [(name, form) for name in bd.NAMES for form in bd.forms(name)]
 
 
 def built(name, root, samples=None):
-    """ed.bench_prompts([name], root, samples): (its JSONL parsed, one dict a line; the files it read)."""
-    data, read = ed.bench_prompts([name], str(root), samples)
+    """ed.bench_prompts([name], root, samples, notes): (its JSONL parsed, one dict a line; the files it read)."""
+    data, read = ed.bench_prompts([name], str(root), samples, [])
     assert data.endswith(b"\n")
     return [json.loads(line) for line in data.decode("utf-8").splitlines()], read[name]
 
@@ -237,8 +237,8 @@ def test_resumed_mid_benchmark_equals_the_whole_run(tmp_path, bench_dir, monkeyp
 def test_bench_refusals_are_one_line(tmp_path, capsys):
     """A --bench the run cannot use is refused before anything loads, in one line on stderr (exit 2, no traceback):
     a benchmark with no local copy (the line names the folder looked in, the file names looked for and the
-    datasets command that saves one there), an unknown or empty name, --bench beside --prompts, and --bench-dir or
-    --max-samples without --bench."""
+    datasets command that saves one there), an unknown or empty name, --bench beside --prompts, --bench-dir or
+    --max-samples without --bench, and --limit (which would drop the later benchmarks whole)."""
     empty = tmp_path / "empty"
     empty.mkdir()
     refused_in_one_line(capsys, ["--demo", "--bench", "humaneval,gsm8k", "--bench-dir", str(empty)],
@@ -255,4 +255,37 @@ def test_bench_refusals_are_one_line(tmp_path, capsys):
                         "--bench builds the prompts from the benchmarks: drop --prompts")
     for flag, value in (("--bench-dir", str(empty)), ("--max-samples", "3")):
         refused_in_one_line(capsys, ["--demo", flag, value], "--bench-dir and --max-samples go with --bench")
+    refused_in_one_line(capsys, ["--demo", "--bench", "gsm8k", "--limit", "3", "--bench-dir", str(empty)],
+                        "--limit cuts the benchmarks joined, the later ones first: use --max-samples N")
     assert os.listdir(empty) == []
+
+
+def test_a_cache_of_two_versions_reads_the_newest_once(tmp_path):
+    """The hub cache and the datasets cache keep every version they fetched: the newest is read, once, and a note
+    says so (read both, each prompt would run twice, in an order that is not dflash's)."""
+    import shutil
+    for form in ("hub_cache", "hf_cache"):
+        root = tmp_path / form
+        path = bd.write("gsm8k", form, root)
+        old = str(path).replace(bd.commit("gsm8k"), "0" * 40)
+        shutil.copytree(os.path.dirname(path) if form == "hf_cache" else str(path).split(bd.commit("gsm8k"))[0] +
+                        bd.commit("gsm8k"), os.path.dirname(old) if form == "hf_cache" else
+                        str(path).split(bd.commit("gsm8k"))[0] + "0" * 40, symlinks=True)
+        os.utime(os.path.dirname(old) if form == "hf_cache" else str(path).split(bd.commit("gsm8k"))[0] + "0" * 40,
+                 (1, 1))
+        notes = []
+        data, read = ed.bench_prompts(["gsm8k"], str(root), None, notes)
+        prompts = [json.loads(line)["prompt"] for line in data.decode().splitlines()]
+        assert [[p] for p in prompts] == bd.dflash_prompts("gsm8k")
+        assert read["gsm8k"] == [str(path)] and "2 cached versions; the newest is read" in notes[0]
+
+
+def test_a_json_export_of_lines_is_read_and_a_broken_one_refused(tmp_path, capsys):
+    """Dataset.to_json("x.json") writes one object a line: read as lines; a cut-off line is one clear refusal."""
+    rows = bd.sample_rows("gsm8k")
+    (tmp_path / "gsm8k.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data, _ = ed.bench_prompts(["gsm8k"], str(tmp_path), None, [])
+    assert len(data.decode().splitlines()) == len(rows)
+    (tmp_path / "gsm8k.json").write_text(json.dumps(rows[0]) + "\n" + json.dumps(rows[1])[:20] + "\n")
+    with pytest.raises(ed.UsageError, match=r"--bench gsm8k: .*gsm8k.json is not valid JSON"):
+        ed.bench_prompts(["gsm8k"], str(tmp_path), None, [])
