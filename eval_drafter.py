@@ -5088,6 +5088,9 @@ def served_causes(held, compared, ks, evaluated, z, impossible):
     """What the data say about a gap between served and exact figures, each cause with its evidence."""
     n, causes = len(held), [f"the engine drafts K={k} a round; this run evaluated K={', '.join(map(str, evaluated))}: "
                             f"add --depths {k} to hold its rounds against the exact ones" for k in ks if k not in evaluated]
+    if not compared and all(k in evaluated for k in ks):
+        causes.append("no request is held: sampled drafts need the engine's steps one by one, which vLLM gives with "
+                      "--per-request-spec-decode-metrics detailed (SGLang's figures are counts)")
     other = [h for h in held if "prompt_differs_at" in h]
     flags = sorted({h["prompt_flag"] for h in other if "prompt_flag" in h})
     if other:
