@@ -4418,7 +4418,7 @@ def suspect_inputs(d, target_cfg):
     L, out = target_cfg.num_hidden_layers, {}
     options = [[i + s for i in d.layers] for s in (-1, 1)] + [d.layers[::-1]] + \
         [d.layers[:n] + [i + s] + d.layers[n + 1:] for n, i in enumerate(d.layers) for s in (-1, 1)] + \
-        [[1, L // 2 - 1, L - 4] if d.generation == "EAGLE-3" else default_layer_ids(L, len(d.layers))]
+        [[1, L // 2 - 1, L - 4] if family(d).method == "eagle3" else default_layer_ids(L, len(d.layers))]
     for ids in options:
         if ids != d.layers and len(set(ids)) == len(ids) and all(0 <= i < L for i in ids):
             out.setdefault(f"layers {ids}", {"layers": ids})
@@ -4433,8 +4433,8 @@ def suspect_inputs(d, target_cfg):
 
 
 def served_equal(s, exact, n_completion):
-    """(equal, first step that differs) of an engine's verify steps (served figures s) against greedy rounds on its text:
-    the rounds one for one, then only steps over the reply's last tokens, which no round scores. vLLM's detailed
+    """(equal, first step that differs) of an engine's verify steps (served figures s) against greedy rounds on its
+    text: the rounds one for one, then only steps over the reply's last tokens, which no round scores. vLLM's detailed
     figures compare step by step, the rest by histogram."""
     spare = max(n_completion - 1 - sum(exact), 0)   # after the prefill's token and the scored rounds
     if s.get("per_step") is not None:
@@ -5086,8 +5086,9 @@ def round_acceptance(histograms, k):
 
 def served_causes(held, compared, ks, evaluated, z, impossible):
     """What the data say about a gap between served and exact figures, each cause with its evidence."""
-    n, causes = len(held), [f"the engine drafts K={k} a round; this run evaluated K={', '.join(map(str, evaluated))}: "
-                            f"add --depths {k} to hold its rounds against the exact ones" for k in ks if k not in evaluated]
+    n, causes = len(held), [f"the engine drafts K={k} a round; this run evaluated K={', '.join(map(str, evaluated))}"
+                            f": add --depths {k} to hold its rounds against the exact ones" for k in ks
+                            if k not in evaluated]
     if not compared and all(k in evaluated for k in ks):
         causes.append("no request is held: sampled drafts need the engine's steps one by one, which vLLM gives with "
                       "--per-request-spec-decode-metrics detailed (SGLang's figures are counts)")
@@ -5111,7 +5112,8 @@ def served_causes(held, compared, ks, evaluated, z, impossible):
         middle = middle[len(middle) // 2]
         causes.append(f"the gap grows along the replies: {along[0][0]:+.2f} in their first halves, {along[1][0]:+.2f} "
                       f"in their second (contexts past about {middle} tokens), intervals apart: the engine serves the "
-                      "drafter contexts it handles worse than this run's (a context cap, a window, longer than trained)")
+                      "drafter contexts it handles worse than this run's (a context cap, a window, longer than "
+                      "trained)")
     if z is not None:
         causes.append(f"{'none: ' if abs(z) <= 3 else ''}the served acceptance is {abs(z):.1f} standard errors "
                       f"{'above' if z > 0 else 'below'} the exact expectation on the same texts" +
