@@ -5468,6 +5468,11 @@ def report_lines(report):
     if cache:
         yield (f"features: from {config['load_hidden']} (torch {cache['torch_version']}, transformers "
                f"{cache['transformers_version']})")
+
+    def beside_chain(label, t, chain, sampled=None, sep=" "):   # a row scored beside the chain's: tau, rounds by length
+        return (f"   {label}: tau {fmt(t['tau'])} ({chain})  tau_prompt_mean {fmt(t['tau_prompt_mean'])}  "
+                f"{'expected ' if sampled else ''}rounds by length: "
+                + sep.join(f"{n}:{c:.4g}" if sampled else f"{n}:{c}" for n, c in enumerate(t["histogram"], 1) if c))
     for d in report["drafters"]:
         drafts, chain = d["drafts_per_round"], FAMILIES[d.get("generation", "DFlash")].causal
         yield (f"\n== drafter {d['name']}: {d.get('generation', 'DFlash')} ({d.get('layout', 'public')} layout), "
@@ -5495,25 +5500,18 @@ def report_lines(report):
                 yield f"   no DDTree rows: {s['ddtree_note']}"
             for rule, t in (d.get("verify") or {}).items() if name == "all" else ():
                 first_rule = config.get("verify", ["standard"])[0]
-                yield (f"   {rule} verification: tau {fmt(t['tau'])} ({first_rule} {fmt(s['tau'])})  "
-                       f"tau_prompt_mean {fmt(t['tau_prompt_mean'])}  {'expected ' if sampling else ''}rounds by "
-                       "length: " + "  ".join(f"{n}:{c:.4g}" if sampling else f"{n}:{c}"
-                                             for n, c in enumerate(t["histogram"], 1) if c))
+                yield beside_chain(f"{rule} verification", t, f"{first_rule} {fmt(s['tau'])}", sampling, "  ")
             tree = d.get("eagle_tree") if name == "all" else None
             if tree and "tau" in tree:
-                yield (f"   SGLang tree ({tree['steps']} steps, top-{tree['topk']}, {tree['tokens']} draft tokens; "
-                       f"{tree['source']}): tau {fmt(tree['tau'])} (chain {fmt(s['tau'])})  tau_prompt_mean "
-                       f"{fmt(tree['tau_prompt_mean'])}  rounds by length: "
-                       + " ".join(f"{n}:{c}" for n, c in enumerate(tree["histogram"], 1) if c))
+                yield beside_chain(f"SGLang tree ({tree['steps']} steps, top-{tree['topk']}, {tree['tokens']} draft "
+                                   f"tokens; {tree['source']})", tree, f"chain {fmt(s['tau'])}")
                 g = (tree["engine_metrics"] or {}).get("sglang")
                 if g:
                     yield (f"     SGLang (--speculative-num-steps {tree['steps']} --speculative-eagle-topk "
                            f"{tree['topk']} --speculative-num-draft-tokens {tree['tokens']}): accept len "
                            f"{g['accept_len']:.2f}, accept rate {g['accept_rate']:.3f}")
             for budget, t in (s["ddtree"] or {}).items():
-                yield (f"   DDTree budget {budget:>4}: tau {fmt(t['tau'])} (chain {fmt(s['tau'])})  tau_prompt_mean "
-                       f"{fmt(t['tau_prompt_mean'])}  rounds by length: "
-                       + " ".join(f"{n}:{c}" for n, c in enumerate(t["histogram"], 1) if c))
+                yield beside_chain(f"DDTree budget {budget:>4}", t, f"chain {fmt(s['tau'])}")
             below = [b for b, t in (s["ddtree"] or {}).items()   # as printed: 7.149 against 7.149 is no fall
                      if None not in (t["tau"], s["tau"]) and round(t["tau"], 3) < round(s["tau"], 3)]
             if below:
