@@ -3567,7 +3567,6 @@ class Family:
     rounds: str = "block"       # a round for the roofline: block, one pass; chain, K steps; parallel, + K - 1 masks
 
 
-
 FAMILIES = {
     "DFlash": Family(load_block, sources="z-lab's, transformers' native assistant, speculators', SpecForge's exports "
                      "and training states", engines="vLLM 0.33, SGLang 0.5.23"),
@@ -3785,7 +3784,6 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
 
 
 DECIDE_ROUNDS = 8   # --reference-generation auto: speculative rounds timed (the first left out) against a plain step
-
 
 
 @torch.inference_mode()
@@ -6697,8 +6695,6 @@ def step_text(line, best):
 def ready_drafter(settings, target_cfg, series, step, path, seen, quiet):
     """Step `step` of `series` (at `path`) once it is complete, else None: its files unchanged since the last look
     (`seen`: what that look saw, and the loads failed since) and loading; failing WATCH_TRIES looks, named once."""
-
-
     files = step_files(path)
     if seen.get("files") != files or not files:   # new, still being written, or an empty directory
         seen.update(files=files, fails=0, at=time.time())
@@ -6956,7 +6952,6 @@ def measure(drafter, features, config=None, target=None, name="drafter", step=No
 
 def supported():
     """What --help lists last: each family of the family table, where its checkpoints come from, who serves it."""
-
     return "drafters (--ckpt), from the family table:\n" + "".join(
         f"  {name:<9} {fam.sources}; served by {fam.engines}\n" for name, fam in FAMILIES.items()) + (
         "  and any of them as a .safetensors file, a training .pt/.pth/.bin state dict or a run's directory of steps\n"
