@@ -1002,20 +1002,18 @@ def resolve_plot(args):
 def check_outputs(args):
     """--plot's format and matplotlib, --tensorboard's package, a watch's flags: before anything loads."""
     import importlib.util
-    if args.plot and not args.plot.lower().endswith((".png", ".svg", ".pdf")):
-        fail(f"--plot {args.plot}: name a .png, .svg or .pdf file (the name's ending picks the format)")
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        fail("--plot draws with matplotlib, which is not installed: pip install matplotlib")
-    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        fail("--tensorboard writes through torch.utils.tensorboard, which needs the tensorboard package: "
-             "pip install tensorboard")
-    if args.tensorboard and os.path.exists(args.tensorboard) and not os.path.isdir(args.tensorboard):
-        fail(f"--tensorboard {args.tensorboard} is a file: give a directory (made if missing)")
-    if args.watch and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        fail("--watch follows a run in one process: start it without torchrun")
-    if args.watch and args.costs == "measure":
-        fail("--costs measure times the target once, which a watch does not keep: give --costs FILE (costs measured "
-             "in a run with the target)")
+    refuse((args.plot and not args.plot.lower().endswith((".png", ".svg", ".pdf")),
+            f"--plot {args.plot}: name a .png, .svg or .pdf file (the name's ending picks the format)"),
+           (args.plot and importlib.util.find_spec("matplotlib") is None,
+            "--plot draws with matplotlib, which is not installed: pip install matplotlib"),
+           (args.tensorboard and importlib.util.find_spec("tensorboard") is None, "--tensorboard writes through "
+            "torch.utils.tensorboard, which needs the tensorboard package: pip install tensorboard"),
+           (args.tensorboard and os.path.exists(args.tensorboard) and not os.path.isdir(args.tensorboard),
+            f"--tensorboard {args.tensorboard} is a file: give a directory (made if missing)"),
+           (args.watch and int(os.environ.get("WORLD_SIZE", "1")) > 1,
+            "--watch follows a run in one process: start it without torchrun"),
+           (args.watch and args.costs == "measure", "--costs measure times the target once, which a watch does not "
+            "keep: give --costs FILE (costs measured in a run with the target)"))
     board = args.tensorboard and (os.path.join(args.tensorboard, "events") if os.path.isdir(args.tensorboard) else
                                   args.tensorboard)   # made at the end, in a directory that exists
     for flag, path in (("--output", args.output), ("--plot", args.plot), ("--tensorboard", board),
@@ -1162,15 +1160,12 @@ def resolve_settings(args, ranks=True):
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     if args.device_map:
         import importlib.util
-        if device != "cuda":
-            fail("--device-map auto spreads the target over GPUs, but this run is on the CPU (torch sees no GPU, "
-                 "or --device cpu); drop --device-map")
-        if importlib.util.find_spec("accelerate") is None:
-            fail("--device-map auto needs the accelerate package, which transformers uses to place the layers: "
-                 "pip install accelerate")
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            fail("--device-map auto and torchrun both claim the GPUs: use one rank per GPU, or one process with "
-                 "--device-map auto")
+        refuse((device != "cuda", "--device-map auto spreads the target over GPUs, but this run is on the CPU (torch "
+                "sees no GPU, or --device cpu); drop --device-map"),
+               (importlib.util.find_spec("accelerate") is None, "--device-map auto needs the accelerate package, "
+                "which transformers uses to place the layers: pip install accelerate"),
+               (int(os.environ.get("WORLD_SIZE", "1")) > 1, "--device-map auto and torchrun both claim the GPUs: use "
+                "one rank per GPU, or one process with --device-map auto"))
     layers = None
     if args.layers:
         try:
