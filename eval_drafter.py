@@ -1114,20 +1114,18 @@ def resolve_plot(args):
 def check_outputs(args):
     """--plot's format and matplotlib, --tensorboard's package, a watch's flags: before anything loads."""
     import importlib.util
-    if args.plot and not args.plot.lower().endswith((".png", ".svg", ".pdf")):
-        fail(f"--plot {args.plot}: name a .png, .svg or .pdf file (the name's ending picks the format)")
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        fail("--plot draws with matplotlib, which is not installed: pip install matplotlib")
-    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        fail("--tensorboard writes through torch.utils.tensorboard, which needs the tensorboard package: "
-             "pip install tensorboard")
-    if args.tensorboard and os.path.exists(args.tensorboard) and not os.path.isdir(args.tensorboard):
-        fail(f"--tensorboard {args.tensorboard} is a file: give a directory (made if missing)")
-    if args.watch and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        fail("--watch follows a run in one process: start it without torchrun")
-    if args.watch and args.costs == "measure":
-        fail("--costs measure times the target once, which a watch does not keep: give --costs FILE (costs measured "
-             "in a run with the target)")
+    refuse((args.plot and not args.plot.lower().endswith((".png", ".svg", ".pdf")),
+            f"--plot {args.plot}: name a .png, .svg or .pdf file (the name's ending picks the format)"),
+           (args.plot and importlib.util.find_spec("matplotlib") is None,
+            "--plot draws with matplotlib, which is not installed: pip install matplotlib"),
+           (args.tensorboard and importlib.util.find_spec("tensorboard") is None, "--tensorboard writes through "
+            "torch.utils.tensorboard, which needs the tensorboard package: pip install tensorboard"),
+           (args.tensorboard and os.path.exists(args.tensorboard) and not os.path.isdir(args.tensorboard),
+            f"--tensorboard {args.tensorboard} is a file: give a directory (made if missing)"),
+           (args.watch and int(os.environ.get("WORLD_SIZE", "1")) > 1,
+            "--watch follows a run in one process: start it without torchrun"),
+           (args.watch and args.costs == "measure", "--costs measure times the target once, which a watch does not "
+            "keep: give --costs FILE (costs measured in a run with the target)"))
     board = args.tensorboard and (os.path.join(args.tensorboard, "events") if os.path.isdir(args.tensorboard) else
                                   args.tensorboard)   # made at the end, in a directory that exists
     for flag, path in (("--output", args.output), ("--plot", args.plot), ("--tensorboard", board),
@@ -1287,15 +1285,12 @@ def resolve_settings(args, ranks=True):
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     if args.device_map:
         import importlib.util
-        if device != "cuda":
-            fail("--device-map auto spreads the target over GPUs, but this run is on the CPU (torch sees no GPU, "
-                 "or --device cpu); drop --device-map")
-        if importlib.util.find_spec("accelerate") is None:
-            fail("--device-map auto needs the accelerate package, which transformers uses to place the layers: "
-                 "pip install accelerate")
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            fail("--device-map auto and torchrun both claim the GPUs: use one rank per GPU, or one process with "
-                 "--device-map auto")
+        refuse((device != "cuda", "--device-map auto spreads the target over GPUs, but this run is on the CPU (torch "
+                "sees no GPU, or --device cpu); drop --device-map"),
+               (importlib.util.find_spec("accelerate") is None, "--device-map auto needs the accelerate package, "
+                "which transformers uses to place the layers: pip install accelerate"),
+               (int(os.environ.get("WORLD_SIZE", "1")) > 1, "--device-map auto and torchrun both claim the GPUs: use "
+                "one rank per GPU, or one process with --device-map auto"))
     layers = None
     if args.layers:
         try:
@@ -3487,26 +3482,30 @@ def causal_pass(d, features, ids, embed_w, cache=None):
     return [(k, v, h[None])]
 
 
+def growing_attend(context, n_ctx, mask, grown):
+    """attend(q, k, v) for a pass that adds a row to each drafted path: it sees the text pass's first n_ctx keys and
+    values, then its path's rows so far, its own appended to `grown` ([keys], [values]) for the passes after it."""
+    def attend(q, k, v):
+        grown[0].append(k), grown[1].append(v)
+        keys, values = (torch.cat([c[:, :n_ctx], torch.stack(rows, 2).flatten(1, 2)], 1)
+                        for c, rows in zip(context[0], grown))
+        return attention(q, keys, values, mask)
+    return attend
+
+
 def causal_chain(d, context, anchors, starts, embed_w, head, prompt_id, given=None, sampling=None):
     """EAGLE-3's and MTP's drafts (n, K) as the engines chain them: each step one layer pass over the previous draft and
     the fed-back hidden; with `given`: their probability under softmax(logits / T) (vLLM), or (no `sampling`) logits."""
-    (k_ctx, v_ctx, h_ctx), = context
     w, eps, S, n = d.weights, d.cfg.get("rms_norm_eps", 1e-6), d.block_size - 1, anchors.shape[0]
     start, embed_w = torch.zeros_like(anchors) if starts is None else starts, own_embedding(d, embed_w)
     n_ctx = int((anchors + start).max())
     out = torch.empty(n, S, dtype=torch.long if given is None else torch.float64, device=anchors.device)
-    h, chain_k, chain_v, steps = h_ctx[0, start + anchors - 1], [], [], []
+    h, chain, steps = context[0][2][0, start + anchors - 1], ([], []), []
     for s in range(S):
         if s:
             mask = block_mask(anchors, n_ctx, s, ("causal", None), starts)[
                 torch.arange(n, device=anchors.device) * s + s - 1]
-
-            def attend(q, k, v):
-                chain_k.append(k), chain_v.append(v)
-                keys, values = (torch.cat([c[:, :n_ctx], torch.stack(rows, 2).flatten(1, 2)], 1)
-                                for c, rows in ((k_ctx, chain_k), (v_ctx, chain_v)))
-                return attention(q, keys, values, mask)
-            h = causal_layer(d, embed_w[prev], fed, anchors - 1 + s, attend)[0]
+            h = causal_layer(d, embed_w[prev], fed, anchors - 1 + s, growing_attend(context, n_ctx, mask, chain))[0]
         normed = rms_norm(h, w["norm.weight"], eps)
         fed = normed if d.head["norm_output"] else h
         logits, drafted = drafter_logits(d, head, normed, prompt_id)
@@ -3565,26 +3564,18 @@ def eagle_trees(d, context, anchors, starts, embed_w, head, prompt_id):
     tree. Branch j keeps its own KV slots: after a re-selection it reads the slots that branch j held before, not
     its new parent's (SGLang's draft attention indexes slots by branch). (tokens, parents) (n, tokens - 1): target
     ids; a parent's place in the list, -1 the anchor, -2 a node whose parent was not kept (never reached)."""
-    (k_ctx, v_ctx, h_ctx), = context
     steps, topk, size = d.tree["steps"], d.tree["topk"], d.tree["tokens"] - 1
     n, dev, R = anchors.shape[0], anchors.device, anchors.shape[0] * d.tree["topk"]
     start, embed_w = torch.zeros_like(anchors) if starts is None else starts, own_embedding(d, embed_w)
     n_ctx, of = int((anchors + start).max()), torch.arange(n, device=dev).repeat_interleave(topk)
     ctx_pos = torch.arange(n_ctx, device=dev)[None, :] - start[of][:, None]
     ctx_ok = (ctx_pos >= 0) & (ctx_pos < anchors[of][:, None])   # each branch row sees its anchor's context
-    scores, tokens, fed = tree_top(d, head, h_ctx[0, start + anchors - 1], prompt_id, topk)
-    fed = fed.repeat_interleave(topk, 0)
-    all_scores, all_tokens, parents, slot_k, slot_v = [scores], [tokens], [torch.arange(-1, topk, device=dev)
-                                                                             .expand(n, -1)], [], []
+    scores, tokens, fed = tree_top(d, head, context[0][2][0, start + anchors - 1], prompt_id, topk)
+    fed, slots = fed.repeat_interleave(topk, 0), ([], [])
+    all_scores, all_tokens, parents = [scores], [tokens], [torch.arange(-1, topk, device=dev).expand(n, -1)]
     for i in range(steps - 1):
         own = torch.arange(R, device=dev)[:, None] == torch.arange(R, device=dev).repeat_interleave(i + 1)[None, :]
-        mask = torch.cat([ctx_ok, own], 1)
-
-        def attend(q, k, v):
-            slot_k.append(k), slot_v.append(v)
-            keys, values = (torch.cat([c[:, :n_ctx], torch.stack(rows, 2).flatten(1, 2)], 1)
-                            for c, rows in ((k_ctx, slot_k), (v_ctx, slot_v)))
-            return attention(q, keys, values, mask)
+        attend = growing_attend(context, n_ctx, torch.cat([ctx_ok, own], 1), slots)
         h = causal_layer(d, embed_w[tokens.reshape(-1)], fed, anchors[of] + i, attend)[0]
         probs, children, fed_children = tree_top(d, head, h, prompt_id, topk)
         expand = (scores[:, :, None] * probs.view(n, topk, topk)).flatten(1)   # (n, k * k): branch-major
@@ -3621,19 +3612,15 @@ def parallel_round(d, context, anchors, first, starts, embed_w, head, prompt_id,
     """P-EAGLE's round as vLLM's parallel drafting runs it: draft 1 from the bonus token's row (the text pass's row
     before the anchor), draft k + 1 from mask slot k: the mask token's embedding and fc(mask_hidden) at the anchor's
     position + k - 1, seeing the text up to the bonus row and the slots before it. One pass: no draft reads another."""
-    (k_ctx, v_ctx, h_ctx), = context
     w, eps, S, n = d.weights, d.cfg.get("rms_norm_eps", 1e-6), d.block_size - 1, anchors.shape[0]
     start = torch.zeros_like(anchors) if starts is None else starts
-    n_ctx, rows = int((anchors + start).max()), h_ctx[0, start + anchors - 1][:, None]
-    if S > 1:
-        mask = block_mask(anchors, n_ctx, S - 1, ("causal", None), starts)
-        slot = torch.arange(S - 1, device=anchors.device)
-
-        def attend(q, k, v):
-            return attention(q, torch.cat([k_ctx[:, :n_ctx], k], 1), torch.cat([v_ctx[:, :n_ctx], v], 1), mask)
+    n_ctx, rows = int((anchors + start).max()), context[0][2][0, start + anchors - 1][:, None]
+    if S > 1:   # the mask slots: one pass, their rows after the text's (a path of one row each)
+        attend = growing_attend(context, n_ctx, block_mask(anchors, n_ctx, S - 1, ("causal", None), starts), ([], []))
         emb = own_embedding(d, embed_w)[d.mask_token_id].expand(n * (S - 1), -1)
         g = fused(d, w["mask_hidden"].view(1, -1)).expand(n * (S - 1), -1)
-        h = causal_layer(d, emb, g, (anchors[:, None] + slot).reshape(-1), attend)[0]
+        h = causal_layer(d, emb, g, (anchors[:, None] + torch.arange(S - 1, device=anchors.device)).reshape(-1),
+                         attend)[0]
         rows = torch.cat([rows, h.view(n, S - 1, -1)], 1)
     normed, out = rms_norm(rows, w["norm.weight"], eps), torch.empty(n, S, dtype=torch.long, device=anchors.device)
     q = None if given is None else torch.empty(n, S, dtype=torch.float64, device=anchors.device)
@@ -3699,7 +3686,6 @@ class Family:
     sources: str = ""           # the layouts its checkpoints come in (--help, the manual's support table)
     engines: str = ""           # who serves it
     rounds: str = "block"       # a round for the roofline: block, one pass; chain, K steps; parallel, + K - 1 masks
-
 
 
 FAMILIES = {
@@ -3919,7 +3905,6 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
 
 
 DECIDE_ROUNDS = 8   # --reference-generation auto: speculative rounds timed (the first left out) against a plain step
-
 
 
 @torch.inference_mode()
@@ -4544,7 +4529,7 @@ def suspect_inputs(d, target_cfg):
     L, out = target_cfg.num_hidden_layers, {}
     options = [[i + s for i in d.layers] for s in (-1, 1)] + [d.layers[::-1]] + \
         [d.layers[:n] + [i + s] + d.layers[n + 1:] for n, i in enumerate(d.layers) for s in (-1, 1)] + \
-        [[1, L // 2 - 1, L - 4] if d.generation == "EAGLE-3" else default_layer_ids(L, len(d.layers))]
+        [[1, L // 2 - 1, L - 4] if family(d).method == "eagle3" else default_layer_ids(L, len(d.layers))]
     for ids in options:
         if ids != d.layers and len(set(ids)) == len(ids) and all(0 <= i < L for i in ids):
             out.setdefault(f"layers {ids}", {"layers": ids})
@@ -4559,8 +4544,8 @@ def suspect_inputs(d, target_cfg):
 
 
 def served_equal(s, exact, n_completion):
-    """(equal, first step that differs) of an engine's verify steps (served figures s) against greedy rounds on its text:
-    the rounds one for one, then only steps over the reply's last tokens, which no round scores. vLLM's detailed
+    """(equal, first step that differs) of an engine's verify steps (served figures s) against greedy rounds on its
+    text: the rounds one for one, then only steps over the reply's last tokens, which no round scores. vLLM's detailed
     figures compare step by step, the rest by histogram."""
     spare = max(n_completion - 1 - sum(exact), 0)   # after the prefill's token and the scored rounds
     if s.get("per_step") is not None:
@@ -5212,8 +5197,12 @@ def round_acceptance(histograms, k):
 
 def served_causes(held, compared, ks, evaluated, z, impossible):
     """What the data say about a gap between served and exact figures, each cause with its evidence."""
-    n, causes = len(held), [f"the engine drafts K={k} a round; this run evaluated K={', '.join(map(str, evaluated))}: "
-                            f"add --depths {k} to hold its rounds against the exact ones" for k in ks if k not in evaluated]
+    n, causes = len(held), [f"the engine drafts K={k} a round; this run evaluated K={', '.join(map(str, evaluated))}"
+                            f": add --depths {k} to hold its rounds against the exact ones" for k in ks
+                            if k not in evaluated]
+    if not compared and all(k in evaluated for k in ks):
+        causes.append("no request is held: sampled drafts need the engine's steps one by one, which vLLM gives with "
+                      "--per-request-spec-decode-metrics detailed (SGLang's figures are counts)")
     other = [h for h in held if "prompt_differs_at" in h]
     flags = sorted({h["prompt_flag"] for h in other if "prompt_flag" in h})
     if other:
@@ -5234,7 +5223,8 @@ def served_causes(held, compared, ks, evaluated, z, impossible):
         middle = middle[len(middle) // 2]
         causes.append(f"the gap grows along the replies: {along[0][0]:+.2f} in their first halves, {along[1][0]:+.2f} "
                       f"in their second (contexts past about {middle} tokens), intervals apart: the engine serves the "
-                      "drafter contexts it handles worse than this run's (a context cap, a window, longer than trained)")
+                      "drafter contexts it handles worse than this run's (a context cap, a window, longer than "
+                      "trained)")
     if z is not None:
         causes.append(f"{'none: ' if abs(z) <= 3 else ''}the served acceptance is {abs(z):.1f} standard errors "
                       f"{'above' if z > 0 else 'below'} the exact expectation on the same texts" +
@@ -5653,6 +5643,11 @@ def report_lines(report):
     if cache:
         yield (f"features: from {config['load_hidden']} (torch {cache['torch_version']}, transformers "
                f"{cache['transformers_version']})")
+
+    def beside_chain(label, t, chain, sampled=None, sep=" "):   # a row scored beside the chain's: tau, rounds by length
+        return (f"   {label}: tau {fmt(t['tau'])} ({chain})  tau_prompt_mean {fmt(t['tau_prompt_mean'])}  "
+                f"{'expected ' if sampled else ''}rounds by length: "
+                + sep.join(f"{n}:{c:.4g}" if sampled else f"{n}:{c}" for n, c in enumerate(t["histogram"], 1) if c))
     for d in report["drafters"]:
         drafts, chain = d["drafts_per_round"], FAMILIES[d.get("generation", "DFlash")].causal
         yield (f"\n== drafter {d['name']}: {d.get('generation', 'DFlash')} ({d.get('layout', 'public')} layout), "
@@ -5680,25 +5675,18 @@ def report_lines(report):
                 yield f"   no DDTree rows: {s['ddtree_note']}"
             for rule, t in (d.get("verify") or {}).items() if name == "all" else ():
                 first_rule = config.get("verify", ["standard"])[0]
-                yield (f"   {rule} verification: tau {fmt(t['tau'])} ({first_rule} {fmt(s['tau'])})  "
-                       f"tau_prompt_mean {fmt(t['tau_prompt_mean'])}  {'expected ' if sampling else ''}rounds by "
-                       "length: " + "  ".join(f"{n}:{c:.4g}" if sampling else f"{n}:{c}"
-                                             for n, c in enumerate(t["histogram"], 1) if c))
+                yield beside_chain(f"{rule} verification", t, f"{first_rule} {fmt(s['tau'])}", sampling, "  ")
             tree = d.get("eagle_tree") if name == "all" else None
             if tree and "tau" in tree:
-                yield (f"   SGLang tree ({tree['steps']} steps, top-{tree['topk']}, {tree['tokens']} draft tokens; "
-                       f"{tree['source']}): tau {fmt(tree['tau'])} (chain {fmt(s['tau'])})  tau_prompt_mean "
-                       f"{fmt(tree['tau_prompt_mean'])}  rounds by length: "
-                       + " ".join(f"{n}:{c}" for n, c in enumerate(tree["histogram"], 1) if c))
+                yield beside_chain(f"SGLang tree ({tree['steps']} steps, top-{tree['topk']}, {tree['tokens']} draft "
+                                   f"tokens; {tree['source']})", tree, f"chain {fmt(s['tau'])}")
                 g = (tree["engine_metrics"] or {}).get("sglang")
                 if g:
                     yield (f"     SGLang (--speculative-num-steps {tree['steps']} --speculative-eagle-topk "
                            f"{tree['topk']} --speculative-num-draft-tokens {tree['tokens']}): accept len "
                            f"{g['accept_len']:.2f}, accept rate {g['accept_rate']:.3f}")
             for budget, t in (s["ddtree"] or {}).items():
-                yield (f"   DDTree budget {budget:>4}: tau {fmt(t['tau'])} (chain {fmt(s['tau'])})  tau_prompt_mean "
-                       f"{fmt(t['tau_prompt_mean'])}  rounds by length: "
-                       + " ".join(f"{n}:{c}" for n, c in enumerate(t["histogram"], 1) if c))
+                yield beside_chain(f"DDTree budget {budget:>4}", t, f"chain {fmt(s['tau'])}")
             below = [b for b, t in (s["ddtree"] or {}).items()   # as printed: 7.149 against 7.149 is no fall
                      if None not in (t["tau"], s["tau"]) and round(t["tau"], 3) < round(s["tau"], 3)]
             if below:
@@ -6886,8 +6874,6 @@ def step_text(line, best):
 def ready_drafter(settings, target_cfg, series, step, path, seen, quiet):
     """Step `step` of `series` (at `path`) once it is complete, else None: its files unchanged since the last look
     (`seen`: what that look saw, and the loads failed since) and loading; failing WATCH_TRIES looks, named once."""
-
-
     files = step_files(path)
     if seen.get("files") != files or not files:   # new, still being written, or an empty directory
         seen.update(files=files, fails=0, at=time.time())
@@ -7145,7 +7131,6 @@ def measure(drafter, features, config=None, target=None, name="drafter", step=No
 
 def supported():
     """What --help lists last: each family of the family table, where its checkpoints come from, who serves it."""
-
     return "drafters (--ckpt), from the family table:\n" + "".join(
         f"  {name:<9} {fam.sources}; served by {fam.engines}\n" for name, fam in FAMILIES.items()) + (
         "  and any of them as a .safetensors file, a training .pt/.pth/.bin state dict or a run's directory of steps\n"

@@ -248,3 +248,13 @@ def test_a_gap_that_grows_with_the_context_is_named(engine, tmp_path):
     assert late < early - 0.5
     s, _ = served_summary(engine, tmp_path, "openai")
     assert not any("grows" in c for c in s["causes"])
+
+
+def test_sampled_counts_alone_are_said_to_hold_nothing(engine, tmp_path):
+    """SGLang's figures are counts: with sampled drafts they cannot place the engine's steps on the text, and the run
+    says so instead of holding them."""
+    report, _ = served(engine, tmp_path, "sglang", "--temperature", "0.8", "--draft-policy", "sample", "--limit", "2")
+    s = report["drafters"][0]["served"]
+    assert s["requests"] == 2 and s["compared"] == 0 and s["gap"] is None
+    assert s["causes"] == ["no request is held: sampled drafts need the engine's steps one by one, which vLLM gives "
+                           "with --per-request-spec-decode-metrics detailed (SGLang's figures are counts)"]
