@@ -580,8 +580,8 @@ def bench_places(name):
     repo, config, split, template = BENCHMARKS[name]
     org, short = repo.split("/")
     snake = re.sub(r"([a-z\d])([A-Z])", r"\1_\2", re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1_\2", short)).lower()
-    hub = [f"{top}/{config + '/' if config else ''}**/{leaf}" for top in (short, f"datasets--{org}--{short}/snapshots/*")
-           for leaf in (f"*{split}*.parquet", f"{split}/*.parquet", f"*{split}*.jsonl")]
+    hub = [f"{top}/{config + '/' if config else ''}**/{leaf}"
+           for top in (short, f"datasets--{org}--{short}/snapshots/*") for leaf in (f"*{split}*.parquet", f"{split}/*.parquet", f"*{split}*.jsonl")]
     return [f"{name}.jsonl", f"{name}.json", f"{snake}-{split}.jsonl", f"{snake}-{split}.json", f"{name}/data-*.arrow",
             f"{name}/{split}/data-*.arrow", *hub, *(["**/mt_bench/question.jsonl"] if template is None else []),
             f"{org}___{snake}/{config or '*'}/*/*/{snake}-{split}*.arrow"]
@@ -625,13 +625,15 @@ def bench_rows(name, where, notes):
         return rows, paths
     repo, config, split, _ = BENCHMARKS[name]
     fail(f"--bench {name}: no local copy in {where} (looked for {', '.join(bench_places(name)[:6])}, the hub repo's "
-         f"files under {repo.split('/')[1]}/ and the datasets cache); save one there, e.g. python -c \"import datasets; "
+         f"files under {repo.split('/')[1]}/ and the datasets cache); save one there, e.g. python -c \"import "
+         "datasets; "
          f"datasets.load_dataset('{repo}'{f', {config!r}' if config else ''}, split='{split}').to_json("
          f"'{os.path.join(where, name + '.jsonl')}')\"")
 
 
 def bench_prompts(names, where, samples, notes):
-    """--bench: the prompts JSONL of each named benchmark, a split each, as the recipe builds them; and what was read."""
+    """--bench: the prompts JSONL of each named benchmark, a split each, as the recipe builds them; and the files
+    read."""
     lines, read = [], {}
     for name in names:
         rows, read[name] = bench_rows(name, where, notes)
@@ -5427,7 +5429,8 @@ def bench_table(drafters, results, items):
             delta, ci = paired_delta(t, totals[0]) if d is not drafters[0] else (None, None)
             rows[name].append({"drafter": d["name"], "prompts": len(t), "requests": len(means),
                                "tau": d["splits"][name]["tau"], "tau_ci95": d["splits"][name]["tau_ci95"],
-                               "tau_request_mean": mean, "tau_request_mean_ci95": None if half is None else [mean - half, mean + half],
+                               "tau_request_mean": mean,
+                               "tau_request_mean_ci95": None if half is None else [mean - half, mean + half],
                                "delta_tau": delta, "delta_tau_ci95": ci})
     average = []
     for j, d in enumerate(drafters):
