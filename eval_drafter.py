@@ -5803,6 +5803,9 @@ def plot_panels(source):
     add("tau by context length", "the anchor's context (tokens)", "tau (tokens a round)", "bars",
         [(d["name"], buckets, [d["by_context"].get(b, {}).get("tau") for b in buckets], None)
          for d in shown if len(d.get("by_context") or {}) > 1])   # one bucket: no comparison to draw
+    add("tau by split (--bench: by benchmark)", "split", "tau (tokens a round)", "bars",
+        [(d["name"], list(d["splits"]), [s["tau"] for s in d["splits"].values()], None)
+         for d in shown if len(d.get("splits") or {}) > 1])
     return panels
 
 
@@ -5862,7 +5865,8 @@ def board_scalars(d):
             **{f"ddtree_tau/budget{b}": s["tau"] for b, s in (d.get("ddtree") or {}).items()},
             **{f"depth_tau/K{k}": s["tau"] for k, s in (d.get("depths") or {}).items()},
             **({"eagle_tree_tau": d["eagle_tree"]["tau"]} if "tau" in (d.get("eagle_tree") or {}) else {}),
-            **{f"verify_tau/{rule}": s["tau"] for rule, s in (d.get("verify") or {}).items()}}
+            **{f"verify_tau/{rule}": s["tau"] for rule, s in (d.get("verify") or {}).items()},
+            **{f"split_tau/{name}": s["tau"] for name, s in (d.get("splits") or {}).items()}}
     if d.get("engine_metrics"):
         tags.update({f"vllm_acceptance/pos{k}": a for k, a in
                      enumerate(d["engine_metrics"]["vllm"]["per_position_acceptance_rate"], 1)})

@@ -289,3 +289,19 @@ def test_a_json_export_of_lines_is_read_and_a_broken_one_refused(tmp_path, capsy
     (tmp_path / "gsm8k.json").write_text(json.dumps(rows[0]) + "\n" + json.dumps(rows[1])[:20] + "\n")
     with pytest.raises(ed.UsageError, match=r"--bench gsm8k: .*gsm8k.json is not valid JSON"):
         ed.bench_prompts(["gsm8k"], str(tmp_path), None, [])
+
+
+def test_the_picture_and_the_board_have_tau_by_benchmark(tmp_path, bench_dir):
+    """--plot draws tau per benchmark per drafter (one bars panel, a bar per benchmark), and --tensorboard logs each
+    benchmark's tau: the report's own split figures."""
+    out = tmp_path / "r.json"
+    assert ed.main([*BASE, *TWO, "--bench", "gsm8k,humaneval", "--bench-dir", bench_dir, "--max-samples", "3",
+                    "--output", str(out)]) == 0
+    report = json.loads(out.read_text())
+    panel = next(p for p in ed.plot_panels(report) if p[0].startswith("tau by split"))
+    assert panel[3] == "bars" and [label for label, *_ in panel[4]] == ["a", "b"]
+    for (_, xs, ys, _), d in zip(panel[4], report["drafters"]):
+        assert xs == ["gsm8k", "humaneval"] and ys == [d["splits"][n]["tau"] for n in xs]
+    scalars = ed.board_scalars(report["drafters"][1])
+    assert {k: v for k, v in scalars.items() if k.startswith("split_tau/")} == {
+        f"split_tau/{n}": report["drafters"][1]["splits"][n]["tau"] for n in ("gsm8k", "humaneval")}
