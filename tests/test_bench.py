@@ -18,17 +18,10 @@ import os
 import pytest
 
 import bench_data as bd
+from bench_data import dflash_bench, needs_dflash
 import eval_drafter as ed
-from conftest import interrupted_then_resumed, qwen_tokenizer_dir, refused_in_one_line
+from conftest import interrupted_then_resumed, refused_in_one_line
 
-try:
-    import dflash.benchmark as dflash_bench
-except ImportError:
-    if os.environ.get("EVAL_DRAFTER_REQUIRE_DFLASH"):
-        raise
-    dflash_bench = None
-needs_dflash = pytest.mark.skipif(dflash_bench is None,
-                                  reason="dflash is not installed: pip install --no-deps dflash==0.1.0")
 
 DEMO = os.path.join(ed.DEMO_DIR, "drafter")
 FROM_ANCHOR = os.path.join(os.path.dirname(ed.DEMO_DIR), "demo_from_anchor", "drafter")

@@ -12,15 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import bench_data as bd
+from bench_data import dflash_bench, needs_dflash
 
-try:
-    import dflash.benchmark as dflash_bench
-except ImportError:
-    if os.environ.get("EVAL_DRAFTER_REQUIRE_DFLASH"):
-        raise
-    dflash_bench = None
-needs_dflash = pytest.mark.skipif(dflash_bench is None,
-                                  reason="dflash is not installed: pip install --no-deps dflash==0.1.0")
 
 SHA = "[0-9a-f]{40}"
 # Where each file lies under root, as the hub / `datasets` / FastChat lay it out (see bench_data's docstring).
