@@ -87,6 +87,11 @@ def fail(message):
     raise UsageError(message)
 
 
+def first_difference(a, b, default=None):
+    """The first position where sequences a and b differ (default where one is a prefix of the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), default)
+
+
 def refuse(*refusals):
     """The first message of (condition, message) pairs whose condition holds, as fail's error."""
     for refused, message in refusals:
@@ -626,8 +631,7 @@ def bench_rows(name, where, notes):
     repo, config, split, _ = BENCHMARKS[name]
     fail(f"--bench {name}: no local copy in {where} (looked for {', '.join(bench_places(name)[:6])}, the hub repo's "
          f"files under {repo.split('/')[1]}/ and the datasets cache); save one there, e.g. python -c \"import "
-         "datasets; "
-         f"datasets.load_dataset('{repo}'{f', {config!r}' if config else ''}, split='{split}').to_json("
+         f"datasets; datasets.load_dataset('{repo}'{f', {config!r}' if config else ''}, split='{split}').to_json("
          f"'{os.path.join(where, name + '.jsonl')}')\"")
 
 
@@ -4153,8 +4157,7 @@ def served_prompt(tokenizer, it, settings):
     theirs, ours = it["served"].get("prompt_ids"), it["prompt_ids"]
     if theirs is None or list(theirs) == ours:
         return
-    it["served"]["prompt_differs_at"] = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b),
-                                             min(len(theirs), len(ours)))
+    it["served"]["prompt_differs_at"] = first_difference(theirs, ours, min(len(theirs), len(ours)))
     for flag, key in (("--enable-thinking", "enable_thinking"), ("--no-chat-template", "no_chat_template")):
         trial = {"messages": it["messages"], "completion": None, "completion_ids": None, "id": it["id"]}
         encode_prompts(tokenizer, [trial], {**settings, key: not settings[key]}, True)
@@ -4552,7 +4555,7 @@ def served_equal(s, exact, n_completion):
     spare = max(n_completion - 1 - sum(exact), 0)   # after the prefill's token and the scored rounds
     if s.get("per_step") is not None:
         steps = [j + 1 for j in s["per_step"]]
-        first = next((i for i, (a, b) in enumerate(zip(steps, exact)) if a != b), None)
+        first = first_difference(steps, exact)
         return first is None and 0 <= len(steps) - len(exact) <= spare, first
     histogram = list(s.get("histogram") or [])
     return 0 <= s["steps"] - len(exact) <= spare and all(
@@ -4725,7 +4728,7 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
     keep = ("index", "id", "split", "prompt_ids", "completion_ids", "agree", "source", "sample", "support", "turn",
             "reply", "served")
     for (it, _, argmax), res in zip(group, results):
-        diverge = next((k for k, (a, b) in enumerate(zip(argmax, it["completion_ids"])) if a != b), None)
+        diverge = first_difference(argmax, it["completion_ids"])
         detail = None if diverge is None else {"reference": it["completion_ids"][diverge], "argmax": argmax[diverge],
                                                "logit_gap": it.get("gaps", {}).get(diverge)}
         records.append({"item": {**{k: it.get(k) for k in keep}, "first_divergence": diverge,

@@ -193,7 +193,6 @@ def test_sampled_requests_are_held_to_the_exact_expectation(engine, tmp_path, se
                        "--samples-per-prompt", "15", "--limit", "10", "--max-new-tokens", "24", **serving)
     s = report["drafters"][0]["served"]
     assert s["requests"] == s["compared"] == 150
-    print(s["z"], s["beyond_3se"], s["tau_served_scored"], s["tau_exact"], s["gap"], s["gap_ci95"], s["causes"])
     if not serving:
         assert abs(s["z"]) <= 3 and s["beyond_3se"] <= 3 and s["causes"][-1].startswith("none: ")
         assert s["gap_ci95"][0] <= 0 <= s["gap_ci95"][1]
