@@ -563,33 +563,52 @@ def hidden_tensors(path, meta, device="cpu"):
 # ----------------------------------------------------------------------------------------------------
 # Benchmarks: the papers' datasets read from local copies, their prompts built as the published recipe does
 
-# z-lab's dflash/benchmark.py (the DFlash tables): each dataset's hub repo, config and split, and the template of a
-# row's fields (str.format: braces in the data stay as they are); MT-Bench's "prompt" is its list of turns, each turn
-# run with the target's earlier replies in its context. The rows are shuffled with seed 42, then --max-samples taken.
-BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{{}}."
-BENCHMARKS = {"gsm8k": ("openai/gsm8k", "main", "test", "{question}" + BOXED),
-              "math500": ("HuggingFaceH4/MATH-500", None, "test", "{problem}" + BOXED),
-              "humaneval": ("openai/openai_humaneval", None, "test", "Write a solution to the following problem and "
-                            "make sure that it passes the tests:\n```python\n{prompt}\n```"),
-              "mbpp": ("google-research-datasets/mbpp", "sanitized", "test", "{prompt}"),
-              "mt-bench": ("HuggingFaceH4/mt_bench_prompts", None, "train", None)}
-BENCH_RECIPE = ("dflash/benchmark.py's: its prompt templates and seed-42 order; tau pooled over verify rounds and the "
-                "mean of per-request means")
+# Each benchmark: its repo (the hub's; Spec-Bench's is on GitHub), config and split, the field its prompt comes from
+# (a list field is every turn, each run with the target's earlier replies in its context), how its rows split (None:
+# one split; else by "category", renamed by the dict: Spec-Bench's 8 MT-Bench categories are its "mt_bench" subtask),
+# its suite (the recipe its tables use), and where else a copy may lie.
+MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+BENCHMARKS = {"gsm8k": ("openai/gsm8k", "main", "test", "question", None, "dflash", ()),
+              "math500": ("HuggingFaceH4/MATH-500", None, "test", "problem", None, "dflash", ()),
+              "humaneval": ("openai/openai_humaneval", None, "test", "prompt", None, "dflash", ()),
+              "mbpp": ("google-research-datasets/mbpp", "sanitized", "test", "prompt", None, "dflash", ()),
+              "mt-bench": ("HuggingFaceH4/mt_bench_prompts", None, "train", "prompt", None, "dflash",
+                           ("**/mt_bench/question.jsonl",)),
+              "specbench": ("hemingkx/Spec-Bench", None, "question", "turns", dict.fromkeys(MT_BENCH_CATEGORIES,
+                            "mt_bench"), "specbench", ("spec_bench.jsonl", "**/spec_bench/question.jsonl")),
+              "speed-bench": ("nvidia/SPEED-Bench", "qualitative", "test", "turns", {}, "speedbench",
+                              ("**/speed/qualitative/*.parquet",))}
+HOW_TO_GET = {"specbench": "curl -o {where}/specbench.jsonl https://raw.githubusercontent.com/hemingkx/Spec-Bench/main/"
+                           "data/spec_bench/question.jsonl",
+              "speed-bench": "the hub copy's prompts are placeholders: fetch them with NVIDIA Model-Optimizer's "
+                             "examples/specdec_bench/prepare_data.py --config qualitative --output_dir {where}"}
+SPEED_BENCH_PLACEHOLDER = "FULL BENCHMARK DATA SHOULD BE FETCHED FROM THE SOURCE USING SPECDEC_BENCH"
+
+# A recipe, the protocol behind a suite's published table: its source; how a prompt field becomes the prompt (by
+# benchmark; str.format of the field, braces in the data kept; absent: the field as it is); the shuffle seed taken
+# before --max-samples (None: the file's order); new tokens per turn; the averaging its table reports. All three
+# decode greedily and run every turn.
+BOXED = "{}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+RECIPES = {"dflash": ("z-lab's dflash/benchmark.py", {"gsm8k": BOXED, "math500": BOXED, "humaneval": "Write a "
+                      "solution to the following problem and make sure that it passes the tests:\n```python\n{}\n```"},
+                      42, 2048, "tau_request_mean"),
+           "specbench": ("Spec-Bench's evaluation (speed.py)", {}, None, 1024, "tau"),
+           "speedbench": ("SPEED-Bench as AIPerf's speed-bench-report reads it", {}, None, 4096, "tau")}
+AVERAGINGS = {"tau": "tau pooled over verify rounds", "tau_request_mean": "the mean of per-request means"}
 
 
 def bench_places(name):
     """Where a benchmark's local copy may lie under --bench-dir, in the order looked at (globs; shards in name order):
     an export by the benchmark's name or as `datasets` names the split (to_json, a JSON array, dflash's {"turns"}
-    lines), a save_to_disk folder by that name, the hub repo's files (a snapshot, refs/convert/parquet, the hub cache;
-    FastChat's MT-Bench questions), the datasets cache."""
-    repo, config, split, template = BENCHMARKS[name]
+    lines), a save_to_disk folder by that name, the hub repo's files (a snapshot, refs/convert/parquet, the hub cache),
+    the suite's own files (FastChat's MT-Bench questions, Spec-Bench's, specdec_bench's), the datasets cache."""
+    repo, config, split, _, _, _, more = BENCHMARKS[name]
     org, short = repo.split("/")
     snake = re.sub(r"([a-z\d])([A-Z])", r"\1_\2", re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1_\2", short)).lower()
     hub = [f"{top}/{config + '/' if config else ''}**/{leaf}"
            for top in (short, f"datasets--{org}--{short}/snapshots/*") for leaf in (f"*{split}*.parquet", f"{split}/*.parquet", f"*{split}*.jsonl")]
     return [f"{name}.jsonl", f"{name}.json", f"{snake}-{split}.jsonl", f"{snake}-{split}.json", f"{name}/data-*.arrow",
-            f"{name}/{split}/data-*.arrow", *hub, *(["**/mt_bench/question.jsonl"] if template is None else []),
-            f"{org}___{snake}/{config or '*'}/*/*/{snake}-{split}*.arrow"]
+            f"{name}/{split}/data-*.arrow", *hub, *more, f"{org}___{snake}/{config or '*'}/*/*/{snake}-{split}*.arrow"]
 
 
 def version_root(path):
@@ -628,34 +647,44 @@ def bench_rows(name, where, notes):
             rows += (pyarrow.parquet.read_table(path) if path.endswith(".parquet") else
                      pyarrow.ipc.open_stream(path).read_all()).to_pylist()
         return rows, paths
-    repo, config, split, _ = BENCHMARKS[name]
+    repo, config, split = BENCHMARKS[name][:3]
     fail(f"--bench {name}: no local copy in {where} (looked for {', '.join(bench_places(name)[:6])}, the hub repo's "
-         f"files under {repo.split('/')[1]}/ and the datasets cache); save one there, e.g. python -c \"import "
-         f"datasets; datasets.load_dataset('{repo}'{f', {config!r}' if config else ''}, split='{split}').to_json("
-         f"'{os.path.join(where, name + '.jsonl')}')\"")
+         f"files under {repo.split('/')[1]}/ and the datasets cache); save one there, e.g. " +
+         (HOW_TO_GET[name].format(where=where) if name in HOW_TO_GET else "python -c \"import datasets; datasets."
+          f"load_dataset('{repo}'{f', {config!r}' if config else ''}, split='{split}').to_json("
+          f"'{os.path.join(where, name + '.jsonl')}')\""))
 
 
-def bench_prompts(names, where, samples, notes):
-    """--bench: the prompts JSONL of each named benchmark, a split each, as the recipe builds them; and the files
-    read."""
+def bench_prompts(names, where, samples, notes, recipe=None):
+    """--bench: the prompts JSONL of each named benchmark under the recipe (None: each its own suite's), a split each
+    (or one per category); and the files read."""
     lines, read = [], {}
     for name in names:
         rows, read[name] = bench_rows(name, where, notes)
-        template = BENCHMARKS[name][3]
+        field, split_by, own = BENCHMARKS[name][3:6]
+        seed = RECIPES[recipe or own][2]
         order = list(range(len(rows)))
-        random.Random(42).shuffle(order)
+        if seed is not None:
+            random.Random(seed).shuffle(order)
         for i in order[:samples]:
             row = rows[i] if isinstance(rows[i], dict) else {}
-            try:
-                turns = row["turns"] if isinstance(row.get("turns"), list) else \
-                    row.get("prompt") if template is None else [template.format(**row)]
-            except (KeyError, IndexError):
-                turns = None
+            turns = row.get(field)
+            if isinstance(turns, str):
+                turns = [RECIPES[recipe or own][1].get(name, "{}").format(turns)]
+            elif "turns" in row and not isinstance(turns, list):   # an export's {"turns"}: dflash's are templated
+                if name in RECIPES["dflash"][1] and (recipe or own) != "dflash":
+                    fail(f"--bench {name}: {read[name][0]} holds dflash's formatted {{\"turns\"}}, not the rows: "
+                         f"save the dataset itself for --bench-recipe {recipe}")
+                turns = row["turns"]
             if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
                 fail(f"--bench {name}: row {i} of {read[name][0]} has no prompt the recipe can read (its fields: "
                      f"{', '.join(row)})")
-            lines.append({"id": f"{name}-{i}", "split": name, **({"prompt": turns[0]} if len(turns) == 1 else
-                                                                 {"turns": turns})})
+            if SPEED_BENCH_PLACEHOLDER in turns:
+                fail(f"--bench {name}: {read[name][0]} holds the hub's placeholder prompts; " +
+                     HOW_TO_GET["speed-bench"].format(where=where))
+            split = name if split_by is None else f"{name}/{split_by.get(row.get('category'), row.get('category'))}"
+            lines.append({"id": f"{name}-{i}", "split": split, **({"prompt": turns[0]} if len(turns) == 1 else
+                                                                  {"turns": turns})})
     return "".join(json.dumps(line) + "\n" for line in lines).encode(), read
 
 
@@ -717,13 +746,17 @@ FLAGS = [
         "completion_ids references (see README)")),
     ("inputs", "--limit", "", AT_LEAST_1, dict(type=int, help="evaluate only the first N prompts")),
     ("inputs", "--bench", "HC", None, dict(metavar="NAME[,NAME...]", help="instead of --prompts: the benchmarks as "
-        "z-lab's dflash/benchmark.py runs them, from local copies (--bench-dir), a split each: gsm8k, math500, "
-        "humaneval, mbpp, mt-bench, or all; the report adds a table per benchmark (README, Benchmarks)")),
+        "their papers run them, from local copies (--bench-dir), a split each (Spec-Bench and SPEED-Bench: one per "
+        "category): gsm8k, math500, humaneval, mbpp, mt-bench (z-lab's five), specbench, speed-bench, or all (the "
+        "recipe's own suite); the report adds a table per benchmark (README, Benchmarks)")),
+    ("inputs", "--bench-recipe", "HC", None, dict(choices=list(RECIPES), help="--bench's protocol (templates, order, "
+        "new tokens, the averaging reported): dflash (z-lab's benchmark.py), specbench (Spec-Bench), speedbench "
+        "(SPEED-Bench as AIPerf reports it); default: the benchmarks' own suite")),
     ("inputs", "--bench-dir", "HC", None, dict(metavar="DIR", help="where --bench finds the benchmarks (default: "
         "$HF_DATASETS_CACHE or ~/.cache/huggingface/datasets): NAME.jsonl or .json (a to_json export, dflash's "
         "{\"turns\"} lines), a save_to_disk folder NAME/, the hub repo's files, or the datasets cache")),
-    ("inputs", "--max-samples", "HC", AT_LEAST_1, dict(type=int, help="--bench: the first N of each benchmark in its "
-        "seed-42 order, as dflash's --max-samples (default: all)")),
+    ("inputs", "--max-samples", "HC", AT_LEAST_1, dict(type=int, help="--bench: the first N of each benchmark in the "
+        "recipe's order (dflash's: seed 42, as its --max-samples; the others': the file's) (default: all)")),
     ("drafter", "--drafter-config", "O", None, dict(metavar="FILE", help="the drafter's config.json: for checkpoint files that "
         "have none beside (one beside them is overridden, and the load line says so)")),
     ("drafter", "--layers", "RO", None, dict(help="target layer ids feeding the drafter, e.g. 1,16,31,46,61 (default: "
@@ -1202,8 +1235,14 @@ def resolve_settings(args, ranks=True):
                                   ["real=" + REAL_DEMO[1] if real else "demo=" + os.path.join(DEMO_DIR, "drafter")])
         if not (args.load_hidden or args.compare_hidden or args.bench):
             args.prompts = args.prompts or os.path.join(HERE if real else DEMO_DIR, "prompts.jsonl")
-    if args.max_new_tokens is None:
-        args.max_new_tokens = 128 if args.demo == "tiny" else 256  # the tiny target was trained on short texts
+    names = [n for n in BENCHMARKS if BENCHMARKS[n][5] == (args.bench_recipe or "dflash")] if args.bench == "all" \
+        else [n.strip() for n in (args.bench or "").split(",") if n.strip()]
+    suites = sorted({BENCHMARKS[n][5] for n in names if n in BENCHMARKS})
+    if len(suites) == 1 and not set(names) - set(BENCHMARKS):   # one recipe: the one named, else the suite's
+        args.bench_recipe = args.bench_recipe or suites[0]
+    if args.max_new_tokens is None:   # the tiny target was trained on short texts; a benchmark runs as its recipe
+        args.max_new_tokens = 128 if args.demo == "tiny" else RECIPES[args.bench_recipe][3] if args.bench_recipe \
+            else 256
     if args.merge:
         return MappingProxyType(resolve_merge(args))
     comparing, from_file = bool(args.compare_hidden), bool(args.load_hidden or args.compare_hidden)
@@ -1218,19 +1257,21 @@ def resolve_settings(args, ranks=True):
         fail(f"target directory not found: {args.target} (pass a local model directory or a GGUF file to --target)")
     if args.mtp:
         args.ckpt = [*args.ckpt, "mtp=" + args.target]
-    names = list(BENCHMARKS) if args.bench == "all" else [n.strip() for n in (args.bench or "").split(",") if n.strip()]
     refuse((args.bench and args.prompts, "--bench builds the prompts from the benchmarks: drop --prompts"),
            (args.bench is not None and (not names or set(names) - set(BENCHMARKS)),
             f"--bench takes {', '.join(BENCHMARKS)} or all, comma-separated; got {args.bench!r}"),
-           (not args.bench and (args.bench_dir or args.max_samples), "--bench-dir and --max-samples go with --bench"),
+           (not args.bench and (args.bench_dir or args.max_samples or args.bench_recipe),
+            "--bench-dir, --bench-recipe and --max-samples go with --bench"),
+           (len(suites) > 1 and not args.bench_recipe, f"--bench {args.bench} joins suites run by different recipes "
+            f"({', '.join(suites)}): name the one to run them all by with --bench-recipe"),
            (args.bench and args.limit, "--limit cuts the benchmarks joined, the later ones first: use --max-samples N "
-            "(each benchmark's first N in its seed-42 order)"))
+            "(each benchmark's first N in the recipe's order)"))
     bench_files = None
     if names:   # its prompts JSONL, built once here, stands for a --prompts file: hashed, read, resumed as one
         where = args.bench_dir or os.environ.get("HF_DATASETS_CACHE") or \
             os.path.expanduser(os.path.join("~", ".cache", "huggingface", "datasets"))
         args.prompts = f"--bench {','.join(names)}"
-        BUILT[args.prompts], bench_files = bench_prompts(names, where, args.max_samples, notes)
+        BUILT[args.prompts], bench_files = bench_prompts(names, where, args.max_samples, notes, args.bench_recipe)
     refuse((sum(map(bool, (args.save_hidden, args.load_hidden, args.compare_hidden))) > 1,
             "--save-hidden, --load-hidden and --compare-hidden go in separate runs"),
            (not from_file and not args.prompts, "--prompts is required (or run --demo for the bundled example)"))
@@ -5416,36 +5457,55 @@ def side_by_side(drafters, results, items):
     return comparison
 
 
-def bench_table(drafters, results, items):
-    """--bench: per benchmark (a split) and drafter, tau pooled over verify rounds and the mean of per-request means
-    (dflash's; a turn is a request), each with its 95% interval, and the paired delta tau from the first drafter; then
-    the average over the benchmarks, each weighing one (the papers' last column), its interval from theirs."""
-    rows = {}
-    for name in dict.fromkeys(it["split"] for it in items):
-        keep = [i for i, it in enumerate(items) if it["split"] == name]
-        totals = [prompt_totals([res[i] for i in keep], [items[i] for i in keep]) for res in results]
-        rows[name] = []
+def bench_table(drafters, results, items, config):
+    """--bench: a row per drafter per benchmark, or per category of a suite that has them, then the suite overall
+    (pooled over its categories, as Spec-Bench's "overall"): tau pooled over verify rounds (vLLM's, Spec-Bench's,
+    SPEED-Bench's) and the mean of per-request means (dflash's; a turn is a request), each with its 95% interval; the
+    requests' 10th, 50th and 90th percentiles (AIPerf's distribution); accepted drafts per step, tau - 1
+    (TensorRT-LLM's); the paired delta tau from the first drafter. Then the average over the benchmarks, each weighing
+    one (the papers' last column), its interval from theirs; and where the run departs from the recipe."""
+    def figures(keep):
+        idx = [i for i, it in enumerate(items) if keep(it["split"])]
+        totals = [prompt_totals([res[i] for i in idx], [items[i] for i in idx]) for res in results]
+        out = []
         for d, t in zip(drafters, totals):
-            means = [p["tau"] for p in d["prompts"] if p["split"] == name and p["tau"] is not None]
+            means = [d["prompts"][i]["tau"] for i in idx if d["prompts"][i]["tau"] is not None]
             mean = sum(means) / len(means) if means else None
             half = 1.96 * statistics.stdev(means) / math.sqrt(len(means)) if len(means) > 1 else None
+            committed, rounds = [c for c, _ in t.values()], [r for _, r in t.values()]
+            tau = sum(committed) / sum(rounds) if sum(rounds) else None
             delta, ci = paired_delta(t, totals[0]) if d is not drafters[0] else (None, None)
-            rows[name].append({"drafter": d["name"], "prompts": len(t), "requests": len(means),
-                               "tau": d["splits"][name]["tau"], "tau_ci95": d["splits"][name]["tau_ci95"],
-                               "tau_request_mean": mean,
-                               "tau_request_mean_ci95": None if half is None else [mean - half, mean + half],
-                               "delta_tau": delta, "delta_tau_ci95": ci})
+            out.append({"drafter": d["name"], "prompts": len(t), "requests": len(means), "tau": tau,
+                        "tau_ci95": ratio_ci95(committed, rounds), "tau_request_mean": mean,
+                        "tau_request_mean_ci95": None if half is None else [mean - half, mean + half],
+                        "tau_request_p10_p50_p90": torch.quantile(torch.tensor(means, dtype=torch.float64),
+                                                               torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64))
+                        .tolist() if means else None,
+                        "accepted_per_step": None if tau is None else tau - 1, "delta_tau": delta,
+                        "delta_tau_ci95": ci})
+        return out
+    splits, rows = list(dict.fromkeys(it["split"] for it in items)), {}
+    for suite in dict.fromkeys(s.split("/")[0] for s in splits):
+        for name in [s for s in splits if s.split("/")[0] == suite and s != suite] + [suite]:
+            rows[name] = figures(lambda split, name=name: split == name or split.split("/")[0] == name)
     average = []
     for j, d in enumerate(drafters):
         row = {"drafter": d["name"]}
         for key in ("tau", "tau_request_mean", "delta_tau"):
-            got = [r[j] for r in rows.values() if r[j][key] is not None]
+            got = [r[j] for name, r in rows.items() if "/" not in name and r[j][key] is not None]
             row[key] = sum(r[key] for r in got) / len(got) if got else None
             halves = [(r[key + "_ci95"][1] - r[key + "_ci95"][0]) / 2 for r in got if r[key + "_ci95"]]
             half = math.sqrt(sum(h * h for h in halves)) / len(got) if got and len(halves) == len(got) else None
             row[key + "_ci95"] = None if half is None else [row[key] - half, row[key] + half]
         average.append(row)
-    return {"recipe": BENCH_RECIPE, "benchmarks": rows, "average": average}
+    source, _, seed, tokens, reported = RECIPES[config["bench_recipe"]]
+    sampling = sampling_of(config)
+    departs = ([f"references of up to {config['max_new_tokens']} new tokens (the recipe's: {tokens})"]
+               if config["max_new_tokens"] != tokens else []) + \
+        ([f"sampled at {describe_sampling(sampling)} (the recipe decodes greedily)"] if sampling else []) + \
+        (["the first turn only (--turns first; the recipe runs every turn)"] if config["turns"] != "all" else [])
+    return {"recipe": {"name": config["bench_recipe"], "source": source, "seed": seed, "max_new_tokens": tokens,
+                       "reported": reported}, "departures": departs, "benchmarks": rows, "average": average}
 
 
 def make_report(config, facts, done, skipped, seconds, interrupted, warn=True):
@@ -5483,7 +5543,7 @@ def make_report(config, facts, done, skipped, seconds, interrupted, warn=True):
                                    "decoding's (a flatter target, or a higher temperature, would differ)")
     report = {"config": config, "target": target, "drafters": drafters,
               **({"comparison": side_by_side(drafters, results, finished)} if len(drafters) > 1 and done else {}),
-              **({"bench": bench_table(drafters, results, finished)} if config.get("bench") and done else {}),
+              **({"bench": bench_table(drafters, results, finished, config)} if config.get("bench") and done else {}),
               "skipped": skipped,
               "timing": {**{k: round(v, 4) for k, v in sorted(TIMING.items())}, "total_s": round(seconds, 4)},
               "elapsed_s": seconds, **({"interrupted": True} if interrupted else {})}
@@ -5607,19 +5667,27 @@ def prompt_lines(entries, sampling):
 
 
 def bench_lines(bench, config):
-    """The --bench table: a row per benchmark per drafter, then the average over the benchmarks."""
-    yield (f"benchmarks, as {bench['recipe']}; {'every' if config['turns'] == 'all' else 'the first (--turns first)'}"
-           f" MT-Bench turn; thinking {'on' if config['enable_thinking'] else 'off'} (dflash's --reasoning on|off; "
-           "without it, the chat template's default):")
+    """The --bench table: a row per benchmark (or category, then its suite) per drafter, then the average."""
+    recipe = bench["recipe"]
+    order = f"seed-{recipe['seed']} order" if recipe["seed"] is not None else "the file's order"
+    yield (f"benchmarks, as {recipe['source']} runs them (--bench-recipe {recipe['name']}: its templates, {order}, up "
+           f"to {recipe['max_new_tokens']} new tokens, greedy, every turn; its tables report "
+           f"{AVERAGINGS[recipe['reported']]}, marked *); thinking {'on' if config['enable_thinking'] else 'off'} "
+           "(dflash's --reasoning on|off; without it, the chat template's default):")
+    if bench["departures"]:
+        yield f"   not the recipe, so not its tables' numbers: {'; '.join(bench['departures'])}"
     for name, where in (config.get("bench_files") or {}).items():
         yield f"   {name}: {where[0]}{f' (+{len(where) - 1} more)' if len(where) > 1 else ''}"
-    yield f"   {'benchmark':<12}{'drafter':<14}{'prompts':>8}  {'tau pooled [95%]':<26}{'mean of requests [95%]':<28}" \
-          "delta tau [95%]"
+    star = {key: "*" if key == recipe["reported"] else "" for key in AVERAGINGS}
+    width = max(len("benchmark"), *map(len, bench["benchmarks"])) + 2
+    yield (f"   {'benchmark':<{width}}{'drafter':<14}{'prompts':>8}  {'tau pooled' + star['tau'] + ' [95%]':<26}"
+           f"{'mean of requests' + star['tau_request_mean'] + ' [95%]':<28}{'p10/p50/p90':<18}delta tau [95%]")
     for name, rows in [*bench["benchmarks"].items(), ("average", bench["average"])]:
         for r in rows:
-            yield (f"   {name:<12}{r['drafter']:<14}{r.get('prompts', ''):>8}  "
+            spread = "/".join(f"{x:.2f}" for x in r.get("tau_request_p10_p50_p90") or [])
+            yield (f"   {name:<{width}}{r['drafter']:<14}{r.get('prompts', ''):>8}  "
                    f"{fmt(r['tau']) + ' ' + interval(r['tau_ci95']):<26}"
-                   f"{fmt(r['tau_request_mean']) + ' ' + interval(r['tau_request_mean_ci95']):<28}"
+                   f"{fmt(r['tau_request_mean']) + ' ' + interval(r['tau_request_mean_ci95']):<28}{spread:<18}"
                    + (f"{r['delta_tau']:+.3f} {interval(r['delta_tau_ci95'])}" if r.get("delta_tau") is not None
                       else ""))
 

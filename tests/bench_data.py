@@ -503,6 +503,62 @@ def write_all(name, root, rows=None):
     return {form: write(name, form, root, rows) for form in forms(name)}
 
 
+# ---- the wider suites: Spec-Bench and SPEED-Bench ------------------------------------------------------------------
+# Spec-Bench (hemingkx/Spec-Bench, data/spec_bench/question.jsonl): {"question_id", "category", "turns"} a line, as
+# FastChat writes its questions; 480 rows, the first 80 MT-Bench's under its 8 categories (two turns), then 80 each of
+# translation, summarization, qa, math_reasoning and rag (one turn). AIPerf caches the same file as spec_bench.jsonl.
+# SPEED-Bench (nvidia/SPEED-Bench, config qualitative, split test, 880 rows): question_id (32 hex), category (11),
+# sub_category, turns (list of string), source, src_id, difficulty, multiturn (bool), per its README's dataset_info;
+# the hub's parquet holds the placeholder below in place of prompts whose sources' licences keep them off the hub, and
+# NVIDIA Model-Optimizer's examples/specdec_bench/prepare_data.py writes the resolved rows as parquet under
+# <output_dir>/speed/qualitative/ (the file name here is ours).
+SPEC_BENCH_TASKS = ("translation", "summarization", "qa", "math_reasoning", "rag")
+SPEED_BENCH_CATEGORIES = ("coding", "humanities", "math", "multilingual", "qa", "rag", "reasoning", "roleplay", "stem",
+                          "summarization", "writing")
+SPEED_BENCH_PLACEHOLDER = "FULL BENCHMARK DATA SHOULD BE FETCHED FROM THE SOURCE USING SPECDEC_BENCH"
+SUITE_FORMS = {"specbench": {"clone": "Spec-Bench/data/spec_bench/question.jsonl", "aiperf": "spec_bench.jsonl",
+                             "export": "specbench.jsonl"},
+               "speed-bench": {"parquet": "SPEED-Bench/qualitative/test-00000-of-00001.parquet",
+                               "prepared": "data/speed/qualitative/qualitative_prepared.parquet",
+                               "export": "speed-bench.jsonl"}}
+SPEED_BENCH_COLUMNS = [("question_id", S), ("category", S), ("sub_category", S), ("turns", LS), ("source", S),
+                       ("src_id", S), ("difficulty", S), ("multiturn", "bool")]
+
+
+def spec_bench_rows():
+    """Spec-Bench's layout in 31 rows: two per MT-Bench category (two turns each), then three per subtask."""
+    mt = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+    rows = [{"question_id": 81 + i, "category": cat, "turns": [f"About {cat}, part {i}: say something {{new}}.",
+                                                                "Now say it again, shorter."]}
+            for i, cat in enumerate(mt * 2)]
+    for task in SPEC_BENCH_TASKS:
+        rows += [{"question_id": 81 + len(rows), "category": task,
+                  "turns": [f"{task} item {k}: " + "the words go on " * (k * 3) + "\u00e9 \\ end."]} for k in range(3)]
+    return rows
+
+
+def speed_bench_rows(placeholder=False):
+    """SPEED-Bench's layout in 22 rows, two per category; the second of each has two turns."""
+    return [{"question_id": hashlib.md5(f"{cat}{k}".encode()).hexdigest(), "category": cat, "sub_category": f"{cat}-x",
+             "turns": [SPEED_BENCH_PLACEHOLDER if placeholder and k == 0 else f"A {cat} question, number {k}."]
+             + (["And a follow-up?"] if k else []), "source": "synthetic", "src_id": str(k), "difficulty": "easy",
+             "multiturn": bool(k)} for cat in SPEED_BENCH_CATEGORIES for k in range(2)]
+
+
+def write_suite(name, form, root, rows):
+    """One form of a wider suite's copy under root (SUITE_FORMS): JSON lines, or parquet with SPEED-Bench's types."""
+    path = os.path.join(root, SUITE_FORMS[name][form])
+    _mkdir_for(path)
+    if path.endswith(".parquet"):
+        pq.write_table(pa.Table.from_pylist(rows, schema=pa.schema(
+            [pa.field(c, {S: pa.string(), LS: pa.list_(pa.string()), "bool": pa.bool_()}[t])
+             for c, t in SPEED_BENCH_COLUMNS])), path)
+    else:
+        with open(path, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+    return path
+
+
 # ---- dflash's own prompts ----------------------------------------------------------------------------------------
 
 def dflash_benchmark():

@@ -144,7 +144,10 @@ def test_the_bench_table_is_the_reports_own_figures(tmp_path, bench_dir, capsys)
     printed = capsys.readouterr().out
     report = json.loads(out.read_text())
     bench, names = report["bench"], ["gsm8k", "humaneval"]
-    assert bench["recipe"] == ed.BENCH_RECIPE and list(bench["benchmarks"]) == names
+    assert bench["recipe"] == {"name": "dflash", "source": "z-lab's dflash/benchmark.py", "seed": 42,
+                               "max_new_tokens": 2048, "reported": "tau_request_mean"}
+    assert bench["departures"] == ["references of up to 32 new tokens (the recipe's: 2048)"]
+    assert list(bench["benchmarks"]) == names
     assert [r["drafter"] for r in bench["average"]] == ["a", "b"]
     taus = set()
     for name in names:
@@ -156,6 +159,11 @@ def test_the_bench_table_is_the_reports_own_figures(tmp_path, bench_dir, capsys)
             assert row["prompts"] == row["requests"] == 4
             assert row["tau"] == pytest.approx(pooled(entries), abs=1e-12)
             assert row["tau_request_mean"] == pytest.approx(sum(p["tau"] for p in entries) / 4, abs=1e-12)
+            assert row["accepted_per_step"] == pytest.approx(row["tau"] - 1, abs=1e-12)
+            ranked = sorted(p["tau"] for p in entries)   # 4 requests: linear interpolation between the ranks
+            assert row["tau_request_p10_p50_p90"] == pytest.approx(
+                [ranked[0] + 0.3 * (ranked[1] - ranked[0]), (ranked[1] + ranked[2]) / 2,
+                 ranked[2] + 0.7 * (ranked[3] - ranked[2])], abs=1e-12)
             assert row["tau_ci95"][0] <= row["tau"] <= row["tau_ci95"][1]
             assert row["tau_request_mean_ci95"][0] <= row["tau_request_mean"] <= row["tau_request_mean_ci95"][1]
             taus |= {p["tau"] for p in entries}
@@ -183,8 +191,12 @@ def test_the_bench_table_is_the_reports_own_figures(tmp_path, bench_dir, capsys)
     for t, (n, r) in zip(table, want):
         assert f"{r['tau']:.3f}" in t and f"{r['tau_request_mean']:.3f}" in t, (t, r)
         assert (t[2] == "4") is (n != "average")
-        assert (f"{r['delta_tau']:+.3f}" in t) if r.get("delta_tau") is not None else len(t) == 9 - (n == "average")
-    assert "thinking off" in lines[header[0] - 3], lines[header[0] - 3]   # the title, above the two files read
+        assert (f"{r['delta_tau']:+.3f}" in t) if r.get("delta_tau") is not None else \
+            len(t) == 10 - 2 * (n == "average")
+    title, departs = lines[header[0] - 4:header[0] - 2]   # above the two files read
+    assert "--bench-recipe dflash" in title and "thinking off" in title and "mean of per-request means" in title
+    assert departs.split(": ", 1)[1] == bench["departures"][0]
+    assert "mean of requests* [95%]" in lines[header[0]] and "tau pooled [95%]" in lines[header[0]]
 
 
 def test_mt_bench_runs_both_turns_the_second_after_the_first_reply(tmp_path, bench_dir):
@@ -230,8 +242,9 @@ def test_resumed_mid_benchmark_equals_the_whole_run(tmp_path, bench_dir, monkeyp
 def test_bench_refusals_are_one_line(tmp_path, capsys):
     """A --bench the run cannot use is refused before anything loads, in one line on stderr (exit 2, no traceback):
     a benchmark with no local copy (the line names the folder looked in, the file names looked for and the
-    datasets command that saves one there), an unknown or empty name, --bench beside --prompts, --bench-dir or
-    --max-samples without --bench, and --limit (which would drop the later benchmarks whole)."""
+    datasets command that saves one there, or for Spec-Bench and SPEED-Bench their own way to one), an unknown or
+    empty name, two suites' benchmarks without --bench-recipe to run them by, --bench beside --prompts, --bench-dir,
+    --bench-recipe or --max-samples without --bench, and --limit (which would drop the later benchmarks whole)."""
     empty = tmp_path / "empty"
     empty.mkdir()
     refused_in_one_line(capsys, ["--demo", "--bench", "humaneval,gsm8k", "--bench-dir", str(empty)],
@@ -241,13 +254,23 @@ def test_bench_refusals_are_one_line(tmp_path, capsys):
                         f"'{os.path.join(str(empty), 'gsm8k.jsonl')}')")
     for value in ("gsm9k", "gsm8k,,nope", ",", "All"):
         refused_in_one_line(capsys, ["--demo", "--bench", value, "--bench-dir", str(empty)],
-                            f"--bench takes gsm8k, math500, humaneval, mbpp, mt-bench or all, comma-separated; got "
-                            f"{value!r}")
+                            "--bench takes gsm8k, math500, humaneval, mbpp, mt-bench, specbench, speed-bench or all, "
+                            f"comma-separated; got {value!r}")
+    refused_in_one_line(capsys, ["--demo", "--bench", "gsm8k,specbench", "--bench-dir", str(empty)],
+                        "--bench gsm8k,specbench joins suites run by different recipes (dflash, specbench): name the "
+                        "one to run them all by with --bench-recipe")
+    refused_in_one_line(capsys, ["--demo", "--bench", "specbench", "--bench-dir", str(empty)],
+                        f"save one there, e.g. curl -o {empty}/specbench.jsonl https://raw.githubusercontent.com/"
+                        "hemingkx/Spec-Bench/main/data/spec_bench/question.jsonl")
+    refused_in_one_line(capsys, ["--demo", "--bench", "speed-bench", "--bench-dir", str(empty)],
+                        "Model-Optimizer's examples/specdec_bench/prepare_data.py --config qualitative --output_dir "
+                        f"{empty}")
     prompts = os.path.join(ed.DEMO_DIR, "prompts.jsonl")
     refused_in_one_line(capsys, ["--demo", "--bench", "gsm8k", "--prompts", prompts, "--bench-dir", str(empty)],
                         "--bench builds the prompts from the benchmarks: drop --prompts")
-    for flag, value in (("--bench-dir", str(empty)), ("--max-samples", "3")):
-        refused_in_one_line(capsys, ["--demo", flag, value], "--bench-dir and --max-samples go with --bench")
+    for flag, value in (("--bench-dir", str(empty)), ("--max-samples", "3"), ("--bench-recipe", "specbench")):
+        refused_in_one_line(capsys, ["--demo", flag, value],
+                            "--bench-dir, --bench-recipe and --max-samples go with --bench")
     refused_in_one_line(capsys, ["--demo", "--bench", "gsm8k", "--limit", "3", "--bench-dir", str(empty)],
                         "--limit cuts the benchmarks joined, the later ones first: use --max-samples N")
     assert os.listdir(empty) == []
