@@ -426,7 +426,7 @@ def gguf_file(path):
 
 
 def gguf_target(path, settings_quiet):
-    """A GGUF target as a transformers directory, made once (README, "GGUF targets"): bos, eos and pad from the GGUF's
+    """A GGUF target as a transformers directory, made once (docs/drafters.md, "GGUF targets"): bos, eos and pad from the GGUF's
     metadata (transformers' converter takes eos from the bos id). Returns (the directory, the GGUF facts)."""
     import importlib.util
     out = path + ".hf"
@@ -710,17 +710,19 @@ GROUPS = {  # --help's groups of flags
     "evaluation": "evaluation", "references": "references (prompts without a completion get the target's greedy one)",
     "sampled": "sampled decoding (default: greedy)", "cache": "hidden-state cache (extract once, evaluate anywhere)",
     "long": "long runs (torchrun --nproc_per_node=N eval_drafter.py ... spreads the prompts over ranks)",
-    "deployment": "deployment (see README, Choosing what to serve)",
+    "deployment": "deployment (see docs/serving.md)",
     "training": "training runs (follow one as it writes checkpoints; pictures; TensorBoard)", "output": "output"}
 
-# The flags, one row each: (group, flag, modes, number rule, argparse arguments). Modes, a letter each: R, --resume
-# and --merge must agree on it (it changes the numbers); H, a run from saved features (--load-hidden) refuses it,
-# its prompts and references having been fixed at extraction; C, --compare-hidden refuses it; S, it sets up
-# --server and is refused without it; M, --merge takes it (every other flag belongs to the shards); W, --watch refuses
-# it (the run directory is the drafter, the series file the output); V, it sets up --watch and is refused without it;
-# F, --plot --from takes it (it draws a finished run); O, it replaces what a drafter's checkpoint states (the load line
-# names it, the report warns); G, it changes the references a run generates (an --overwrite reuses the old ones if
-# these agree).
+# What a letter in a flag's modes means (the flag table's third column).
+MODES = {"R": "--resume and --merge must agree on it (it changes the numbers)",
+         "H": "a run from saved features (--load-hidden) refuses it: its prompts and references were fixed at extraction",
+         "C": "--compare-hidden refuses it", "S": "it sets up --server and is refused without it",
+         "M": "--merge takes it (every other flag belongs to the shards)",
+         "W": "--watch refuses it (the run directory is the drafter, the series file the output)",
+         "V": "it sets up --watch and is refused without it", "F": "--plot --from takes it (it draws a finished run)",
+         "O": "it replaces what a drafter's checkpoint states (the load line names it, the report warns)",
+         "G": "it changes the references a run generates (an --overwrite reuses the old ones if these agree)"}
+# The flags, one row each: (group, flag, modes (MODES' letters), number rule, argparse arguments).
 FLAGS = [
     ("inputs", "--demo", "", None, dict(nargs="?", const="tiny", choices=("tiny", "real"), help="run on the tiny "
         "target + drafter pair bundled in tests/fixtures/demo (no other flag needed); --demo real: on "
@@ -743,12 +745,12 @@ FLAGS = [
         "last:5 (default all); every step is a drafter of the report, all from one target pass")),
     ("inputs", "--prompts", "HC", None, dict(help="JSONL file of prompts (or one JSON array of them; - reads stdin): "
         "prompt / messages / turns / conversations / question / instruction lines, optionally with completion or "
-        "completion_ids references (see README)")),
+        "completion_ids references (see docs/prompts.md)")),
     ("inputs", "--limit", "", AT_LEAST_1, dict(type=int, help="evaluate only the first N prompts")),
     ("inputs", "--bench", "HC", None, dict(metavar="NAME[,NAME...]", help="instead of --prompts: the benchmarks as "
         "their papers run them, from local copies (--bench-dir), a split each (Spec-Bench and SPEED-Bench: one per "
         "category): gsm8k, math500, humaneval, mbpp, mt-bench (z-lab's five), specbench, speed-bench, or all (the "
-        "recipe's own suite); the report adds a table per benchmark (README, Benchmarks)")),
+        "recipe's own suite); the report adds a table per benchmark (docs/benchmarks.md)")),
     ("inputs", "--bench-recipe", "HC", None, dict(choices=list(RECIPES), help="--bench's protocol (templates, order, "
         "new tokens, the averaging reported): dflash (z-lab's benchmark.py), specbench (Spec-Bench), speedbench "
         "(SPEED-Bench as AIPerf reports it); default: the benchmarks' own suite")),
@@ -762,7 +764,8 @@ FLAGS = [
     ("drafter", "--layers", "RO", None, dict(help="target layer ids feeding the drafter, e.g. 1,16,31,46,61 (default: "
         "the checkpoint's dflash_config.target_layer_ids)")),
     ("drafter", "--block-size", "RO", BLOCK_RULE, dict(type=int, help="block size (default: the checkpoint's "
-        "block_size); EAGLE-3 and MTP: K + 1 for K steps a round (default 3 steps)")),
+        "block_size); a DFlash-family block larger than it was trained with is refused, as --depths past it is; "
+        "EAGLE-3 and MTP: K + 1 for K steps a round (default 3 steps)")),
     ("drafter", "--mask-token-id", "RO", AT_LEAST_0, dict(type=int,
         help="mask token id (default: the checkpoint config's)")),
     ("drafter", "--head-dim", "RO", AT_LEAST_1, dict(type=int, help="drafter head dim, for "
@@ -772,9 +775,13 @@ FLAGS = [
     ("drafter", "--num-kv-heads", "RO", AT_LEAST_1, dict(type=int,
         help="drafter KV heads, for checkpoints without a config")),
     ("drafter", "--block-mask", "RO", None, dict(default="auto", choices=["auto", "bidirectional", "causal"],
-        help="in-block attention; auto = checkpoint's is_causal, else per layer type")),
+        help="in-block attention; auto = the config's is_causal / dflash_config.causal, else per layer type: "
+             "full-attention layers bidirectional, sliding ones causal within their window (the training and "
+             "serving rule). Another mode than the drafter was trained with lowers tau in silence: compare causal "
+             "and bidirectional when in doubt")),
     ("drafter", "--sliding-window", "RO", None, dict(default="train", choices=["train", "ignore"],
-        help="train = window sliding layers as training did; ignore = public HF reference")),
+        help="train = window sliding layers as training did; ignore = drop the windows (with --block-mask auto: the "
+             "public transformers reference, bidirectional everywhere)")),
     ("drafter", "--engine", "R", None, dict(default="vllm", choices=["vllm", "sglang"], help="whose convention decides "
         "where they differ (EAGLE-3's captured layer ids: vLLM reads eagle_aux_hidden_state_layer_ids as hidden_states "
         "indices and, but for P-EAGLE, ignores a nested eagle_config; SGLang reads eagle_config's ids as layer "
@@ -808,7 +815,9 @@ FLAGS = [
         help="torch CPU threads (default: the cores this process may use)")),
     ("evaluation", "--anchors", "R", None, dict(default="all", choices=["all", "walk"],
         help="all: draft every anchor (per-position statistics over every position); walk: only the anchors the walks "
-             "visit (same rounds and tau, drafter cost / ~tau)")),
+             "visit (same rounds and tau, drafter cost / ~tau; per-position statistics and tau_all_anchors then "
+             "cover the visited anchors only; up to 16 prompts' walks are drafted together, one batched call a "
+             "step)")),
     ("evaluation", "--ddtree-budgets", "R", None, dict(default="8,32,128", help="DDTree node budgets, comma list "
         "(default 8,32,128); 'none' for the chain only")),
     ("evaluation", "--check-mask", "R", None, dict(action="store_true", help="also draft a sample of anchors under "
@@ -816,7 +825,8 @@ FLAGS = [
     ("evaluation", "--max-memory-gb", "", ("a finite number above 0", lambda v: 0 < v < math.inf), dict(type=float,
         default=0.5, help="memory for the drafter's logits at a time (sets the rows per lm_head call; default 0.5)")),
     ("references", "--max-new-tokens", "RHCG", AT_LEAST_1, dict(type=int,
-        help="length of generated references (default 256; 128 with --demo)")),
+        help="length of generated references (default 256; 128 with --demo; under --bench the recipe's); prompt and "
+             "reference stop at the target's max_position_embeddings, with one note")),
     ("references", "--ignore-eos", "RHCG", None, dict(action="store_true", help="generate references past EOS")),
     ("references", "--reference-generation", "RHC", None, dict(default="auto", choices=["auto", "speculative", "plain"],
         help="how missing references are generated locally: speculative decoding with the first --ckpt or plain "
@@ -864,7 +874,8 @@ FLAGS = [
         help="sampled references per prompt (temperature > 0; default 1)")),
     ("sampled", "--seed", "RHCG", None, dict(type=int, default=0, help="seed of the sampled references (default 0)")),
     ("cache", "--save-hidden", "W", None, dict(metavar="FILE.safetensors", help="also save the extracted hidden "
-        "states, token ids and target argmax to this file")),
+        "states, token ids and target argmax to this file, each prompt's the moment they exist (--resume keeps "
+        "them)")),
     ("cache", "--load-hidden", "", None, dict(metavar="FILE.safetensors", nargs="+",
         help="evaluate from --save-hidden files (several: the caches of shards or ranks, one run): the target model "
              "is not built (only its embedding and lm_head are read); --prompts is not needed")),
@@ -886,7 +897,7 @@ FLAGS = [
         "interval, per depth, DDTree budget, tree and rule: measure = time the target's and the drafters' passes here "
         "(the run's device and dtype), interleaved and repeated until stable; gpu:NAME = a roofline of each pass from "
         "the models' shapes for an accelerator (H100, H200, B200, A100, A6000, L40S, RTX4090, RTX3090, MI300X) or "
-        "gpu:SPEC.json (peak_tflops, bandwidth_tbs); FILE = a JSON table of seconds (see README, or --save-costs)")),
+        "gpu:SPEC.json (peak_tflops, bandwidth_tbs); FILE = a JSON table of seconds (see docs/serving.md, or --save-costs)")),
     ("deployment", "--batch-sizes", "", None, dict(default="1", metavar="B,...", help="with --costs gpu:NAME, the "
         "batch sizes to price, e.g. 1,8,32 (default 1): verification turns compute-bound as they grow")),
     ("deployment", "--save-costs", "W", None, dict(metavar="FILE.json", help="write the costs the run used (--costs "
@@ -917,6 +928,8 @@ FLAGS = [
         "prompts go to <output>.partial.jsonl as the run goes; one run at a time, never over an input of the run); "
         "a device, FIFO or /dev/stdout is written straight, with no partial file")),
     ("output", "--quiet", "MF", None, dict(action="store_true", help="no progress bars or notes on stderr")),
+    ("output", "--help-markdown", "", None, dict(action="store_true", help="print this table as the manual's options "
+        "page (docs/options.md is its output) and exit")),
 ]
 
 
@@ -928,6 +941,31 @@ def build_parser(epilog=None):
     for group, flag, _, _, arguments in FLAGS:
         groups[group].add_argument(flag, **arguments)
     return p
+
+
+def options_markdown():
+    """docs/options.md, written from the flag table: a table per group, each flag's form, meaning, number rule and
+    modes; then what the modes' letters mean."""
+    def cell(text):
+        return str(text).replace("|", "\\|").replace("\n", " ")
+
+    def form(flag, kw):
+        if kw.get("action") == "store_true":
+            return flag
+        value = "|".join(map(str, kw["choices"])) if "choices" in kw else " ".join(kw["metavar"]) if \
+            isinstance(kw.get("metavar"), tuple) else kw.get("metavar") or flag[2:].upper().replace("-", "_")
+        return f"{flag} [{value}]" if kw.get("nargs") == "?" else f"{flag} {value}" + \
+            (" ..." if kw.get("nargs") in ("+", "*") else "")
+    out = ["# Options", "", "Written from the flag table in eval_drafter.py by `python eval_drafter.py --help-markdown "
+           "> docs/options.md`; tests/test_docs.py fails when this page and the table differ. A number breaking its "
+           "rule is refused in one line naming the flag, the value and the rule (exit 2).", ""]
+    for group, title in GROUPS.items():
+        out += [f"## {title[0].upper()}{title[1:]}", "", "| flag | meaning | rule | modes |", "|---|---|---|---|"]
+        out += [f"| `{cell(form(flag, kw))}` | {cell(kw.get('help', ''))} | {cell(rule[0]) if rule else ''} | "
+                f"{modes} |" for g, flag, modes, rule, kw in FLAGS if g == group]
+        out.append("")
+    return "\n".join(out + ["## Modes", "", "| letter | meaning |", "|---|---|",
+                             *(f"| {k} | {cell(v)} |" for k, v in MODES.items())]) + "\n"
 
 
 def flag_names(mode):
@@ -1318,7 +1356,7 @@ def resolve_settings(args, ranks=True):
             "--export-depth sets the depth of --export-vllm-synthetic, which is not given"),
            (args.costs and args.costs != "measure" and not args.costs.startswith("gpu:") and
             not os.path.isfile(args.costs), f"--costs takes measure, gpu:NAME or a JSON file of costs; {args.costs} "
-            "is none of them (see README, Choosing what to serve)"),
+            "is none of them (see docs/serving.md)"),
            ((args.batch_sizes != "1" or args.save_costs) and not args.costs, "--batch-sizes and --save-costs go with "
             "--costs (gpu:NAME prices batch sizes; measure's table is saved)"),
            (args.costs == "measure" and (args.load_hidden or args.compare_hidden), "--costs measure times the target "
@@ -4400,7 +4438,7 @@ def round_sums(rounds, block_size, number=int):
 def block_accept(q, p_at):
     """Block verification (Sun et al. 2024, arXiv 2403.10444) given the text, drafts marginalised: a round reaches
     slot j with P(tau >= j | text) = min(1, P_1, ..., P_j), P_j = prod_{i <= j} q_i / p_i at the text's tokens
-    (README, Verification rules), returned as each slot's chance once the slot before it is reached, as the
+    (docs/sampling.md, Verification rules), returned as each slot's chance once the slot before it is reached, as the
     standard rule's min(1, q / p) is. In log space: the products of many ratios overflow."""
     ok = (p_at > 0) & (q > 0)
     logs = torch.where(ok, q.clamp_min(1e-300).log() - p_at.clamp_min(1e-300).log(), -math.inf).cumsum(1)
@@ -4698,7 +4736,7 @@ FEATURE_CHECK_ANCHORS = 32   # anchors per prompt, evenly spaced, drafted again 
 
 def shuffled_features(features, layers):
     """A prompt's features of `layers` at other positions: one fixed permutation of its rows, the same for every layer.
-    Each row keeps its statistics and loses its position (zeros would be a state no target produces: README)."""
+    Each row keeps its statistics and loses its position (zeros would be a state no target produces: docs/drafters.md)."""
     order = torch.randperm(features[layers[0]].shape[0], generator=torch.Generator().manual_seed(0))
     return {L: features[L][order.to(features[L].device)] for L in layers}
 
@@ -5357,7 +5395,7 @@ def drafter_facts(d):
 
 
 # A drafter trained for this target and layer set drafts far better with its features than with them shuffled across
-# positions (feature_check_prompt); one trained for another does not (README, Warnings: why no fixed acceptance floor).
+# positions (feature_check_prompt); one trained for another does not (docs/report.md, Warnings: why no fixed acceptance floor).
 # Warn when, on the same anchors, the real features match no significantly more drafts (z below FEATURE_CHECK_Z) AND,
 # with 95% confidence, add less than FEATURE_CHECK_MARGIN drafts per anchor (a few anchors give no verdict); only on
 # the target's own references (agreement or support >= TRUSTED_REFERENCES): foreign ones say nothing of the drafter.
@@ -5522,7 +5560,7 @@ def make_report(config, facts, done, skipped, seconds, interrupted, warn=True):
               "rejected")
     if not sampling and total and fit / total < AGREEMENT_WARN:
         shout(f"warning: target agreement {fit / total:.4f} < {AGREEMENT_WARN} on the references from the prompts "
-              "file or server: they are not the target's greedy output here, so tau is approximate (see README)")
+              "file or server: they are not the target's greedy output here, so tau is approximate (see docs/exactness.md)")
     if check and not check["passed"]:
         shout(f"warning: self-check failed: {check['message']}")
     if skipped:
@@ -5766,7 +5804,7 @@ def report_lines(report):
             if below:
                 yield (f"   (budget {', '.join(below)} below the chain: a tree spends its nodes on the likeliest "
                        f"paths, so it need not hold the chain's whole depth-{drafts} path; a bigger "
-                       "budget's tree holds every smaller one's: see README, DDTree rows)")
+                       "budget's tree holds every smaller one's: see docs/report.md, DDTree rows)")
         if "mask_check" in d:
             yield "   mask check on sampled anchors:  accuracy  tau_all_anchors  wins/losses  in-block mask per layer"
             for name, t in d["mask_check"]["modes"].items():
@@ -6203,7 +6241,7 @@ def replaced_input(settings):
 
 @contextlib.contextmanager
 def output_claimed(settings):
-    """--output for this run alone, checked before anything loads (README, "Nothing overwritten"); the lock goes at the
+    """--output for this run alone, checked before anything loads (docs/scale.md, "Nothing overwritten"); the lock goes at the
     end, whichever way the run ends. Under torchrun rank 0 holds the lock, and all ranks refuse together. Yields the
     backup of an earlier run's partial file that --overwrite moved aside (its references are reused), or None."""
     output = settings.get("output")
@@ -6368,7 +6406,7 @@ def part_files(prefix):
 
 
 def resume_features(settings, learned, facts, items, records):
-    """--save-hidden's state (README, "Saved features are results too"): with --resume the finished prompts' parts; one
+    """--save-hidden's state (docs/scale.md, "Saved features are results too"): with --resume the finished prompts' parts; one
     whose part is missing or cut is dropped from `records`, with every one after it (positions stay in order). Parts of
     no use (another run's, cut, past those) are removed when the first part is written."""
     from safetensors import safe_open
@@ -7207,13 +7245,24 @@ def measure(drafter, features, config=None, target=None, name="drafter", step=No
         torch.set_num_threads(held)
 
 
+TARGET_KINDS = ("a Hugging Face directory of a decoder-only model (Qwen3, hybrid Qwen3.5/3.6, Llama, gpt-oss, ...) or "
+                "a GGUF file (dequantized once to a directory beside it)")
+
+
 def supported():
     """What --help lists last: each family of the family table, where its checkpoints come from, who serves it."""
     return "drafters (--ckpt), from the family table:\n" + "".join(
         f"  {name:<9} {fam.sources}; served by {fam.engines}\n" for name, fam in FAMILIES.items()) + (
         "  and any of them as a .safetensors file, a training .pt/.pth/.bin state dict or a run's directory of steps\n"
-        "targets (--target): a Hugging Face directory of a decoder-only model (Qwen3, hybrid Qwen3.5/3.6, Llama, "
-        "gpt-oss, ...) or a GGUF file (dequantized once to a directory beside it)")
+        f"targets (--target): {TARGET_KINDS}")
+
+
+def support_markdown():
+    """The README's support table, from the same family table (tests/test_docs.py holds the README to it)."""
+    return "| drafter | checkpoints (layouts) | served by |\n|---|---|---|\n" + "".join(
+        f"| {name} | {fam.sources} | {fam.engines} |\n" for name, fam in FAMILIES.items()) + (
+        "\nAny of them also as a `.safetensors` file, a training `.pt`/`.pth`/`.bin` state dict or a run's directory "
+        f"of steps. Targets (`--target`): {TARGET_KINDS}.\n")
 
 
 def leave_ranks():
@@ -7232,7 +7281,11 @@ def main(argv=None):
         signal.signal(signal.SIGINT, signal.default_int_handler)
     settings = None
     try:
-        settings = resolve_settings(parse_args(argv, supported()))
+        args = parse_args(argv, supported())
+        if args.help_markdown:
+            print(options_markdown(), end="")
+            return 0
+        settings = resolve_settings(args)
         with output_claimed(settings) as earlier:
             report = run(settings, earlier)
         leave_ranks()
