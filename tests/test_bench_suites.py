@@ -35,6 +35,8 @@ def turns_of(line):
 
 @pytest.mark.parametrize("form", list(bd.SUITE_FORMS["specbench"]))
 def test_spec_bench_is_its_questions_in_file_order(tmp_path, form):
+    """Spec-Bench from a clone, AIPerf's cached copy or an export: its turns as they are, in the file's order, ids by
+    row, a split per speed.py subtask (MT-Bench's 8 categories as mt_bench); --max-samples 5 is the first 5."""
     rows = bd.spec_bench_rows()
     written = bd.write_suite("specbench", form, tmp_path, rows)
     lines, read = built("specbench", tmp_path)
@@ -50,6 +52,8 @@ def test_spec_bench_is_its_questions_in_file_order(tmp_path, form):
 
 @needs_dflash
 def test_spec_bench_under_dflash_recipe_is_in_dflash_order(tmp_path):
+    """--bench-recipe dflash on Spec-Bench: the order dflash's own _select_dataset gives the same rows (seed 42), and
+    --max-samples 7 its first 7; not the file's order."""
     rows = bd.spec_bench_rows()
     bd.write_suite("specbench", "export", tmp_path, rows)
     lines, _ = built("specbench", tmp_path, recipe="dflash")
@@ -61,6 +65,8 @@ def test_spec_bench_under_dflash_recipe_is_in_dflash_order(tmp_path):
 
 @pytest.mark.parametrize("form", ["parquet", "prepared", "export"])
 def test_speed_bench_splits_by_category(tmp_path, form):
+    """SPEED-Bench from the hub's parquet, specdec_bench's prepared parquet or an export: every turn of each row, a
+    split per category, two-turn rows as two turns."""
     rows = bd.speed_bench_rows()
     written = bd.write_suite("speed-bench", form, tmp_path, rows)
     lines, read = built("speed-bench", tmp_path)
@@ -71,6 +77,7 @@ def test_speed_bench_splits_by_category(tmp_path, form):
 
 
 def test_speed_bench_placeholders_are_refused(tmp_path, capsys):
+    """The hub copy's placeholder prompts are refused in one line that names the file and how to fetch the real ones."""
     bd.write_suite("speed-bench", "parquet", tmp_path, bd.speed_bench_rows(placeholder=True))
     refused_in_one_line(capsys, ["--demo", "--bench", "speed-bench", "--bench-dir", str(tmp_path)],
                         "--bench speed-bench: " + os.path.join(str(tmp_path), bd.SUITE_FORMS["speed-bench"]["parquet"])
@@ -81,6 +88,9 @@ def test_speed_bench_placeholders_are_refused(tmp_path, capsys):
 
 @needs_dflash
 def test_a_recipe_builds_its_own_prompts_from_the_same_rows(tmp_path, capsys):
+    """The same GSM8K rows: dflash's recipe gives dflash's prompts (its template, its order), Spec-Bench's and
+    SPEED-Bench's the raw question in the file's order; dflash's formatted {"turns"} export reads under dflash's
+    recipe and is refused under another."""
     rows = bd.sample_rows("gsm8k")
     bd.write("gsm8k", "jsonl", tmp_path, rows)
     raw, _ = built("gsm8k", tmp_path, recipe="specbench")
@@ -98,6 +108,8 @@ def test_a_recipe_builds_its_own_prompts_from_the_same_rows(tmp_path, capsys):
 
 
 def test_the_recipe_sets_the_length_unless_given(tmp_path):
+    """Without --max-new-tokens the references are as long as the recipe's (Spec-Bench 1024, dflash 2048, a named
+    --bench-recipe speedbench over two suites 4096); a given length wins."""
     bd.write_suite("specbench", "export", tmp_path, bd.spec_bench_rows())
     bd.write("gsm8k", "jsonl", tmp_path)
     target = os.path.join(ed.DEMO_DIR, "target")
@@ -138,6 +150,8 @@ def pooled(entries):
 
 
 def test_the_table_has_each_subtask_and_the_overall(tmp_path, suite_dir, capsys):
+    """--bench specbench: a row per subtask and the suite overall, each pooled over its own requests' rounds (speed.py's
+    mean over every step), the average the suite's; the recipe, its reported averaging and the shorter length named."""
     out = tmp_path / "r.json"
     assert ed.main([*BASE, "--bench", "specbench", "--bench-dir", suite_dir, "--output", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -164,6 +178,8 @@ def test_the_table_has_each_subtask_and_the_overall(tmp_path, suite_dir, capsys)
 
 @pytest.mark.parametrize("cut, kept", [(3, 2), (9, 8)])
 def test_resumed_mid_suite_equals_the_whole_run(tmp_path, suite_dir, monkeypatch, cut, kept):
+    """Ctrl-C at the cut-th scoring (inside mt_bench, or between subtasks), then --resume: the whole run's table and
+    drafters."""
     argv = [*BASE, "--bench", "specbench", "--bench-dir", suite_dir, "--quiet"]
     whole = tmp_path / "whole.json"
     assert ed.main([*argv, "--output", str(whole)]) == 0

@@ -2,6 +2,7 @@
 
 - docs/options.md is what `eval_drafter.py --help-markdown` writes from the flag table, byte for byte; every flag is
   on it, with its number rule.
+- docs/code.md has a row for every section banner of the script (and its docstring lists them).
 - The README's support table is what support_markdown() writes from the family table; --help lists every family,
   where its checkpoints come from and who serves it, and the target kinds.
 - Every heading of the README as it stood before the manual (1,496 lines) has a home in docs/, and every link and
@@ -56,6 +57,15 @@ def test_the_support_table_and_help_are_the_family_table(capsys):
         assert f"{name} {fam.sources}; served by {fam.engines}" in shown, name
         assert f"| {name} | {fam.sources} | {fam.engines} |" in block
     assert " ".join(ed.TARGET_KINDS.split()) in shown
+
+
+def test_the_code_page_has_a_row_for_every_section():
+    source = page("eval_drafter.py")
+    banners = re.findall(r"^# -{20,}\n# ([^:\n]+)", source, re.M)
+    rows = [line.split("|")[1].strip() for line in page("docs/code.md").splitlines() if re.match(r"\| [A-Z]", line)]
+    assert len(banners) >= 16 and [b for b in banners if b not in rows and re.split(r"[ ,]", b)[0] not in rows] == []
+    for title in banners:   # and the top docstring lists them, in order
+        assert f"\n    {title}" in source[:source.index('"""', 10)], title
 
 
 # The README's headings before the manual took its body (git show a5179fa:README.md).
