@@ -669,6 +669,8 @@ def bench_prompts(names, where, samples, notes, recipe=None):
         for i in order[:samples]:
             row = rows[i] if isinstance(rows[i], dict) else {}
             turns = row.get(field)
+            if turns is None and isinstance(row.get("messages"), list):   # AIPerf's SPEED-Bench lines: the user turns
+                turns = [m.get("content") for m in row["messages"] if isinstance(m, dict) and m.get("role") == "user"]
             if isinstance(turns, str):
                 turns = [RECIPES[recipe or own][1].get(name, "{}").format(turns)]
             elif "turns" in row and not isinstance(turns, list):   # an export's {"turns"}: dflash's are templated

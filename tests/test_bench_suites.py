@@ -76,6 +76,15 @@ def test_speed_bench_splits_by_category(tmp_path, form):
     assert [len(turns_of(x)) for x in lines] == [2 if r["multiturn"] else 1 for r in rows]
 
 
+def test_speed_bench_as_aiperf_lines(tmp_path):
+    """AIPerf's SPEED-Bench lines hold OpenAI-style "messages" in place of "turns": the user turns are the prompt."""
+    rows = bd.speed_bench_rows()
+    lines = [{"question_id": r["question_id"], "category": r["category"],
+              "messages": [{"role": "user", "content": t} for t in r["turns"]]} for r in rows]
+    bd.write_suite("speed-bench", "export", tmp_path, lines)
+    assert [turns_of(x) for x in built("speed-bench", tmp_path)[0]] == [r["turns"] for r in rows]
+
+
 def test_speed_bench_placeholders_are_refused(tmp_path, capsys):
     """The hub copy's placeholder prompts are refused in one line that names the file and how to fetch the real ones."""
     bd.write_suite("speed-bench", "parquet", tmp_path, bd.speed_bench_rows(placeholder=True))
