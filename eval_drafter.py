@@ -426,8 +426,8 @@ def gguf_file(path):
 
 
 def gguf_target(path, settings_quiet):
-    """A GGUF target as a transformers directory, made once (docs/drafters.md, "GGUF targets"): bos, eos and pad from the GGUF's
-    metadata (transformers' converter takes eos from the bos id). Returns (the directory, the GGUF facts)."""
+    """A GGUF target as a transformers directory, made once (docs/drafters.md, "GGUF targets"): bos, eos and pad from
+    the GGUF's metadata (transformers' converter takes eos from the bos id). Returns (the directory, the GGUF facts)."""
     import importlib.util
     out = path + ".hf"
     if not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
@@ -717,7 +717,8 @@ GROUPS = {  # --help's groups of flags
 
 # What a letter in a flag's modes means (the flag table's third column).
 MODES = {"R": "--resume and --merge must agree on it (it changes the numbers)",
-         "H": "a run from saved features (--load-hidden) refuses it: its prompts and references were fixed at extraction",
+         "H": "a run from saved features (--load-hidden) refuses it: its prompts and references were fixed at "
+              "extraction",
          "C": "--compare-hidden refuses it", "S": "it sets up --server and is refused without it",
          "M": "--merge takes it (every other flag belongs to the shards)",
          "W": "--watch refuses it (the run directory is the drafter, the series file the output)",
@@ -899,7 +900,8 @@ FLAGS = [
         "interval, per depth, DDTree budget, tree and rule: measure = time the target's and the drafters' passes here "
         "(the run's device and dtype), interleaved and repeated until stable; gpu:NAME = a roofline of each pass from "
         "the models' shapes for an accelerator (H100, H200, B200, A100, A6000, L40S, RTX4090, RTX3090, MI300X) or "
-        "gpu:SPEC.json (peak_tflops, bandwidth_tbs); FILE = a JSON table of seconds (see docs/serving.md, or --save-costs)")),
+        "gpu:SPEC.json (peak_tflops, bandwidth_tbs); FILE = a JSON table of seconds (see docs/serving.md, or "
+        "--save-costs)")),
     ("deployment", "--batch-sizes", "", None, dict(default="1", metavar="B,...", help="with --costs gpu:NAME, the "
         "batch sizes to price, e.g. 1,8,32 (default 1): verification turns compute-bound as they grow")),
     ("deployment", "--save-costs", "W", None, dict(metavar="FILE.json", help="write the costs the run used (--costs "
@@ -4738,7 +4740,8 @@ FEATURE_CHECK_ANCHORS = 32   # anchors per prompt, evenly spaced, drafted again 
 
 def shuffled_features(features, layers):
     """A prompt's features of `layers` at other positions: one fixed permutation of its rows, the same for every layer.
-    Each row keeps its statistics and loses its position (zeros would be a state no target produces: docs/drafters.md)."""
+    Each row keeps its statistics and loses its position (zeros would be a state no target produces:
+    docs/drafters.md)."""
     order = torch.randperm(features[layers[0]].shape[0], generator=torch.Generator().manual_seed(0))
     return {L: features[L][order.to(features[L].device)] for L in layers}
 
@@ -5397,7 +5400,8 @@ def drafter_facts(d):
 
 
 # A drafter trained for this target and layer set drafts far better with its features than with them shuffled across
-# positions (feature_check_prompt); one trained for another does not (docs/report.md, Warnings: why no fixed acceptance floor).
+# positions (feature_check_prompt); one trained for another does not (docs/report.md, Warnings: why no fixed
+# acceptance floor).
 # Warn when, on the same anchors, the real features match no significantly more drafts (z below FEATURE_CHECK_Z) AND,
 # with 95% confidence, add less than FEATURE_CHECK_MARGIN drafts per anchor (a few anchors give no verdict); only on
 # the target's own references (agreement or support >= TRUSTED_REFERENCES): foreign ones say nothing of the drafter.
@@ -5562,7 +5566,8 @@ def make_report(config, facts, done, skipped, seconds, interrupted, warn=True):
               "rejected")
     if not sampling and total and fit / total < AGREEMENT_WARN:
         shout(f"warning: target agreement {fit / total:.4f} < {AGREEMENT_WARN} on the references from the prompts "
-              "file or server: they are not the target's greedy output here, so tau is approximate (see docs/exactness.md)")
+              "file or server: they are not the target's greedy output here, so tau is approximate (see "
+              "docs/exactness.md)")
     if check and not check["passed"]:
         shout(f"warning: self-check failed: {check['message']}")
     if skipped:
@@ -6243,9 +6248,9 @@ def replaced_input(settings):
 
 @contextlib.contextmanager
 def output_claimed(settings):
-    """--output for this run alone, checked before anything loads (docs/scale.md, "Nothing overwritten"); the lock goes at the
-    end, whichever way the run ends. Under torchrun rank 0 holds the lock, and all ranks refuse together. Yields the
-    backup of an earlier run's partial file that --overwrite moved aside (its references are reused), or None."""
+    """--output for this run alone, checked before anything loads (docs/scale.md, "Nothing overwritten"); the lock goes
+    at the end, whichever way the run ends. Under torchrun rank 0 holds the lock, and all ranks refuse together. Yields
+    the backup of an earlier run's partial file that --overwrite moved aside (its references are reused), or None."""
     output = settings.get("output")
     if not output or settings.get("output_streamed"):
         yield None
@@ -6408,9 +6413,9 @@ def part_files(prefix):
 
 
 def resume_features(settings, learned, facts, items, records):
-    """--save-hidden's state (docs/scale.md, "Saved features are results too"): with --resume the finished prompts' parts; one
-    whose part is missing or cut is dropped from `records`, with every one after it (positions stay in order). Parts of
-    no use (another run's, cut, past those) are removed when the first part is written."""
+    """--save-hidden's state (docs/scale.md, "Saved features are results too"): with --resume the finished prompts'
+    parts; one whose part is missing or cut is dropped from `records`, with every one after it (positions stay in
+    order). Parts of no use (another run's, cut, past those) are removed when the first part is written."""
     from safetensors import safe_open
     prefix = hidden_path(settings) + ".partial."
     aside = [{**f, "name": None, "checkpoint": None} for f in facts]   # as --resume compares drafters

@@ -127,8 +127,8 @@ def test_the_recipe_sets_the_length_unless_given(tmp_path):
         argv = ["--target", target, "--ckpt", os.path.join(ed.DEMO_DIR, "drafter"), "--bench", bench, "--bench-dir",
                 str(tmp_path), *recipe]
         settings = ed.resolve_settings(ed.parse_args(argv))
-        assert (settings["max_new_tokens"], settings["bench_recipe"]) == (tokens, (recipe or [0, None])[1] or
-                                                                          {"specbench": "specbench"}.get(bench, "dflash"))
+        own = recipe[1] if recipe else "specbench" if bench == "specbench" else "dflash"
+        assert (settings["max_new_tokens"], settings["bench_recipe"]) == (tokens, own)
         assert ed.resolve_settings(ed.parse_args([*argv, "--max-new-tokens", "7"]))["max_new_tokens"] == 7
 
 

@@ -9,8 +9,9 @@
   picture in the README and docs/ leads somewhere: a page, a heading on it, a file.
 - docs/json.md describes the report: the demo run in several modes (two drafters with depths, costs and the mask
   check; sampled with both verification rules; a benchmark; a shard; EAGLE-3 with SGLang's tree; the other drafter
-  families; a training run's steps; an override; a skipped prompt; an engine's served figures) writes no key the page does not describe, and
-  every key the page describes is written by one of them (RARE lists the few written on paths other tests reach).
+  families; a training run's steps; an override; a skipped prompt; an engine's served figures, greedy and sampled)
+  writes no key the page does not describe, and every key the page describes is written by one of them (RARE lists
+  the few written on paths other tests reach).
 """
 import json
 import os
@@ -73,13 +74,15 @@ def test_the_code_page_has_a_row_for_every_section():
 # The README's headings before the manual took its body (git show a5179fa:README.md).
 OLD_HEADINGS = [
     "Why offline is exact", "Fresh machine: the demo, a real model, the tests", "transformers versions",
-    "A real target: Qwen3.6-27B and its drafter, on CPU", "A real pair: SmolLM2-135M-Instruct and a drafter trained for it",
-    "Options", "Hybrid targets (Qwen3.5 / Qwen3.6) and the two-box workflow",
-    "Is my extraction right? `--compare-hidden`", "Was the drafter evaluated with the right mask? `--check-mask`",
-    "Checkpoints from training", "A training run, step by step", "While a drafter trains: `--watch`, `measure()`, pictures",
+    "A real target: Qwen3.6-27B and its drafter, on CPU",
+    "A real pair: SmolLM2-135M-Instruct and a drafter trained for it", "Options",
+    "Hybrid targets (Qwen3.5 / Qwen3.6) and the two-box workflow", "Is my extraction right? `--compare-hidden`",
+    "Was the drafter evaluated with the right mask? `--check-mask`", "Checkpoints from training",
+    "A training run, step by step", "While a drafter trains: `--watch`, `measure()`, pictures",
     "Drafter generations, checkpoint layouts, targets", "References from a serving engine (SGLang, vLLM)",
-    "Served against offline", "Benchmarks as the papers run them: `--bench`", "Large runs: torchrun, shards, merge, multi-turn",
-    "Long runs: nothing lost", "Prompt formats (JSONL, one object a line)", "Sampled decoding: τ at the serving temperature",
+    "Served against offline", "Benchmarks as the papers run them: `--bench`",
+    "Large runs: torchrun, shards, merge, multi-turn", "Long runs: nothing lost",
+    "Prompt formats (JSONL, one object a line)", "Sampled decoding: τ at the serving temperature",
     "Choosing what to serve", "My DFlash drafter against the target's MTP head", "Reading the report",
     "Several drafters: side by side", "Warnings: a drafter trained for something else",
     "Overrides: a flag over what the checkpoint says", "DDTree rows", "JSON output (`--output`)", "Reading the code",
@@ -190,7 +193,8 @@ def written(tmp_path_factory):
 def test_the_json_page_describes_what_runs_write(written):
     text = page("docs/json.md")
     described = set(re.findall(r'"([a-z_][a-z0-9_]*)"', text[text.index("```"):]))
-    assert sorted(written - described) == [], f"written by a run, not described in docs/json.md: {sorted(written - described)}"
+    unknown = sorted(written - described)
+    assert unknown == [], f"written by a run, not described in docs/json.md: {unknown}"
     missing = described - written - RARE
     if not HYBRID:
         missing -= {"gate"}   # the MTP head's gate: the hybrid target needs transformers 5
