@@ -56,6 +56,7 @@ import socket
 import stat
 import statistics
 import time
+from collections import namedtuple
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
@@ -567,17 +568,18 @@ def hidden_tensors(path, meta, device="cpu"):
 # (a list field is every turn, each run with the target's earlier replies in its context), how its rows split (None:
 # one split; else by "category", renamed by the dict: Spec-Bench's 8 MT-Bench categories are its "mt_bench" subtask),
 # its suite (the recipe its tables use), and where else a copy may lie.
+Bench = namedtuple("Bench", "repo config split field split_by suite more")
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
-BENCHMARKS = {"gsm8k": ("openai/gsm8k", "main", "test", "question", None, "dflash", ()),
-              "math500": ("HuggingFaceH4/MATH-500", None, "test", "problem", None, "dflash", ()),
-              "humaneval": ("openai/openai_humaneval", None, "test", "prompt", None, "dflash", ()),
-              "mbpp": ("google-research-datasets/mbpp", "sanitized", "test", "prompt", None, "dflash", ()),
-              "mt-bench": ("HuggingFaceH4/mt_bench_prompts", None, "train", "prompt", None, "dflash",
-                           ("**/mt_bench/question.jsonl",)),
-              "specbench": ("hemingkx/Spec-Bench", None, "question", "turns", dict.fromkeys(MT_BENCH_CATEGORIES,
-                            "mt_bench"), "specbench", ("spec_bench.jsonl", "**/spec_bench/question.jsonl")),
-              "speed-bench": ("nvidia/SPEED-Bench", "qualitative", "test", "turns", {}, "speedbench",
-                              ("**/speed/qualitative/*.parquet",))}
+BENCHMARKS = {"gsm8k": Bench("openai/gsm8k", "main", "test", "question", None, "dflash", ()),
+              "math500": Bench("HuggingFaceH4/MATH-500", None, "test", "problem", None, "dflash", ()),
+              "humaneval": Bench("openai/openai_humaneval", None, "test", "prompt", None, "dflash", ()),
+              "mbpp": Bench("google-research-datasets/mbpp", "sanitized", "test", "prompt", None, "dflash", ()),
+              "mt-bench": Bench("HuggingFaceH4/mt_bench_prompts", None, "train", "prompt", None, "dflash",
+                                ("**/mt_bench/question.jsonl",)),
+              "specbench": Bench("hemingkx/Spec-Bench", None, "question", "turns", dict.fromkeys(MT_BENCH_CATEGORIES,
+                                 "mt_bench"), "specbench", ("spec_bench.jsonl", "**/spec_bench/question.jsonl")),
+              "speed-bench": Bench("nvidia/SPEED-Bench", "qualitative", "test", "turns", {}, "speedbench",
+                                   ("**/speed/qualitative/*.parquet",))}
 HOW_TO_GET = {"specbench": "curl -o {where}/specbench.jsonl https://raw.githubusercontent.com/hemingkx/Spec-Bench/main/"
                            "data/spec_bench/question.jsonl",
               "speed-bench": "the hub copy's prompts are placeholders: fetch them with NVIDIA Model-Optimizer's "
@@ -588,12 +590,13 @@ SPEED_BENCH_PLACEHOLDER = "FULL BENCHMARK DATA SHOULD BE FETCHED FROM THE SOURCE
 # benchmark; str.format of the field, braces in the data kept; absent: the field as it is); the shuffle seed taken
 # before --max-samples (None: the file's order); new tokens per turn; the averaging its table reports. All three
 # decode greedily and run every turn.
+Recipe = namedtuple("Recipe", "source templates seed tokens reported")
 BOXED = "{}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
-RECIPES = {"dflash": ("z-lab's dflash/benchmark.py", {"gsm8k": BOXED, "math500": BOXED, "humaneval": "Write a "
-                      "solution to the following problem and make sure that it passes the tests:\n```python\n{}\n```"},
-                      42, 2048, "tau_request_mean"),
-           "specbench": ("Spec-Bench's evaluation (speed.py)", {}, None, 1024, "tau"),
-           "speedbench": ("SPEED-Bench as AIPerf's speed-bench-report reads it", {}, None, 4096, "tau")}
+RECIPES = {"dflash": Recipe("z-lab's dflash/benchmark.py", {"gsm8k": BOXED, "math500": BOXED, "humaneval": "Write "
+                            "a solution to the following problem and make sure that it passes the tests:\n```python\n"
+                            "{}\n```"}, 42, 2048, "tau_request_mean"),
+           "specbench": Recipe("Spec-Bench's evaluation (speed.py)", {}, None, 1024, "tau"),
+           "speedbench": Recipe("SPEED-Bench as AIPerf's speed-bench-report reads it", {}, None, 4096, "tau")}
 AVERAGINGS = {"tau": "tau pooled over verify rounds", "tau_request_mean": "the mean of per-request means"}
 
 
@@ -661,22 +664,22 @@ def bench_prompts(names, where, samples, notes, recipe=None):
     lines, read = [], {}
     for name in names:
         rows, read[name] = bench_rows(name, where, notes)
-        field, split_by, own = BENCHMARKS[name][3:6]
-        seed = RECIPES[recipe or own][2]
+        bench = BENCHMARKS[name]
+        rule = recipe or bench.suite
         order = list(range(len(rows)))
-        if seed is not None:
-            random.Random(seed).shuffle(order)
+        if RECIPES[rule].seed is not None:
+            random.Random(RECIPES[rule].seed).shuffle(order)
         for i in order[:samples]:
             row = rows[i] if isinstance(rows[i], dict) else {}
-            turns = row.get(field)
+            turns = row.get(bench.field)
             if turns is None and isinstance(row.get("messages"), list):   # AIPerf's SPEED-Bench lines: the user turns
                 turns = [m.get("content") for m in row["messages"] if isinstance(m, dict) and m.get("role") == "user"]
             if isinstance(turns, str):
-                turns = [RECIPES[recipe or own][1].get(name, "{}").format(turns)]
+                turns = [RECIPES[rule].templates.get(name, "{}").format(turns)]
             elif "turns" in row and not isinstance(turns, list):   # an export's {"turns"}: dflash's are templated
-                if name in RECIPES["dflash"][1] and (recipe or own) != "dflash":
+                if name in RECIPES["dflash"].templates and rule != "dflash":
                     fail(f"--bench {name}: {read[name][0]} holds dflash's formatted {{\"turns\"}}, not the rows: "
-                         f"save the dataset itself for --bench-recipe {recipe}")
+                         f"save the dataset itself for --bench-recipe {rule}")
                 turns = row["turns"]
             if not (isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns)):
                 fail(f"--bench {name}: row {i} of {read[name][0]} has no prompt the recipe can read (its fields: "
@@ -684,7 +687,8 @@ def bench_prompts(names, where, samples, notes, recipe=None):
             if SPEED_BENCH_PLACEHOLDER in turns:
                 fail(f"--bench {name}: {read[name][0]} holds the hub's placeholder prompts; " +
                      HOW_TO_GET["speed-bench"].format(where=where))
-            split = name if split_by is None else f"{name}/{split_by.get(row.get('category'), row.get('category'))}"
+            split = name if bench.split_by is None else \
+                f"{name}/{bench.split_by.get(row.get('category'), row.get('category'))}"
             lines.append({"id": f"{name}-{i}", "split": split, **({"prompt": turns[0]} if len(turns) == 1 else
                                                                   {"turns": turns})})
     return "".join(json.dumps(line) + "\n" for line in lines).encode(), read
@@ -1277,13 +1281,13 @@ def resolve_settings(args, ranks=True):
                                   ["real=" + REAL_DEMO[1] if real else "demo=" + os.path.join(DEMO_DIR, "drafter")])
         if not (args.load_hidden or args.compare_hidden or args.bench):
             args.prompts = args.prompts or os.path.join(HERE if real else DEMO_DIR, "prompts.jsonl")
-    names = [n for n in BENCHMARKS if BENCHMARKS[n][5] == (args.bench_recipe or "dflash")] if args.bench == "all" \
+    names = [n for n in BENCHMARKS if BENCHMARKS[n].suite == (args.bench_recipe or "dflash")] if args.bench == "all" \
         else [n.strip() for n in (args.bench or "").split(",") if n.strip()]
-    suites = sorted({BENCHMARKS[n][5] for n in names if n in BENCHMARKS})
+    suites = sorted({BENCHMARKS[n].suite for n in names if n in BENCHMARKS})
     if len(suites) == 1 and not set(names) - set(BENCHMARKS):   # one recipe: the one named, else the suite's
         args.bench_recipe = args.bench_recipe or suites[0]
     if args.max_new_tokens is None:   # the tiny target was trained on short texts; a benchmark runs as its recipe
-        args.max_new_tokens = 128 if args.demo == "tiny" else RECIPES[args.bench_recipe][3] if args.bench_recipe \
+        args.max_new_tokens = 128 if args.demo == "tiny" else RECIPES[args.bench_recipe].tokens if args.bench_recipe \
             else 256
     if args.merge:
         return MappingProxyType(resolve_merge(args))
