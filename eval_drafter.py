@@ -2034,6 +2034,22 @@ def model_logits(model):
     return logits
 
 
+# A decision is a near-tie when its top-2 logits (or its choice and the text's token) lie within this share of the top
+# logit's size (at least of 10): two implementations of one model differ by about this much in that dtype (vLLM's
+# drafter and this tool's, both float32, differed at gaps of 0.002-0.036 on logits of ~26, 0.019 on logits of ~6).
+NEAR_TIE = {torch.float32: 4e-3, torch.float64: 4e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+def near_ties(logits, tokens, dtype=None):
+    """Per row: is the choice between the argmax and `tokens` (the text's; where they are one, the runner-up) a
+    near-tie that another implementation's numerics can flip? tokens -1 (outside a draft vocabulary): never."""
+    top = logits.topk(min(2, logits.shape[-1]), dim=-1)
+    values = top.values.float()
+    other = torch.where(top.indices[:, 0] == tokens, values[:, -1],
+                        logits.gather(1, tokens.clamp(min=0)[:, None])[:, 0].float())
+    return (values[:, 0] - other < NEAR_TIE[dtype or logits.dtype] * values[:, 0].abs().clamp(min=10)) & (tokens >= 0)
+
+
 @dataclass
 class Extraction:
     """What one teacher-forced target pass gives the drafters' evaluation."""
@@ -2041,6 +2057,7 @@ class Extraction:
     argmax: list            # the target's argmax after each completion prefix
     gaps: dict              # {completion position: logit gap} where the argmax is not the reference's token
     p: torch.Tensor = None  # sampled decoding: each reference token's probability under the target's sampling
+    ties: list = None       # completion positions where the target's choice is a near-tie (NEAR_TIE)
 
 
 @torch.inference_mode()
@@ -2051,16 +2068,17 @@ def extract_hidden(model, ids, layer_ids, n_prompt, sampling=None):
     features, last, _ = target_pass(model, ids, layer_ids)
     last = last[n_prompt - 1:len(ids) - 1]
     reference = torch.tensor(ids[n_prompt:], device=last.device)
-    argmax, gaps, p = [], {}, []
+    argmax, gaps, p, ties = [], {}, [], []
     for lo in range(0, last.shape[0], LOGIT_ROWS_PER_CHUNK):
         logits = head(last[lo:lo + LOGIT_ROWS_PER_CHUNK]).float()
         best, ref = logits.max(-1), reference[lo:lo + logits.shape[0]]
         for k in (best.indices != ref).nonzero()[:, 0].tolist():
             gaps[lo + k] = float(best.values[k] - logits[k, ref[k]])
+        ties += (lo + near_ties(logits, ref, last.dtype).nonzero()[:, 0]).tolist()
         argmax += best.indices.tolist()
         if sampling:
             p.append(sampled_prob(logits, ref, sampling).cpu())
-    return Extraction(features, argmax, gaps, torch.cat(p) if p else None)
+    return Extraction(features, argmax, gaps, torch.cat(p) if p else None, ties)
 
 
 def sample_seed(settings, prompt_id, sample):
@@ -3945,9 +3963,11 @@ def tree_top_k(top, logits, done, B, top_k, after, n):
 
 @torch.inference_mode()
 def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=0, prompt_id=None, starts=None,
-                      after=None, reference=None, sampling=None, proposal=None):
+                      after=None, reference=None, sampling=None, proposal=None, ties=None):
     """Argmax drafts (n, B-1; DFlash 2: the selector's path) of blocks [first, MASK, ...] at `anchors`, DDTree's top_k;
-    given `reference`, fills `proposal`: a sampling drafter's chance of each (B counts sample_from_anchor's slot)."""
+    given `reference`, fills `proposal`: a sampling drafter's chance of each (B counts sample_from_anchor's slot), and
+    `ties`: whether each slot's draft against the reference is a near-tie (block drafters' own logits; chains and
+    DFlash 2's selector: none marked)."""
     B, n, dev, propose = drafter.block_size, anchors.shape[0], anchors.device, family(drafter).propose
     if n == 0:
         empty = torch.zeros(0, B - 1, max(top_k, 1))
@@ -3974,10 +3994,13 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
         for rows in hidden.reshape(-1, hidden.shape[-1]).split(drafter.logit_rows):
             at = slice(done, done + rows.shape[0])
             logits, drafts[at] = drafter_logits(drafter, head, rows, prompt_id)
-            if proposal is not None and picks is None:   # 0 for a token outside the draft vocabulary
-                tokens = to_draft(drafter, reference.reshape(-1)[at].to(dev))
-                proposal.view(-1)[at] = (sampled_prob(logits, tokens.clamp(min=0), sampling) * (tokens >= 0)).to(
-                    proposal.device)
+            if (proposal is not None or ties is not None) and picks is None:
+                tokens = to_draft(drafter, reference.reshape(-1)[at].to(dev))   # -1: outside the draft vocabulary
+                if proposal is not None:
+                    proposal.view(-1)[at] = (sampled_prob(logits, tokens.clamp(min=0), sampling) * (tokens >= 0)).to(
+                        proposal.device)
+                if ties is not None:
+                    ties.view(-1)[at] = near_ties(logits, tokens).to(ties.device)
             if picks is not None:
                 picks[0][at], picks[1][at] = logits.topk(drafter.selector_top_k, dim=-1, sorted=False)
                 picks[2][at] = F.linear(rows, drafter.weights[SELECTOR + "hidden_projection.weight"])
@@ -4223,10 +4246,12 @@ def read_served(path):
             fail(f"--served {path} {label}: neither a vLLM completion (choices) nor an SGLang reply (meta_info)")
         entry = row["choices"][0] if api == "openai" else row
         ids, finish = reply_ids(entry, api, f"--served {path} {label}")
-        prompt = entry.get("prompt_token_ids") if api == "openai" else row.get("input_ids", row.get("prompt_ids"))
-        served = served_figures(entry, row, api)
-        lines.append((str(row.get("prompt_id", row.get("id"))), prompt, ids, finish,
-                      served and {**served, "prompt_ids": prompt}))
+        # SGLang: the prompt ids as return_prompt_token_ids gives them (top level), the request id in meta_info
+        prompt = entry.get("prompt_token_ids") if api == "openai" else next(
+            (row[k] for k in ("prompt_token_ids", "input_ids", "prompt_ids") if row.get(k) is not None), None)
+        served, name = served_figures(entry, row, api), row.get("prompt_id", row.get("id"))
+        lines.append((str(name if name is not None or api == "openai" else row["meta_info"].get("id")), prompt, ids,
+                      finish, served and {**served, "prompt_ids": prompt}))
     return lines
 
 
@@ -4237,6 +4262,22 @@ def take_served(it, lines):
     if line:
         it.update(completion_ids=line[2], source="server", finish_reason=line[3],
                   **({"served": line[4]} if line[4] else {}))
+
+
+def check_served(lines, items, tokenizer, settings):
+    """--served before any reference is made: a file none of whose lines is for a prompt of this run (by the prompt ids
+    it carries, else by its id) would leave every reference to the target, silently: refused."""
+    names, theirs = {it["id"] for it in items}, {tuple(line[1]) for line in lines if line[1] is not None}
+    if any(line[0] in names for line in lines):
+        return
+    for it in items if theirs else []:
+        if it.get("previous") is None and it.get("messages") and not it.get("skip"):
+            trial = {"messages": it["messages"], "completion": None, "completion_ids": None, "id": it["id"]}
+            encode_prompts(tokenizer, [trial], settings, True)
+            if tuple(trial["prompt_ids"]) in theirs:
+                return
+    fail(f"--served {settings['served']}: none of its {len(lines)} replies is for a prompt of this run (by the prompt "
+         "ids a reply carries, else by its id): serve this run's prompts file, or give each line its prompt's \"id\"")
 
 
 def served_prompt(tokenizer, it, settings):
@@ -4357,8 +4398,9 @@ def tree_acceptance(entry, reference, budget, largest):
     return 1 + sum(j < budget for j in entry[1])
 
 
-def score_prompt(drafts, ids, n_prompt, block_size, top=None, budgets=()):
-    """Per anchor: matched drafts m (acceptance 1 + m), drafts equal to the reference; the chain and DDTree walks."""
+def score_prompt(drafts, ids, n_prompt, block_size, top=None, budgets=(), ties=None):
+    """Per anchor: matched drafts m (acceptance 1 + m), drafts equal to the reference, near-ties; the chain and DDTree
+    walks."""
     with timed("metrics_s"):
         anchors = fitting_anchors(n_prompt, len(ids), block_size)
         reference = torch.tensor(ids)[anchors[:, None] + torch.arange(1, block_size)]
@@ -4369,7 +4411,28 @@ def score_prompt(drafts, ids, n_prompt, block_size, top=None, budgets=()):
     trees = [[(top[0][i], top[1][i]), None] for i in range(len(anchors))] if budgets else []
     walks = {b: walk(lambda a: tree_acceptance(trees[a - n_prompt], reference[a - n_prompt], b, largest), n_prompt,
                      len(ids), block_size)[0] for b in budgets}
-    return {"anchors": anchors, "matched": matched, "equal": equal, "rounds": rounds, "ddtree_rounds": walks}
+    return {"anchors": anchors, "matched": matched, "equal": equal, "rounds": rounds, "ddtree_rounds": walks,
+            "ties": ties if ties is not None else torch.zeros_like(equal)}
+
+
+def tie_slots(res, n_prompt, total_len, target_ties):
+    """res's near-ties per anchor and slot: the drafter's own, or the target's choice at the slot's position."""
+    where = torch.zeros(total_len + res["ties"].shape[1] + 1, dtype=torch.bool)
+    where[[n_prompt + t for t in target_ties or []]] = True
+    res["ties"] = res["ties"].cpu() | where[res["anchors"][:, None] + torch.arange(1, res["ties"].shape[1] + 1)]
+
+
+def tied_rounds(res):
+    """How many of res's rounds a near-tie decided: one among the slots it verified (its accepted drafts and the one
+    that failed; the walk starts at the first anchor). None under sampling (no one walk)."""
+    if res["rounds"] is None or "ties" not in res:
+        return None
+    row, n = {a: i for i, a in enumerate(res["anchors"].tolist())}, 0
+    anchor = res["anchors"][0].item() if res["rounds"] else 0
+    for length in res["rounds"]:
+        n += bool(res["ties"][row[anchor], :length].any())
+        anchor += length
+    return n
 
 
 WALK_GROUP = 16   # prompts whose walks --anchors walk drafts together
@@ -4383,13 +4446,13 @@ def score_walks_only(d, prompts, embed_w, head, budgets):
     context_kv = [tuple(torch.cat(parts, 1) for parts in zip(*layer)) for layer in zip(*contexts)]
     starts = [sum(c[0][0].shape[1] for c in contexts[:p]) for p in range(len(prompts))]
     ids_t, dev = [torch.tensor(ids) for _, ids, _, _ in prompts], context_kv[0][0].device
-    seen = [{} for _ in prompts]   # per prompt: anchor -> (drafts, [top-k, join positions] for DDTree)
+    seen = [{} for _ in prompts]   # per prompt: anchor -> (drafts, [top-k, join positions] for DDTree, near-ties)
     walks = {(p, kind): ([], n_prompt) for p, (_, _, n_prompt, _) in enumerate(prompts) for kind in kinds}
 
     def acceptance(p, kind, a):   # None: not drafted yet
         if a not in seen[p]:
             return None
-        drafts, tree = seen[p][a]
+        drafts, tree, _ = seen[p][a]
         if kind is None:
             return 1 + int((drafts == ids_t[p][a + 1:a + B]).long().cumprod(0).sum())
         return tree_acceptance(tree, ids_t[p][a + 1:a + B], kind, top_k)
@@ -4401,21 +4464,25 @@ def score_walks_only(d, prompts, embed_w, head, budgets):
         if not need:
             break
         with timed("drafter_s"):
+            ties = torch.zeros(len(need), B - 1, dtype=torch.bool)
             drafts, top = draft_all_anchors(
                 d, context_kv, torch.tensor([a for _, a in need], device=dev),
                 torch.tensor([prompts[p][1][a] for p, a in need], device=dev), embed_w, head, top_k,
                 " or ".join(sorted({str(prompts[p][3]) for p, _ in need})),
                 torch.tensor([starts[p] for p, _ in need], device=dev),
-                torch.tensor([prompts[p][1][a + 1] for p, a in need], device=dev))
+                torch.tensor([prompts[p][1][a + 1] for p, a in need], device=dev),
+                torch.stack([ids_t[p][a + 1:a + B] for p, a in need]), ties=ties)
         for i, (p, a) in enumerate(need):
-            seen[p][a] = drafts[i], ([(top[0][i], top[1][i]), None] if top else None)
+            seen[p][a] = drafts[i], ([(top[0][i], top[1][i]), None] if top else None), ties[i]
     results = []
     for p in range(len(prompts)):
         anchors = torch.tensor(sorted(seen[p]), dtype=torch.long)
-        drafts = torch.stack([seen[p][a][0] for a in sorted(seen[p])]) if seen[p] else torch.zeros(0, B - 1).long()
+        drafts, ties = (torch.stack([seen[p][a][x] for a in sorted(seen[p])]) if seen[p] else
+                        torch.zeros(0, B - 1, dtype=dtype) for x, dtype in ((0, torch.long), (2, torch.bool)))
         equal = drafts == ids_t[p][anchors[:, None] + torch.arange(1, B)]
         results.append({"anchors": anchors, "matched": equal.long().cumprod(dim=1).sum(dim=1), "equal": equal,
-                        "rounds": walks[p, None][0], "ddtree_rounds": {b: walks[p, b][0] for b in budgets}})
+                        "rounds": walks[p, None][0], "ddtree_rounds": {b: walks[p, b][0] for b in budgets},
+                        "ties": ties})
     return results
 
 
@@ -4540,11 +4607,13 @@ def score_drafter(d, prompts, group, embed_w, head, settings, budgets, rules):
                 ids_t = torch.tensor(ids, device=anchors.device)
                 reference = ids_t[anchors[:, None] + torch.arange(1, d.block_size, device=anchors.device)]
                 q = torch.zeros(reference.shape, dtype=torch.float64) if sample_policy else None
+                ties = torch.zeros(reference.shape, dtype=torch.bool)
                 drafts, top = draft_all_anchors(
                     d, prompt_context(d, features, ids, embed_w), anchors, ids_t[anchors], embed_w, head,
                     max(budgets, default=0), prompt_id, after=ids_t[anchors + 1], reference=reference,
-                    sampling=sampling, proposal=q)
-            res = score_prompt(drafts, ids, n_prompt, d.block_size, top, budgets)
+                    sampling=sampling, proposal=q, ties=ties)
+            res = score_prompt(drafts, ids, n_prompt, d.block_size, top, budgets, ties)
+        tie_slots(res, n_prompt, len(ids), group[i][0].get("ties"))
         with timed("metrics_s"):
             if q is None:   # one walk, the argmax drafts': round i starts at n_prompt + the rounds before it
                 rounds = res["rounds"]
@@ -4613,11 +4682,12 @@ def check_variants(d):
     return {**checks, "override_check": {"as given": d, "checkpoint's own values": d.own} if d.own else {}}
 
 
-def suspect_inputs(d, target_cfg):
+def suspect_inputs(d, target_cfg, tokenizer=None):
     """What an engine may feed drafter d instead of this run's inputs, {what: changed fields}: each captured layer one
     off, all of them (hidden_states indices against layer outputs: the --engine conventions' difference) or in reverse
     order, the default ids (the public DFlash rule; the engines' EAGLE-3 default, which vLLM takes over a nested
-    eagle_config's); a block's mask token read from another field (the configs' pad, eos, bos; vLLM's mask fields)."""
+    eagle_config's); a block's mask token read from another field (the configs' pad, eos, bos; vLLM's mask fields; the
+    tokenizer's special tokens; 0, an engine's unset default)."""
     L, out = target_cfg.num_hidden_layers, {}
     options = [[i + s for i in d.layers] for s in (-1, 1)] + [d.layers[::-1]] + \
         [d.layers[:n] + [i + s] + d.layers[n + 1:] for n, i in enumerate(d.layers) for s in (-1, 1)] + \
@@ -4628,40 +4698,80 @@ def suspect_inputs(d, target_cfg):
     fields = [(d.cfg.get(key), key) for key in ("mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")]
     fields += [(getattr(target_cfg, key, None), f"the target's {key}") for key in ("pad_token_id", "eos_token_id",
                                                                                   "bos_token_id")]
+    fields += [(getattr(tokenizer, f"{key}_token_id", None), f"the tokenizer's {key} token")
+               for key in ("mask", "pad", "unk", "eos", "bos")] + [(0, "token 0, which no field names")]
+    named = {}   # a token once, by the first field that holds it
     for value, key in fields if d.rules else []:
         for token in value if isinstance(value, list) else [value]:
-            if isinstance(token, int) and token != d.mask_token_id:
-                out.setdefault(f"mask token {token} ({key})", {"mask_token_id": token})
+            if isinstance(token, int) and token != d.mask_token_id and token not in named:
+                named[token] = out[f"mask token {token} ({key})"] = {"mask_token_id": token}
     return out
 
 
-def served_equal(s, exact, n_completion):
-    """(equal, first step that differs) of an engine's verify steps (served figures s) against greedy rounds on its
-    text: the rounds one for one, then only steps over the reply's last tokens, which no round scores. vLLM's detailed
-    figures compare step by step, the rest by histogram."""
-    spare = max(n_completion - 1 - sum(exact), 0)   # after the prefill's token and the scored rounds
-    if s.get("per_step") is not None:
-        steps = [j + 1 for j in s["per_step"]]
-        first = first_difference(steps, exact)
-        return first is None and 0 <= len(steps) - len(exact) <= spare, first
-    histogram = list(s.get("histogram") or [])
-    return 0 <= s["steps"] - len(exact) <= spare and all(
-        j < len(histogram) and histogram[j] >= exact.count(j + 1) for j in set(r - 1 for r in exact)), None
+def reply_tail(v, prompt, res, embed_w, head, device):
+    """{anchor: (drafts matched inside the reply, near-tie bits)} at the anchors past the last whose block fits: an
+    engine drafts them too, and its steps there count in its figures (the drafts past the reply's end it drops)."""
+    features, ids, n_prompt, prompt_id = prompt
+    B = v.block_size
+    anchors = torch.arange(max(n_prompt, len(ids) - B + 1), len(ids) - 1)
+    if not anchors.numel() or any(L not in features for L in v.layers):
+        return {}
+    ids_t, inside = torch.tensor(ids + ids[-1:] * B), anchors[:, None] + torch.arange(1, B) < len(ids)
+    reference, ties = ids_t[anchors[:, None] + torch.arange(1, B)], torch.zeros(len(anchors), B - 1, dtype=torch.bool)
+    drafts, _ = draft_all_anchors(v, prompt_context(v, features, ids, embed_w), anchors.to(device),
+                                  ids_t[anchors].to(device), embed_w, head, 0, prompt_id, reference=reference, ties=ties)
+    matched = ((drafts == reference) & inside).long().cumprod(1).sum(1)
+    return {a: (m, sum(1 << k for k, t in enumerate(row) if t)) for a, m, row in
+            zip(anchors.tolist(), matched.tolist(), (ties & inside).tolist())}
 
 
-def served_suspects(d, prompt, item, res, embed_w, head, settings):
-    """Which of d.suspects draws the engine's verify steps on this text, greedy, where this run's rounds do not."""
+def served_walk(s, at, tail, n_prompt, total_len):
+    """This run's rounds over the whole reply (the tail's too, each ending at the reply's end) and, with an engine's
+    steps one by one (s["per_step"]), each beside this run's round at the step's own anchor: [served length, exact
+    length, 1 where the two differ at a near-tie], the engine's lengths cut at the reply's end."""
+    ours = {a: (m, t) for a, m, t in zip(at["anchors"].tolist(), at["matched"].tolist(),
+                                        (int(sum(1 << k for k, x in enumerate(row) if x)) for row in at["ties"].tolist()))}
+    ours.update(tail)
+    rounds, anchor = [], n_prompt
+    while anchor < total_len - 1 and anchor in ours:
+        rounds.append(min(ours[anchor][0] + 1, total_len - 1 - anchor))
+        anchor += rounds[-1]
+    steps, anchor = None if s.get("per_step") is None else [], n_prompt
+    for j in s.get("per_step") or []:
+        if anchor >= total_len - 1 or anchor not in ours:   # --anchors walk: this run never drafted there
+            break
+        (m, ties), room = ours[anchor], total_len - 1 - anchor
+        served, exact = min(j + 1, room), min(m + 1, room)
+        steps.append([served, exact, int(served != exact and bool(ties >> min(m, j) & 1))])
+        anchor += served
+    return {"rounds": rounds, "steps": steps,
+            "near_ties": sum(bool(ours[a][1] & ((1 << length) - 1)) for a, length in zip(
+                [n_prompt + sum(rounds[:i]) for i in range(len(rounds))], rounds))}
+
+
+def hard_steps(walked, steps_served):
+    """The engine's steps that differ from this run's where no near-tie decides (one by one), or for counts alone how
+    far the step counts differ beyond the rounds near-ties decide; 0: numerics explain every difference."""
+    if walked["steps"] is not None:
+        return sum(a != b and not tie for a, b, tie in walked["steps"])
+    return max(abs(steps_served - len(walked["rounds"])) - walked["near_ties"], 0)
+
+
+def served_suspects(d, prompt, item, walked, embed_w, head, settings):
+    """Which of d.suspects draws the engine's verify steps on this text (greedy) where this run's rounds differ from
+    them at steps no near-tie decides: with it, every step is the engine's but where its own near-ties decide."""
     s = item["served"]
     k = s["k"] or d.block_size - 1
-    ours = res["rounds"] if k == d.block_size - 1 else (res.get("depths", {}).get(k) or {}).get("rounds")
-    if not (d.suspects and ours) or served_equal(s, ours, len(item["completion_ids"]))[0]:
+    if not (d.suspects and walked and hard_steps(walked, s["steps"])):
         return None
-    found = []
+    found, total = [], len(prompt[1])
     for name, change in d.suspects.items():
         v = replace(d, **change, block_size=k + 1, tree=None)
         if all(L in prompt[0] for L in v.layers):
-            rounds = score_drafter(v, [prompt], [(item, None, None)], embed_w, head, settings, [], ["standard"])[0]
-            if rounds["rounds"] and served_equal(s, rounds["rounds"], len(item["completion_ids"]))[0]:
+            res = score_drafter(v, [prompt], [(item, None, None)], embed_w, head, settings, [], ["standard"])[0]
+            theirs = served_walk(s, res, reply_tail(v, prompt, res, embed_w, head, settings["device"]), prompt[2],
+                                 total)
+            if not hard_steps(theirs, s["steps"]):
                 found.append(name)
     return found
 
@@ -4808,9 +4918,15 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
                                                     settings["device"])
             with timed("feature_check_s"):
                 res["feature_check"] = feature_check_prompt(d, res, features, ids, embed_w, head, settings["device"])
-            if it.get("served"):
-                res["suspects"] = served_suspects(d, (features, ids, n_prompt, prompt_id), it, res, embed_w, head,
-                                                  settings)
+            s = it.get("served")
+            if s and not sampling:   # greedy: the engine's steps against this run's rounds at the engine's K
+                k, prompt = s["k"] or d.block_size - 1, (features, ids, n_prompt, prompt_id)
+                at = res if k == d.block_size - 1 else res.get("depths", {}).get(k)
+                if at is not None and at["rounds"] is not None:
+                    v = d if k == d.block_size - 1 else replace(d, block_size=k + 1, tree=None)
+                    res["served_steps"] = served_walk(s, at, reply_tail(v, prompt, at, embed_w, head,
+                                                                        settings["device"]), n_prompt, len(ids))
+                    res["suspects"] = served_suspects(d, prompt, it, res["served_steps"], embed_w, head, settings)
             kept.append(res)
     records = []
     keep = ("index", "id", "split", "prompt_ids", "completion_ids", "agree", "source", "sample", "support", "turn",
@@ -4882,7 +4998,8 @@ def sums(res, block_size):
     if "expected" in res:
         return res["expected"]
     matched = res["matched"]
-    return {**round_sums(res["rounds"], block_size), "reach": [int((matched >= j).sum()) for j in range(block_size)],
+    return {**round_sums(res["rounds"], block_size), "near_ties": tied_rounds(res),
+            "reach": [int((matched >= j).sum()) for j in range(block_size)],
             "hits": [int(h) for h in res["equal"].sum(0)] if matched.numel() else [0] * (block_size - 1),
             "anchors": matched.numel()}
 
@@ -4893,7 +5010,9 @@ def summarize(results, block_size):
     e = [sums(res, block_size) for res in results]
     reach = [sum(x["reach"][j] for x in e) for j in range(block_size)]
     hits, anchors = [sum(x["hits"][j] for x in e) for j in range(block_size - 1)], sum(x["anchors"] for x in e)
+    ties = [x.get("near_ties") for x in e]
     return {**pooled(e, block_size), "tau_all_anchors": 1 + sum(reach[1:]) / anchors if anchors else None,
+            "near_ties": None if None in ties or not ties else sum(ties),
             "anchors": anchors, "per_position": {"acceptance": [reach[j + 1] / reach[j] if reach[j] else None
                                                                 for j in range(block_size - 1)],
                                                  "accuracy": [h / anchors if anchors else None for h in hits]},
@@ -5244,37 +5363,38 @@ def halves(lengths, half):
 
 def held_served(it, res, B):
     """One request's served figures (an engine's own) against the exact ones on its text at the served K, in the
-    engine's units: greedy, its rounds; sampled drafts, the expectation over the steps the engine took. units: the
-    (committed, steps) of each over the same steps where vLLM's detailed figures say which, for the paired gap."""
+    engine's units: greedy, its steps over the whole reply (the tail's too) beside this run's rounds there; sampled
+    drafts, the expectation over the steps the engine took. units: the (committed, steps) of each, for the paired gap."""
     s, depths = it["served"], res.get("depths") or {}
     k = s["k"] or B - 1
     at = res if k == B - 1 else depths.get(k) or depths.get(str(k)) or {}
-    exact, moments = at.get("rounds"), (at.get("expected") or {}).get("served")
+    moments, walked = (at.get("expected") or {}).get("served"), res.get("served_steps")
     held = {"engine": s["engine"], "k": k, "steps": s["steps"], "accepted": s["accepted"],
             "tau_served": 1 + s["accepted"] / s["steps"] if s["steps"] else None, "tau_exact": None, "equal": None,
             "histogram": s.get("histogram"),
             "agreement": it["agree"][0] / it["agree"][1] if it.get("agree") and it["agree"][1] else None,
             **{key: s[key] for key in ("prompt_differs_at", "prompt_flag") if key in s},
             **({"suspects": res["suspects"]} if res.get("suspects") is not None else {})}
-    served = [s["accepted"] + s["steps"], s["steps"]]
-    if s.get("per_step") is not None:   # the steps at anchors this run scores: blocks inside the reply
-        offset, served, held["histogram"] = 0, [0, 0], [0] * (k + 1)
-        for j in s["per_step"]:
-            if offset >= len(it["completion_ids"]) - k:
-                break
-            offset, served = offset + j + 1, [served[0] + j + 1, served[1] + 1]
-            held["histogram"][j] += 1
     if moments:   # [accepted, its expectation, variance, steps, impossible steps]
         obs, mean, var, n, _ = moments
         held.update(tau_exact=1 + mean / n if n else None, moments=moments, units=[[obs + n, n], [mean + n, n]],
                     z=(obs - mean) / math.sqrt(var) if var > 0 else 0.0 if obs == mean else math.inf)
-    elif exact:
-        held["equal"], held["first_difference"] = served_equal(s, exact, len(it["completion_ids"]))
-        held.update(tau_exact=sum(exact) / len(exact), units=[served, [sum(exact), len(exact)]])
-        if s.get("per_step") is not None:   # the gap along the reply, for a gap that grows with the context
-            half = len(it["completion_ids"]) // 2
-            held["halves"] = [halves([j + 1 for j in s["per_step"][:served[1]]], half), halves(exact, half)]
+    elif walked and walked["rounds"]:
+        exact, steps = walked["rounds"], walked["steps"]
+        held.update(tau_exact=sum(exact) / len(exact), exact_histogram=[exact.count(j + 1) for j in range(k + 1)],
+                    hard_steps=hard_steps(walked, s["steps"]), near_ties=walked["near_ties"])
+        if steps is not None:   # one by one: each step beside this run's round at its anchor
+            differ = [i for i, (a, b, _) in enumerate(steps) if a != b]
+            held["histogram"] = [sum(a == j + 1 for a, _, _ in steps) for j in range(k + 1)]
+            held.update(equal=not differ and len(steps) == len(exact), first_difference=differ[0] if differ else None,
+                        tie_steps=sum(t for *_, t in steps), units=[[sum(a for a, *_ in steps), len(steps)],
+                                                                   [sum(exact), len(exact)]])
+            half = len(it["completion_ids"]) // 2   # the gap along the reply, for a gap that grows with the context
+            held["halves"] = [halves([a for a, *_ in steps], half), halves(exact, half)]
             held["context_half"] = len(it["prompt_ids"]) + half
+        else:   # counts alone: the same tokens (the reply's after the prefill's), in the engine's steps and in ours
+            held.update(equal=s["steps"] == len(exact), first_difference=None,
+                        units=[[min(s["accepted"] + s["steps"], sum(exact)), s["steps"]], [sum(exact), len(exact)]])
     return held
 
 
@@ -5288,8 +5408,13 @@ def round_acceptance(histograms, k):
     return [tail[j + 1] / tail[j] if tail[j] else None for j in range(k)]
 
 
+CAUSE_MIN_REQUESTS = 2     # a cause is named from the requests it explains: more than one
+CONTEXT_MIN_REQUESTS = 4   # the gap along the replies: halves of this many differing requests at least
+
+
 def served_causes(held, compared, ks, evaluated, z, impossible):
-    """What the data say about a gap between served and exact figures, each cause with its evidence."""
+    """What the data say about a gap between served and exact figures, each cause with its evidence. Greedy, a step that
+    differs only where a near-tie decides is numerics; a cause is named from the steps no near-tie decides."""
     n, causes = len(held), [f"the engine drafts K={k} a round; this run evaluated K={', '.join(map(str, evaluated))}"
                             f": add --depths {k} to hold its rounds against the exact ones" for k in ks
                             if k not in evaluated]
@@ -5304,38 +5429,54 @@ def served_causes(held, compared, ks, evaluated, z, impossible):
                       "engine's prompt ids: run so to hold the same text" if flags else "the chat template, thinking "
                       "or a system prompt differ"))
     differ = [h for h in compared if h["equal"] is False and "prompt_differs_at" not in h]
+    hard = [h for h in differ if h.get("hard_steps")]
     agreement = [h["agreement"] for h in compared if h["agreement"] is not None and "z" not in h]
     if agreement and min(agreement) < 0.95:
         causes.append(f"this run's target takes the served text's token as its argmax at {min(agreement):.0%} of its "
                       "positions on the worst request: the engine's target computes otherwise (a quantized or bf16 "
                       "target, other numerics)")
-    along = [paired_delta({i: h["halves"][0][x] for i, h in enumerate(differ) if "halves" in h},
-                          {i: h["halves"][1][x] for i, h in enumerate(differ) if "halves" in h}) for x in (0, 1)]
-    if along[0][1] and along[1][1] and along[1][1][1] < along[0][1][0]:
-        middle = sorted(h["context_half"] for h in differ if "halves" in h)
+    found = {}
+    for name in (x for h in hard for x in h.get("suspects") or []):
+        found[name] = found.get(name, 0) + 1
+    along = [paired_delta({i: h["halves"][0][x] for i, h in enumerate(hard) if "halves" in h},
+                          {i: h["halves"][1][x] for i, h in enumerate(hard) if "halves" in h}) for x in (0, 1)]
+    if len(hard) >= CONTEXT_MIN_REQUESTS and not found and along[0][1] and along[1][1] and \
+            along[1][1][1] < along[0][1][0]:
+        middle = sorted(h["context_half"] for h in hard if "halves" in h)
         middle = middle[len(middle) // 2]
         causes.append(f"the gap grows along the replies: {along[0][0]:+.2f} in their first halves, {along[1][0]:+.2f} "
-                      f"in their second (contexts past about {middle} tokens), intervals apart: the engine serves the "
-                      "drafter contexts it handles worse than this run's (a context cap, a window, longer than "
-                      "trained)")
+                      f"in their second (contexts past about {middle} tokens) over {len(hard)} requests, intervals "
+                      "apart: the engine serves the drafter contexts it handles worse than this run's (a context cap, "
+                      "a window, longer than trained)")
     if z is not None:
         causes.append(f"{'none: ' if abs(z) <= 3 else ''}the served acceptance is {abs(z):.1f} standard errors "
                       f"{'above' if z > 0 else 'below'} the exact expectation on the same texts" +
                       ("" if abs(z) <= 3 else ": the engine's drafter or rule differs from this run's") +
                       (f"; {impossible} served steps are ones this run's drafter never takes" if impossible else ""))
-    elif compared and not differ and not other:
-        causes.append("none: every served verify step is the exact round on the same text")
-    found = {}
-    for name in (x for h in differ for x in h.get("suspects") or []):
-        found[name] = found.get(name, 0) + 1
-    for name, found in sorted(found.items(), key=lambda x: -x[1]):   # the one that fits every request first
-        causes.append(f"the engine's drafter gets {name}: with it this run's rounds are the served steps in {found} "
-                      f"of {len(differ)} requests that differ")
-    if differ and not any(h.get("suspects") for h in differ):
-        causes.append(f"{len(differ)} of {len(compared)} requests drew other rounds on the same text; "
-                      + ("none of the neighbouring layer ids, their reverse order or the configs' other token ids "
-                         "reproduce them: other weights, " if any("suspects" in h for h in differ) else "")
-                      + "another mask token or other target layers (--engine conventions) in the engine")
+    elif compared and not hard and not other:
+        tied = [h for h in differ if h.get("tie_steps") or h.get("near_ties")]
+        causes.append("none: every served verify step is the exact round on the same text" + (
+            f", but for {sum(h.get('tie_steps') or 0 for h in tied) or 'a few'} steps in {len(tied)} of "
+            f"{len(compared)} requests where a near-tie decides (the drafter's top-2 logits, or its draft and the "
+            "text's token, within the dtype's precision): numerics, not a bug" if differ else ""))
+    left = [h for h in hard]   # named in order of the requests each explains that the ones before it do not
+    for name, count in sorted(found.items(), key=lambda x: -x[1]):
+        mine = [h for h in left if name in (h.get("suspects") or [])]
+        if len(mine) >= CAUSE_MIN_REQUESTS:
+            causes.append(f"the engine's drafter gets {name}: with it this run's rounds are the served steps but where "
+                          f"its own near-ties decide, in {count} of {len(hard)} requests that differ so")
+            left = [h for h in left if h not in mine]
+        elif mine and len(left) == len(hard):
+            causes.append(f"{len(hard)} request{'s' if len(hard) > 1 else ''} differ at steps no near-tie decides; "
+                          f"{name} reproduces {count} of them, too few to name a cause (serve more prompts)")
+    if left and len(left) < len(hard):
+        causes.append(f"{len(left)} of the {len(hard)} requests that differ so are reproduced by none of these")
+    if hard and not found:
+        causes.append(f"{len(hard)} of {len(compared)} requests drew other rounds on the same text at "
+                      f"{sum(h['hard_steps'] for h in hard)} steps no near-tie decides; "
+                      + ("none of the neighbouring layer ids, their reverse order or the configs' and tokenizer's "
+                         "other token ids reproduce them: other weights, " if any("suspects" in h for h in hard)
+                         else "") + "another mask token or other target layers (--engine conventions) in the engine")
     return causes
 
 
@@ -5352,10 +5493,19 @@ def served_summary(held, B, depths):
     moments = [sum(h["moments"][i] for h in compared if "moments" in h) for i in range(5)]
     z = (moments[0] - moments[1]) / math.sqrt(moments[2]) if moments[2] > 0 else None
     exact = depths.get(ks[0], {}).get("histogram") if len(ks) == 1 else None
+    if len(ks) == 1 and any("exact_histogram" in h for h in held):   # greedy: this run's rounds over the same replies
+        exact = [sum(h.get("exact_histogram", [0] * (ks[0] + 1))[j] for h in held) for j in range(ks[0] + 1)]
+    one_by_one = [h for h in compared if "tie_steps" in h]
     return {"engine": held[0]["engine"], "k": ks, "requests": len(held), "steps": steps,
             "tau_served": 1 + accepted / steps if steps else None,
             "tau_served_scored": pooled_tau[0], "tau_exact": pooled_tau[1],
+            **({"scope": "whole replies, the tail past the last full block scored too" + (
+                "" if len(one_by_one) == len(compared) else "; counts alone: the same tokens in the engine's steps "
+                "and in this run's rounds")} if any("hard_steps" in h for h in compared) else {}),
             "gap": gap, "gap_ci95": ci, "compared": len(compared), "equal": sum(h["equal"] is True for h in compared),
+            **({"near_tie_steps": sum(h["tie_steps"] for h in one_by_one),
+                "numerics_only": sum(h["equal"] is False and not h["hard_steps"] for h in one_by_one),
+                "differ": sum(bool(h["hard_steps"]) for h in one_by_one)} if one_by_one else {}),
             **({"z": z, "beyond_3se": sum(abs(h["z"]) > 3 for h in compared if "z" in h)} if z is not None else {}),
             **({"per_position": {"served": round_acceptance([h["histogram"] for h in held], ks[0]),
                                  "exact": round_acceptance([exact], ks[0])}} if exact else {}),
@@ -5632,11 +5782,13 @@ def serving_lines(d, source=None):
     if served:
         yield (f"   served by {served['engine']} (K={', '.join(map(str, served['k']))}, {served['requests']} requests, "
                f"{served['steps']} verify steps): tau {fmt(served['tau_served'])}, {fmt(served['tau_served_scored'])} "
-               f"over the steps this run scores, against the exact {fmt(served['tau_exact'])} on the same text: gap "
-               f"{fmt(served['gap'])} {interval(served['gap_ci95'])}; " + (
-                   f"z = {served['z']:.2f} pooled, {served['beyond_3se']} of {served['compared']} requests past 3 "
-                   "standard errors" if "z" in served else
-                   f"equal round for round in {served['equal']} of {served['compared']} requests"))
+               f"over {'whole replies' if 'scope' in served else 'the steps this run scores'}, against the exact "
+               f"{fmt(served['tau_exact'])} on the same text: gap {fmt(served['gap'])} {interval(served['gap_ci95'])}; "
+               + (f"z = {served['z']:.2f} pooled, {served['beyond_3se']} of {served['compared']} requests past 3 "
+                  "standard errors" if "z" in served else
+                  f"equal round for round in {served['equal']} of {served['compared']} requests" +
+                  (f", {served['numerics_only']} more differ only at {served['near_tie_steps']} near-tie steps"
+                   if served.get("numerics_only") else "")))
         if "per_position" in served:
             yield "     per position, served / exact: " + " ".join(
                 f"{fmt(a, 2)}/{fmt(b, 2)}" for a, b in zip(*served["per_position"].values()))
@@ -5793,7 +5945,8 @@ def report_lines(report):
             yield (f"-- {name}: tau {tau}{ci} (pooled, {rounds} rounds)  tau_prompt_mean "
                    f"{fmt(s['tau_prompt_mean'])}  tau_all_anchors {fmt(s['tau_all_anchors'])}  {reference_line(s)}")
             yield f"   {'expected ' if sampling else ''}rounds by acceptance length: " + "  ".join(
-                f"{n}:{c:.4g}" if sampling else f"{n}:{c}" for n, c in enumerate(s["histogram"], 1) if c)
+                f"{n}:{c:.4g}" if sampling else f"{n}:{c}" for n, c in enumerate(s["histogram"], 1) if c) + (
+                f"   ({s['near_ties']} decided by a near-tie)" if s.get("near_ties") and name == "all" else "")
             if s.get("ddtree_note") and name == "all":
                 yield f"   no DDTree rows: {s['ddtree_note']}"
             for rule, t in (d.get("verify") or {}).items() if name == "all" else ():
@@ -5859,7 +6012,10 @@ def print_report(report, out=None):
 def print_comparison(report, out=None):
     a, b = report["files"]
     print(f"A: {a['path']} ({a['dtype']}, {a['device']})\nB: {b['path']} ({b['dtype']}, {b['device']})", file=out)
-    print(f"target argmax agreement A vs B: {fmt(report['argmax_agreement'], 4)}", file=out)
+    differ, tied = report.get("argmax_differ"), report.get("argmax_near_ties")
+    print(f"target argmax agreement A vs B: {fmt(report['argmax_agreement'], 4)}" + (
+        f" ({tied} of the {differ} positions that differ are near-ties in A or B, within the dtype's precision: "
+        "numerics)" if differ and tied is not None else ""), file=out)
     print("layer  rel.err |A-B|/|B|  cos mean  cos min   max |A-B|  worst (prompt, position)", file=out)
     for L, st in report["layers"].items():
         worst = st["worst"] or {}
@@ -6044,8 +6200,10 @@ def result_json(r):
     return {"rounds": r["rounds"], "ddtree_rounds": {str(b): v for b, v in r["ddtree_rounds"].items()},
             "anchors": r["anchors"].tolist(), "matched": r["matched"].tolist(),
             "equal": [int(sum(1 << k for k, e in enumerate(row) if e)) for row in r["equal"].tolist()],
+            **({"ties": [int(sum(1 << k for k, e in enumerate(row) if e)) for row in r["ties"].tolist()]}
+               if "ties" in r else {}),
             "mask_check": r.get("mask_check"), "override_check": r.get("override_check"), "by_context": r["by_context"],
-            **{k: r[k] for k in ("expected", "feature_check", "suspects") if k in r},
+            **{k: r[k] for k in ("expected", "feature_check", "suspects", "served_steps") if k in r},
             **({"depths": {str(k): result_json(v) for k, v in r["depths"].items()}} if "depths" in r else {}),
             **({"tree": result_json(r["tree"])} if "tree" in r else {}),
             **({"verify": {rule: result_json(v) for rule, v in r["verify"].items()}} if "verify" in r else {})}
@@ -6062,8 +6220,10 @@ def result_from_json(r, drafts, tree_drafts=None):
             "anchors": torch.tensor(r["anchors"], dtype=torch.long),
             "matched": torch.tensor(r["matched"], dtype=torch.long), "equal": (bits >> torch.arange(drafts)) & 1 == 1,
             "by_context": r["by_context"],
-            **{k: r[k] for k in ("mask_check", "override_check", "expected", "feature_check", "suspects")
-               if r.get(k) is not None},
+            **({"ties": (torch.tensor(r["ties"], dtype=torch.long).view(-1, 1) >> torch.arange(drafts)) & 1 == 1}
+               if "ties" in r else {}),
+            **{k: r[k] for k in ("mask_check", "override_check", "expected", "feature_check", "suspects",
+                                 "served_steps") if r.get(k) is not None},
             **({"depths": {int(k): result_from_json(v, int(k)) for k, v in r["depths"].items()}}
                if "depths" in r else {}),
             **({"tree": result_from_json(r["tree"], tree_drafts)} if "tree" in r else {}),
@@ -6465,7 +6625,10 @@ def keep_hidden(saved, it, ids, x, layer_union):
     """One prompt's tensors (x: its Extraction) written at once as the run's next part, named by its position."""
     i, gap = len(saved["parts"]), torch.zeros(len(x.argmax))
     gap[list(x.gaps)] = torch.tensor(list(x.gaps.values()))
+    ties = torch.zeros(len(x.argmax), dtype=torch.bool)
+    ties[x.ties or []] = True
     tensors = {f"{i}.ids": torch.tensor(ids), f"{i}.argmax": torch.tensor(x.argmax), f"{i}.gaps": gap,
+               f"{i}.ties": ties,
                **({f"{i}.p": x.p} if x.p is not None else {}),
                **{f"{i}.layer{L}": x.features[L].contiguous() for L in layer_union}}
     row = {"id": it["id"], "index": it["index"], "line": it.get("line", it["index"]), "split": it["split"],
@@ -6548,6 +6711,8 @@ def open_hidden(paths, settings, learned, target_cfg, layer_union, skip=lambda i
                 with contextlib.suppress(KeyError):   # files written before the gaps were kept have none
                     gap = get(f"{i}.gaps").tolist()
                     it["gaps"] = {k: gap[k] for k, (a, b) in enumerate(zip(argmax, it["completion_ids"])) if a != b}
+                with contextlib.suppress(KeyError):   # and before the target's near-ties were
+                    it["ties"] = get(f"{i}.ties").nonzero()[:, 0].tolist()
                 if sampling:
                     it["p"] = get(f"{i}.p").double().cpu()
                 yield it, {L: get(f"{i}.layer{L}").to(dtype) for L in layer_union}, argmax
@@ -6612,6 +6777,8 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
     by_index, saved = {it["index"]: it for it in items}, saved_references(settings)
     served = read_served(settings["served"]) if settings["served"] else []
     todo = [it for it in items if it["index"] not in done]
+    if served and todo:
+        check_served(served, items, tokenizer, settings)
     capped = []   # the note on --max-new-tokens past the target's positions is made once
 
     def prepare(it):   # tokens, length check, a saved reference; True when the reference is still to make
@@ -6658,7 +6825,7 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
                 it["reply"] = reply_start(tokenizer, it["completion_ids"])
                 with timed("target_s"):
                     x = extract_hidden(model, ids, layer_union, len(it["prompt_ids"]), sampling_of(settings))
-                it.update(gaps=x.gaps, p=x.p)
+                it.update(gaps=x.gaps, p=x.p, ties=x.ties)
                 if features is not None:
                     keep_hidden(features, it, ids, x, layer_union)
                 yield it, x.features, x.argmax
@@ -6682,7 +6849,11 @@ def note_maskless(drafters, settings):
 
 def load_run(settings, learned):
     """The target's config and every --ckpt drafter, named apart (training-run steps after the first wait on disk)."""
-    target_cfg, drafters = read_target_config(settings["target"]), []
+    target_cfg, drafters, tokenizer = read_target_config(settings["target"]), [], None
+    if settings.get("served") or settings.get("server"):   # its special tokens are mask tokens an engine may take
+        with contextlib.suppress(Exception):   # noqa: BLE001 - no tokenizer here: the configs' tokens still are
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(settings["target"])
     for spec, step in checkpoint_specs(settings):
         d = load_drafter(spec, target_cfg, settings)
         d.step = step
@@ -6708,7 +6879,7 @@ def load_run(settings, learned):
             "".join(f"; {k} {v} ({text})" for k, (v, text) in defaults.items() if k not in why) +
             "".join(f"; {override_text(flag, o)}" for flag, o in (d.overrides or {}).items()))
         d.mask_variants = mask_variants(d, settings)
-        d.suspects = suspect_inputs(d, target_cfg)
+        d.suspects = suspect_inputs(d, target_cfg, tokenizer)
     note_maskless(drafters, settings)
     learned.target_hash = target_hash(settings["target"])
     check_depths(drafters, settings)
@@ -6859,13 +7030,18 @@ def compare_hidden(settings, shown):
     # sums: squared differences, squared references, cosines, positions (float64, added prompt by prompt)
     stats = {L: {"sums": torch.zeros(4, dtype=torch.float64), "cos_min": 1.0, "max_abs": 0.0, "worst": None}
              for L in layers}
-    same_argmax = total_argmax = 0
+    same_argmax = total_argmax = tied = 0   # tied: differing argmaxes a near-tie decides on either side
     with hidden_tensors(paths[0], metas[0]) as get_a, hidden_tensors(paths[1], metas[1]) as get_b:
         for i, row in enumerate(metas[0]["prompts"][:settings["limit"]]):
             if not torch.equal(get_a(f"{i}.ids"), get_b(f"{i}.ids")):
                 fail(f"prompt {row['id']}: the two files hold different token ids")
             agree = get_a(f"{i}.argmax") == get_b(f"{i}.argmax")
             same_argmax, total_argmax = same_argmax + int(agree.sum()), total_argmax + agree.numel()
+            try:   # files written before near-ties were kept have none
+                ties = get_a(f"{i}.ties") | get_b(f"{i}.ties")
+            except KeyError:
+                ties = None
+            tied = None if ties is None or tied is None else tied + int((~agree & ties).sum())
             for L in layers:
                 a, b = get_a(f"{i}.layer{L}").double(), get_b(f"{i}.layer{L}").double()
                 st, diff, cos = stats[L], (a - b).abs(), F.cosine_similarity(a, b, dim=-1)
@@ -6880,7 +7056,8 @@ def compare_hidden(settings, shown):
                  for L, st in stats.items() for diff_sq, ref_sq, cos_sum, n in [st["sums"].tolist()]}
     report = {"config": dict(settings), "files": [{"path": p, "dtype": m["dtype"], "device": m["device"],
                                                    "torch_version": m["torch_version"]} for p, m in zip(paths, metas)],
-              "layers": per_layer, "argmax_agreement": same_argmax / total_argmax if total_argmax else None}
+              "layers": per_layer, "argmax_agreement": same_argmax / total_argmax if total_argmax else None,
+              "argmax_differ": total_argmax - same_argmax, "argmax_near_ties": tied}
     if settings["ckpt"]:
         report["drafters"] = [hidden_drafters(settings, path) for path in paths]
     print_comparison(report, shown)

@@ -11,6 +11,8 @@ DFlash drafter trained on that target's greedy output. Deterministic; about two 
                                                         # trained correlator) in the engines' layout
     python tests/make_demo.py --mtp [TARGET_DIR]        # a trained MTP layer written into the hybrid demo
                                                         # target's checkpoint (mtp.*), as Qwen3.5 ships one
+    python tests/make_demo.py --served-pair [OUT_DIR]   # a pair vLLM's CPU build serves (tests/fixtures/demo_vllm):
+                                                        # head_dim 32, the drafter's layers all full attention
     python tests/make_demo.py --real [OUT_DIR]          # the real pair's drafter (tests/fixtures/real_drafter) for
                                                         # SmolLM2-135M-Instruct (tests/fetch_real.py): ~21 min of
                                                         # replies with their features (cached), ~19 min training,
@@ -164,7 +166,7 @@ def optimize(params, steps, loss_of, what, lr=3e-3, on_step=None):
             print(f"{what} step {step} loss {loss.item():.3f}", flush=True)
 
 
-def train_target(out_dir, lang, steps=1500, batch=32, hybrid=False, seq_len=SEQ_LEN, llama=False):
+def train_target(out_dir, lang, steps=1500, batch=32, hybrid=False, seq_len=SEQ_LEN, llama=False, heads=None):
     vocab = save_tokenizer(out_dir)
     torch.manual_seed(0)
     if llama:   # the demo's widths in Llama's architecture (no q/k norms): SGLang serves EAGLE-3 on it as a tree
@@ -179,7 +181,7 @@ def train_target(out_dir, lang, steps=1500, batch=32, hybrid=False, seq_len=SEQ_
             from transformers import Qwen3_5ForCausalLM as model_class
         else:
             from transformers import Qwen3ForCausalLM as model_class
-        model = model_class(target_config(vocab, hybrid))
+        model = model_class(target_config(vocab, hybrid, **(heads or {})))
     rng = random.Random(0)
 
     def loss_of(step):
@@ -548,6 +550,25 @@ def make_families(out=None, only=None):
         train_drafter(os.path.join(out, name), target, lang, steps=600, family=name, data=data, num_hidden_layers=1,
                       layer_types=["full_attention"])
         print(f"wrote {os.path.join(out, name)}", flush=True)
+
+
+# vLLM's CPU attention takes head sizes 32-512 and its runner one in-block mask kind for every drafter layer: the demo
+# language at the demo's widths, its heads 2 x 32 wide, the drafter's two layers both full (bidirectional) attention.
+SERVED_HEADS = {"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32}
+
+
+def make_served_pair(out=None):
+    """tests/fixtures/demo_vllm: a target and drafter vLLM serves (tests/test_real_engine.py), about 3 minutes."""
+    out = out or os.path.join(FIXTURES, "demo_vllm")
+    torch.set_num_threads(2)
+    lang = language()
+    target = train_target(os.path.join(out, "target"), lang, heads=SERVED_HEADS)
+    train_drafter(os.path.join(out, "drafter"), target, lang, **SERVED_HEADS, layer_types=["full_attention"] * 2,
+                  use_sliding_window=False, sliding_window=None)
+    with open(os.path.join(out, "prompts.jsonl"), "w") as f:
+        for row in demo_prompts(lang):
+            f.write(json.dumps(row) + "\n")
+    print(f"wrote {out}", flush=True)
 
 
 def main(out=None, hybrid=False, from_anchor=False):
@@ -996,6 +1017,8 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     if "--series" in args:
         make_series(*[a for a in args if not a.startswith("--")])
+    elif "--served-pair" in args:
+        make_served_pair(*[a for a in args if not a.startswith("--")])
     elif "--real" in args:
         make_real(*[a for a in args if not a.startswith("--")])
     elif "--llama" in args:

@@ -138,8 +138,8 @@ def test_the_engines_other_inputs_are_named(engine, tmp_path, serving, named):
     differ = [p for p in prompts if p["served"]["equal"] is False]
     assert differ and s["equal"] == LIMIT - len(differ)
     assert all(named in p["served"]["suspects"] for p in differ), [p["served"].get("suspects") for p in differ]
-    assert f"the engine's drafter gets {named}: with it this run's rounds are the served steps in {len(differ)} of " \
-           f"{len(differ)} requests that differ" in s["causes"]
+    assert f"the engine's drafter gets {named}: with it this run's rounds are the served steps but where its own " \
+           f"near-ties decide, in {len(differ)} of {len(differ)} requests that differ so" in s["causes"], s["causes"]
     assert s["gap"] < 0 and s["gap_ci95"][0] < s["gap"] < s["gap_ci95"][1]
 
 
@@ -147,8 +147,8 @@ def test_an_input_no_suspect_explains_is_said_plainly(engine, tmp_path):
     s, prompts = served_summary(engine, tmp_path, "openai", mask_token_id=7)
     assert s["equal"] < LIMIT // 2 and s["gap"] < -0.5
     assert all(p["served"]["suspects"] == [] for p in prompts if p["served"]["equal"] is False)
-    assert "none of the neighbouring layer ids, their reverse order or the configs' other token ids reproduce " \
-           "them" in s["causes"][-1]
+    assert "none of the neighbouring layer ids, their reverse order or the configs' and tokenizer's other token ids " \
+           "reproduce them" in s["causes"][-1]
 
 
 def test_saved_served_lines_give_the_same_report_without_the_server(engine, tmp_path):
@@ -257,3 +257,52 @@ def test_sampled_counts_alone_are_said_to_hold_nothing(engine, tmp_path):
     assert s["requests"] == 2 and s["compared"] == 0 and s["gap"] is None
     assert s["causes"] == ["no request is held: sampled drafts need the engine's steps one by one, which vLLM gives "
                            "with --per-request-spec-decode-metrics detailed (SGLang's figures are counts)"]
+
+
+@pytest.mark.parametrize("matched_by", ["prompt ids", "request id"])
+def test_sglang_replies_as_sglang_returns_them(engine, tmp_path, matched_by):
+    """SGLang 0.5.23's /generate reply: the prompt ids only at the top level as `prompt_token_ids` (with
+    return_prompt_token_ids), the request's id as `meta_info.id` (the `rid` a client sets). Saved a line each, either
+    way they give the report --server gives on the same requests."""
+    import urllib.request
+    report, _ = served(engine, tmp_path, "sglang", mask_token_id=7)
+    lines = []
+    for r in [json.loads(line) for line in open(f"{ed.DEMO_DIR}/prompts.jsonl", encoding="utf-8")][:LIMIT]:
+        prompt = engine.tokenize(r["prompt"])
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": N_NEW, "ignore_eos": True, "temperature": 0}}
+        request = urllib.request.Request(engine.url + "/generate", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        reply = json.loads(urllib.request.urlopen(request).read())
+        assert "input_ids" not in reply and "prompt_ids" not in reply
+        if matched_by == "prompt ids":
+            reply["prompt_token_ids"] = prompt
+        else:
+            reply["meta_info"]["id"] = r["id"]
+        lines.append(json.dumps(reply))
+    (tmp_path / "sglang.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "file.json"
+    assert ed.main(BASE + ["--served", str(tmp_path / "sglang.jsonl"), "--output", str(out)]) == 0
+    got, want = json.loads(out.read_text())["drafters"][0], report["drafters"][0]
+    assert got["served"] == want["served"] and got["served"]["compared"] == LIMIT
+    assert all(p["reference_source"] == "server" for p in got["prompts"])
+
+
+def test_a_served_file_for_no_prompt_of_the_run_is_refused(tmp_path, capsys):
+    from conftest import refused_in_one_line
+    line = {"choices": [{"index": 0, "token_ids": [5, 6, 7], "prompt_token_ids": [9, 9, 9], "finish_reason": "length"}],
+            "prompt_id": "another-prompt"}
+    (tmp_path / "served.jsonl").write_text(json.dumps(line) + "\n")
+    refused_in_one_line(capsys, BASE + ["--served", str(tmp_path / "served.jsonl")],
+                        "none of its 1 replies is for a prompt of this run")
+
+
+@pytest.mark.parametrize("api", ["sglang", "openai"])
+def test_counts_alone_give_the_gap_steps_give(engine, tmp_path, api):
+    """An engine whose figures are counts alone (SGLang's meta_info, vLLM's `summary`) against one giving its steps
+    (vLLM's `detailed`), on the same requests to an engine feeding the layers one lower: over whole replies, the tail
+    past the last full block scored too, both give the same served and exact tau and the same gap."""
+    steps, _ = served_summary(engine, tmp_path, "openai", layers=[0, 2, 3])
+    counts, _ = served_summary(engine, tmp_path, api, layers=[0, 2, 3], detailed=False)
+    for key in ("tau_exact", "tau_served_scored", "gap", "gap_ci95", "steps"):
+        assert counts[key] == steps[key], key
+    assert steps["gap"] < -0.1 and "near_tie_steps" in steps and "near_tie_steps" not in counts
