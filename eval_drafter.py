@@ -847,8 +847,9 @@ FLAGS = [
     ("references", "--enable-thinking", "RHCG", None, dict(action="store_true", help="chat template with thinking on")),
     ("references", "--server", "HCG", None, dict(metavar="URL", help="take missing references from a serving engine at "
         "URL")),
-    ("references", "--server-api", "HCS", None, dict(default="sglang", choices=["sglang", "openai"],
-        help="sglang: POST /generate; openai: POST /v1/completions (vLLM >= 0.10.2)")),
+    ("references", "--server-api", "HCS", None, dict(default="sglang", choices=["sglang", "openai", "llamacpp"],
+        help="sglang: POST /generate; openai: POST /v1/completions (vLLM >= 0.10.2); llamacpp: llama-server's POST "
+             "/completion (its draft counts, held at the drafter's trained K: serve with --spec-draft-n-max K)")),
     ("references", "--server-model", "HCS", None, dict(help="model name for --server-api openai")),
     ("references", "--server-concurrency", "HCS", AT_LEAST_1, dict(type=int, default=4,
         help="requests in flight (default 4)")),
@@ -4156,10 +4157,15 @@ def post_json(url, body, settings, longest, what):
         time.sleep(0.5 * 2 ** attempt)   # a 5xx, a timeout or a reset: retried
 
 
+REPLY_IDS = {"sglang": "output_ids or token_ids", "llamacpp": "tokens (return_tokens)"}   # where a reply's ids are
+
+
 def reply_ids(entry, api, what):
     if not isinstance(entry, dict):
         fail(f"{what}: the server's reply holds {type(entry).__name__} where an object per prompt belongs")
-    if api == "sglang":
+    if api == "llamacpp":
+        ids, finish = entry.get("tokens"), {"limit": "length"}.get(entry.get("stop_type"), "stop")
+    elif api == "sglang":
         ids, meta = entry.get("output_ids", entry.get("token_ids")), entry.get("meta_info") or {}
         finish, n = meta.get("finish_reason"), meta.get("completion_tokens")
         if isinstance(ids, list) and isinstance(n, int) and len(ids) > n:
@@ -4173,14 +4179,22 @@ def reply_ids(entry, api, what):
                 ids = [int(t.split(":", 1)[1]) for t in tokens]
     if not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
         fail(f"{what}: the server's reply has no token ids (expected "
-             f"{'output_ids or token_ids' if api == 'sglang' else 'choices[].token_ids or token_id:N logprobs'})")
+             f"{REPLY_IDS.get(api, 'choices[].token_ids or token_id:N logprobs')})")
     return ids, finish
 
 
 def served_figures(entry, reply, api):
     """What the engine says its drafter did on one request, in one shape: vLLM 0.33's metrics.speculative_decoding
     (--per-request-spec-decode-metrics; a one-prompt request's reply only), SGLang 0.5.23's meta_info spec_* fields
-    (its spec_accept_length divides the prefill's token too: the counts are kept, not it). None where there are none."""
+    (its spec_accept_length divides the prefill's token too: the counts are kept, not it), llama-server's timings
+    (draft_n, draft_n_accepted: no step count; it drafts min(K, n_predict - generated - 1) a step). None where there
+    are none."""
+    if api == "llamacpp":
+        timings = entry.get("timings") or {}
+        figures = {"engine": "llamacpp", "k": None, "steps": None, "accepted": timings.get("draft_n_accepted"),
+                   "drafted": timings.get("draft_n"), "histogram": None, "per_step": None,
+                   "n_predict": (entry.get("generation_settings") or {}).get("n_predict")}
+        return figures if all(isinstance(figures[k], int) for k in ("accepted", "drafted", "n_predict")) else None
     if api == "sglang":
         meta = entry.get("meta_info") or {}
         steps, accepted, drafted = (meta.get(k) for k in ("spec_verify_ct", "spec_num_correct_drafts",
@@ -4207,7 +4221,15 @@ def server_batch(batch, settings, learned, what=None):
         neutral.update(temperature=sampling[0], top_p=sampling[1], top_k=sampling[2] or -1, min_p=0.0)
     what = what or "prompt " + ", ".join(it["id"] for it in batch[:3]) + (" ..." if len(batch) > 3 else "")
     longest = max(batch, key=lambda it: len(it["prompt_ids"]))
-    if api == "sglang":
+    if api == "llamacpp":   # one prompt a request: its timings are the request's
+        learned.served_one_by_one = True
+        entries = [post_json(url + "/completion", {
+            **neutral, "prompt": it["prompt_ids"], "n_predict": room, "ignore_eos": settings["ignore_eos"],
+            "return_tokens": True, "cache_prompt": False, "repeat_penalty": 1.0, "dry_multiplier": 0.0,
+            **({"seed": sample_seed(settings, it["id"], it["sample"]) % 2**31} if sampling else {})},
+            settings, it, what) for it in batch]
+        reply = {}
+    elif api == "sglang":
         params = {**neutral, "max_new_tokens": room, "ignore_eos": settings["ignore_eos"]}
         body = {"input_ids": [it["prompt_ids"] for it in batch],
                 "sampling_params": [{**params, "sampling_seed": sample_seed(settings, it["id"], it["sample"]) % 2**31}
@@ -4241,16 +4263,18 @@ def read_served(path):
     lines = []
     for label, _, row in prompt_rows(path, path):
         api = "openai" if isinstance(row, dict) and isinstance(row.get("choices"), list) and row["choices"] else \
-            "sglang" if isinstance(row, dict) and isinstance(row.get("meta_info"), dict) else None
+            "sglang" if isinstance(row, dict) and isinstance(row.get("meta_info"), dict) else \
+            "llamacpp" if isinstance(row, dict) and isinstance(row.get("timings"), dict) else None
         if api is None:
-            fail(f"--served {path} {label}: neither a vLLM completion (choices) nor an SGLang reply (meta_info)")
+            fail(f"--served {path} {label}: neither a vLLM completion (choices), an SGLang reply (meta_info) nor a "
+                 "llama-server one (timings)")
         entry = row["choices"][0] if api == "openai" else row
         ids, finish = reply_ids(entry, api, f"--served {path} {label}")
         # SGLang: the prompt ids as return_prompt_token_ids gives them (top level), the request id in meta_info
-        prompt = entry.get("prompt_token_ids") if api == "openai" else next(
+        prompt = entry.get("prompt_token_ids") if api != "sglang" else next(
             (row[k] for k in ("prompt_token_ids", "input_ids", "prompt_ids") if row.get(k) is not None), None)
         served, name = served_figures(entry, row, api), row.get("prompt_id", row.get("id"))
-        lines.append((str(name if name is not None or api == "openai" else row["meta_info"].get("id")), prompt, ids,
+        lines.append((str(name if name is not None or api != "sglang" else row["meta_info"].get("id")), prompt, ids,
                       finish, served and {**served, "prompt_ids": prompt}))
     return lines
 
@@ -4708,6 +4732,16 @@ def suspect_inputs(d, target_cfg, tokenizer=None):
     return out
 
 
+def slot_bits(rows):
+    """Each row of an (n, slots) boolean tensor as the bits of one int: how records keep per-slot marks."""
+    return [int(sum(1 << k for k, x in enumerate(row) if x)) for row in rows.tolist()]
+
+
+def bit_slots(bits, slots):
+    """slot_bits undone: an (n, slots) boolean tensor."""
+    return (torch.tensor(bits, dtype=torch.long).view(-1, 1) >> torch.arange(slots)) & 1 == 1
+
+
 def reply_tail(v, prompt, res, embed_w, head, device):
     """{anchor: (drafts matched inside the reply, near-tie bits)} at the anchors past the last whose block fits: an
     engine drafts them too, and its steps there count in its figures (the drafts past the reply's end it drops)."""
@@ -4721,21 +4755,23 @@ def reply_tail(v, prompt, res, embed_w, head, device):
     drafts, _ = draft_all_anchors(v, prompt_context(v, features, ids, embed_w), anchors.to(device),
                                   ids_t[anchors].to(device), embed_w, head, 0, prompt_id, reference=reference, ties=ties)
     matched = ((drafts == reference) & inside).long().cumprod(1).sum(1)
-    return {a: (m, sum(1 << k for k, t in enumerate(row) if t)) for a, m, row in
-            zip(anchors.tolist(), matched.tolist(), (ties & inside).tolist())}
+    return dict(zip(anchors.tolist(), zip(matched.tolist(), slot_bits(ties & inside))))
 
 
 def served_walk(s, at, tail, n_prompt, total_len):
-    """This run's rounds over the whole reply (the tail's too, each ending at the reply's end) and, with an engine's
-    steps one by one (s["per_step"]), each beside this run's round at the step's own anchor: [served length, exact
-    length, 1 where the two differ at a near-tie], the engine's lengths cut at the reply's end."""
-    ours = {a: (m, t) for a, m, t in zip(at["anchors"].tolist(), at["matched"].tolist(),
-                                        (int(sum(1 << k for k, x in enumerate(row) if x)) for row in at["ties"].tolist()))}
+    """This run's rounds over the whole reply (the tail's too, each ending at the reply's end; llama-server's drafting
+    min(K, n_predict - generated - 1) a step, none for the last token) and, with an engine's steps one by one
+    (s["per_step"]), each beside this run's round at the step's own anchor: [served length, exact length, 1 where the
+    two differ at a near-tie], the engine's lengths cut at the reply's end."""
+    ours = dict(zip(at["anchors"].tolist(), zip(at["matched"].tolist(), slot_bits(at["ties"]))))
     ours.update(tail)
-    rounds, anchor = [], n_prompt
+    rounds, drafted, anchor, K = [], 0, n_prompt, at["ties"].shape[1]
     while anchor < total_len - 1 and anchor in ours:
-        rounds.append(min(ours[anchor][0] + 1, total_len - 1 - anchor))
-        anchor += rounds[-1]
+        depth = K if s.get("n_predict") is None else min(K, s["n_predict"] - (anchor - n_prompt + 1) - 1)
+        if depth <= 0:
+            break
+        rounds.append(min(min(ours[anchor][0], depth) + 1, total_len - 1 - anchor))
+        drafted, anchor = drafted + depth, anchor + rounds[-1]
     steps, anchor = None if s.get("per_step") is None else [], n_prompt
     for j in s.get("per_step") or []:
         if anchor >= total_len - 1 or anchor not in ours:   # --anchors walk: this run never drafted there
@@ -4744,17 +4780,19 @@ def served_walk(s, at, tail, n_prompt, total_len):
         served, exact = min(j + 1, room), min(m + 1, room)
         steps.append([served, exact, int(served != exact and bool(ties >> min(m, j) & 1))])
         anchor += served
-    return {"rounds": rounds, "steps": steps,
+    return {"rounds": rounds, "steps": steps, "drafted": drafted,
             "near_ties": sum(bool(ours[a][1] & ((1 << length) - 1)) for a, length in zip(
                 [n_prompt + sum(rounds[:i]) for i in range(len(rounds))], rounds))}
 
 
-def hard_steps(walked, steps_served):
+def hard_steps(walked, s):
     """The engine's steps that differ from this run's where no near-tie decides (one by one), or for counts alone how
-    far the step counts differ beyond the rounds near-ties decide; 0: numerics explain every difference."""
+    far the step counts (llama-server: the accepted drafts) differ, which no near-tie can be placed in; 0: equal but
+    for numerics."""
     if walked["steps"] is not None:
         return sum(a != b and not tie for a, b, tie in walked["steps"])
-    return max(abs(steps_served - len(walked["rounds"])) - walked["near_ties"], 0)
+    ours = sum(walked["rounds"]) - len(walked["rounds"]) if s["steps"] is None else len(walked["rounds"])
+    return abs((s["accepted"] if s["steps"] is None else s["steps"]) - ours)
 
 
 def served_suspects(d, prompt, item, walked, embed_w, head, settings):
@@ -4762,7 +4800,7 @@ def served_suspects(d, prompt, item, walked, embed_w, head, settings):
     them at steps no near-tie decides: with it, every step is the engine's but where its own near-ties decide."""
     s = item["served"]
     k = s["k"] or d.block_size - 1
-    if not (d.suspects and walked and hard_steps(walked, s["steps"])):
+    if not (d.suspects and walked and hard_steps(walked, s)):
         return None
     found, total = [], len(prompt[1])
     for name, change in d.suspects.items():
@@ -4771,7 +4809,7 @@ def served_suspects(d, prompt, item, walked, embed_w, head, settings):
             res = score_drafter(v, [prompt], [(item, None, None)], embed_w, head, settings, [], ["standard"])[0]
             theirs = served_walk(s, res, reply_tail(v, prompt, res, embed_w, head, settings["device"]), prompt[2],
                                  total)
-            if not hard_steps(theirs, s["steps"]):
+            if not hard_steps(theirs, s):
                 found.append(name)
     return found
 
@@ -4930,7 +4968,7 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
             kept.append(res)
     records = []
     keep = ("index", "id", "split", "prompt_ids", "completion_ids", "agree", "source", "sample", "support", "turn",
-            "reply", "served")
+            "reply", "served", "ties")
     for (it, _, argmax), res in zip(group, results):
         diverge = first_difference(argmax, it["completion_ids"])
         detail = None if diverge is None else {"reference": it["completion_ids"][diverge], "argmax": argmax[diverge],
@@ -5338,8 +5376,10 @@ def self_check(items, config):
                   f"{tokens} generated tokens inside the support")
     else:
         gap = "" if detail.get("logit_gap") is None else f", logit gap {detail['logit_gap']:.3g}"
+        tied = sum(f in (it.get("ties") or ()) for it, f in misses)   # the misses a near-tie decides: numerics
         facts += (f", teacher-forced argmax {detail.get('argmax')}{gap}; agreement {agreement:.4f} over {tokens} "
-                  "generated tokens")
+                  "generated tokens" + (f"; {tied} of the {len(misses)} prompts' first misses are near-ties of the "
+                                        "target's (within its dtype's precision)" if tied else ""))
     rule = "none on CPU in float32" if strict else \
         f"{tolerance:.0%} of tokens on {where['device']} in {where['dtype']}, where batch shapes can flip near-ties"
     if check["passed"]:
@@ -5382,7 +5422,9 @@ def held_served(it, res, B):
     elif walked and walked["rounds"]:
         exact, steps = walked["rounds"], walked["steps"]
         held.update(tau_exact=sum(exact) / len(exact), exact_histogram=[exact.count(j + 1) for j in range(k + 1)],
-                    hard_steps=hard_steps(walked, s["steps"]), near_ties=walked["near_ties"])
+                    hard_steps=hard_steps(walked, s), near_ties=walked["near_ties"])
+        if steps is None:   # counts alone: a difference no larger than the rounds near-ties decide may be numerics
+            held["within_ties"] = held["hard_steps"] <= walked["near_ties"]
         if steps is not None:   # one by one: each step beside this run's round at its anchor
             differ = [i for i, (a, b, _) in enumerate(steps) if a != b]
             held["histogram"] = [sum(a == j + 1 for a, _, _ in steps) for j in range(k + 1)]
@@ -5392,6 +5434,11 @@ def held_served(it, res, B):
             half = len(it["completion_ids"]) // 2   # the gap along the reply, for a gap that grows with the context
             held["halves"] = [halves([a for a, *_ in steps], half), halves(exact, half)]
             held["context_half"] = len(it["prompt_ids"]) + half
+        elif s["steps"] is None:   # llama-server: drafts and accepted drafts, over this run's steps
+            n = len(exact)
+            held.update(equal=[s["drafted"], s["accepted"]] == [walked["drafted"], sum(exact) - n], steps=n,
+                        drafted_exact=walked["drafted"], first_difference=None, tau_served=1 + s["accepted"] / n,
+                        units=[[s["accepted"] + n, n], [sum(exact), n]])
         else:   # counts alone: the same tokens (the reply's after the prefill's), in the engine's steps and in ours
             held.update(equal=s["steps"] == len(exact), first_difference=None,
                         units=[[min(s["accepted"] + s["steps"], sum(exact)), s["steps"]], [sum(exact), len(exact)]])
@@ -5429,7 +5476,7 @@ def served_causes(held, compared, ks, evaluated, z, impossible):
                       "engine's prompt ids: run so to hold the same text" if flags else "the chat template, thinking "
                       "or a system prompt differ"))
     differ = [h for h in compared if h["equal"] is False and "prompt_differs_at" not in h]
-    hard = [h for h in differ if h.get("hard_steps")]
+    hard = [h for h in differ if h.get("hard_steps") and not (h.get("within_ties") and not h.get("suspects"))]
     agreement = [h["agreement"] for h in compared if h["agreement"] is not None and "z" not in h]
     if agreement and min(agreement) < 0.95:
         causes.append(f"this run's target takes the served text's token as its argmax at {min(agreement):.0%} of its "
@@ -5455,18 +5502,22 @@ def served_causes(held, compared, ks, evaluated, z, impossible):
                       (f"; {impossible} served steps are ones this run's drafter never takes" if impossible else ""))
     elif compared and not hard and not other:
         tied = [h for h in differ if h.get("tie_steps") or h.get("near_ties")]
+        counted = any("within_ties" in h for h in differ)
         causes.append("none: every served verify step is the exact round on the same text" + (
             f", but for {sum(h.get('tie_steps') or 0 for h in tied) or 'a few'} steps in {len(tied)} of "
             f"{len(compared)} requests where a near-tie decides (the drafter's top-2 logits, or its draft and the "
-            "text's token, within the dtype's precision): numerics, not a bug" if differ else ""))
+            "text's token, within the dtype's precision): numerics, not a bug" if differ and not counted else
+            f", but for {len(differ)} of {len(compared)} requests whose counts differ by no more than the rounds "
+            "near-ties decide on them (counts alone cannot place a step: likely numerics; detailed per-step "
+            "figures would tell)" if differ else ""))
     left = [h for h in hard]   # named in order of the requests each explains that the ones before it do not
     for name, count in sorted(found.items(), key=lambda x: -x[1]):
-        mine = [h for h in left if name in (h.get("suspects") or [])]
-        if len(mine) >= CAUSE_MIN_REQUESTS:
+        explained = [h for h in left if name in (h.get("suspects") or [])]
+        if len(explained) >= CAUSE_MIN_REQUESTS:
             causes.append(f"the engine's drafter gets {name}: with it this run's rounds are the served steps but where "
                           f"its own near-ties decide, in {count} of {len(hard)} requests that differ so")
-            left = [h for h in left if h not in mine]
-        elif mine and len(left) == len(hard):
+            left = [h for h in left if h not in explained]
+        elif explained and len(left) == len(hard):
             causes.append(f"{len(hard)} request{'s' if len(hard) > 1 else ''} differ at steps no near-tie decides; "
                           f"{name} reproduces {count} of them, too few to name a cause (serve more prompts)")
     if left and len(left) < len(hard):
@@ -5484,7 +5535,7 @@ def served_summary(held, B, depths):
     """The requests' served figures pooled against the exact ones on the same texts, the gap with its paired interval
     over requests, per position, and the causes the data name."""
     ks = sorted({h["k"] for h in held})
-    steps, accepted = sum(h["steps"] for h in held), sum(h["accepted"] for h in held)
+    steps, accepted = sum(h["steps"] or 0 for h in held), sum(h["accepted"] for h in held)
     compared = [h for h in held if "units" in h]
     pooled_tau = [sum(h["units"][i][0] for h in compared) / sum(h["units"][i][1] for h in compared)
                   if sum(h["units"][i][1] for h in compared) else None for i in (0, 1)]
@@ -5508,7 +5559,8 @@ def served_summary(held, B, depths):
                 "differ": sum(bool(h["hard_steps"]) for h in one_by_one)} if one_by_one else {}),
             **({"z": z, "beyond_3se": sum(abs(h["z"]) > 3 for h in compared if "z" in h)} if z is not None else {}),
             **({"per_position": {"served": round_acceptance([h["histogram"] for h in held], ks[0]),
-                                 "exact": round_acceptance([exact], ks[0])}} if exact else {}),
+                                 "exact": round_acceptance([exact], ks[0])}}
+               if exact and any(h["histogram"] for h in held) else {}),
             "causes": served_causes(held, compared, ks, sorted(depths), z, moments[4])}
 
 
@@ -6199,9 +6251,7 @@ def fingerprint(config, facts):
 def result_json(r):
     return {"rounds": r["rounds"], "ddtree_rounds": {str(b): v for b, v in r["ddtree_rounds"].items()},
             "anchors": r["anchors"].tolist(), "matched": r["matched"].tolist(),
-            "equal": [int(sum(1 << k for k, e in enumerate(row) if e)) for row in r["equal"].tolist()],
-            **({"ties": [int(sum(1 << k for k, e in enumerate(row) if e)) for row in r["ties"].tolist()]}
-               if "ties" in r else {}),
+            "equal": slot_bits(r["equal"]), **({"ties": slot_bits(r["ties"])} if "ties" in r else {}),
             "mask_check": r.get("mask_check"), "override_check": r.get("override_check"), "by_context": r["by_context"],
             **{k: r[k] for k in ("expected", "feature_check", "suspects", "served_steps") if k in r},
             **({"depths": {str(k): result_json(v) for k, v in r["depths"].items()}} if "depths" in r else {}),
@@ -6215,13 +6265,11 @@ def record_json(record):
 
 
 def result_from_json(r, drafts, tree_drafts=None):
-    bits = torch.tensor(r["equal"], dtype=torch.long).view(-1, 1)
     return {"rounds": r["rounds"], "ddtree_rounds": {int(b): v for b, v in r["ddtree_rounds"].items()},
             "anchors": torch.tensor(r["anchors"], dtype=torch.long),
-            "matched": torch.tensor(r["matched"], dtype=torch.long), "equal": (bits >> torch.arange(drafts)) & 1 == 1,
+            "matched": torch.tensor(r["matched"], dtype=torch.long), "equal": bit_slots(r["equal"], drafts),
             "by_context": r["by_context"],
-            **({"ties": (torch.tensor(r["ties"], dtype=torch.long).view(-1, 1) >> torch.arange(drafts)) & 1 == 1}
-               if "ties" in r else {}),
+            **({"ties": bit_slots(r["ties"], drafts)} if "ties" in r else {}),
             **{k: r[k] for k in ("mask_check", "override_check", "expected", "feature_check", "suspects",
                                  "served_steps") if r.get(k) is not None},
             **({"depths": {int(k): result_from_json(v, int(k)) for k, v in r["depths"].items()}}

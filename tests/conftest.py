@@ -127,6 +127,39 @@ def refused_in_one_line(capsys, argv, fragment):
     assert len(err) == 1 and fragment in err[0], err
 
 
+def start_server(command, env, log_path, ready, limit=1200):
+    """A server process (command(port) on a free port of 127.0.0.1, its output to log_path), polled at `ready` until
+    it answers or its process ends; `limit` seconds guard against a hang only. (process, its URL)"""
+    import socket
+    import subprocess
+    import urllib.request
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(command(port), stdout=log, stderr=subprocess.STDOUT, env=env)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + limit
+    while True:
+        try:
+            with urllib.request.urlopen(url + ready, timeout=5):
+                return proc, url
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_server(proc)
+            pytest.fail(f"the server did not start: {open(log_path).read()[-3000:]}")
+        time.sleep(1)
+
+
+def stop_server(proc):
+    import subprocess
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def drafter_settings(**overrides):
     """The settings keys load_drafter / layer_rules read, with the CLI defaults on CPU."""
     s = {"layers": None, "block_size": None, "block_mask": "auto", "sliding_window": "train",

@@ -230,7 +230,8 @@ def test_cache_contents(tiny):
     assert [origin(e) for e in meta["prompts"]] == [p.get("reference_source") or
                                                     ("target" if p["reference_generated"] else "file")
                                                     for p in report["prompts"]]
-    expected_keys = {f"{i}.{k}" for i in range(3) for k in ["ids", "argmax", "gaps"] + [f"layer{L}" for L in range(5)]}
+    expected_keys = {f"{i}.{k}" for i in range(3)
+                     for k in ["ids", "argmax", "gaps", "ties"] + [f"layer{L}" for L in range(5)]}
     assert set(tensors) == expected_keys
     model = tiny["model"]
     for i, p in enumerate(meta["prompts"]):

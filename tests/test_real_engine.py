@@ -17,15 +17,13 @@ fails instead). Setting it up: docs/served.md.
 import json
 import os
 import shutil
-import socket
-import subprocess
-import time
 import urllib.request
 
 import pytest
 
 import eval_drafter as ed
 import make_demo as md
+from conftest import start_server, stop_server
 
 VLLM = os.environ.get("EVAL_DRAFTER_VLLM")
 if os.environ.get("EVAL_DRAFTER_REQUIRE_VLLM") and not (VLLM and os.path.isfile(VLLM)):
@@ -35,7 +33,6 @@ pytestmark = pytest.mark.skipif(not VLLM, reason="EVAL_DRAFTER_VLLM: the python 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(md.FIXTURES, "demo_vllm")
 K = 7
-STARTUP_LIMIT = 1200   # a hang guard only: the server is polled until it answers or its process ends
 
 
 def pair(name):
@@ -47,38 +44,19 @@ def pair(name):
             ["--prompts", os.path.join(ROOT, "prompts.jsonl"), "--limit", "5", "--max-new-tokens", "64"])
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Engine:
     """One vLLM server serving `drafter` for `target`; stop() ends it."""
 
     def __init__(self, target, drafter, log_path):
-        self.port, self.log = free_port(), open(log_path, "w")
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "OMP_NUM_THREADS": "1",
                "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
         spec = {"method": "dflash", "model": drafter, "num_speculative_tokens": K}
         length = str(min(1024, json.load(open(os.path.join(target, "config.json")))["max_position_embeddings"]))
-        self.proc = subprocess.Popen(
-            [VLLM, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--served-model-name", "target",
-             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
-             "--max-model-len", length, "--speculative-config", json.dumps(spec),
-             "--per-request-spec-decode-metrics", "detailed"], stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + STARTUP_LIMIT
-        while True:
-            try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=5):
-                    return
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"vLLM did not start: {open(log_path).read()[-3000:]}")
-            time.sleep(1)
+        self.proc, self.url = start_server(lambda port: [
+            VLLM, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--served-model-name", "target",
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+            "--max-model-len", length, "--speculative-config", json.dumps(spec),
+            "--per-request-spec-decode-metrics", "detailed"], env, log_path, "/v1/models")
 
     def complete(self, prompt_ids, max_tokens):
         body = {"model": "target", "prompt": [prompt_ids], "max_tokens": max_tokens, "temperature": 0,
@@ -89,12 +67,7 @@ class Engine:
             return json.loads(r.read())
 
     def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
+        stop_server(self.proc)
 
 
 def faulty_drafter(drafter, tmp, fault):
