@@ -4765,12 +4765,13 @@ def served_walk(s, at, tail, n_prompt, total_len):
     two differ at a near-tie], the engine's lengths cut at the reply's end."""
     ours = dict(zip(at["anchors"].tolist(), zip(at["matched"].tolist(), slot_bits(at["ties"]))))
     ours.update(tail)
-    rounds, drafted, anchor, K = [], 0, n_prompt, at["ties"].shape[1]
+    rounds, drafted, tied, anchor, K = [], 0, 0, n_prompt, at["ties"].shape[1]
     while anchor < total_len - 1 and anchor in ours:
         depth = K if s.get("n_predict") is None else min(K, s["n_predict"] - (anchor - n_prompt + 1) - 1)
         if depth <= 0:
             break
         rounds.append(min(min(ours[anchor][0], depth) + 1, total_len - 1 - anchor))
+        tied += bool(ours[anchor][1] & ((1 << rounds[-1]) - 1))   # a near-tie among the slots the round verified
         drafted, anchor = drafted + depth, anchor + rounds[-1]
     steps, anchor = None if s.get("per_step") is None else [], n_prompt
     for j in s.get("per_step") or []:
@@ -4780,9 +4781,7 @@ def served_walk(s, at, tail, n_prompt, total_len):
         served, exact = min(j + 1, room), min(m + 1, room)
         steps.append([served, exact, int(served != exact and bool(ties >> min(m, j) & 1))])
         anchor += served
-    return {"rounds": rounds, "steps": steps, "drafted": drafted,
-            "near_ties": sum(bool(ours[a][1] & ((1 << length) - 1)) for a, length in zip(
-                [n_prompt + sum(rounds[:i]) for i in range(len(rounds))], rounds))}
+    return {"rounds": rounds, "steps": steps, "drafted": drafted, "near_ties": tied}
 
 
 def hard_steps(walked, s):
@@ -5423,8 +5422,6 @@ def held_served(it, res, B):
         exact, steps = walked["rounds"], walked["steps"]
         held.update(tau_exact=sum(exact) / len(exact), exact_histogram=[exact.count(j + 1) for j in range(k + 1)],
                     hard_steps=hard_steps(walked, s), near_ties=walked["near_ties"])
-        if steps is None:   # counts alone: a difference no larger than the rounds near-ties decide may be numerics
-            held["within_ties"] = held["hard_steps"] <= walked["near_ties"]
         if steps is not None:   # one by one: each step beside this run's round at its anchor
             differ = [i for i, (a, b, _) in enumerate(steps) if a != b]
             held["histogram"] = [sum(a == j + 1 for a, _, _ in steps) for j in range(k + 1)]
@@ -5434,14 +5431,16 @@ def held_served(it, res, B):
             half = len(it["completion_ids"]) // 2   # the gap along the reply, for a gap that grows with the context
             held["halves"] = [halves([a for a, *_ in steps], half), halves(exact, half)]
             held["context_half"] = len(it["prompt_ids"]) + half
-        elif s["steps"] is None:   # llama-server: drafts and accepted drafts, over this run's steps
+        else:   # counts alone: a difference no larger than the rounds near-ties decide may be numerics
+            held.update(within_ties=held["hard_steps"] <= walked["near_ties"], first_difference=None)
             n = len(exact)
-            held.update(equal=[s["drafted"], s["accepted"]] == [walked["drafted"], sum(exact) - n], steps=n,
-                        drafted_exact=walked["drafted"], first_difference=None, tau_served=1 + s["accepted"] / n,
-                        units=[[s["accepted"] + n, n], [sum(exact), n]])
-        else:   # counts alone: the same tokens (the reply's after the prefill's), in the engine's steps and in ours
-            held.update(equal=s["steps"] == len(exact), first_difference=None,
-                        units=[[min(s["accepted"] + s["steps"], sum(exact)), s["steps"]], [sum(exact), len(exact)]])
+            if s["steps"] is None:   # llama-server: drafts and accepted drafts, over this run's steps
+                held.update(equal=[s["drafted"], s["accepted"]] == [walked["drafted"], sum(exact) - n], steps=n,
+                            drafted_exact=walked["drafted"], tau_served=1 + s["accepted"] / n,
+                            units=[[s["accepted"] + n, n], [sum(exact), n]])
+            else:   # the same tokens (the reply's after the prefill's), in the engine's steps and in ours
+                held.update(equal=s["steps"] == n,
+                            units=[[min(s["accepted"] + s["steps"], sum(exact)), s["steps"]], [sum(exact), n]])
     return held
 
 
@@ -5510,7 +5509,7 @@ def served_causes(held, compared, ks, evaluated, z, impossible):
             f", but for {len(differ)} of {len(compared)} requests whose counts differ by no more than the rounds "
             "near-ties decide on them (counts alone cannot place a step: likely numerics; detailed per-step "
             "figures would tell)" if differ else ""))
-    left = [h for h in hard]   # named in order of the requests each explains that the ones before it do not
+    left = list(hard)   # named in order of the requests each explains that the ones before it do not
     for name, count in sorted(found.items(), key=lambda x: -x[1]):
         explained = [h for h in left if name in (h.get("suspects") or [])]
         if len(explained) >= CAUSE_MIN_REQUESTS:
