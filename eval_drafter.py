@@ -4980,7 +4980,8 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
 def ratio_terms(units):
     """tau = sum(committed) / sum(rounds) over units [(committed, rounds)], and each unit's delta-method term
     (committed - tau * rounds) / mean rounds: the standard error of tau is their root mean square / sqrt(n - 1)."""
-    tau, mean_r = sum(c for c, _ in units) / sum(r for _, r in units), sum(r for _, r in units) / len(units)
+    rounds = math.fsum(r for _, r in units)   # fsum throughout: the same digits in any order of the units
+    tau, mean_r = math.fsum(c for c, _ in units) / rounds, rounds / len(units)
     return tau, [(c - tau * r) / mean_r for c, r in units]
 
 
@@ -4989,7 +4990,7 @@ def ci95(center, terms):
     n = len(terms)
     if n < 2:
         return None
-    se = math.sqrt(sum(t * t for t in terms) / (n * (n - 1)))
+    se = math.sqrt(math.fsum(t * t for t in terms) / (n * (n - 1)))
     return [center - 1.96 * se, center + 1.96 * se]
 
 
@@ -5540,7 +5541,7 @@ def served_summary(held, B, depths):
                   if sum(h["units"][i][1] for h in compared) else None for i in (0, 1)]
     gap, ci = paired_delta({i: h["units"][0] for i, h in enumerate(compared)},
                            {i: h["units"][1] for i, h in enumerate(compared)})
-    moments = [sum(h["moments"][i] for h in compared if "moments" in h) for i in range(5)]
+    moments = [math.fsum(h["moments"][i] for h in compared if "moments" in h) for i in range(5)]
     z = (moments[0] - moments[1]) / math.sqrt(moments[2]) if moments[2] > 0 else None
     exact = depths.get(ks[0], {}).get("histogram") if len(ks) == 1 else None
     if len(ks) == 1 and any("exact_histogram" in h for h in held):   # greedy: this run's rounds over the same replies
