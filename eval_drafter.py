@@ -34,6 +34,8 @@ The sections, in the order data flows (each definition stands under its banner, 
 Only torch, transformers, safetensors, numpy, tqdm and the standard library are used (matplotlib and tensorboard by
 --plot and --tensorboard alone, imported where they are used).
 """
+from __future__ import annotations   # annotations unevaluated: torch.Tensor names a type before torch loads
+
 import os
 import signal
 import sys
@@ -58,16 +60,35 @@ import statistics
 import time
 from collections import namedtuple
 from dataclasses import dataclass, field, replace
+from functools import wraps
 from types import MappingProxyType
 
-if __name__ == "__main__":
-    # torch's OpenMP threads spin (libgomp: 300k times) before they sleep between parallel regions: on a box whose
-    # cores are busy with other work they take turns with it, and the demo ran 2-5x slower than on one thread. A
-    # short spin keeps the idle speed and gives the cores back. A user's own setting wins.
-    if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
-        os.environ["GOMP_SPINCOUNT"] = "1000"
-import torch  # noqa: E402 - after the spin setting, which OpenMP reads once, when torch loads it
-import torch.nn.functional as F  # noqa: E402
+torch = F = None   # bound by load_torch(): as the module is imported, or by main once the arguments parse (seconds)
+
+
+def load_torch():
+    global torch, F
+    if torch is None:
+        # torch's OpenMP threads spin (libgomp: 300k times) before they sleep between parallel regions: on a box whose
+        # cores are busy with other work they take turns with it, and the demo ran 2-5x slower than on one thread. A
+        # short spin keeps the idle speed and gives the cores back. A user's own setting (or a training loop's) wins.
+        if __name__ == "__main__" and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
+            os.environ["GOMP_SPINCOUNT"] = "1000"
+        import torch   # after the spin setting, which OpenMP reads once, when torch loads it
+        import torch.nn.functional as F
+
+
+if __name__ != "__main__":   # imported (a training loop, the tests): torch at once; the script's --help needs none
+    load_torch()
+
+
+def inference(fn):
+    """fn under torch.inference_mode(), entered per call: torch may not be loaded yet where fn is defined."""
+    @wraps(fn)
+    def call(*args, **kwargs):
+        with torch.inference_mode():
+            return fn(*args, **kwargs)
+    return call
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -426,9 +447,19 @@ def gguf_file(path):
     return None
 
 
-def gguf_target(path, settings_quiet):
+def stated_width(spec):
+    """The hidden size of the target a --ckpt [NAME=]PATH's config.json states it reads (None: no config at hand)."""
+    path = spec if os.path.exists(spec) else spec.partition("=")[2]
+    config = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), "config.json")
+    cfg = read_json(config) if os.path.isfile(config) else {}
+    return cfg.get("target_hidden_size") or cfg.get("hidden_size") or \
+        (cfg.get("transformer_layer_config") or {}).get("hidden_size")
+
+
+def gguf_target(path, settings_quiet, drafters=()):
     """A GGUF target as a transformers directory, made once (docs/drafters.md, "GGUF targets"): bos, eos and pad from
-    the GGUF's metadata (transformers' converter takes eos from the bos id). Returns (the directory, the GGUF facts)."""
+    the GGUF's metadata (transformers' converter takes eos from the bos id). Returns (the directory, the GGUF facts).
+    A drafter (--ckpt spec) whose config states another hidden size is refused before the conversion (minutes)."""
     import importlib.util
     out = path + ".hf"
     if not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
@@ -453,9 +484,15 @@ def gguf_target(path, settings_quiet):
     types = [t.tensor_type.name for t in reader.tensors]
     quantized = [t for t in types if t not in ("F32", "F16", "BF16")] or types
 
-    def field(key):
+    def field(key, text=False):
         f = reader.fields.get(key)
-        return int(f.parts[f.data[0]][0]) if f is not None and f.data else None
+        value = f.parts[f.data[0]] if f is not None and f.data else None
+        return value if value is None else bytes(value).decode() if text else int(value[0])
+    width = field(f"{field('general.architecture', True)}.embedding_length")
+    for spec in drafters:
+        if width and stated_width(spec) not in (None, width):
+            fail(f"drafter {spec} has hidden size {stated_width(spec)} but the GGUF target {path} has {width}: it was "
+                 "trained for another target (checked before converting the GGUF)")
     special = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "padding_token_id"}
     facts = {"file": os.path.abspath(path), "bytes": os.path.getsize(path), "sha256": file_hash(path),
              "type": max(set(quantized), key=quantized.count),
@@ -1299,7 +1336,7 @@ def resolve_settings(args, ranks=True):
         fail("--ckpt is required: give at least one drafter checkpoint (or --mtp for the target's own MTP layer)")
     target_gguf = gguf_file(args.target) if args.target else None
     if target_gguf:
-        args.target, target_gguf = gguf_target(target_gguf, args.quiet)
+        args.target, target_gguf = gguf_target(target_gguf, args.quiet, args.ckpt)
     if args.target and not os.path.isdir(args.target):
         fail(f"target directory not found: {args.target} (pass a local model directory or a GGUF file to --target)")
     if args.mtp:
@@ -1329,7 +1366,8 @@ def resolve_settings(args, ranks=True):
             fail("--prompts - reads stdin, which torchrun does not give every rank: save the prompts to a file")
         STDIN.clear()   # this run's stdin, read once: its hash (for --resume) and its prompts come from that read
     elif not from_file and args.prompts not in BUILT and not os.path.isfile(args.prompts):
-        fail(f"prompts file not found: {args.prompts} (pass a JSONL file to --prompts)")
+        fail(f"--prompts {args.prompts} is a directory: pass a JSONL file in it" if os.path.isdir(args.prompts) else
+             f"prompts file not found: {args.prompts} (pass a JSONL file to --prompts)")
     if not from_file and not any(os.path.isfile(os.path.join(args.target, name)) for name in TOKENIZER_FILES):
         fail(f"the target {args.target} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the model's "
              "tokenizer files beside its config.json")
@@ -1808,16 +1846,21 @@ def read_target_config(path):
     return text
 
 
-def load_target(settings):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    path, dtype = settings["target"], getattr(torch, settings["dtype"])
+def load_tokenizer(settings):
+    from transformers import AutoTokenizer
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(settings["target"])
     except Exception as e:  # noqa: BLE001
-        fail(f"cannot load a tokenizer from {path}: {str(e).splitlines()[0]}")
+        fail(f"cannot load a tokenizer from {settings['target']}: {str(e).splitlines()[0]}")
     if len(tokenizer) < 2:   # transformers 5 builds an empty one where the vocabulary file is missing
-        fail(f"the target {path} has no usable tokenizer (its vocabulary is empty): copy the model's tokenizer files "
-             "beside its config.json")
+        fail(f"the target {settings['target']} has no usable tokenizer (its vocabulary is empty): copy the model's "
+             "tokenizer files beside its config.json")
+    return tokenizer
+
+
+def load_target(settings):
+    from transformers import AutoModelForCausalLM
+    path, dtype, tokenizer = settings["target"], getattr(torch, settings["dtype"]), load_tokenizer(settings)
     if settings["quiet"] or not sys.stderr.isatty():
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
@@ -2038,7 +2081,7 @@ def model_logits(model):
 # A decision is a near-tie when its top-2 logits (or its choice and the text's token) lie within this share of the top
 # logit's size (at least of 10): two implementations of one model differ by about this much in that dtype (vLLM's
 # drafter and this tool's, both float32, differed at gaps of 0.002-0.036 on logits of ~26, 0.019 on logits of ~6).
-NEAR_TIE = {torch.float32: 4e-3, torch.float64: 4e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+NEAR_TIE = {"float32": 4e-3, "float64": 4e-3, "float16": 1e-2, "bfloat16": 3e-2}   # by torch dtype name
 
 
 def near_ties(logits, tokens, dtype=None):
@@ -2048,7 +2091,7 @@ def near_ties(logits, tokens, dtype=None):
     values = top.values.float()
     other = torch.where(top.indices[:, 0] == tokens, values[:, -1],
                         logits.gather(1, tokens.clamp(min=0)[:, None])[:, 0].float())
-    return (values[:, 0] - other < NEAR_TIE[dtype or logits.dtype] * values[:, 0].abs().clamp(min=10)) & (tokens >= 0)
+    return (values[:, 0] - other < NEAR_TIE[str(dtype or logits.dtype).removeprefix('torch.')] * values[:, 0].abs().clamp(min=10)) & (tokens >= 0)
 
 
 @dataclass
@@ -2061,7 +2104,7 @@ class Extraction:
     ties: list = None       # completion positions where the target's choice is a near-tie (NEAR_TIE)
 
 
-@torch.inference_mode()
+@inference
 def extract_hidden(model, ids, layer_ids, n_prompt, sampling=None):
     """One teacher-forced pass: `layer_ids`' features, the target's argmax per completion token, the logit gaps where
     it is not the reference's (near 0: a near-tie numerics can flip), with `sampling` each reference's probability."""
@@ -2094,7 +2137,7 @@ def next_token(logits, sampling, generator):
     return int(torch.multinomial(sampling_probs(logits, sampling), 1, generator=generator))
 
 
-@torch.inference_mode()
+@inference
 def plain_generate(model, prompt_ids, max_new_tokens, stop_ids, sampling=None, generator=None, cache=None, tokens=None):
     """Plain decoding with the KV cache: greedy (the reference speculative decoding would commit), or one sample. With
     `cache` and `tokens`: goes on from a generation whose cache holds all but its last token (speculative_generate's)."""
@@ -3962,7 +4005,7 @@ def tree_top_k(top, logits, done, B, top_k, after, n):
     return top
 
 
-@torch.inference_mode()
+@inference
 def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=0, prompt_id=None, starts=None,
                       after=None, reference=None, sampling=None, proposal=None, ties=None):
     """Argmax drafts (n, B-1; DFlash 2: the selector's path) of blocks [first, MASK, ...] at `anchors`, DDTree's top_k;
@@ -4024,7 +4067,7 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
 DECIDE_ROUNDS = 8   # --reference-generation auto: speculative rounds timed (the first left out) against a plain step
 
 
-@torch.inference_mode()
+@inference
 def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, prompt_id=None, sampling=None,
                          generator=None, choose=None):
     """Draft a block, verify it in one cached pass, roll the cache back: the target decides every token. With `choose`:
@@ -4289,7 +4332,7 @@ def take_served(it, lines):
 
 
 def check_served(lines, items, tokenizer, settings):
-    """--served before any reference is made: a file none of whose lines is for a prompt of this run (by the prompt ids
+    """--served before any model loads: a file none of whose lines is for a prompt of this run (by the prompt ids
     it carries, else by its id) would leave every reference to the target, silently: refused."""
     names, theirs = {it["id"] for it in items}, {tuple(line[1]) for line in lines if line[1] is not None}
     if any(line[0] in names for line in lines):
@@ -5119,7 +5162,7 @@ def cost_sizes(drafters, settings):
                   {1 + b for b in settings["ddtree_budgets"]} | {d.tree["tokens"] for d in drafters if d.tree}), keys
 
 
-@torch.inference_mode()
+@inference
 def measure_costs(model, drafters, settings, items):
     """Seconds of a plain step, a verify pass over 1 + K tokens (1 + budget: DDTree) and each drafter's round at
     depth K, at the prompts' median context L (prompt + half the reference)."""
@@ -5518,7 +5561,7 @@ def served_causes(held, compared, ks, evaluated, z, impossible):
                           f"its own near-ties decide, in {count} of {len(hard)} requests that differ so")
             left = [h for h in left if h not in explained]
         elif explained and len(left) == len(hard):
-            causes.append(f"{len(hard)} request{'s' if len(hard) > 1 else ''} differ at steps no near-tie decides; "
+            causes.append(f"{len(hard)} request{'s differ' if len(hard) > 1 else ' differs'} at steps no near-tie decides; "
                           f"{name} reproduces {count} of them, too few to name a cause (serve more prompts)")
     if left and len(left) < len(hard):
         causes.append(f"{len(left)} of the {len(hard)} requests that differ so are reproduced by none of these")
@@ -6825,8 +6868,6 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
     by_index, saved = {it["index"]: it for it in items}, saved_references(settings)
     served = read_served(settings["served"]) if settings["served"] else []
     todo = [it for it in items if it["index"] not in done]
-    if served and todo:
-        check_served(served, items, tokenizer, settings)
     capped = []   # the note on --max-new-tokens past the target's positions is made once
 
     def prepare(it):   # tokens, length check, a saved reference; True when the reference is still to make
@@ -6895,13 +6936,10 @@ def note_maskless(drafters, settings):
                       "a causal chain has no in-block mask")
 
 
-def load_run(settings, learned):
-    """The target's config and every --ckpt drafter, named apart (training-run steps after the first wait on disk)."""
-    target_cfg, drafters, tokenizer = read_target_config(settings["target"]), [], None
-    if settings.get("served") or settings.get("server"):   # its special tokens are mask tokens an engine may take
-        with contextlib.suppress(Exception):   # noqa: BLE001 - no tokenizer here: the configs' tokens still are
-            from transformers import AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(settings["target"])
+def load_run(settings, learned, tokenizer=None):
+    """The target's config and every --ckpt drafter, named apart (training-run steps after the first wait on disk);
+    the tokenizer, with --served or --server, for its special tokens: mask tokens an engine may take."""
+    target_cfg, drafters = read_target_config(settings["target"]), []
     for spec, step in checkpoint_specs(settings):
         d = load_drafter(spec, target_cfg, settings)
         d.step = step
@@ -7044,7 +7082,10 @@ def evaluate(settings, learned):
     items = None if settings["load_hidden"] else expand(read_prompts(settings["prompts"], settings["limit"]), settings)
     if settings["server"]:
         check_server(settings, learned, read_target_config(settings["target"]))
-    target_cfg, drafters = load_run(settings, learned)
+    tokenizer = load_tokenizer(settings) if settings["served"] or settings["server"] else None
+    if settings["served"] and items:   # before any model loads: a file for none of the prompts is refused at once
+        check_served(read_served(settings["served"]), items, tokenizer, settings)
+    target_cfg, drafters = load_run(settings, learned, tokenizer)
     facts = [drafter_facts(d) for d in drafters]
     items, records, started = draft_prompts(settings, learned, items, target_cfg, drafters, facts)
     return finish_run(settings, learned, items, records, drafters, facts, started)
@@ -7248,6 +7289,9 @@ def ready_drafter(settings, target_cfg, series, step, path, seen, quiet):
 def watch(settings, shown):
     """--watch: every complete step of a training run evaluated once, as it comes, a line each to --output."""
     learned, (series, run_dir) = Run(), split_ckpt_spec(settings["watch"])
+    refuse((not os.path.isdir(run_dir), f"--watch {run_dir}: no such directory (give the training run's directory, "
+            "where it saves its steps)"),
+           (not os.access(run_dir, os.R_OK | os.X_OK), f"--watch {run_dir}: the directory cannot be read"))
     if is_checkpoint(run_dir):
         fail(f"--watch {run_dir} is one checkpoint, not a run's directory of steps: evaluate it with --ckpt")
     target_cfg = read_target_config(settings["target"])
@@ -7450,8 +7494,8 @@ def measure(drafter, features, config=None, target=None, name="drafter", step=No
     """Real tau of a drafter held in memory: the figures the CLI's JSON gives it ({"tau", "tau_ci95", "per_position",
     "ddtree", "depths", "engine_metrics", ...}), from saved features.
 
-    drafter: an nn.Module (its state_dict() is read; config defaults to its .config) or a state dict, in any layout
-        --ckpt reads (public, SpecForge's, speculators', wrapper prefixes).
+    drafter: an nn.Module (its state_dict() is read; config defaults to its .config), a state dict, in any layout
+        --ckpt reads (public, SpecForge's, speculators', wrapper prefixes), or a checkpoint's path, read as --ckpt.
     features: what load_features() returned (reused: the cheap way), or --save-hidden file path(s), read on each call
         (then target= and options go to load_features).
     config: the drafter's config (a dict, a transformers config, or a config.json path).
@@ -7467,9 +7511,13 @@ def measure(drafter, features, config=None, target=None, name="drafter", step=No
         config = config.to_dict()
     elif isinstance(config, (str, os.PathLike)):
         config = read_json(os.fspath(config))
-    f, raw = features, dict(drafter)   # the loaders pop keys: the caller's dict keeps them
-    d = load_drafter(f"{name}=(in memory)", f.target_cfg, f.settings, identify=False, given=(config, raw))
-    d.step, d.checkpoint = step, "(in memory)"
+    f, on_disk = features, isinstance(drafter, (str, os.PathLike))
+    refuse((not on_disk and not hasattr(drafter, "keys"), f"measure(): the drafter is a {type(drafter).__name__}: "
+            "give an nn.Module, its state dict or a checkpoint's path"),
+           (on_disk and config is not None, "measure(): a checkpoint's path brings its own config.json: drop config="))
+    d = load_drafter(f"{name}={os.fspath(drafter)}", f.target_cfg, quietly(f.settings)) if on_disk else \
+        load_drafter(f"{name}=(in memory)", f.target_cfg, f.settings, identify=False, given=(config, dict(drafter)))
+    d.step, d.checkpoint = step, os.fspath(drafter) if on_disk else "(in memory)"
     d.name += "" if step is None else f"@{step}"   # a training series' step, named as --steps names one
     d.mask_variants = mask_variants(d, f.settings)
     check_depths([d], f.settings)
@@ -7521,6 +7569,7 @@ def main(argv=None):
         if args.help_markdown:
             print(options_markdown(), end="")
             return 0
+        load_torch()
         settings = resolve_settings(args)
         with output_claimed(settings) as earlier:
             report = run(settings, earlier)

@@ -258,7 +258,9 @@ def head_weights(generation, head, dflash, H, V, g, scale=0.08):
 def training_data(target, lang, layer_ids, rng, n_sequences=160, completion=128):
     """The target's own greedy continuations of short noisy prompts (as DFlash is trained), with their features."""
     data = []
-    for _ in range(n_sequences):
+    for i in range(n_sequences):
+        if i % 20 == 0:   # minutes on a busy box: shown, not silent
+            print(f"drafter data: {i}/{n_sequences} greedy continuations of the target", flush=True)
         prompt = [len(SPECIALS) + w for w in sample_text(lang, rng, rng.randrange(4, 12), 0.5)]
         ids = prompt + ed.plain_generate(target, prompt, completion, set())
         feats = ed.extract_hidden(target, ids, layer_ids, len(prompt)).features
@@ -990,7 +992,7 @@ def make_real(out=None, n_prompts=512, max_new_tokens=128, steps=850, seqs_per_s
     print(f"wrote {out} ({size:.1f} MB)", flush=True)
 
 
-def make_series(out, every=100, steps=800):
+def make_series(out, every=100, steps=800, n_sequences=160):
     """The demo drafter trained again from scratch, as a training run: a checkpoint every `every` steps into
     out/step_<N>/, its tau on the demo prompts logged as it trains by eval_drafter.measure() (the README's
     training-loop example, run), from features saved once. Then --watch out --plot draws the series."""
@@ -1000,7 +1002,9 @@ def make_series(out, every=100, steps=800):
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     os.makedirs(out, exist_ok=True)
     saved = os.path.join(out, "features.safetensors")
+    print(f"a training run into {out}: {steps} steps, a checkpoint and its tau every {every}", flush=True)
     if not os.path.exists(saved):
+        print(f"saving the demo prompts' features once to {saved}", flush=True)
         assert ed.main(["--demo", "--quiet", "--save-hidden", saved]) == 0
     features = ed.load_features(saved, target_dir)
 
@@ -1010,13 +1014,14 @@ def make_series(out, every=100, steps=800):
             r = ed.measure(weights, features, config=cfg, name="demo", step=step)
             print(f"step {step}: tau {r['tau']:.3f}, first-position acceptance "
                   f"{r['per_position']['acceptance'][0]:.3f}", flush=True)
-    train_drafter(os.path.join(out, "final"), target, language(), steps=steps, on_step=on_step)
+    train_drafter(os.path.join(out, "final"), target, language(), steps=steps, on_step=on_step, n_sequences=n_sequences)
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
     if "--series" in args:
-        make_series(*[a for a in args if not a.startswith("--")])
+        out, *counts = [a for a in args if not a.startswith("--")]   # OUT [EVERY [STEPS [SEQUENCES]]]
+        make_series(out, *map(int, counts))
     elif "--served-pair" in args:
         make_served_pair(*[a for a in args if not a.startswith("--")])
     elif "--real" in args:

@@ -14,16 +14,23 @@ greedy or speculative-sampling verification, and the engines' own arithmetic for
     ... POST engine.url + "/v1/completions" or "/generate" ...
     engine.requests                              # [{"path", "body"}] received since the last reset
     engine.shutdown()
+
+From a shell (the demo pair on 127.0.0.1, serving settings as reset()'s): python tests/spec_engine.py --port 8000
+--layers 0,2,3; --help lists them.
 """
+import argparse
 import dataclasses
 import json
 import os
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import torch
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))] * (__name__ == "__main__")  # as a script
 
-import eval_drafter as ed
+import torch  # noqa: E402
+
+import eval_drafter as ed  # noqa: E402
 from conftest import online_draft_hidden
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -65,8 +72,8 @@ class SpecEngine(ThreadingHTTPServer):
     """SGLang POST /generate and vLLM POST /v1/completions, decoded speculatively; serving settings set by reset()."""
     daemon_threads = True
 
-    def __init__(self, model, drafter, stops=None):
-        super().__init__(("127.0.0.1", 0), SpecHandler)
+    def __init__(self, model, drafter, stops=None, port=0):
+        super().__init__(("127.0.0.1", port), SpecHandler)
         self.model, self.drafter = model, drafter
         eos = model.generation_config.eos_token_id if stops is None else stops
         self.stops = set(eos if isinstance(eos, (list, set, tuple)) else [eos]) - {None}
@@ -247,3 +254,29 @@ def start_engine(model, drafter, stops=None):
     engine.thread = threading.Thread(target=engine.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     engine.thread.start()
     return engine
+
+
+def main(argv=None):
+    """The demo pair served on 127.0.0.1 until Ctrl-C, as docs/served.md starts it."""
+    cli = argparse.ArgumentParser(description="serve the demo pair speculatively on 127.0.0.1 (vLLM's /v1/completions "
+                                  "and SGLang's /generate), as tests/test_served.py does")
+    cli.add_argument("--port", type=int, default=8000)
+    cli.add_argument("--k", type=int, help="drafts verified a round (default: the drafter's block - 1)")
+    cli.add_argument("--layers", help="the target layer ids the engine feeds the drafter, comma-separated (default: "
+                     "its own)")
+    cli.add_argument("--mask-token-id", type=int, help="the mask token the engine drafts with (default: its own)")
+    cli.add_argument("--summary", action="store_true", help="vLLM's summary metrics (default: detailed per step)")
+    args = cli.parse_args(argv)
+    model, drafter, stops = load_demo()
+    engine = SpecEngine(model, drafter, stops, args.port)
+    engine.reset(**{k: v for k, v in (("k", args.k), ("mask_token_id", args.mask_token_id), ("layers", args.layers and
+                 [int(x) for x in args.layers.split(",")]), ("detailed", not args.summary)) if v is not None})
+    print(f"serving the demo pair on {engine.url} (Ctrl-C stops)", flush=True)
+    try:
+        engine.serve_forever(poll_interval=0.05)
+    except KeyboardInterrupt:
+        engine.server_close()
+
+
+if __name__ == "__main__":
+    main()

@@ -19,7 +19,7 @@ def tied(logits, chosen):
     """Is the choice between the row's argmax and `chosen` (the runner-up where they are one) a near-tie?"""
     top = logits.topk(2).values.double()
     other = top[1] if int(logits.argmax()) == chosen else float(logits[chosen])
-    return float(top[0] - other) < ed.NEAR_TIE[torch.float32] * max(abs(float(top[0])), 10.0)
+    return float(top[0] - other) < ed.NEAR_TIE["float32"] * max(abs(float(top[0])), 10.0)
 
 
 def test_each_round_a_near_tie_decides_is_counted(tiny_target, drafter_a, tmp_path):
