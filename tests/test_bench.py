@@ -199,6 +199,30 @@ def test_the_bench_table_is_the_reports_own_figures(tmp_path, bench_dir, capsys)
     assert "mean of requests* [95%]" in lines[header[0]] and "tau pooled [95%]" in lines[header[0]]
 
 
+def test_published_figures_print_beside_the_run_with_the_recipe_differences(tmp_path, bench_dir, capsys):
+    """--published NAME (issue 52): the table's published row for each benchmark it has figures for, its source,
+    and each way its recipe differs from this run's; where they agree nothing is named."""
+    out = tmp_path / "r.json"
+    assert ed.main([*BASE, "--bench", "gsm8k,humaneval", "--bench-dir", bench_dir, "--max-samples", "4",
+                    "--published", "z-lab/Qwen3-8B-DFlash-b16", "--output", str(out)]) == 0
+    pub, table = json.loads(out.read_text())["bench"]["published"], ed.PUBLISHED["z-lab/Qwen3-8B-DFlash-b16"]
+    assert pub["tau"] == {"gsm8k": table.figures["gsm8k"]} and pub["source"] == table.source
+    assert pub["differences"] == ["sampling: not stated there, greedy decoding here", "block: 16 there, 8 here",
+                                  "thinking: not stated there, off here", "gsm8k prompts: not stated there, 4 here"]
+    lines = capsys.readouterr().out.splitlines()
+    row = next(i for i, line in enumerate(lines) if line.split()[:2] == ["gsm8k", "published"])
+    assert lines[row - 1].split()[:2] == ["gsm8k", "demo"] and f"{table.figures['gsm8k']:.3f}" in lines[row]
+    assert not any(line.split()[:2] == ["humaneval", "published"] for line in lines)
+    assert any(line.startswith("   published: z-lab/Qwen3-8B-DFlash-b16") and "block: 16 there, 8 here" in line
+               for line in lines)
+    # the DFlash 2 row was measured at block 8 with thinking on, T 1, top-p 0.95, top-k 20 over 128 prompts: only
+    # the prompts differ when this run samples the same way with thinking on
+    assert ed.main([*BASE, "--bench", "gsm8k", "--bench-dir", bench_dir, "--max-samples", "4", "--enable-thinking",
+                    "--temperature", "1", "--top-p", "0.95", "--top-k", "20", "--published",
+                    "z-lab/Qwen3.8-27B-DFlash2", "--output", str(out)]) == 0
+    assert json.loads(out.read_text())["bench"]["published"]["differences"] == ["gsm8k prompts: 128 there, 4 here"]
+
+
 def test_mt_bench_runs_both_turns_the_second_after_the_first_reply(tmp_path, bench_dir):
     """MT-Bench as dflash runs it: each conversation gives two scored requests, turn 1 and turn 2, in that order;
     turn 2's context holds turn 1's prompt and the target's reply to it, so it is longer than both together; the bench
@@ -270,7 +294,7 @@ def test_bench_refusals_are_one_line(tmp_path, capsys):
                         "--bench builds the prompts from the benchmarks: drop --prompts")
     for flag, value in (("--bench-dir", str(empty)), ("--max-samples", "3"), ("--bench-recipe", "specbench")):
         refused_in_one_line(capsys, ["--demo", flag, value],
-                            "--bench-dir, --bench-recipe and --max-samples go with --bench")
+                            "--bench-dir, --bench-recipe, --max-samples and --published go with --bench")
     refused_in_one_line(capsys, ["--demo", "--bench", "gsm8k", "--limit", "3", "--bench-dir", str(empty)],
                         "--limit cuts the benchmarks joined, the later ones first: use --max-samples N")
     assert os.listdir(empty) == []

@@ -88,6 +88,46 @@ def test_a_best_is_named_only_when_its_interval_clears_the_rest(tmp_path):
     assert p["best"] is None and sorted(p["leaders"]) == ["DDTree 8", "K=7"]
 
 
+def test_rows_of_one_drafter_are_compared_paired_over_the_same_prompts(tmp_path, capsys):
+    """Issue 52: on the demo at batch 1 the top row's marginal interval overlaps the next row's, yet both are measured
+    on the same prompts, so their difference is paired: the best is named when the paired interval against every
+    other row lies above 0. The paired interval is recomputed here from the report's per-prompt rounds (the
+    delta-method over prompts for a difference of ratio estimators); a roofline's costs carry no timing spread."""
+    report = run(tmp_path, "--demo", "--quiet", "--costs", "gpu:H100", "--batch-sizes", "1,32")
+    d = report["drafters"][0]
+    one = d["predicted_speedup"]["1"]
+    rows = one["rows"]
+    ranked = sorted(rows, key=lambda n: -rows[n]["speedup"])
+    top, second = ranked[:2]
+    assert rows[second]["speedup_ci95"][1] >= rows[top]["speedup_ci95"][0]   # marginally they overlap
+
+    def units(name):   # (committed, rounds) per prompt of one row, from the report's own rounds
+        kind, _, size = name.partition(" ")
+        per = [p["ddtree_rounds"][size] if kind == "DDTree" else
+               p["rounds"] if name == f"K={d['drafts_per_round']}" else p["depth_rounds"][name[2:]]
+               for p in d["prompts"]]
+        return [(sum(r), len(r)) for r in per]
+
+    def paired(a, b):
+        (ua, ub), (ra, rb) = (units(a), units(b)), (rows[a]["ratio"], rows[b]["ratio"])
+        n = len(ua)
+        ta, tb = (sum(c for c, _ in u) / sum(r for _, r in u) for u in (ua, ub))
+        mean_a, mean_b = (sum(r for _, r in u) / n for u in (ua, ub))
+        terms = [ra * (ca - ta * xa) / mean_a - rb * (cb - tb * xb) / mean_b for (ca, xa), (cb, xb) in zip(ua, ub)]
+        se = (sum(t * t for t in terms) / (n * (n - 1))) ** 0.5
+        delta = ta * ra - tb * rb
+        return delta, delta - 1.96 * se, delta + 1.96 * se
+
+    for name in ranked[1:]:
+        assert one["paired_with_top"][name] == pytest.approx(list(paired(top, name)), rel=1e-9, abs=1e-12)
+    assert one["best"] == top and one["leaders"] == [top]
+    assert all(paired(top, n)[1] > 0 for n in ranked[1:])
+    many = d["predicted_speedup"]["32"]   # a leader is a row the paired test cannot tell from the top one
+    assert many["leaders"][1:] == [n for n, v in many["paired_with_top"].items() if v[1] <= 0]
+    printed = capsys.readouterr().out
+    assert f"paired over the same prompts, {top} minus:" in printed and "<- best" in printed
+
+
 def test_measured_costs_are_paired_by_round_and_saved_for_another_box(tmp_path):
     """--costs measure keeps each pass's rounds (interleaved: a slow moment falls on a whole round), each row's
     interval comes from the per-round ratios, and --save-costs writes a table that --costs FILE prices the same."""
