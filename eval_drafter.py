@@ -670,7 +670,7 @@ def published_beside(name, rows, drafter, config):
     differs += [f"{b} prompts: {pub.prompts or 'not stated'} there, {rows[b][0]['prompts']} here" for b in pub.figures
                 if b in rows and pub.prompts != rows[b][0]["prompts"]]
     return {"name": name, "source": pub.source, "read": pub.read, "engine": pub.engine,
-            "tau": {b: tau for b, tau in pub.figures.items() if b in rows}, "differences": differs}
+            "figures": {b: tau for b, tau in pub.figures.items() if b in rows}, "differences": differs}
 
 
 def bench_places(name):
@@ -2384,6 +2384,7 @@ class Drafter:
     overrides: dict = None      # {flag: {"given", "checkpoint"}} of the flags that replace what its checkpoint states
     own: object = None          # the same drafter as its checkpoint alone describes it, when flags override it
     suspects: dict = None       # {what: changed fields} of the inputs a serving engine may feed it instead
+    common_depth: int = None    # the fewest drafts a round of the run's drafters, where they differ: walked there too
 
 
 def dflash_value(cfg, name, default=None):
@@ -4825,19 +4826,24 @@ def score_drafter(d, prompts, group, embed_w, head, settings, budgets, rules):
 
 
 def served_depths(d, settings):
-    """The depths --depths asks of drafter d besides its trained one (its block's drafts)."""
+    """The depths --depths asks of drafter d besides its trained one (its block's drafts), and the run's common one."""
     trained, asked = d.block_size - 1, settings.get("depths")
-    return [k for k in (range(1, trained) if asked == "all" else asked or []) if k != trained]
+    wanted = [*(range(1, trained) if asked == "all" else asked or []), *[d.common_depth] * bool(d.common_depth)]
+    return [k for k in dict.fromkeys(wanted) if k != trained]
 
 
 def check_depths(drafters, settings):
-    """--depths and --export-depth within what each drafter drafts a round (a deeper block was never trained)."""
+    """--depths and --export-depth within what each drafter drafts a round (a deeper block was never trained);
+    drafters drafting different numbers a round are each walked at the fewest too (their common depth)."""
     for d in drafters:   # EAGLE-3 and MTP chain their one layer as many steps as asked
         deep = [k for k in (settings["depths"] if isinstance(settings["depths"], list) else [])
                 if k > d.block_size - 1 and not family(d).causal]
         if deep:
             fail(f"--depths {deep[0]}: drafter {d.name} drafts {d.block_size - 1} tokens a round; a served depth "
                  "cannot exceed what it was trained for")
+    fewest = min(d.block_size - 1 for d in drafters)
+    for d in drafters if len({d.block_size for d in drafters}) > 1 else ():   # compared where they all draft
+        d.common_depth = fewest
     export = settings.get("export_depth")
     if export and export != drafters[0].block_size - 1 and export not in served_depths(drafters[0], settings):
         fail(f"--export-depth {export}: drafter {drafters[0].name} is not evaluated at depth {export}; add it to "
@@ -5503,11 +5509,11 @@ def predicted_speedups(report, costs, results, items):
             priced = {name: speedup(s["tau"], s.get("tau_ci95"), t, {**draft, "name": d["name"]}, n, k)
                       for name, (s, n, k) in rows.items()}
             ranked = sorted((n for n, r in priced.items() if r["speedup"]), key=lambda n: -priced[n]["speedup"])
-            paired = {n: paired_speedup(ranked[0], n, {m: (units[m], priced[m]) for m in (ranked[0], n)})
-                      for n in ranked[1:]}
-            leaders = ranked[:1] + [n for n in ranked[1:] if paired[n] is None or paired[n][1] <= 0]
+            for n in ranked[1:]:
+                priced[n]["below_top"] = paired_speedup(ranked[0], n, {m: (units[m], priced[m]) for m in (ranked[0], n)})
+            leaders = ranked[:1] + [n for n in ranked[1:] if (priced[n]["below_top"] or [0, 0])[1] <= 0]
             out[batch] = {"plain_s": t["target"]["1"], "rows": priced, "leaders": leaders,
-                          "best": leaders[0] if len(leaders) == 1 else None, "paired_with_top": paired}
+                          "best": leaders[0] if len(leaders) == 1 else None}
         d["predicted_speedup"] = out
     for row, d in zip((report.get("comparison") or {}).get("drafters", []), report["drafters"]):
         row["predicted_speedup"] = {batch: {"best": p["best"], "leaders": p["leaders"], "speedup": p["rows"][
@@ -5875,15 +5881,33 @@ def drafter_report(d, results, items):
             "prompts": prompts, **({"served": served_summary(held, B, depths)} if held else {})}
 
 
+def common_depth(drafters):
+    """The fewest drafts a round where the drafters draft different numbers (each was walked there too), else None."""
+    trained = {d.get("drafts_per_round") for d in drafters} - {None}
+    return min(trained) if len(trained) > 1 else None
+
+
+def at_depth(res, d, K):
+    """A result at depth K (None: as trained)."""
+    return res if K in (None, d["drafts_per_round"]) else res["depths"][K]
+
+
 def side_by_side(drafters, results, items):
     """Several drafters over the same prompts: each one's figures and its paired difference from the first's tau.
     Drafters drafting different numbers of tokens a round (an MTP layer's 3, a DFlash block's 15) compare only at a
     shared depth: "at_depth": {K: rows} at every --depths K of them all, paired at K."""
-    trained = [d["drafts_per_round"] for d in drafters]
+    trained, splits = [d["drafts_per_round"] for d in drafters], list(dict.fromkeys(it["split"] for it in items))
+
+    def split_taus(d, res, K):   # tau by split at depth K, for the bars
+        out = {}
+        for split in splits:
+            kept = [(at_depth(r, d, K), it) for r, it in zip(res, items) if it["split"] == split]
+            c, r = map(sum, zip(*prompt_totals(*zip(*kept)).values()))
+            out[split] = c / r if r else None
+        return out
 
     def paired(rows, K=None):   # each row with its tau's difference from the first's, paired on the prompts
-        totals = [prompt_totals([r if K in (None, k) else r["depths"][K] for r in res], items)
-                  for k, res in zip(trained, results)]
+        totals = [prompt_totals([at_depth(r, d, K) for r in res], items) for d, res in zip(drafters, results)]
         deltas = [(None, None), *(paired_delta(t, totals[0]) for t in totals[1:])]
         return [{**row, "delta_tau": delta, "delta_tau_ci95": ci} for row, (delta, ci) in zip(rows, deltas)]
     rows = paired([{"name": d["name"], **{k: d[k] for k in ("series", "step") if k in d}, "tau": d["tau"],
@@ -5901,8 +5925,9 @@ def side_by_side(drafters, results, items):
     if len(set(trained)) > 1:
         shared = set.intersection(*({k, *res[0].get("depths", {})} for k, res in zip(trained, results)))
         comparison.update(drafts_per_round=dict(zip((d["name"] for d in drafters), trained)), at_depth={
-            str(K): paired([{"name": d["name"], "tau": (d.get("depths") or {}).get(str(K), d)["tau"]}
-                            for d in drafters], K) for K in sorted(shared)})
+            str(K): paired([{"name": d["name"], "tau": (d.get("depths") or {}).get(str(K), d)["tau"],
+                             **({"splits": split_taus(d, res, K)} if len(splits) > 1 else {})}
+                            for d, res in zip(drafters, results)], K) for K in sorted(shared)})
     return comparison
 
 
@@ -5913,18 +5938,21 @@ def bench_table(drafters, results, items, config):
     requests' 10th, 50th and 90th percentiles (AIPerf's distribution); accepted drafts per step, tau - 1
     (TensorRT-LLM's); the paired delta tau from the first drafter. Then the average over the benchmarks, each weighing
     one (the papers' last column), its interval from theirs; and where the run departs from the recipe."""
+    K = common_depth(drafters)   # drafters drafting different numbers: the table at the fewest, where all draft
+
     def figures(keep):
         idx = [i for i, it in enumerate(items) if keep(it["split"])]
-        totals = [prompt_totals([res[i] for i in idx], [items[i] for i in idx]) for res in results]
+        picked = [[at_depth(res[i], d, K) for i in idx] for d, res in zip(drafters, results)]
+        totals = [prompt_totals(res, [items[i] for i in idx]) for res in picked]
         out = []
-        for d, t in zip(drafters, totals):
-            means = [d["prompts"][i]["tau"] for i in idx if d["prompts"][i]["tau"] is not None]
+        for t, res in zip(totals, picked):   # a request's own tau: each turn and sample on its own
+            means = [c / r for x, i in zip(res, idx) for c, r in prompt_totals([x], [items[i]]).values() if r]
             mean = sum(means) / len(means) if means else None
             half = 1.96 * statistics.stdev(means) / math.sqrt(len(means)) if len(means) > 1 else None
             committed, rounds = [c for c, _ in t.values()], [r for _, r in t.values()]
             tau = sum(committed) / sum(rounds) if sum(rounds) else None
-            delta, ci = paired_delta(t, totals[0]) if d is not drafters[0] else (None, None)
-            out.append({"drafter": d["name"], "prompts": len(t), "requests": len(means), "tau": tau,
+            delta, ci = paired_delta(t, totals[0]) if t is not totals[0] else (None, None)
+            out.append({"drafter": drafters[len(out)]["name"], "prompts": len(t), "requests": len(means), "tau": tau,
                         "tau_ci95": ratio_ci95(committed, rounds), "tau_request_mean": mean,
                         "tau_request_mean_ci95": None if half is None else [mean - half, mean + half],
                         "tau_request_p10_p50_p90": torch.quantile(torch.tensor(means, dtype=torch.float64),
@@ -5954,7 +5982,7 @@ def bench_table(drafters, results, items, config):
         ([f"sampled at {describe_sampling(sampling)} (the recipe decodes greedily)"] if sampling else []) + \
         (["the first turn only (--turns first; the recipe runs every turn)"] if config["turns"] != "all" else [])
     return {"recipe": {"name": config["bench_recipe"], "source": source, "seed": seed, "max_new_tokens": tokens,
-                       "reported": reported}, "departures": departs, "benchmarks": rows, "average": average,
+                       "reported": reported}, "depth": K, "departures": departs, "benchmarks": rows, "average": average,
             **({"published": published_beside(config["published"], rows, drafters[0], config)}
                if config.get("published") else {})}
 
@@ -6060,9 +6088,10 @@ def serving_lines(d, source=None):
             yield (f"     {name:<{width}} tau {fmt(r['tau'])}  round {cost:<20} speedup {speed}"
                    + ("  <- best" if name == p["best"] else "  <- a leader" if name in p["leaders"][1:] or
                       name == p["leaders"][0] and not p["best"] else ""))
-        against = {n: v for n, v in (p.get("paired_with_top") or {}).items() if v}
+        against = dict(sorted(((n, r["below_top"]) for n, r in p["rows"].items() if r.get("below_top")),
+                              key=lambda x: x[1][0]))
         if against:
-            yield (f"     paired over the same prompts, {p['leaders'][0]} minus: " + ", ".join(
+            yield (f"     paired speedup differences over the same prompts, {p['leaders'][0]} minus: " + ", ".join(
                 f"{n} {v[0]:+.3f}x [{v[1]:+.3f}, {v[2]:+.3f}]" for n, v in against.items()))
         if len(p["leaders"]) > 1:
             yield (f"     no best at this precision: {', '.join(p['leaders'][1:])} cannot be told from "
@@ -6134,13 +6163,16 @@ def bench_lines(bench, config):
            "(dflash's --reasoning on|off; without it, the chat template's default):")
     if bench["departures"]:
         yield f"   not the recipe, so not its tables' numbers: {'; '.join(bench['departures'])}"
+    if bench.get("depth"):
+        yield (f"   every row at depth {bench['depth']}, the fewest drafts a round of the drafters compared (each "
+               "drafter's own depth: its splits in the JSON)")
     for name, where in (config.get("bench_files") or {}).items():
         yield f"   {name}: {where[0]}{f' (+{len(where) - 1} more)' if len(where) > 1 else ''}"
     star = {key: "*" if key == recipe["reported"] else "" for key in AVERAGINGS}
     width = max(len("benchmark"), *map(len, bench["benchmarks"])) + 2
     yield (f"   {'benchmark':<{width}}{'drafter':<14}{'prompts':>8}  {'tau pooled' + star['tau'] + ' [95%]':<26}"
            f"{'mean of requests' + star['tau_request_mean'] + ' [95%]':<28}{'p10/p50/p90':<18}delta tau [95%]")
-    pub = bench.get("published") or {"tau": {}}
+    pub = bench.get("published") or {"figures": {}}
     for name, rows in [*bench["benchmarks"].items(), ("average", bench["average"])]:
         for r in rows:
             spread = "/".join(f"{x:.2f}" for x in r.get("tau_request_p10_p50_p90") or [])
@@ -6149,8 +6181,8 @@ def bench_lines(bench, config):
                    f"{fmt(r['tau_request_mean']) + ' ' + interval(r['tau_request_mean_ci95']):<28}{spread:<18}"
                    + (f"{r['delta_tau']:+.3f} {interval(r['delta_tau_ci95'])}" if r.get("delta_tau") is not None
                       else ""))
-        if name in pub["tau"]:
-            yield f"   {name:<{width}}{'published':<14}{'':>8}  {fmt(pub['tau'][name])} (pooled, as its source reports)"
+        if name in pub["figures"]:
+            yield f"   {name:<{width}}{'published':<14}{'':>8}  {fmt(pub['figures'][name])} (pooled, as its source reports)"
     if "name" in pub:
         yield (f"   published: {pub['name']}, {pub['source']} (read {pub['read']}), on {pub['engine']}; "
                + (f"its recipe differs from this run's in {'; '.join(pub['differences'])}" if pub["differences"]
@@ -6343,9 +6375,14 @@ def plot_panels(source):
     add("tau by context length", "the anchor's context (tokens)", "tau (tokens a round)", "bars",
         [(d["name"], buckets, [d["by_context"].get(b, {}).get("tau") for b in buckets], None)
          for d in shown if len(d.get("by_context") or {}) > 1])   # one bucket: no comparison to draw
-    add("tau by split (--bench: by benchmark)", "split", "tau (tokens a round)", "bars",
-        [(d["name"], list(d["splits"]), [s["tau"] for s in d["splits"].values()], None)
-         for d in shown if len(d.get("splits") or {}) > 1])
+    K = str(common_depth(shown) or "")   # drafters drafting different numbers: their bars at the common depth
+    compared = (source.get("comparison") if isinstance(source, dict) else None) or {}
+    level = {r["name"]: r["splits"] for r in compared.get("at_depth", {}).get(K, []) if "splits" in r}
+    level = level if all(d["name"] in level for d in shown) else {}
+    add("tau by split (--bench: by benchmark)" + (f", at depth {K}, the drafters' common one" if level else ""),
+        "split", "tau (tokens a round)", "bars",
+        [(d["name"], list(d["splits"]), [level[d["name"]][x] if level else s["tau"] for x, s in d["splits"].items()],
+          None) for d in shown if len(d.get("splits") or {}) > 1])
     return panels
 
 

@@ -137,7 +137,8 @@ def test_the_bench_table_is_the_reports_own_figures(tmp_path, bench_dir, capsys)
     pooled over the benchmark's verify rounds (committed tokens over rounds), the mean of its requests' taus, the
     prompt and request counts, the second drafter's paired delta (the pooled difference, every prompt being both
     drafters'), and the average row is the mean over the benchmarks; the printed table has the header, a row per
-    benchmark per drafter and the average, with these numbers."""
+    benchmark per drafter and the average, with these numbers. b drafts 8 a round and a 7: every row is at depth 7,
+    b's from its depth-7 rounds."""
     out = tmp_path / "r.json"
     assert ed.main([*BASE, *TWO, "--bench", "gsm8k,humaneval", "--bench-dir", bench_dir, "--max-samples", "4",
                     "--output", str(out)]) == 0
@@ -147,6 +148,7 @@ def test_the_bench_table_is_the_reports_own_figures(tmp_path, bench_dir, capsys)
     assert bench["recipe"] == {"name": "dflash", "source": "z-lab's dflash/benchmark.py", "seed": 42,
                                "max_new_tokens": 2048, "reported": "tau_request_mean"}
     assert bench["departures"] == ["references of up to 32 new tokens (the recipe's: 2048)"]
+    assert bench["depth"] == 7   # b drafts 8 a round, a 7: the table is at the common depth (issue 52)
     assert list(bench["benchmarks"]) == names
     assert [r["drafter"] for r in bench["average"]] == ["a", "b"]
     taus = set()
@@ -154,7 +156,8 @@ def test_the_bench_table_is_the_reports_own_figures(tmp_path, bench_dir, capsys)
         rows = bench["benchmarks"][name]
         assert [r["drafter"] for r in rows] == ["a", "b"]
         for d, row in zip(report["drafters"], rows):
-            entries = [p for p in d["prompts"] if p["split"] == name]
+            entries = [{**p, "rounds": r, "tau": sum(r) / len(r)} for p in d["prompts"] if p["split"] == name
+                       for r in [p["rounds"] if d["drafts_per_round"] == 7 else p["depth_rounds"]["7"]]]
             assert len(entries) == 4 and all(p["id"].startswith(name + "-") for p in entries)
             assert row["prompts"] == row["requests"] == 4
             assert row["tau"] == pytest.approx(pooled(entries), abs=1e-12)
@@ -193,7 +196,8 @@ def test_the_bench_table_is_the_reports_own_figures(tmp_path, bench_dir, capsys)
         assert (t[2] == "4") is (n != "average")
         assert (f"{r['delta_tau']:+.3f}" in t) if r.get("delta_tau") is not None else \
             len(t) == 10 - 2 * (n == "average")
-    title, departs = lines[header[0] - 4:header[0] - 2]   # above the two files read
+    title, departs, depth = lines[header[0] - 5:header[0] - 2]   # above the two files read
+    assert depth.startswith("   every row at depth 7, the fewest drafts a round")
     assert "--bench-recipe dflash" in title and "thinking off" in title and "mean of per-request means" in title
     assert departs.split(": ", 1)[1] == bench["departures"][0]
     assert "mean of requests* [95%]" in lines[header[0]] and "tau pooled [95%]" in lines[header[0]]
@@ -206,7 +210,7 @@ def test_published_figures_print_beside_the_run_with_the_recipe_differences(tmp_
     assert ed.main([*BASE, "--bench", "gsm8k,humaneval", "--bench-dir", bench_dir, "--max-samples", "4",
                     "--published", "z-lab/Qwen3-8B-DFlash-b16", "--output", str(out)]) == 0
     pub, table = json.loads(out.read_text())["bench"]["published"], ed.PUBLISHED["z-lab/Qwen3-8B-DFlash-b16"]
-    assert pub["tau"] == {"gsm8k": table.figures["gsm8k"]} and pub["source"] == table.source
+    assert pub["figures"] == {"gsm8k": table.figures["gsm8k"]} and pub["source"] == table.source
     assert pub["differences"] == ["sampling: not stated there, greedy decoding here", "block: 16 there, 8 here",
                                   "thinking: not stated there, off here", "gsm8k prompts: not stated there, 4 here"]
     lines = capsys.readouterr().out.splitlines()
@@ -333,15 +337,20 @@ def test_a_json_export_of_lines_is_read_and_a_broken_one_refused(tmp_path, capsy
 
 def test_the_picture_and_the_board_have_tau_by_benchmark(tmp_path, bench_dir):
     """--plot draws tau per benchmark per drafter (one bars panel, a bar per benchmark), and --tensorboard logs each
-    benchmark's tau: the report's own split figures."""
+    benchmark's tau: the report's own split figures. The two draft 7 and 8 a round, so the bars are at depth 7, the
+    common one (issue 52): b's are its depth-7 rounds' pooled tau, from the report's per-prompt entries."""
     out = tmp_path / "r.json"
     assert ed.main([*BASE, *TWO, "--bench", "gsm8k,humaneval", "--bench-dir", bench_dir, "--max-samples", "3",
                     "--output", str(out)]) == 0
     report = json.loads(out.read_text())
     panel = next(p for p in ed.plot_panels(report) if p[0].startswith("tau by split"))
-    assert panel[3] == "bars" and [label for label, *_ in panel[4]] == ["a", "b"]
-    for (_, xs, ys, _), d in zip(panel[4], report["drafters"]):
-        assert xs == ["gsm8k", "humaneval"] and ys == [d["splits"][n]["tau"] for n in xs]
+    assert panel[3] == "bars" and [label for label, *_ in panel[4]] == ["a", "b"] and "at depth 7" in panel[0]
+    (_, xs, ys, _), (_, _, ys_b, _) = panel[4]
+    a, b = report["drafters"]
+    assert xs == ["gsm8k", "humaneval"] and ys == [a["splits"][n]["tau"] for n in xs]
+    assert b["drafts_per_round"] == 8 and ys_b == [pytest.approx(pooled(
+        [{"rounds": p["depth_rounds"]["7"]} for p in b["prompts"] if p["split"] == n]), abs=1e-12) for n in xs]
+    assert ys_b != [b["splits"][n]["tau"] for n in xs]
     scalars = ed.board_scalars(report["drafters"][1])
     assert {k: v for k, v in scalars.items() if k.startswith("split_tau/")} == {
         f"split_tau/{n}": report["drafters"][1]["splits"][n]["tau"] for n in ("gsm8k", "humaneval")}

@@ -119,13 +119,14 @@ def test_rows_of_one_drafter_are_compared_paired_over_the_same_prompts(tmp_path,
         return delta, delta - 1.96 * se, delta + 1.96 * se
 
     for name in ranked[1:]:
-        assert one["paired_with_top"][name] == pytest.approx(list(paired(top, name)), rel=1e-9, abs=1e-12)
+        assert rows[name]["below_top"] == pytest.approx(list(paired(top, name)), rel=1e-9, abs=1e-12)
     assert one["best"] == top and one["leaders"] == [top]
     assert all(paired(top, n)[1] > 0 for n in ranked[1:])
     many = d["predicted_speedup"]["32"]   # a leader is a row the paired test cannot tell from the top one
-    assert many["leaders"][1:] == [n for n, v in many["paired_with_top"].items() if v[1] <= 0]
+    assert many["leaders"][1:] == [n for n, r in many["rows"].items() if r.get("below_top") and r["below_top"][1] <= 0]
+    assert "below_top" not in rows[top]
     printed = capsys.readouterr().out
-    assert f"paired over the same prompts, {top} minus:" in printed and "<- best" in printed
+    assert f"paired speedup differences over the same prompts, {top} minus:" in printed and "<- best" in printed
 
 
 def test_measured_costs_are_paired_by_round_and_saved_for_another_box(tmp_path):

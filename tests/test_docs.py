@@ -117,7 +117,7 @@ def test_every_old_heading_has_a_home_and_every_link_leads_somewhere():
 # described once under a placeholder.
 MAPS = {"depths", "verify", "ddtree", "splits", "turns", "predicted_speedup", "rows", "by_context", "best_steps",
         "drafts_per_round", "at_depth", "benchmarks", "overrides", "modes", "ddtree_rounds", "depth_rounds",
-        "verify_tau", "bench_files", "batch_sizes"}
+        "verify_tau", "bench_files", "batch_sizes", "figures"}
 # Described, and written only where other tests go: a run cut short (test_long_runs), a failed self-check
 # (test_selfcheck), --costs measure's timing runs (test_costs), an engine's counts alone (test_served) and llama-server's
 # figures (test_llamacpp).
@@ -160,7 +160,8 @@ def written(tmp_path_factory):
                 "--costs", "gpu:H100", "--check-mask", "--limit", "3"],
         "sampled": ["--demo", "--temperature", "0.01", "--verify", "standard,block", "--samples-per-prompt", "2",
                     "--limit", "2"],
-        "bench": ["--demo", "--bench", "gsm8k,mt-bench", "--bench-dir", str(root / "bench"), "--max-samples", "2"],
+        "bench": ["--demo", "--bench", "gsm8k,mt-bench", "--bench-dir", str(root / "bench"), "--max-samples", "2",
+                  "--published", "z-lab/Qwen3-4B-DFlash-b16"],
         "shard": ["--demo", "--shard", "1/2", "--limit", "2"],
         "eagle": ["--target", f"{FIX}/llama/target", "--ckpt", f"{FIX}/llama/eagle3", "--prompts",
                   f"{FIX}/demo/prompts.jsonl", "--limit", "2"],

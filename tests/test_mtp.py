@@ -212,9 +212,9 @@ def test_walk_mode_and_depths(tmp_path, demo, whole):
 @needs_qwen35
 def test_side_by_side_pairs_the_drafters_at_the_same_depth(whole):
     """7 drafts a round against 3 is no comparison: the drafters are also paired at the depths both were
-    evaluated at (--depths 2,5), each tau the drafter's own at that depth."""
+    evaluated at (--depths 2,5, and 3: the fewest, where both draft), each tau the drafter's own at that depth."""
     c = whole["comparison"]
-    assert c["drafts_per_round"] == {"mine": 7, "mtp": 3} and sorted(c["at_depth"]) == ["2", "5"]
+    assert c["drafts_per_round"] == {"mine": 7, "mtp": 3} and sorted(c["at_depth"]) == ["2", "3", "5"]
     for K, (mine, mtp) in c["at_depth"].items():
         assert [mine["name"], mtp["name"]] == ["mine", "mtp"] and mine["delta_tau"] is None
         assert mine["tau"] == pytest.approx(whole["drafters"][0]["depths"][K]["tau"])
