@@ -656,23 +656,6 @@ PUBLISHED = {
         {"gsm8k": 5.46})}
 
 
-def published_beside(name, rows, drafter, config):
-    """The published row NAME for the benchmarks run, and where its recipe differs from this run's."""
-    pub = PUBLISHED[name]
-    ours = sampling_of(config) or 0
-    differs = [f"{what}: {theirs} there, {here} here" for what, theirs, here, same in (
-        ("sampling", describe_sampling(pub.sampling) if pub.sampling is not None else "not stated",
-         describe_sampling(ours), pub.sampling is not None and tuple(pub.sampling or ()) == tuple(ours or ())),
-        ("block", pub.block, drafter["drafts_per_round"] + 1, pub.block == drafter["drafts_per_round"] + 1),
-        ("thinking", {None: "not stated", True: "on", False: "off"}[pub.thinking],
-         "on" if config["enable_thinking"] else "off", pub.thinking == bool(config["enable_thinking"])))
-        if not same]
-    differs += [f"{b} prompts: {pub.prompts or 'not stated'} there, {rows[b][0]['prompts']} here" for b in pub.figures
-                if b in rows and pub.prompts != rows[b][0]["prompts"]]
-    return {"name": name, "source": pub.source, "read": pub.read, "engine": pub.engine,
-            "figures": {b: tau for b, tau in pub.figures.items() if b in rows}, "differences": differs}
-
-
 def bench_places(name):
     """Where a benchmark's local copy may lie under --bench-dir, in the order looked at (globs; shards in name order):
     an export by the benchmark's name or as `datasets` names the split (to_json, a JSON array, dflash's {"turns"}
@@ -5929,6 +5912,23 @@ def side_by_side(drafters, results, items):
                              **({"splits": split_taus(d, res, K)} if len(splits) > 1 else {})}
                             for d, res in zip(drafters, results)], K) for K in sorted(shared)})
     return comparison
+
+
+def published_beside(name, rows, drafter, config):
+    """The published row NAME for the benchmarks run, and where its recipe differs from this run's."""
+    pub = PUBLISHED[name]
+    ours = sampling_of(config) or 0
+    differs = [f"{what}: {theirs} there, {here} here" for what, theirs, here, same in (
+        ("sampling", describe_sampling(pub.sampling) if pub.sampling is not None else "not stated",
+         describe_sampling(ours), pub.sampling is not None and tuple(pub.sampling or ()) == tuple(ours or ())),
+        ("block", pub.block, drafter["drafts_per_round"] + 1, pub.block == drafter["drafts_per_round"] + 1),
+        ("thinking", {None: "not stated", True: "on", False: "off"}[pub.thinking],
+         "on" if config["enable_thinking"] else "off", pub.thinking == bool(config["enable_thinking"])))
+        if not same]
+    differs += [f"{b} prompts: {pub.prompts or 'not stated'} there, {rows[b][0]['prompts']} here" for b in pub.figures
+                if b in rows and pub.prompts != rows[b][0]["prompts"]]
+    return {"name": name, "source": pub.source, "read": pub.read, "engine": pub.engine,
+            "figures": {b: tau for b, tau in pub.figures.items() if b in rows}, "differences": differs}
 
 
 def bench_table(drafters, results, items, config):
