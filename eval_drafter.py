@@ -7767,15 +7767,15 @@ def leave_ranks():
 def main(argv=None):
     with contextlib.suppress(AttributeError, ValueError):   # a report line holds Δτ: never die of the locale
         sys.stdout.reconfigure(errors="replace")
-    if is_main_thread():   # from here Ctrl-C is a KeyboardInterrupt, which the prompts' loop keeps its work on
-        signal.signal(signal.SIGINT, signal.default_int_handler)
     settings = None
     try:
         args = parse_args(argv, supported())
         if args.help_markdown:
             print(options_markdown(), end="")
             return 0
-        load_torch()
+        load_torch()   # under the starting handler: a Ctrl-C in torch's import is its one line
+        if is_main_thread():   # from here Ctrl-C is a KeyboardInterrupt, which the prompts' loop keeps its work on
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         settings = resolve_settings(args)
         with output_claimed(settings) as earlier:
             report = run(settings, earlier)

@@ -257,3 +257,15 @@ def test_ctrl_c_inside_measure_reaches_the_loop_and_loses_nothing(saved, feature
     assert len(calls) == 2
     monkeypatch.setattr(ed, "draft_all_anchors", real)
     assert figures(ed.measure(state, features, config=demo_config())) == figures(saved["demo"])
+
+
+def test_measure_takes_a_checkpoint_path_or_refuses_in_one_line(saved, features):
+    """Issue 52: measure("tests/fixtures/demo/drafter", f) raised a ValueError from dict(); a path (str or Path) is
+    read as --ckpt reads it and gives the CLI's figures; a value of no drafter kind is one UsageError line."""
+    import pathlib
+    for path in (DRAFTER, pathlib.Path(DRAFTER)):
+        assert figures(ed.measure(path, features, name="demo")) == figures(saved["demo"])
+    for bad in (3, ["w"]):
+        with pytest.raises(ed.UsageError) as caught:
+            ed.measure(bad, features)
+        assert "\n" not in str(caught.value) and "drafter" in str(caught.value)
