@@ -31,8 +31,8 @@ The sections, in the order data flows (each definition stands under its banner, 
     Records, caches and resume: nothing lost
     Run: one evaluation (loading, drafting, finishing), the sibling modes (--watch), the Python entry point, main
         (load_features and measure: `import eval_drafter` in a training loop)
-Only torch, transformers, safetensors, numpy, tqdm and the standard library are used (matplotlib and tensorboard by
---plot and --tensorboard alone, imported where they are used).
+Only torch, transformers, safetensors, numpy, tqdm and the standard library are used (matplotlib, tensorboard and
+wandb by --plot, --tensorboard and --wandb alone, imported where they are used).
 """
 from __future__ import annotations   # annotations unevaluated: torch.Tensor names a type before torch loads
 
@@ -992,6 +992,8 @@ FLAGS = [
         "(a report's JSON or a --watch series) instead of running anything")),
     ("training", "--tensorboard", "CM", None, dict(metavar="DIR", help="write tau, each position's acceptance and the "
         "DDTree and depth taus per drafter and step as TensorBoard scalars (needs tensorboard)")),
+    ("training", "--wandb", "CM", None, dict(metavar="PROJECT", help="log the same series as --tensorboard to a "
+        "Weights & Biases project (needs wandb; WANDB_MODE=offline writes it without a network, for wandb sync)")),
     ("output", "--output", "MF", None, dict(help="write the full results as JSON to this file (atomically; finished "
         "prompts go to <output>.partial.jsonl as the run goes; one run at a time, never over an input of the run); "
         "a device, FIFO or /dev/stdout is written straight, with no partial file")),
@@ -1267,6 +1269,8 @@ def check_outputs(args):
             "torch.utils.tensorboard, which needs the tensorboard package: pip install tensorboard"),
            (args.tensorboard and os.path.exists(args.tensorboard) and not os.path.isdir(args.tensorboard),
             f"--tensorboard {args.tensorboard} is a file: give a directory (made if missing)"),
+           (args.wandb and importlib.util.find_spec("wandb") is None,
+            "--wandb logs through the wandb package, which is not installed: pip install wandb"),
            (args.watch and int(os.environ.get("WORLD_SIZE", "1")) > 1,
             "--watch follows a run in one process: start it without torchrun"),
            (args.watch and args.costs == "measure", "--costs measure times the target once, which a watch does not "
@@ -1289,6 +1293,7 @@ def resolve_merge(args):
     check_outputs(args)
     return {"merge": [os.path.abspath(path) for path in args.merge], "output": args.output, "quiet": args.quiet,
             "threads": args.threads, "compare_hidden": None, "plot": args.plot, "tensorboard": args.tensorboard,
+            "wandb": args.wandb,
             "output_streamed": bool(args.output) and streamed(args.output)}
 
 
@@ -6450,18 +6455,30 @@ def board_scalars(d):
     return {tag: v for tag, v in tags.items() if v is not None}
 
 
-def board_writer(path):
-    """--tensorboard's writer: one events file for a whole run or watch."""
-    from torch.utils.tensorboard import SummaryWriter   # optional: pip install tensorboard
-    return SummaryWriter(log_dir=path)
+def loggers(settings):
+    """--tensorboard's and --wandb's writers, one (write, close) pair each: write(drafters) logs every drafter's scalars
+    under its series' (or its own) name at its training step (else 0), on disk at once. One log for a run or watch."""
+    out = []
+    if settings.get("tensorboard"):
+        from torch.utils.tensorboard import SummaryWriter   # optional: pip install tensorboard
+        board = SummaryWriter(log_dir=settings["tensorboard"])
 
+        def write_board(drafters):
+            for d in drafters:
+                for tag, value in board_scalars(d).items():
+                    board.add_scalar(f"{d.get('series') or d['name']}/{tag}", value, d.get("step") or 0)
+            board.flush()
+        out.append((write_board, board.close))
+    if settings.get("wandb"):
+        import wandb   # optional: pip install wandb
+        run = wandb.init(project=settings["wandb"], settings=wandb.Settings(silent=True))
 
-def write_board(writer, drafters):
-    """Every drafter's scalars under its series' (or its own) name, at its training step (else 0), on disk at once."""
-    for d in drafters:
-        for tag, value in board_scalars(d).items():
-            writer.add_scalar(f"{d.get('series') or d['name']}/{tag}", value, d.get("step") or 0)
-    writer.flush()
+        def write_wandb(drafters):   # one row per step, in step order: W&B drops a step below one it has logged
+            for step in sorted({d.get("step") or 0 for d in drafters}):
+                run.log({f"{d.get('series') or d['name']}/{tag}": value for d in drafters
+                         if (d.get("step") or 0) == step for tag, value in board_scalars(d).items()}, step=step)
+        out.append((write_wandb, run.finish))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -7513,7 +7530,7 @@ def watch(settings, shown):
                       "evaluated again")
     seen, source, news, heard, until = {}, None, time.time(), 0.0, settings["watch_until"]
     best = max((line["tau"] for line in lines.values() if line.get("tau") is not None), default=None)
-    board = board_writer(settings["tensorboard"]) if settings["tensorboard"] else None
+    writers = loggers(settings)
     try:
         while True:
             steps = run_steps(run_dir) or {}
@@ -7531,8 +7548,8 @@ def watch(settings, shown):
                 news, top = time.time(), line["tau"] is not None and (best is None or line["tau"] > best)
                 best = line["tau"] if top else best
                 print(step_text(line, top), file=shown, flush=True)
-                if board:
-                    write_board(board, [line])
+                for write, _ in writers:
+                    write([line])
                 if settings["plot"]:
                     draw_plot([header, *(lines[s] for s in sorted(lines))], settings["plot"])
                 if until is not None and step >= until:   # the steps after it are past the watch's end
@@ -7561,8 +7578,8 @@ def watch(settings, shown):
         say(f"interrupted: {kept}; the same command goes on with the steps not there")
         return {"interrupted": True}
     finally:
-        if board:
-            board.close()
+        for _, close in writers:
+            close()
     if best is not None:
         top = max((s for s in lines if lines[s].get("tau") is not None), key=lambda s: lines[s]["tau"])
         print(f"best step of {series}: {top}, tau {fmt(best)}", file=shown)
@@ -7625,11 +7642,13 @@ def run(settings, earlier=None):
             log(settings, f"note: vLLM refuses block verification together with synthetic acceptance, so the export "
                           f"replays the {settings['verify'][0]} rule's measured rates as synthetic ones and says "
                           "nothing of block")
-    if settings.get("tensorboard"):
-        board = board_writer(settings["tensorboard"])
-        write_board(board, report["drafters"])
-        board.close()
-        log(settings, f"wrote TensorBoard scalars to {settings['tensorboard']}")
+    for write, close in loggers(settings):
+        write(report["drafters"])
+        close()
+    if settings.get("tensorboard") or settings.get("wandb"):
+        log(settings, "logged the scalars to " + " and ".join(
+            [f"TensorBoard ({settings['tensorboard']})"] * bool(settings.get("tensorboard")) +
+            [f"W&B project {settings['wandb']}"] * bool(settings.get("wandb"))))
     if settings.get("plot") and report["drafters"] and any(d["prompts"] for d in report["drafters"]):
         draw_plot(report, settings["plot"])
         log(settings, f"wrote {settings['plot']}")

@@ -318,3 +318,62 @@ def test_tensorboard_scalars(two, series):
     steps = sorted(series["report"]["drafters"], key=lambda d: d["step"])
     assert scalars(series["folder"] / "tb")["run/tau"] == \
         [(d["step"], pytest.approx(d["tau"], rel=1e-6)) for d in steps]
+
+
+def wandb_rows(path):
+    """The history rows of an offline W&B run, read from its .wandb file: wandb writes LevelDB's log format (a
+    7-byte file header, 32 KiB blocks of records each with a crc, length and kind) of protobuf Records; there is no
+    offline reader in the package, so this is one."""
+    import struct
+    from wandb.proto import wandb_internal_pb2
+    data, pos, part, rows = open(path, "rb").read(), 7, b"", []
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        if left < 7 or length == kind == 0:   # a block's zero padding
+            pos += left
+            continue
+        part, pos = part + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):   # a whole record, or its last piece
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(part)
+            part = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+    return rows
+
+
+def test_wandb_logs_the_tensorboard_series(saved, tmp_path, monkeypatch):
+    """--wandb PROJECT (offline, no network): a row per training step in step order, each holding every scalar
+    --tensorboard logs, equal to the JSON's figures; two drafters at step 0 share one row."""
+    pytest.importorskip("wandb")
+    import glob
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))   # wandb reads it once a process: both runs land here
+    runs = {"run": ["--ckpt", f"run={saved['run']}"],
+            "demo": ["--ckpt", f"demo={DRAFTER}", "--ckpt", f"pert={saved['perturbed']}", "--depths", "3"]}
+    for name, flags in runs.items():
+        assert ed.main(load_hidden(saved, *flags, "--wandb", "evals", "--output", str(tmp_path / f"{name}.json"))) == 0
+    logged = [wandb_rows(path) for path in glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))]
+    assert len(logged) == 2
+    for name in runs:
+        drafters = read_json(tmp_path / f"{name}.json")["drafters"]
+        (rows,) = [rows for rows in logged if any(k.startswith(name + "/") for k in rows[0])]
+        steps = sorted({d.get("step") or 0 for d in drafters})
+        assert [row["_step"] for row in rows] == steps
+        for d in drafters:
+            (row,) = [r for r in rows if r["_step"] == (d.get("step") or 0)]
+            prefix = d.get("series") or d["name"]
+            assert {k: v for k, v in row.items() if k.startswith(prefix + "/")} == \
+                {f"{prefix}/{tag}": v for tag, v in ed.board_scalars(d).items()}
+            assert row[f"{prefix}/tau"] == d["tau"]
+    assert len(steps) == 1 and len(drafters) == 2 and "demo/depth_tau/K3" in rows[0] and "pert/tau" in rows[0]
+
+
+def test_wandb_without_the_package_is_one_line(saved, tmp_path):
+    blocked = subprocess.run([sys.executable, "-c", BLOCKED.replace("matplotlib", "wandb").format(root=ROOT),
+                              *load_hidden(saved, "--ckpt", f"demo={DRAFTER}", "--wandb", "p")],
+                             capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert (blocked.returncode, blocked.stderr.count("\n")) == (2, 1), blocked.stderr
+    assert blocked.stderr.startswith("error: ") and "pip install wandb" in blocked.stderr
