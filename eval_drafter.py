@@ -3154,8 +3154,8 @@ def dspark_note(head):
     """What the load line says of a DSpark drafter: its head, and which engines serve it how."""
     if not head["rank"]:
         return "; no Markov head (markov_rank 0): each slot's argmax; vLLM and SGLang need markov_rank > 0"
-    vllm = "vLLM 0.33 (greedy drafts by default)" if head["kind"] == "vanilla" else \
-        "not vLLM 0.33 (its Qwen3 DSpark has the vanilla head only)"
+    vllm = "vLLM 0.33 and 0.34 (greedy drafts by default)" if head["kind"] == "vanilla" else \
+        "not vLLM 0.33 or 0.34 (their Qwen3 DSpark has the vanilla head only)"
     return (f"; {head['kind']} Markov head of rank {head['rank']}" +
             (f", drafts among each slot's top {head['topk']} (vLLM's dspark_draft_topk)" if head["topk"] else "")
             + f"; served by SGLang 0.5.23 (samples drafts at the request temperature by default) and {vllm}")
@@ -3600,7 +3600,8 @@ def load_eagle3(name, path, generation, fam, cfg, state, layout, raw, target_cfg
     log(settings, f"drafter {name}: {generation}, {layout} layout; captured layers {layers} from {source}; " +
                   (f"{steps} drafts a round in one pass, the bonus token's row then {steps - 1} mask slots (token "
                    f"{mask_id}, fc(mask_hidden)), as vLLM 0.33 drafts it (method eagle3, parallel_drafting; SGLang "
-                   "does not serve it)" if parallel else f"{steps} steps a round") +
+                   "does not serve it; vLLM 0.34 refuses it: \"P-EAGLE (parallel drafting EAGLE-3) is not supported\", "
+                   "and run as plain eagle3 it skips mask_hidden and chains instead)" if parallel else f"{steps} steps a round") +
                   f"; norm_before_residual {head['norm_before_residual']}" +
                   ("" if parallel else f", feeds back the {'post' if head['norm_output'] else 'pre'}-norm hidden") +
                   ("; SpecForge's norm_output means the norm before lm_head, the engines read it as the hidden fed "
@@ -3954,14 +3955,14 @@ class Family:
 
 FAMILIES = {
     "DFlash": Family(load_block, sources="z-lab's, transformers' native assistant, speculators', SpecForge's exports "
-                     "and training states", engines="vLLM 0.33, SGLang 0.5.23"),
+                     "and training states", engines="vLLM 0.33 and 0.34, SGLang 0.5.23"),
     "DFlash 2": Family(load_block, conv=dflash2_settings, full_vocabulary="selector scores", sources="z-lab's, "
-                       "speculators'", engines="vLLM 0.33", ddtree_note=(
+                       "speculators'", engines="vLLM 0.33 and 0.34, SGLang 0.5.23", ddtree_note=(
         "DFlash 2 drafts a chain: its selector couples each slot's choice to the previous one, and no public tree "
         "verifier exists for those paths, so no DDTree rows (a tree from the unary logits alone is not what any "
         "engine runs)")),
     "DSpark": Family(load_block, chained_round, head=dspark_head, note=dspark_note, from_anchor=True, method="dspark",
-                     sources="SpecForge's, speculators'", engines="vLLM 0.33 (vanilla head), SGLang 0.5.23",
+                     sources="SpecForge's, speculators'", engines="vLLM 0.33 and 0.34 (vanilla head), SGLang 0.5.23",
                      ddtree_note="DSpark drafts a chain: each slot's Markov bias depends on the token drafted before "
                      "it, and neither vLLM nor SGLang verifies DSpark trees, so no DDTree rows"),
     "Domino": Family(load_block, chained_round, head=domino_head, note=domino_note, full_vocabulary="correction scores",
@@ -3970,27 +3971,27 @@ FAMILIES = {
                      "state over the tokens drafted before it, and SGLang serves it as a chain only, so no DDTree "
                      "rows"),
     "XPress": Family(load_block, xpress_round, head=xpress_head, note=xpress_note, greedy="vLLM serves it so",
-                     sources="speculators', vLLM's", engines="vLLM 0.33",
+                     sources="speculators', vLLM's", engines="vLLM 0.33 and 0.34",
                      ddtree_note="XPress drafts a chain: its refiner reads the token drafted before each slot, and "
                      "vLLM, the one engine serving it, verifies a chain, so no DDTree rows"),
     "LiLiCorr": Family(load_block, lilicorr_round, head=lilicorr_head, note=lilicorr_note, conv=lilicorr_conv,
-                       sources="the engines' (LiLiCorrDraftModel)", engines="vLLM 0.33, SGLang 0.5.23",
+                       sources="the engines' (LiLiCorrDraftModel)", engines="vLLM 0.33 and 0.34, SGLang 0.5.23",
                        full_vocabulary="candidate lattice's scores", ddtree_note="LiLiCorr drafts a chain: its walk "
                        "picks each slot's candidate after the one before it, and both engines verify a chain, so no "
                        "DDTree rows"),
     "EAGLE-3": Family(load_eagle3, causal_round, causal=True, method="eagle3", tree=True, rounds="chain", sources="speculators', "
-                      "SpecForge's exports and training states", engines="vLLM 0.33 (chains), SGLang 0.5.23 (trees)",
+                      "SpecForge's exports and training states", engines="vLLM 0.33 and 0.34 (chains), SGLang 0.5.23 (trees)",
                       ddtree_note=(
         "EAGLE-3 drafts a chain here, as vLLM serves it; its trees are SGLang's, built step by step (the SGLang tree "
         "row, --eagle-tree), not DDTree's from one pass, so no DDTree rows")),
     "P-EAGLE": Family(load_eagle3, parallel_round, causal=True, method="eagle3", vllm={"parallel_drafting": True},
                       rounds="parallel",
-                      sources="speculators', SpecForge's", engines="vLLM 0.33 (V1 runner)",
+                      sources="speculators', SpecForge's", engines="vLLM 0.33 (V1 runner); vLLM 0.34 refuses it",
                       ddtree_note="P-EAGLE drafts a chain here, as vLLM, the one engine serving it, verifies its K "
                       "parallel drafts, so no DDTree rows"),
     # the MTP layer is read from a target directory: load_drafter takes it to load_mtp before any checkpoint is read
     "MTP": Family(None, causal_round, causal=True, method="mtp", rounds="chain", sources="the target's own mtp.* layer (Qwen3.5/3.6, "
-                  "Qwen3-Next)", engines="vLLM 0.33, SGLang 0.5.23", ddtree_note=(
+                  "Qwen3-Next)", engines="vLLM 0.33 and 0.34, SGLang 0.5.23", ddtree_note=(
         "the MTP layer drafts a chain here, as vLLM serves it and SGLang by default (top-1; its token trees are out "
         "of scope), so no DDTree rows")),
 }

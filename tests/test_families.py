@@ -299,8 +299,8 @@ def test_load_line_names_the_family_and_its_engines(tmp_path, capsys):
                     "--output", str(tmp_path / "o.json")]) == 0
     err = capsys.readouterr().err
     assert "drafter v: DSpark, speculators layout" in err and "vanilla Markov head of rank 16" in err
-    assert "served by SGLang 0.5.23" in err and "and vLLM 0.33" in err
-    assert "drafter r: DSpark" in err and "not vLLM 0.33 (its Qwen3 DSpark has the vanilla head only)" in err
+    assert "served by SGLang 0.5.23" in err and "and vLLM 0.33 and 0.34" in err
+    assert "drafter r: DSpark" in err and "not vLLM 0.33 or 0.34 (their Qwen3 DSpark has the vanilla head only)" in err
     assert "drafter d: Domino" in err and "pure-draft prefix P = 1" in err and "served by SGLang 0.5.23 only" in err
     report = json.loads((tmp_path / "o.json").read_text())
     heads = {d["name"]: d.get("head") for d in report["drafters"]}
