@@ -22,6 +22,7 @@ The sections, in the order data flows (each definition stands under its banner, 
     Drafter backbone: checkpoints read, the shared checks, the block pass (SDPA, explicit context-plus-block mask)
     Drafter families, block: DFlash, DFlash 2, DSpark, Domino, XPress, LiLiCorr (their loading and proposal code)
     Drafter families, causal: EAGLE-3, P-EAGLE and the MTP layer (their loading and proposal code)
+    Drafter families, text: the baselines that draft from the text alone (n-gram prompt lookup, suffix decoding)
     Drafter families: recognition and the family table, the one place a family is dispatched from
     Drafting: a drafter loaded by its family, every anchor drafted
     References: the target's own (speculative or plain decoding) and a serving engine's
@@ -799,7 +800,9 @@ FLAGS = [
         "directory with config.json + model.safetensors (or model.safetensors.index.json) in z-lab's, transformers' "
         "native, speculators' or SpecForge's layout; a .safetensors file; a training .pt/.pth/.bin state dict, read "
         "with torch.load(weights_only=True), nesting and prefixes unwrapped; a SpecForge step directory; a training "
-        "run's directory of steps (--steps); a target directory: its MTP layer (as --mtp)")),
+        "run's directory of steps (--steps); a target directory: its MTP layer (as --mtp); a baseline drafting from "
+        "the text alone, vLLM 0.34's rules: ngram[:k=K,min=N,max=M] (prompt lookup), suffix[:k=K,depth=D] (suffix "
+        "decoding; K by default the first drafter's)")),
     ("inputs", "--mtp", "W", None, dict(action="store_true", help="also evaluate the target's own MTP layer "
         "(Qwen3.5/3.6, Qwen3-Next: mtp.* in its safetensors) as drafter mtp, the baseline a drafter must beat; the "
         "same as --ckpt mtp=TARGET_DIR")),
@@ -2229,7 +2232,7 @@ GENERIC_CKPT_NAMES = {"drafter", "draft", "dflash", "ckpt", "checkpoint", "model
 def split_ckpt_spec(spec):
     """(label, path) of a --ckpt [NAME=]PATH: NAME, else the file or directory name (parent first if generic)."""
     name, sep, path = spec.partition("=")
-    if sep and name and "/" not in name and not os.path.exists(spec):
+    if sep and name and "/" not in name and ":" not in name and not os.path.exists(spec):   # ngram:k=3 is a path
         return name, path
     parts = os.path.normpath(os.path.abspath(spec)).split(os.sep)
     stem = re.sub(r"\.(safetensors|pt|pth|bin)$", "", parts[-1])
@@ -3898,6 +3901,66 @@ def parallel_round(d, context, anchors, first, starts, embed_w, head, prompt_id,
 
 
 # ----------------------------------------------------------------------------------------------------
+# Drafter families, text: the baselines that draft from the text alone (n-gram prompt lookup, suffix decoding)
+
+
+# --ckpt NAME=ngram[:k=K,min=N,max=M] and NAME=suffix[:k=K,depth=D]: vLLM 0.34's ngram and suffix methods, their knobs
+# and defaults (ngram/config.py: prompt_lookup_min = max = 5; suffix: suffix_decoding_max_tree_depth 24). K, the
+# drafts a round, is the run's first model drafter's unless given (vLLM asks it of ngram; suffix takes min(8, depth)).
+TEXT_BASELINES = {"ngram": {"min": 5, "max": 5}, "suffix": {"depth": 24}}
+
+
+def text_spec(path):
+    """(kind, {knob: value}) of a --ckpt baseline spelling, None for a path (a file named so wins)."""
+    kind, _, knobs = path.partition(":")
+    if kind not in TEXT_BASELINES or os.path.exists(path):
+        return None
+    given = dict(part.partition("=")[::2] for part in knobs.split(",") if part)
+    bad = [k for k, v in given.items() if k not in {"k", *TEXT_BASELINES[kind]} or not v.isdigit() or int(v) < 1]
+    refuse((bad, f"--ckpt {path}: {kind} takes k=, " + ", ".join(f"{k}=" for k in TEXT_BASELINES[kind]) +
+            f" with whole numbers of 1 or more (got {bad[0]}=...)" if bad else ""))
+    knobs = {**TEXT_BASELINES[kind], **{k: int(v) for k, v in given.items()}}
+    refuse((knobs.get("min", 1) > knobs.get("max", 1), f"--ckpt {path}: min {knobs.get('min')} is above max "
+            f"{knobs.get('max')} (vLLM refuses it too)"))
+    return kind, knobs
+
+
+def load_text(name, path):
+    """A baseline as a drafter record: no weights, no target layers; its K, if not given, settled with the others'."""
+    kind, knobs = text_spec(path)
+    head = {"rule": f"vLLM 0.34's {kind}", **{k: v for k, v in knobs.items() if k != "k"},
+            "lookup": [knobs["min"], knobs["max"]] if kind == "ngram" else [1, knobs["depth"]]}
+    return Drafter(name=name, checkpoint=path, cfg={}, weights={}, layers=[], block_size=knobs.get("k", 0) + 1,
+                   mask_token_id=-1, rules=[], rope=None, logit_rows=0, generation=kind, layout="vLLM 0.34", head=head,
+                   warnings=[], defaults={})
+
+
+def lookup_drafts(ids, k, low, high):
+    """Drafts at every position a of ids (the text ids[:a + 1]) by vLLM 0.34's prompt lookup (ngram/speculator.py):
+    the longest suffix of n in [low, high] tokens seen earlier with a token after it, its latest occurrence; the k
+    tokens after it, short ones padded with the last token (no match: k copies), every one verified. Suffix decoding's
+    own-history match (suffix/speculator.py, the longest common suffix up to its depth, the latest) is this rule with
+    n in [1, depth]. Grams enter an index as they become eligible: O(len(ids) x n)."""
+    latest, out = [{} for _ in range(high + 1)], torch.empty(len(ids), k, dtype=torch.long)
+    for a in range(len(ids)):
+        L = a + 1   # the text ids[:L]: a gram at p is matched only with a token after it, p + n <= L - 1
+        for n in range(low, min(high, L - 1) + 1):
+            latest[n][tuple(ids[L - 1 - n:L - 1])] = L - 1 - n   # the one gram that became eligible, the latest
+        at = next((p + n for n in range(min(high, L - 1), low - 1, -1)
+                   if (p := latest[n].get(tuple(ids[L - n:L]))) is not None), L)
+        after = ids[at:min(at + k, L)]
+        out[a] = torch.tensor(after + [ids[a]] * (k - len(after)), dtype=torch.long)
+    return out
+
+
+def text_round(d, context, anchors, first, starts, embed_w, head, prompt_id, given=None, sampling=None):
+    """A baseline's round: the drafts at the anchors, and (`given` tokens) the chance of each: 1 where it is the draft,
+    as vLLM verifies drafts that carry no probabilities (the target's p alone decides, a deterministic walk)."""
+    drafts = context[anchors.cpu()]
+    return drafts, None if given is None else (drafts == given.cpu()).double()
+
+
+# ----------------------------------------------------------------------------------------------------
 # Drafter families: recognition and the family table, the one place a family is dispatched from
 
 
@@ -3938,6 +4001,7 @@ class Family:
     load: object                # (name, path, generation, entry, cfg, state, layout, raw, target_cfg, settings, ...)
     propose: object = None      # a chained round: (drafts, proposal probabilities); None: each slot's argmax
     causal: bool = False        # one causal pass over the text, then K chained one-layer steps: no block, no mask
+    text: bool = False          # drafts from the text alone (a baseline): no weights, no target features
     head: object = None         # (cfg, state, where, settings) -> what its proposal step reads
     note: object = None         # (head) -> what its load line adds
     conv: object = None         # (cfg, state, name, settings) -> (conv taps, selector candidates): DFlash 2's
@@ -3990,6 +4054,14 @@ FAMILIES = {
                       ddtree_note="P-EAGLE drafts a chain here, as vLLM, the one engine serving it, verifies its K "
                       "parallel drafts, so no DDTree rows"),
     # the MTP layer is read from a target directory: load_drafter takes it to load_mtp before any checkpoint is read
+    "ngram": Family(None, text_round, causal=True, text=True, method="ngram", rounds="text", greedy="its rule is",
+                    sources="none: prompt lookup over the text (--ckpt NAME=ngram[:k=K,min=N,max=M])", engines="vLLM "
+                    "0.33 and 0.34 (this rule, 0.34's); SGLang 0.5.23 (NGRAM) and llama.cpp look up by other rules",
+                    ddtree_note="an n-gram lookup proposes one chain, as vLLM serves it, so no DDTree rows"),
+    "suffix": Family(None, text_round, causal=True, text=True, method="suffix", rounds="text", greedy="its rule is",
+                     sources="none: the request's own text (--ckpt NAME=suffix[:k=K,depth=D])", engines="vLLM 0.34 "
+                     "(method suffix, its own-history match; its cross-request corpus off)",
+                     ddtree_note="suffix decoding proposes one chain in vLLM, so no DDTree rows"),
     "MTP": Family(None, causal_round, causal=True, method="mtp", rounds="chain", sources="the target's own mtp.* layer (Qwen3.5/3.6, "
                   "Qwen3-Next)", engines="vLLM 0.33 and 0.34, SGLang 0.5.23", ddtree_note=(
         "the MTP layer drafts a chain here, as vLLM serves it and SGLang by default (top-1; its token trees are out "
@@ -4008,6 +4080,8 @@ def family(d):
 def read_drafter(spec, target_cfg, settings, identify=True, given=None):
     """A drafter from its --ckpt spec, or from `given` = (config or None, state dict) held in memory (left whole)."""
     name, path = split_ckpt_spec(spec)
+    if given is None and text_spec(path):
+        return load_text(name, path)
     if given is not None:
         cfg, raw = given
         cfg = check_config(cfg, f"drafter {name}'s config") if cfg is not None else None
@@ -4053,6 +4127,20 @@ OVERRIDES = (
     (("--drafter-config",), None, lambda d: d.cfg, lambda d: True))
 
 
+def settle_text_depth(drafters):
+    """Baselines without k= draft as many a round as the run's first model drafter (compared at its depth; alone:
+    vLLM's suffix default, min(8, depth); vLLM asks it of ngram); then their identity: their rule, knobs and K."""
+    model = next((d for d in drafters if not family(d).text), None)
+    for d in (d for d in drafters if family(d).text):
+        if d.block_size == 1:
+            refuse((model is None and "depth" not in d.head, f"--ckpt {d.checkpoint}: give its drafts a round as k= "
+                    "(no model drafter in the run sets it; vLLM asks num_speculative_tokens of ngram too)"))
+            d.block_size, why = (model.block_size, f"{model.name}'s") if model else \
+                (min(8, d.head["depth"]) + 1, "vLLM's default, min(8, depth)")
+            d.defaults = {"block_size": (d.block_size, why)}
+        d.hash = content_hash({}, d.generation, d.head, d.block_size)
+
+
 def given_flags(settings, mode):
     """The flags of `mode` the run sets to other than their defaults, as {flag: value}."""
     defaults = build_parser()
@@ -4093,7 +4181,10 @@ def override_text(flag, o):
 
 
 def prompt_context(drafter, features, ids=None, embed_w=None):
-    """What the blocks attend to: DFlash-family context K/V per layer; EAGLE-3's and MTP's pass over the text."""
+    """What the blocks attend to: DFlash-family context K/V per layer; EAGLE-3's and MTP's pass over the text; a
+    baseline's drafts at every position."""
+    if family(drafter).text:
+        return lookup_drafts(ids, drafter.block_size - 1, *drafter.head["lookup"])
     features = torch.cat([features[L] for L in drafter.layers], dim=-1)
     return causal_pass(drafter, features, ids, embed_w) if family(drafter).causal else \
         drafter_context(drafter, features)
@@ -4777,7 +4868,7 @@ def score_drafter(d, prompts, group, embed_w, head, settings, budgets, rules):
     sample_policy = sampling is not None and settings["draft_policy"] == "sample"
     walked = [res for lo in range(0, len(prompts), WALK_GROUP)
               for res in score_walks_only(d, prompts[lo:lo + WALK_GROUP], embed_w, head, budgets)] \
-        if settings["anchors"] == "walk" else None
+        if settings["anchors"] == "walk" and not family(d).text else None
     out = []
     for i, (features, ids, n_prompt, prompt_id) in enumerate(prompts):
         q = None
@@ -5117,7 +5208,9 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
                         res[check] = variant_counts(variants, features, ids, n_prompt, embed_w, head,
                                                     settings["device"])
             with timed("feature_check_s"):
-                res["feature_check"] = feature_check_prompt(d, res, features, ids, embed_w, head, settings["device"])
+                if d.layers:   # a baseline reads no features
+                    res["feature_check"] = feature_check_prompt(d, res, features, ids, embed_w, head,
+                                                                settings["device"])
             s = it.get("served")
             if s and not sampling:   # greedy: the engine's steps against this run's rounds at the engine's K
                 k, prompt = s["k"] or d.block_size - 1, (features, ids, n_prompt, prompt_id)
@@ -5302,6 +5395,10 @@ def measure_costs(model, drafters, settings, items):
     timings = [(costs["target"], "1", lambda: timed_pass(model, cache, ids[L:L + 1])),   # (where, key, a timed run)
                *((costs["target"], str(n), lambda n=n: timed_pass(model, cache, ids[L:L + n], layers)) for n in sizes)]
     for d in drafters:
+        if family(d).text:   # a lookup in the text: nothing beside the target's passes
+            timings += [(costs["draft"].setdefault(d.name, {}), str(k), lambda: 0.0)
+                        for k in [d.block_size - 1, *served_depths(d, settings)]]
+            continue
         d, g = d if d.weights is not None else replace(d, **d.reload()), torch.Generator().manual_seed(0)
         feats = torch.randn(L + sizes[-1], len(d.layers) * d.cfg["hidden_size"], generator=g).to(embed.weight)
         first, causal = torch.tensor([ids[L]], device=embed.weight.device), family(d).causal
@@ -5410,6 +5507,8 @@ def round_seconds(gpu, shape, kind, key, batch, context, tree=None):
         return pass_seconds(gpu, shape, batch, tree["steps"] + 1, context) + \
             (tree["steps"] - 1) * pass_seconds(gpu, shape, batch, tree["topk"], context)
     k = int(key)
+    if kind == "text":   # a lookup in the text: nothing beside the target's passes
+        return 0.0
     return pass_seconds(gpu, shape, batch, {"block": k + 1, "chain": k + 1, "parallel": 2 * k}[kind], context) + \
         (k - 1) * pass_seconds(gpu, shape, batch, 1, context) * (kind == "chain")
 
@@ -5426,7 +5525,7 @@ def roofline_costs(target_cfg, drafters, settings, items):
     """--costs gpu:NAME: the run's target and drafters priced by roofline_table, at the prompts' typical context."""
     gpu, context, target = settings["gpu"], typical_context(items), shape_of(target_cfg)
     sizes, keys = cost_sizes(drafters, settings)
-    kinds = [(d.name, drafter_shape(d, target), family(d).rounds, keys[d.name], d.tree) for d in drafters]
+    kinds = [(d.name, d.layers and drafter_shape(d, target), family(d).rounds, keys[d.name], d.tree) for d in drafters]
     return {"source": f"a roofline for {gpu['name']} ({gpu['bandwidth_tbs']:g} TB/s x {gpu['bandwidth_share']:g}, "
                       f"{gpu['peak_tflops']:g} TFLOP/s x {gpu['compute_share']:g}, {gpu['pass_us']:g} us a pass + "
                       f"{gpu['layer_us']:g} us a layer, {gpu['weight_bytes']} bytes a weight) at a context of "
@@ -5519,8 +5618,12 @@ def export_vllm_synthetic(report, path, depth):
         fail(f"--export-vllm-synthetic: drafter {d['name']} has no rounds at depth {depth}; evaluate that depth "
              f"(--depths {depth}) or pick another with --export-depth")
     rates, method = stats["engine_metrics"]["vllm"]["per_position_acceptance_rate"], FAMILIES[d["generation"]].method
-    config = {"method": method, **({} if method == "mtp" else {"model": d["checkpoint"]}),
+    head, text = d.get("head") or {}, FAMILIES[d["generation"]].text
+    config = {"method": method, **({} if method == "mtp" or text else {"model": d["checkpoint"]}),
               **(FAMILIES[d["generation"]].vllm or {}),
+              **({"prompt_lookup_min": head["min"], "prompt_lookup_max": head["max"]} if "min" in head and text else
+                 {"suffix_decoding_max_tree_depth": head["depth"], "suffix_decoding_max_cached_requests": 0}
+                 if text else {}),
               "num_speculative_tokens": depth, "rejection_sample_method": "synthetic",
               "synthetic_acceptance_rates": [round(r, 6) for r in rates], "draft_sample_method": "greedy"}
     write_json(path, config)
@@ -6230,7 +6333,8 @@ def report_lines(report):
         yield (f"\n== drafter {d['name']}: {d.get('generation', 'DFlash')} ({d.get('layout', 'public')} layout), "
                + (f"{drafts} steps a round" if chain else f"block {d['block_size']}")
                + (f" ({drafts} drafts a round: the anchor's slot drafts too)" if drafts == d["block_size"] else "")
-               + f", layers {d['layers']}" + (f", step {d['step']}" if d.get("step") is not None else ""))
+               + (f", {d['head']['rule']} rule, from the text alone" if FAMILIES[d.get("generation", "DFlash")].text
+                  else f", layers {d['layers']}") + (f", step {d['step']}" if d.get("step") is not None else ""))
         if not chain:
             yield "   in-block mask per layer: " + "; ".join(f"{i}: {r}" for i, r in enumerate(d["block_mask"]))
         yield from (f"   WARNING: {warning}" for warning in d.get("warnings", []))
@@ -6472,13 +6576,13 @@ def loggers(settings):
         out.append((write_board, board.close))
     if settings.get("wandb"):
         import wandb   # optional: pip install wandb
-        run = wandb.init(project=settings["wandb"], settings=wandb.Settings(silent=True))
+        wb = wandb.init(project=settings["wandb"], settings=wandb.Settings(silent=True))
 
         def write_wandb(drafters):   # one row per step, in step order: W&B drops a step below one it has logged
             for step in sorted({d.get("step") or 0 for d in drafters}):
-                run.log({f"{d.get('series') or d['name']}/{tag}": value for d in drafters
+                wb.log({f"{d.get('series') or d['name']}/{tag}": value for d in drafters
                          if (d.get("step") or 0) == step for tag, value in board_scalars(d).items()}, step=step)
-        out.append((write_wandb, run.finish))
+        out.append((write_wandb, wb.finish))
     return out
 
 
@@ -7160,6 +7264,16 @@ def note_maskless(drafters, settings):
                       "a causal chain has no in-block mask")
 
 
+def text_note(d):
+    """A baseline's load line."""
+    knobs = f"prompt_lookup_min {d.head['min']}, max {d.head['max']}" if "min" in d.head else \
+        f"suffix_decoding_max_tree_depth {d.head['depth']}, its cross-request corpus off"
+    why = (d.defaults or {}).get("block_size")
+    return (f"{d.generation}, a baseline drafting from the text alone: {d.block_size - 1} drafts a round" +
+            (f" ({why[1]})" if why else "") + f", {d.head['rule']} rule ({knobs}): the latest earlier occurrence of "
+            "the longest matching tail, the tokens after it, padded with the last token, all verified")
+
+
 def load_run(settings, learned, tokenizer=None):
     """The target's config and every --ckpt drafter, named apart (training-run steps after the first wait on disk);
     the tokenizer, with --served or --server, for its special tokens: mask tokens an engine may take."""
@@ -7173,6 +7287,7 @@ def load_run(settings, learned, tokenizer=None):
             d.reload = lambda spec=spec: (lambda r: {"weights": r.weights, "own": r.own})(
                 load_drafter(spec, target_cfg, quietly(settings), identify=False))
         drafters.append(d)
+    settle_text_depth(drafters)
     seen = {}
     for d in drafters:  # run1/ckpt and run2/ckpt would both be "ckpt": keep names apart
         seen[d.name] = seen.get(d.name, 0) + 1
@@ -7182,15 +7297,15 @@ def load_run(settings, learned, tokenizer=None):
             d.name += f"#{seen[d.name]}"
         defaults = d.defaults or {}
         why = {k: f" ({defaults[k][1]})" if k in defaults else "" for k in ("block_size", "target_layer_ids")}
-        log(settings, f"drafter {d.name}: " + (f"{d.block_size - 1} steps a round, layers {d.layers}, no block (a "
-                      "causal chain)" if family(d).causal else f"block {d.block_size - d.from_anchor}"
+        log(settings, f"drafter {d.name}: " + (text_note(d) if family(d).text else f"{d.block_size - 1} steps a "
+                      f"round, layers {d.layers}, no block (a causal chain)" if family(d).causal else f"block {d.block_size - d.from_anchor}"
                       f"{why['block_size']}, layers {d.layers}{why['target_layer_ids']}, in-block mask per layer: "
                       f"{', '.join(rule_label(r) for r in d.rules)}") +
             "".join(f"; {k} {v} ({text})" for k, (v, text) in defaults.items() if k not in why) +
             "".join(f"; {override_text(flag, o)}" for flag, o in (d.overrides or {}).items()))
         d.mask_variants = mask_variants(d, settings)
-        d.suspects = suspect_inputs(d, target_cfg, tokenizer)
-    note_maskless(drafters, settings)
+        d.suspects = suspect_inputs(d, target_cfg, tokenizer) if d.layers else {}
+    note_maskless([d for d in drafters if not family(d).text], settings)
     learned.target_hash = target_hash(settings["target"])
     check_depths(drafters, settings)
     return target_cfg, drafters
