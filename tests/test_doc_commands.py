@@ -63,9 +63,9 @@ def squeeze(text):
 
 
 def test_the_pages_show_demo_commands():
-    """The collection itself: the README's three demo commands, each with its output, and the manual's."""
+    """The collection itself: the README's four demo commands, each with its output, and the manual's."""
     readme = [shown for name, _, shown in CASES if name == "README.md"]
-    assert len(readme) == 3 and all(readme) and len(CASES) >= 9 + bool(os.environ.get("EVAL_DRAFTER_DOC_REAL"))
+    assert len(readme) == 4 and all(readme) and len(CASES) >= 10 + bool(os.environ.get("EVAL_DRAFTER_DOC_REAL"))
 
 
 @pytest.mark.parametrize("name, cmd, shown", CASES, ids=[f"{n}:{c[30:70]}" for n, c, _ in CASES])
