@@ -963,6 +963,9 @@ FLAGS = [
     ("deployment", "--depths", "R", None, dict(help="also evaluate every drafter at these served depths K (drafts a "
         "round: vLLM's num_speculative_tokens, SGLang's --speculative-num-draft-tokens minus 1), e.g. 3,5 or all (1 "
         ".. the trained depth): the drafter re-run with a block of 1 + K (EAGLE-3 and MTP: K chained steps, any K)")),
+    ("deployment", "--adaptive-steps", "R", None, dict(action="store_true", help="EAGLE-3 and MTP drafters: SGLang's "
+        "--speculative-adaptive at batch size 1 replayed over the exact rounds at its step counts 1, 3, 5, 7 (each "
+        "walked as a served depth), its state carried from prompt to prompt as one server's: a row beside the depths")),
     ("deployment", "--costs", "", None, dict(metavar="measure|gpu:NAME|FILE", help="predicted speedup, with its 95%% "
         "interval, per depth, DDTree budget, tree and rule: measure = time the target's and the drafters' passes here "
         "(the run's device and dtype), interleaved and repeated until stable; gpu:NAME = a roofline of each pass from "
@@ -4002,6 +4005,7 @@ class Family:
     propose: object = None      # a chained round: (drafts, proposal probabilities); None: each slot's argmax
     causal: bool = False        # one causal pass over the text, then K chained one-layer steps: no block, no mask
     text: bool = False          # drafts from the text alone (a baseline): no weights, no target features
+    adaptive: bool = False      # SGLang adapts its step count (--speculative-adaptive: EAGLE, EAGLE-3, NEXTN)
     head: object = None         # (cfg, state, where, settings) -> what its proposal step reads
     note: object = None         # (head) -> what its load line adds
     conv: object = None         # (cfg, state, name, settings) -> (conv taps, selector candidates): DFlash 2's
@@ -4043,7 +4047,7 @@ FAMILIES = {
                        full_vocabulary="candidate lattice's scores", ddtree_note="LiLiCorr drafts a chain: its walk "
                        "picks each slot's candidate after the one before it, and both engines verify a chain, so no "
                        "DDTree rows"),
-    "EAGLE-3": Family(load_eagle3, causal_round, causal=True, method="eagle3", tree=True, rounds="chain", sources="speculators', "
+    "EAGLE-3": Family(load_eagle3, causal_round, causal=True, method="eagle3", tree=True, rounds="chain", adaptive=True, sources="speculators', "
                       "SpecForge's exports and training states", engines="vLLM 0.33 and 0.34 (chains), SGLang 0.5.23 (trees)",
                       ddtree_note=(
         "EAGLE-3 drafts a chain here, as vLLM serves it; its trees are SGLang's, built step by step (the SGLang tree "
@@ -4062,7 +4066,7 @@ FAMILIES = {
                      sources="none: the request's own text (--ckpt NAME=suffix[:k=K,depth=D])", engines="vLLM 0.34 "
                      "(method suffix, its own-history match; its cross-request corpus off)",
                      ddtree_note="suffix decoding proposes one chain in vLLM, so no DDTree rows"),
-    "MTP": Family(None, causal_round, causal=True, method="mtp", rounds="chain", sources="the target's own mtp.* layer (Qwen3.5/3.6, "
+    "MTP": Family(None, causal_round, causal=True, method="mtp", rounds="chain", adaptive=True, sources="the target's own mtp.* layer (Qwen3.5/3.6, "
                   "Qwen3-Next)", engines="vLLM 0.33 and 0.34, SGLang 0.5.23", ddtree_note=(
         "the MTP layer drafts a chain here, as vLLM serves it and SGLang by default (top-1; its token trees are out "
         "of scope), so no DDTree rows")),
@@ -4905,10 +4909,41 @@ def score_drafter(d, prompts, group, embed_w, head, settings, budgets, rules):
     return out
 
 
+# SGLang 0.5.23's --speculative-adaptive at batch size 1 (speculative/adaptive_spec_params.py, AdaptiveStepSlot): the
+# step count among the candidates, from --speculative-num-steps' default 3; an EMA of each verify's accepted drafts
+# (alpha 0.2, from steps - 1); after 10 warm-up verifies, every 5th recomputes: down while the EMA <= the lower
+# candidate - 0.5 - 0.25, else up while it is > the current one - 0.5. The state is the server's, not a request's.
+ADAPTIVE = {"candidates": (1, 3, 5, 7), "start": 3, "alpha": 0.2, "warmup": 10, "interval": 5, "down": -0.25, "up": 0.0}
+
+
+def adaptive_rounds(matched, spans):
+    """The controller replayed: matched(k) = {anchor: drafts accepted at k steps}, spans = [(first anchor, length)] of
+    the prompts in order. ([rounds per prompt], {steps: verify steps taken at it})."""
+    c = ADAPTIVE
+    ladder, steps, ema, verifies, used, out = c["candidates"], c["start"], c["start"] - 1.0, 0, {}, []
+    for p, (anchor, total) in enumerate(spans):
+        rounds = []
+        while anchor + steps <= total - 1:   # the block fits, as walk asks
+            m = matched(p, steps)[anchor]
+            rounds.append(m + 1)
+            anchor, used[steps] = anchor + m + 1, used.get(steps, 0) + 1
+            ema, verifies = (1 - c["alpha"]) * ema + c["alpha"] * m, verifies + 1
+            if verifies > c["warmup"] and (verifies - c["warmup"]) % c["interval"] == 0:
+                i = was = ladder.index(steps)
+                while i > 0 and ema <= ladder[i - 1] - 0.5 + c["down"]:
+                    i -= 1
+                while i == was and was < len(ladder) - 1 and ema > ladder[was] - 0.5 + c["up"]:   # up if not down
+                    i = was = was + 1
+                steps = ladder[i]
+        out.append(rounds)
+    return out, used
+
+
 def served_depths(d, settings):
     """The depths --depths asks of drafter d besides its trained one (its block's drafts), and the run's common one."""
     trained, asked = d.block_size - 1, settings.get("depths")
-    wanted = [*(range(1, trained) if asked == "all" else asked or []), *[d.common_depth] * bool(d.common_depth)]
+    wanted = [*(range(1, trained) if asked == "all" else asked or []), *[d.common_depth] * bool(d.common_depth),
+              *(ADAPTIVE["candidates"] if settings.get("adaptive_steps") and family(d).adaptive else ())]
     return [k for k in dict.fromkeys(wanted) if k != trained]
 
 
@@ -4921,6 +4956,11 @@ def check_depths(drafters, settings):
         if deep:
             fail(f"--depths {deep[0]}: drafter {d.name} drafts {d.block_size - 1} tokens a round; a served depth "
                  "cannot exceed what it was trained for")
+    refuse((settings.get("adaptive_steps") and not any(family(d).adaptive for d in drafters), "--adaptive-steps: "
+            "SGLang adapts the step count of EAGLE, EAGLE-3 and MTP (NEXTN) drafters only, and this run has none"),
+           (settings.get("adaptive_steps") and sampling_of(settings) and settings["draft_policy"] == "sample",
+            "--adaptive-steps replays the rounds a text fixes: with --draft-policy sample they are random; use argmax "
+            "drafts (the engines' default)"))
     fewest = min(d.block_size - 1 for d in drafters)
     for d in drafters if len({d.block_size for d in drafters}) > 1 else ():   # compared where they all draft
         d.common_depth = fewest
@@ -5953,6 +5993,8 @@ def drafter_report(d, results, items):
     verify = {rule: section(pick=lambda res, rule=rule: res["verify"][rule])
               for rule in (results[0].get("verify", {}) if results else {})}
     prompts = [prompt_report(it, res, B) for it, res in zip(items, results)]
+    adaptive = adaptive_summary(results, items, B) if FAMILIES[d["generation"]].adaptive and results and all(
+        k in depths for k in ADAPTIVE["candidates"]) else None
     held, tree = [p["served"] for p in prompts if "served" in p], d.get("eagle_tree")
     if tree and results and "tree" in results[0]:   # SGLang's token tree: its walk, its rounds of up to steps + 1
         s = section(depth=tree["steps"], pick=lambda res: res["tree"])
@@ -5970,7 +6012,22 @@ def drafter_report(d, results, items):
             **({"turns": turns} if turns else {}), **({"mask_check": mask_check_summary(
                 d["mask_modes"], [r["mask_check"] for r in results if "mask_check" in r])} if d["mask_modes"] else {}),
             **({"override_check": overridden[0]} if overridden and overridden[0] else {}),
-            "prompts": prompts, **({"served": served_summary(held, B, depths)} if held else {})}
+            "prompts": prompts, **({"served": served_summary(held, B, depths)} if held else {}),
+            **({"adaptive": adaptive} if adaptive else {})}
+
+
+def adaptive_summary(results, items, B):
+    """--adaptive-steps: SGLang's controller over the prompts in order, each step's rounds from its depth's walk."""
+    at = [{k: dict(zip(r["anchors"].tolist(), r["matched"].tolist())) for k, r in
+           ((k, res if k == B - 1 else res["depths"][k]) for k in ADAPTIVE["candidates"])} for res in results]
+    rounds, used = adaptive_rounds(lambda p, k: at[p][k], [(len(it["prompt_ids"]), len(it["prompt_ids"]) + len(
+        it["completion_ids"])) for it in items])
+    flat = [n for r in rounds for n in r]
+    return {"controller": "SGLang 0.5.23 --speculative-adaptive, batch size 1", **{k: ADAPTIVE[k] for k in (
+        "candidates", "start")}, "tau": sum(flat) / len(flat) if flat else None,
+            "tau_ci95": ratio_ci95([sum(r) for r in rounds], [len(r) for r in rounds]), "rounds": len(flat),
+            "histogram": [flat.count(n) for n in range(1, max(ADAPTIVE["candidates"]) + 2)],
+            "steps": {str(k): n for k, n in sorted(used.items())}, "prompt_rounds": rounds}
 
 
 def common_depth(drafters):
@@ -6168,6 +6225,11 @@ def serving_lines(d, source=None):
                f"Avg Draft acceptance rate {v['avg_draft_acceptance_rate']:.1f}%")
         yield (f"     SGLang (--speculative-num-draft-tokens {g['speculative_num_draft_tokens']}): accept len "
                f"{g['accept_len']:.2f}, accept rate {g['accept_rate']:.3f}")
+    a = d.get("adaptive")
+    if a:
+        yield (f"   adaptive steps ({a['controller']}: steps {', '.join(map(str, a['candidates']))}, from "
+               f"{a['start']}): tau {fmt(a['tau'])} {interval(a['tau_ci95'])}, {a['rounds']} rounds; verify steps "
+               "at " + ", ".join(f"{k}: {n}" for k, n in a["steps"].items()))
     served = d.get("served")
     if served:
         yield (f"   served by {served['engine']} (K={', '.join(map(str, served['k']))}, {served['requests']} requests, "

@@ -117,7 +117,7 @@ def test_every_old_heading_has_a_home_and_every_link_leads_somewhere():
 # described once under a placeholder.
 MAPS = {"depths", "verify", "ddtree", "splits", "turns", "predicted_speedup", "rows", "by_context", "best_steps",
         "drafts_per_round", "at_depth", "benchmarks", "overrides", "modes", "ddtree_rounds", "depth_rounds",
-        "verify_tau", "bench_files", "batch_sizes", "figures"}
+        "verify_tau", "bench_files", "batch_sizes", "figures", "steps"}
 # Described, and written only where other tests go: a run cut short (test_long_runs), a failed self-check
 # (test_selfcheck), --costs measure's timing runs (test_costs), an engine's counts alone (test_served) and llama-server's
 # figures (test_llamacpp).
@@ -164,7 +164,7 @@ def written(tmp_path_factory):
                   "--published", "z-lab/Qwen3-4B-DFlash-b16"],
         "shard": ["--demo", "--shard", "1/2", "--limit", "2"],
         "eagle": ["--target", f"{FIX}/llama/target", "--ckpt", f"{FIX}/llama/eagle3", "--prompts",
-                  f"{FIX}/demo/prompts.jsonl", "--limit", "2"],
+                  f"{FIX}/demo/prompts.jsonl", "--limit", "2", "--adaptive-steps"],
         "families": ["--demo", "--ckpt", f"{FIX}/families/domino", "--ckpt", f"{FIX}/speculators/xpress", "--ckpt",
                      f"{FIX}/families/lilicorr", "--ckpt", "n=ngram:min=2,max=3", "--ckpt", "s=suffix", "--limit", "2"],
         "steps": ["--demo", "--ckpt", f"run={run}", "--mask-token-id", "1", "--prompts", str(prompts)],
