@@ -3606,8 +3606,9 @@ def load_eagle3(name, path, generation, fam, cfg, state, layout, raw, target_cfg
     log(settings, f"drafter {name}: {generation}, {layout} layout; captured layers {layers} from {source}; " +
                   (f"{steps} drafts a round in one pass, the bonus token's row then {steps - 1} mask slots (token "
                    f"{mask_id}, fc(mask_hidden)), as vLLM 0.33 drafts it (method eagle3, parallel_drafting; SGLang "
-                   "does not serve it; vLLM 0.34 refuses it: \"P-EAGLE (parallel drafting EAGLE-3) is not supported\", "
-                   "and run as plain eagle3 it skips mask_hidden and chains instead)" if parallel else f"{steps} steps a round") +
+                   "does not serve it; vLLM 0.34 refuses it: \"P-EAGLE (parallel drafting EAGLE-3) is not "
+                   "supported\", and run as plain eagle3 it skips mask_hidden and chains instead)" if parallel else
+                   f"{steps} steps a round") +
                   f"; norm_before_residual {head['norm_before_residual']}" +
                   ("" if parallel else f", feeds back the {'post' if head['norm_output'] else 'pre'}-norm hidden") +
                   ("; SpecForge's norm_output means the norm before lm_head, the engines read it as the hidden fed "
@@ -3967,37 +3968,6 @@ def text_round(d, context, anchors, first, starts, embed_w, head, prompt_id, giv
 # Drafter families: recognition and the family table, the one place a family is dispatched from
 
 
-def recognize(cfg, state, name):
-    """(generation, layout, config, state) under the public DFlash keys and names: the native assistant's encoder.*
-    renamed, speculators' config unnested, DFlash 2's codebook `.weight` and SpecForge's DSpark logit_head. dropped,
-    vLLM's XPress head renamed."""
-    given = cfg or {}
-    archs, speculators = given.get("architectures") or [], "speculators_model_type" in given
-    kind = given.get("speculators_model_type")
-    parallel = kind == "peagle" or any(a.lower().startswith("peagle") for a in archs) or "mask_hidden" in state
-    if parallel or kind == "eagle3" or any("Eagle3" in a for a in archs) \
-            or any(k.startswith("midlayer.") for k in state):
-        layout = "speculators" if speculators else "SpecForge"
-        return "P-EAGLE" if parallel else "EAGLE-3", layout, eagle3_config(given, name, layout, parallel), \
-            {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()}
-    native = given.get("model_type") == "muse_glimmer_assistant" or "encoder.fc.weight" in state
-    layout = "speculators" if speculators else "transformers-native assistant" if native else "public"
-    if speculators:   # its architectures are kept
-        cfg = speculators_config(cfg, name)
-    if native:
-        state = {NATIVE_NAMES.get(k, k): v for k, v in state.items()}
-    state = {(k[:-len(".weight")] if k.startswith(SELECTOR) and k.endswith("_codebook.weight") else
-              XPRESS_NAMES.get(k, k.removeprefix("logit_head."))): v for k, v in state.items()}
-    named = next((f for f in ("DSpark", "Domino", "XPress", "LiLiCorr") for a in archs if f in a), None) \
-        or {"dspark": "DSpark", "domino": "Domino"}.get(str(dflash_value(cfg or {}, "projector_type"))) \
-        or ("XPress" if kind == "xpress" else None) \
-        or ("DSpark" if "markov_head.markov_w1.weight" in state else "Domino" if "prefix_gru.weight_ih_l0" in state
-            else "XPress" if XPRESS + "readout.weight" in state
-            else "LiLiCorr" if any(k.startswith(LILICORR) for k in state) else None)
-    dflash2 = "DFlash2DraftModel" in archs or any(k.startswith(SELECTOR) or "_conv." in k for k in state)
-    return named or ("DFlash 2" if dflash2 else "DFlash"), layout, cfg, state
-
-
 @dataclass
 class Family:
     """A drafter family as the rest of the tool sees it: how it loads and proposes, what the report says of it."""
@@ -4019,40 +3989,49 @@ class Family:
     sources: str = ""           # the layouts its checkpoints come in (--help, the manual's support table)
     engines: str = ""           # who serves it
     rounds: str = "block"       # a round for the roofline: block, one pass; chain, K steps; parallel, + K - 1 masks
+    words: tuple = ()           # what names it: a word of its architectures, or its speculators or projector type
+    tensors: tuple = ()         # or a part of its own tensors' names
 
 
 FAMILIES = {
     "DFlash": Family(load_block, sources="z-lab's, transformers' native assistant, speculators', SpecForge's exports "
                      "and training states", engines="vLLM 0.33 and 0.34, SGLang 0.5.23"),
-    "DFlash 2": Family(load_block, conv=dflash2_settings, full_vocabulary="selector scores", sources="z-lab's, "
+    "DFlash 2": Family(load_block, conv=dflash2_settings, full_vocabulary="selector scores", words=("dflash2",),
+                       tensors=(SELECTOR, "_conv."), sources="z-lab's, "
                        "speculators'", engines="vLLM 0.33 and 0.34, SGLang 0.5.23", ddtree_note=(
         "DFlash 2 drafts a chain: its selector couples each slot's choice to the previous one, and no public tree "
         "verifier exists for those paths, so no DDTree rows (a tree from the unary logits alone is not what any "
         "engine runs)")),
     "DSpark": Family(load_block, chained_round, head=dspark_head, note=dspark_note, from_anchor=True, method="dspark",
+                     words=("dspark",), tensors=("markov_head.markov_w1.weight",),
                      sources="SpecForge's, speculators'", engines="vLLM 0.33 and 0.34 (vanilla head), SGLang 0.5.23",
                      ddtree_note="DSpark drafts a chain: each slot's Markov bias depends on the token drafted before "
                      "it, and neither vLLM nor SGLang verifies DSpark trees, so no DDTree rows"),
     "Domino": Family(load_block, chained_round, head=domino_head, note=domino_note, full_vocabulary="correction scores",
+                     words=("domino",), tensors=("prefix_gru.weight_ih_l0",),
                      sources="SpecForge's", engines="SGLang 0.5.23",
                      greedy="SGLang serves it so", ddtree_note="Domino drafts a chain: each proposal reads a GRU "
                      "state over the tokens drafted before it, and SGLang serves it as a chain only, so no DDTree "
                      "rows"),
     "XPress": Family(load_block, xpress_round, head=xpress_head, note=xpress_note, greedy="vLLM serves it so",
+                     words=("xpress",), tensors=(XPRESS + "readout.weight",),
                      sources="speculators', vLLM's", engines="vLLM 0.33 and 0.34",
                      ddtree_note="XPress drafts a chain: its refiner reads the token drafted before each slot, and "
                      "vLLM, the one engine serving it, verifies a chain, so no DDTree rows"),
     "LiLiCorr": Family(load_block, lilicorr_round, head=lilicorr_head, note=lilicorr_note, conv=lilicorr_conv,
+                       words=("lilicorr",), tensors=(LILICORR,),
                        sources="the engines' (LiLiCorrDraftModel)", engines="vLLM 0.33 and 0.34, SGLang 0.5.23",
                        full_vocabulary="candidate lattice's scores", ddtree_note="LiLiCorr drafts a chain: its walk "
                        "picks each slot's candidate after the one before it, and both engines verify a chain, so no "
                        "DDTree rows"),
-    "EAGLE-3": Family(load_eagle3, causal_round, causal=True, method="eagle3", tree=True, rounds="chain", adaptive=True, sources="speculators', "
-                      "SpecForge's exports and training states", engines="vLLM 0.33 and 0.34 (chains), SGLang 0.5.23 (trees)",
+    "EAGLE-3": Family(load_eagle3, causal_round, causal=True, method="eagle3", tree=True, rounds="chain",
+                      adaptive=True, words=("eagle3",), tensors=("midlayer.",), sources="speculators', SpecForge's "
+                      "exports and training states", engines="vLLM 0.33 and 0.34 (chains), SGLang 0.5.23 (trees)",
                       ddtree_note=(
         "EAGLE-3 drafts a chain here, as vLLM serves it; its trees are SGLang's, built step by step (the SGLang tree "
         "row, --eagle-tree), not DDTree's from one pass, so no DDTree rows")),
     "P-EAGLE": Family(load_eagle3, parallel_round, causal=True, method="eagle3", vllm={"parallel_drafting": True},
+                      words=("peagle",), tensors=("mask_hidden",),
                       rounds="parallel",
                       sources="speculators', SpecForge's", engines="vLLM 0.33 (V1 runner); vLLM 0.34 refuses it",
                       ddtree_note="P-EAGLE drafts a chain here, as vLLM, the one engine serving it, verifies its K "
@@ -4066,8 +4045,8 @@ FAMILIES = {
                      sources="none: the request's own text (--ckpt NAME=suffix[:k=K,depth=D])", engines="vLLM 0.34 "
                      "(method suffix, its own-history match; its cross-request corpus off)",
                      ddtree_note="suffix decoding proposes one chain in vLLM, so no DDTree rows"),
-    "MTP": Family(None, causal_round, causal=True, method="mtp", rounds="chain", adaptive=True, sources="the target's own mtp.* layer (Qwen3.5/3.6, "
-                  "Qwen3-Next)", engines="vLLM 0.33 and 0.34, SGLang 0.5.23", ddtree_note=(
+    "MTP": Family(None, causal_round, causal=True, method="mtp", rounds="chain", adaptive=True,
+                  sources="the target's own mtp.* layer (Qwen3.5/3.6, Qwen3-Next)", engines="vLLM 0.33 and 0.34, SGLang 0.5.23", ddtree_note=(
         "the MTP layer drafts a chain here, as vLLM serves it and SGLang by default (top-1; its token trees are out "
         "of scope), so no DDTree rows")),
 }
@@ -4075,6 +4054,30 @@ FAMILIES = {
 
 def family(d):
     return FAMILIES[d.generation]
+
+
+def recognize(cfg, state, name):
+    """(generation, layout, config, state) under the public DFlash keys and names. The family: the first entry of the
+    family table, walked from its end (the most specific first, DFlash last), whose words an architecture holds or a
+    speculators or projector type is, or whose tensors the checkpoint holds. Then its names: EAGLE-3's midlayer.*
+    as layers.0.*; the native assistant's encoder.* renamed, speculators' config unnested, DFlash 2's codebook
+    `.weight` and SpecForge's DSpark logit_head. dropped, vLLM's XPress head renamed."""
+    given = cfg or {}
+    archs, speculators = [str(a).lower() for a in given.get("architectures") or []], "speculators_model_type" in given
+    types = {str(given.get("speculators_model_type")), str(dflash_value(given, "projector_type"))}
+    native = given.get("model_type") == "muse_glimmer_assistant" or "encoder.fc.weight" in state
+    renamed = {(k[:-len(".weight")] if k.startswith(SELECTOR) and k.endswith("_codebook.weight") else
+                XPRESS_NAMES.get(k, k.removeprefix("logit_head."))): v for k, v in
+               ({NATIVE_NAMES.get(k, k): v for k, v in state.items()} if native else state).items()}
+    names = [*state, *renamed]
+    generation = next((g for g, f in reversed(FAMILIES.items()) if set(f.words) & types or any(
+        w in a for w in f.words for a in archs) or any(t in k for t in f.tensors for k in names)), "DFlash")
+    if FAMILIES[generation].causal:   # EAGLE-3, P-EAGLE
+        layout = "speculators" if speculators else "SpecForge"
+        return generation, layout, eagle3_config(given, name, layout, generation == "P-EAGLE"), \
+            {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()}
+    layout = "speculators" if speculators else "transformers-native assistant" if native else "public"
+    return generation, layout, speculators_config(cfg, name) if speculators else cfg, renamed
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -5472,7 +5475,7 @@ def measure_costs(model, drafters, settings, items):
             for (_, _, run_once), runs in zip(timings, seconds):
                 runs.append(run_once())
             bar.update(1 if len(seconds[0]) <= COST_ROUNDS[0] + 1 else 0)
-            spread = [(lambda m, ci: (ci[1] - ci[0]) / 2 / m)(*median_ci95(r[1:])) for r in seconds]
+            spread = [(lambda m, ci: (ci[1] - ci[0]) / 2 / m if m else 0.0)(*median_ci95(r[1:])) for r in seconds]
             if len(seconds[0]) > COST_ROUNDS[0] and (max(spread) <= COST_PRECISION or
                                                      time.time() - start > COST_BUDGET_S):
                 break

@@ -146,3 +146,14 @@ def test_interrupted_in_the_middle_then_resumed_and_saved_features(tmp_path, mon
 ])
 def test_bad_baseline_spellings_are_one_line(spec, fragment, capsys):
     refused_in_one_line(capsys, [*argv("--ckpt", spec)], fragment)
+
+
+def test_costs_measured_beside_a_drafter(tmp_path):
+    """--costs measure times the target and the model drafter; a baseline's round is the target's alone (its lookup
+    is not a pass), and its predicted speedup is tau x a plain step over a verify pass."""
+    report = run_tool(tmp_path, "m", *argv("--ckpt", f"demo={DEMO_DRAFTER}", "--ckpt", "ngram", "--limit", "2",
+                                           "--ddtree-budgets", "none", "--costs", "measure"))
+    costs = report["config"]["costs_used"]
+    assert costs["draft"]["ngram"] == {"7": 0.0} and costs["draft"]["demo"]["7"] > 0
+    row = report["drafters"][1]["predicted_speedup"]["1"]["rows"]["K=7"]
+    assert row["draft_s"] == 0.0 and row["speedup"] > 0
