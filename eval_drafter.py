@@ -163,9 +163,8 @@ PROGRESS_EVERY = (30.0, 0.1)   # a log's progress line once both have passed sin
 
 @contextlib.contextmanager
 def progress(settings, total, desc, position=0, unit="prompts"):
-    """Progress of `total` units: a bar on a terminal; where stderr is a log (nohup, tmux, a job scheduler) a plain
-    line (stage, done/total, rate, ETA) at the start, at the end and once PROGRESS_EVERY has passed, no carriage
-    returns; nothing with --quiet. Yields an object with update(n=1)."""
+    """Progress of `total` units, yielding .update(n=1): a bar on a terminal; where stderr is a log (nohup, tmux, a job
+    scheduler) lines (stage, done/total, rate, ETA) without carriage returns at start, end, each PROGRESS_EVERY."""
     from types import SimpleNamespace
     if settings["quiet"] or not total:
         yield SimpleNamespace(update=lambda n=1: None)
@@ -659,9 +658,7 @@ PUBLISHED = {
 
 def bench_places(name):
     """Where a benchmark's local copy may lie under --bench-dir, in the order looked at (globs; shards in name order):
-    an export by the benchmark's name or as `datasets` names the split (to_json, a JSON array, dflash's {"turns"}
-    lines), a save_to_disk folder by that name, the hub repo's files (a snapshot, refs/convert/parquet, the hub cache),
-    the suite's own files (FastChat's MT-Bench questions, Spec-Bench's, specdec_bench's), the datasets cache."""
+    exports by name or split, a save_to_disk folder, the hub repo's files, the suite's own, the datasets cache."""
     repo, config, split, _, _, _, more = BENCHMARKS[name]
     org, short = repo.split("/")
     snake = re.sub(r"([a-z\d])([A-Z])", r"\1_\2", re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1_\2", short)).lower()
@@ -716,8 +713,7 @@ def bench_rows(name, where, notes):
 
 
 def bench_prompts(names, where, samples, notes, recipe=None):
-    """--bench: the prompts JSONL of each named benchmark under the recipe (None: each its own suite's), a split each
-    (or one per category); and the files read."""
+    """--bench: each benchmark's prompts JSONL under the recipe (None: its suite's), a split each; the files read."""
     lines, read = [], {}
     for name in names:
         rows, read[name] = bench_rows(name, where, notes)
@@ -1020,8 +1016,7 @@ def build_parser(epilog=None):
 
 
 def options_markdown():
-    """docs/options.md, written from the flag table: a table per group, each flag's form, meaning, number rule and
-    modes; then what the modes' letters mean."""
+    """docs/options.md from the flag table: a table per flag group, then what the modes' letters mean."""
     def cell(text):
         return str(text).replace("|", "\\|").replace("\n", " ")
 
@@ -1299,8 +1294,7 @@ def resolve_merge(args):
     check_outputs(args)
     return {"merge": [os.path.abspath(path) for path in args.merge], "output": args.output, "quiet": args.quiet,
             "threads": args.threads, "compare_hidden": None, "plot": args.plot, "tensorboard": args.tensorboard,
-            "wandb": args.wandb,
-            "output_streamed": bool(args.output) and streamed(args.output)}
+            "wandb": args.wandb, "output_streamed": bool(args.output) and streamed(args.output)}
 
 
 def default_threads():
@@ -1337,8 +1331,7 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.mo
 
 
 def resolve_settings(args, ranks=True):
-    """Every choice the run makes, in one dict: it is echoed into the JSON output. ranks=False: no torchrun rank is
-    joined (the Python entry point, inside a training job's own processes)."""
+    """Every choice the run makes, echoed into the JSON; ranks=False joins no torchrun rank (measure())."""
     notes = check_flags(args)
     if getattr(args, "from"):
         return MappingProxyType(resolve_plot(args))
@@ -1688,8 +1681,7 @@ def prompt_rows(path, name):
 
 
 def read_prompts(path, limit=None):
-    """Parse the prompts (JSONL, a JSON array, or "-": stdin) into items {index, id, split, messages, completion |
-    completion_ids}; an empty prompt's item carries skip (the others run), every prompt empty is refused."""
+    """Items from the prompts (JSONL, a JSON array, "-": stdin); an empty one is skipped, all empty refused."""
     items, lines_of, turns_of, empty, name = [], {}, {}, [], "stdin" if path == "-" else path
     for label, lineno, row in prompt_rows(path, name):
         where = f"{name} {label}"
@@ -2251,7 +2243,6 @@ CHECKPOINT_MARKERS = ("model.safetensors", "model.safetensors.index.json", TRAIN
 
 
 def is_checkpoint(path):
-    """A directory holding one drafter checkpoint (not a run's directory of steps)."""
     return os.path.isdir(path) and any(os.path.exists(os.path.join(path, f)) for f in CHECKPOINT_MARKERS)
 
 
@@ -2503,8 +2494,7 @@ def recorded_target(path, cfg, raw):
 
 
 def target_names(target_dir, target_cfg):
-    """The names the target goes by, lower-cased: its directory's, the hub repository a cache path holds, the
-    name its config was saved from."""
+    """The target's names, lower-cased: its directory, a cache path's hub repo, its config's _name_or_path."""
     names = set()
     for where in (target_dir or "", getattr(target_cfg, "_name_or_path", "") or ""):
         where = os.path.abspath(where) if where and os.path.exists(where) else where
@@ -2575,8 +2565,7 @@ def carried_copies(carried, vocab, target_dir):
 
 
 def draft_vocabulary(carried, cfg, target_cfg, name):
-    """A checked reduced draft vocabulary: (target id d + d2t[d] of each draft id d, draft id of each target token
-    or -1); None when the drafter drafts over the target's vocabulary."""
+    """A checked reduced draft vocabulary (target id of each draft id, draft id of each target id or -1); None: full."""
     d2t, t2d, head = carried.get("d2t"), carried.get("t2d"), carried.get("lm_head.weight")
     V, where = target_cfg.vocab_size, f"drafter {name}: its reduced draft vocabulary"
     declared = (cfg.get("speculators") or {}).get("draft_vocab_size")
@@ -3078,8 +3067,7 @@ def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab
 
 
 def conv_settings(cfg, state, name, settings, more=()):
-    """DFlash 2's convolution geometry (conv taps K, channels per group): its config's, else inferred from the
-    tensors (and logged, with the `more` (key, value) taken by default)."""
+    """DFlash 2's (conv taps K, channels per group): its config's, else inferred from the tensors and logged."""
     H, p, found = cfg["hidden_size"], "layers.0.attention_conv.", {}
     kernel, projection = state.get(p + "base_kernel"), state.get(p + "kernel_projection.weight")
     K = dflash_value(cfg, "conv_kernel_size")
@@ -3157,7 +3145,6 @@ def domino_head(cfg, state, where, settings):
 
 
 def dspark_note(head):
-    """What the load line says of a DSpark drafter: its head, and which engines serve it how."""
     if not head["rank"]:
         return "; no Markov head (markov_rank 0): each slot's argmax; vLLM and SGLang need markov_rank > 0"
     vllm = "vLLM 0.33 and 0.34 (greedy drafts by default)" if head["kind"] == "vanilla" else \
@@ -3168,7 +3155,6 @@ def dspark_note(head):
 
 
 def domino_note(head):
-    """What the load line says of a Domino drafter: its GRU's settings, and how SGLang serves it."""
     return (f"; GRU over the drafted prefix, pure-draft prefix P = {head['prefix']}, shift_label "
             f"{'on' if head['shift'] else 'off'}" +
             (f", a candidate pool of {head['pool']}" if head["pool"] else ", exact argmax (no candidate pool)")
@@ -3199,7 +3185,6 @@ def xpress_head(cfg, state, where, settings):
 
 
 def xpress_note(head):
-    """What the load line says of an XPress drafter: its refiner, passes and candidates, and how vLLM serves it."""
     return (f"; refiner of rank {head['rank']}, {head['passes']} Jacobi passes over the block, each slot choosing "
             + (f"among its top {head['topc']} base-logit tokens (xpress_topc)" if head["topc"] else
                "by the exact argmax (xpress_topc 0)")
@@ -3266,7 +3251,6 @@ def lilicorr_conv(cfg, state, name, settings):
 
 
 def lilicorr_note(head):
-    """What the load line says of a LiLiCorr drafter: its lattice, and how the engines serve it."""
     return (f"; correlator over each slot's top {head['candidate_topk']} candidates ({head['num_layers']} layers, "
             f"width {head['width']}), drafts by a greedy walk of cosine scores x {head['logit_scale']} from the "
             "anchor; "
@@ -3525,9 +3509,8 @@ PARALLEL_MASK_KEYS = ("mask_token_id", "dspark_noise_token_id", "pard_token", "p
 
 
 def eagle3_config(cfg, name, layout, parallel=False):
-    """An EAGLE-3 (or P-EAGLE) config: its layer config at the top level, what the engines read under "eagle".
-    speculators nests the layers (ids: hidden_states indices; vLLM: norm_before_residual true for EAGLE-3, false for
-    P-EAGLE); SpecForge's is a Llama config. P-EAGLE's mask token: where vLLM looks for it, in its order."""
+    """An EAGLE-3 (or P-EAGLE) config: the layer config on top, what engines read under "eagle" (ids: hidden_states
+    indices; vLLM: norm_before_residual for EAGLE-3); SpecForge's a Llama config; P-EAGLE's mask token, vLLM's order."""
     where = f"drafter {name}: its {'P-EAGLE' if parallel else 'EAGLE-3'} config"
     layer = cfg.get("transformer_layer_config") if layout == "speculators" else cfg
     if not isinstance(layer, dict) or not layer.get("hidden_size"):
@@ -4057,11 +4040,8 @@ def family(d):
 
 
 def recognize(cfg, state, name):
-    """(generation, layout, config, state) under the public DFlash keys and names. The family: the first entry of the
-    family table, walked from its end (the most specific first, DFlash last), whose words an architecture holds or a
-    speculators or projector type is, or whose tensors the checkpoint holds. Then its names: EAGLE-3's midlayer.*
-    as layers.0.*; the native assistant's encoder.* renamed, speculators' config unnested, DFlash 2's codebook
-    `.weight` and SpecForge's DSpark logit_head. dropped, vLLM's XPress head renamed."""
+    """(generation, layout, config, state) under the public DFlash keys and names. The family: the table's last entry
+    whose words an architecture holds or a speculators/projector type is, or whose tensors it holds (else DFlash)."""
     given = cfg or {}
     archs, speculators = [str(a).lower() for a in given.get("architectures") or []], "speculators_model_type" in given
     types = {str(given.get("speculators_model_type")), str(dflash_value(given, "projector_type"))}
@@ -4181,15 +4161,13 @@ def load_drafter(spec, target_cfg, settings, identify=True, given=None):
 
 
 def override_text(flag, o):
-    """An override as the load line and the report name it."""
     if "keys" in o:
         return f"{flag} {o['given']} (overrides {o['checkpoint']}: {', '.join(o['keys'][:6]) or 'no key'} differ)"
     return f"{flag}{': ' + o['sets'] if 'sets' in o else ''} {o['given']} (overrides the checkpoint's {o['checkpoint']})"
 
 
 def prompt_context(drafter, features, ids=None, embed_w=None):
-    """What the blocks attend to: DFlash-family context K/V per layer; EAGLE-3's and MTP's pass over the text; a
-    baseline's drafts at every position."""
+    """What the blocks attend to: per-layer context K/V, a causal pass over the text, or a baseline's drafts."""
     if family(drafter).text:
         return lookup_drafts(ids, drafter.block_size - 1, *drafter.head["lookup"])
     features = torch.cat([features[L] for L in drafter.layers], dim=-1)
@@ -4222,9 +4200,8 @@ def tree_top_k(top, logits, done, B, top_k, after, n):
 def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=0, prompt_id=None, starts=None,
                       after=None, reference=None, sampling=None, proposal=None, ties=None):
     """Argmax drafts (n, B-1; DFlash 2: the selector's path) of blocks [first, MASK, ...] at `anchors`, DDTree's top_k;
-    given `reference`, fills `proposal`: a sampling drafter's chance of each (B counts sample_from_anchor's slot), and
-    `ties`: whether each slot's draft against the reference is a near-tie (block drafters' own logits; chains and
-    DFlash 2's selector: none marked)."""
+    given `reference`, fills `proposal` (a sampling drafter's chance of each; B counts sample_from_anchor's slot) and
+    `ties` (each slot's draft a near-tie, by block drafters' own logits; chains, DFlash 2's selector: none marked)."""
     B, n, dev, propose = drafter.block_size, anchors.shape[0], anchors.device, family(drafter).propose
     if n == 0:
         empty = torch.zeros(0, B - 1, max(top_k, 1))
@@ -4440,11 +4417,9 @@ def reply_ids(entry, api, what):
 
 
 def served_figures(entry, reply, api):
-    """What the engine says its drafter did on one request, in one shape: vLLM 0.33's metrics.speculative_decoding
-    (--per-request-spec-decode-metrics; a one-prompt request's reply only), SGLang 0.5.23's meta_info spec_* fields
-    (its spec_accept_length divides the prefill's token too: the counts are kept, not it), llama-server's timings
-    (draft_n, draft_n_accepted: no step count; it drafts min(K, n_predict - generated - 1) a step). None where there
-    are none."""
+    """What the engine says its drafter did on one request, in one shape: vLLM 0.33's per-request metrics (a one-prompt
+    request's only), SGLang's spec_* (spec_accept_length counts the prefill's token: counts kept), llama-server's
+    timings (no step count; it drafts min(K, n_predict - generated - 1) a step). None where there are none."""
     if api == "llamacpp":
         timings = entry.get("timings") or {}
         figures = {"engine": "llamacpp", "k": None, "steps": None, "accepted": timings.get("draft_n_accepted"),
@@ -4574,8 +4549,7 @@ def served_prompt(tokenizer, it, settings):
 
 
 def check_server(settings, learned, target_cfg):
-    """--server before any model loads (minutes for a big target): one request for one token, whose answer must hold
-    token ids. Unreachable, another model name, a refusal or no ids: one line, exit 2."""
+    """--server before any model loads (minutes): a one-token request whose answer must hold token ids, else exit 2."""
     token = next((t for t in (getattr(target_cfg, "bos_token_id", None), getattr(target_cfg, "eos_token_id", None))
                   if isinstance(t, int)), 0)
     probe = {"id": "probe", "prompt_ids": [token], "room": 1, "sample": 0 if sampling_of(settings) else None}
@@ -4679,8 +4653,7 @@ def tree_acceptance(entry, reference, budget, largest):
 
 
 def score_prompt(drafts, ids, n_prompt, block_size, top=None, budgets=(), ties=None):
-    """Per anchor: matched drafts m (acceptance 1 + m), drafts equal to the reference, near-ties; the chain and DDTree
-    walks."""
+    """Per anchor: matched drafts m (acceptance 1 + m), equal drafts, near-ties; the chain and DDTree walks."""
     with timed("metrics_s"):
         anchors = fitting_anchors(n_prompt, len(ids), block_size)
         reference = torch.tensor(ids)[anchors[:, None] + torch.arange(1, block_size)]
@@ -4785,7 +4758,6 @@ def expected_walk(accept, n_prompt, total_len, block_size):
 
 
 def round_sums(rounds, block_size, number=int):
-    """A walk's rounds, committed tokens and histogram of round lengths."""
     return {"rounds": number(len(rounds)), "committed": number(sum(rounds)),
             "histogram": [number(rounds.count(n)) for n in range(1, block_size + 1)]}
 
@@ -4819,11 +4791,9 @@ def served_moments(accept, per_step):
 
 
 def add_expectations(res, block_size, n_prompt, total_len, p, q=None, rules=("standard",), served=None):
-    """Temperature > 0, under each verification rule: each drafted slot's acceptance probability (argmax proposals:
-    draft == text, the walk already taken, the same under both rules; sampled: standard min(1, q / p), 0 where p
-    is; block: block_accept), the expected walk and the per-position sums (sampled: by context). The first rule's
-    figures are res's own, the others' go to res["verify"]; an engine's per-step figures (served, at this depth) meet
-    the first rule's chances."""
+    """Temperature > 0, under each verification rule: each drafted slot's acceptance probability, the expected walk and
+    the per-position sums (sampled: by context). The first rule's figures are res's own, the others' go to
+    res["verify"]; an engine's per-step figures (served, at this depth) meet the first rule's chances."""
     p_at, sampled = p[res["anchors"][:, None] + torch.arange(1, block_size) - n_prompt], q is not None
     q = q if sampled else res["equal"].double()
     accepts = {"standard": torch.where(p_at > 0, (q / p_at.clamp_min(1e-300)).clamp(max=1.0), torch.zeros_like(q)),
@@ -4852,9 +4822,8 @@ def add_expectations(res, block_size, n_prompt, total_len, p, q=None, rules=("st
 
 
 def score_tree(d, features, ids, n_prompt, prompt_id, embed_w, head, device):
-    """SGLang's token-tree walk over one prompt (d.tree): a tree at every anchor its steps + 1 tokens fit, the depth
-    the reference reaches down each, the walk. Under sampling too: SGLang verifies a tree against the target's own
-    samples (target-only), so given the text the walk is this one."""
+    """SGLang's token-tree walk over one prompt (d.tree) at every anchor its steps + 1 tokens fit. Under sampling too:
+    SGLang verifies a tree against the target's own samples (target-only), so given the text the walk is this one."""
     E = d.tree["steps"] + 1
     anchors, ids_t = fitting_anchors(n_prompt, len(ids), E), torch.tensor(ids)
     reference = ids_t[anchors[:, None] + torch.arange(1, E)]
@@ -4869,8 +4838,7 @@ def score_tree(d, features, ids, n_prompt, prompt_id, embed_w, head, device):
 
 
 def score_drafter(d, prompts, group, embed_w, head, settings, budgets, rules):
-    """One drafter's results on prompts [(features, ids, n_prompt, prompt id)]: drafts, walks, expectations, sums;
-    under each verification rule of `rules` (the first: the main figures)."""
+    """One drafter's results on [(features, ids, n_prompt, id)] under each rule (the first: the main figures)."""
     sampling = sampling_of(settings)
     sample_policy = sampling is not None and settings["draft_policy"] == "sample"
     walked = [res for lo in range(0, len(prompts), WALK_GROUP)
@@ -4951,8 +4919,7 @@ def served_depths(d, settings):
 
 
 def check_depths(drafters, settings):
-    """--depths and --export-depth within what each drafter drafts a round (a deeper block was never trained);
-    drafters drafting different numbers a round are each walked at the fewest too (their common depth)."""
+    """--depths and --export-depth within each drafter's trained drafts; different depths walked at the fewest."""
     for d in drafters:   # EAGLE-3 and MTP chain their one layer as many steps as asked
         deep = [k for k in (settings["depths"] if isinstance(settings["depths"], list) else [])
                 if k > d.block_size - 1 and not family(d).causal]
@@ -4983,8 +4950,7 @@ CHECK_MIN_GAIN, CHECK_Z = 0.01, 3.0
 
 
 def mask_variants(drafter, settings):
-    """--check-mask's rule sets to try: as configured, all bidirectional, all causal, sliding windows ignored (None
-    without --check-mask, or for a drafter without an in-block mask)."""
+    """--check-mask's rule sets: configured, bidirectional, causal, no sliding window (None: no check)."""
     if not (settings["check_mask"] and drafter.rules):
         return None
     options = [("bidirectional", "bidirectional", "train"), ("causal", "causal", "train"),
@@ -4997,18 +4963,14 @@ def mask_variants(drafter, settings):
 
 
 def check_variants(d):
-    """What the checks draft beside drafter d on sampled anchors: {check: {name: drafter}}, the run's own first. The
-    mask check (--check-mask): other in-block masks; the override check: the checkpoint's own values (d.own)."""
+    """{check: {name: drafter}} drafted beside d on sampled anchors (--check-mask's masks; d.own), own first."""
     checks = {"mask_check": {name: replace(d, rules=rules) for name, rules in (d.mask_variants or {}).items()}}
     return {**checks, "override_check": {"as given": d, "checkpoint's own values": d.own} if d.own else {}}
 
 
 def suspect_inputs(d, target_cfg, tokenizer=None):
-    """What an engine may feed drafter d instead of this run's inputs, {what: changed fields}: each captured layer one
-    off, all of them (hidden_states indices against layer outputs: the --engine conventions' difference) or in reverse
-    order, the default ids (the public DFlash rule; the engines' EAGLE-3 default, which vLLM takes over a nested
-    eagle_config's); a block's mask token read from another field (the configs' pad, eos, bos; vLLM's mask fields; the
-    tokenizer's special tokens; 0, an engine's unset default)."""
+    """{what: changed fields} an engine may feed d instead (docs/served.md): layer ids one off (hidden_states indices),
+    reversed, the engines' defaults (vLLM's over a nested eagle_config's); the mask token from other fields, 0."""
     L, out = target_cfg.num_hidden_layers, {}
     options = [[i + s for i in d.layers] for s in (-1, 1)] + [d.layers[::-1]] + \
         [d.layers[:n] + [i + s] + d.layers[n + 1:] for n, i in enumerate(d.layers) for s in (-1, 1)] + \
@@ -5082,9 +5044,8 @@ def served_walk(s, at, tail, n_prompt, total_len):
 
 
 def hard_steps(walked, s):
-    """The engine's steps that differ from this run's where no near-tie decides (one by one), or for counts alone how
-    far the step counts (llama-server: the accepted drafts) differ, which no near-tie can be placed in; 0: equal but
-    for numerics."""
+    """The engine's steps that differ from this run's where no near-tie decides, or for counts alone (llama-server: the
+    accepted drafts; no near-tie can be placed) how far the counts differ; 0: equal but for numerics."""
     if walked["steps"] is not None:
         return sum(a != b and not tie for a, b, tie in walked["steps"])
     ours = sum(walked["rounds"]) - len(walked["rounds"]) if s["steps"] is None else len(walked["rounds"])
@@ -5111,9 +5072,8 @@ def served_suspects(d, prompt, item, walked, embed_w, head, settings):
 
 
 def variant_counts(variants, features, ids, n_prompt, embed_w, head, device):
-    """Per variant ({name: drafter}, the first the base): [draft hits, drafts, matched drafts, anchors, wins, losses]
-    on a sample of a prompt's anchors, over the drafts every variant makes; wins / losses count the drafts it gets right
-    and the base wrong, and the reverse. None when the features lack a variant's layers (saved without them)."""
+    """Per variant ({name: drafter}, the first the base): [draft hits, drafts, matched, anchors, wins, losses] on
+    sampled anchors; wins / losses: right where the base is wrong, and the reverse. None: features lack its layers."""
     if any(L not in features for v in variants.values() for L in v.layers):
         return None
     anchors = fitting_anchors(n_prompt, len(ids), max(v.block_size for v in variants.values())).to(device)
@@ -5165,8 +5125,7 @@ def mask_check_summary(modes, per_prompt):
 
 
 def override_summary(overrides, per_prompt):
-    """The override check: how the drafter drafts as given against its checkpoint's own values on the same sampled
-    anchors, and the one warning that names the overriding flags with that verdict."""
+    """The override check's table and its one warning: the drafter as given against its checkpoint's values."""
     named = "; ".join(override_text(flag, o) for flag, o in overrides.items())
     counts = [c for c in per_prompt if c is not None]
     if not counts:
@@ -5187,9 +5146,7 @@ FEATURE_CHECK_ANCHORS = 32   # anchors per prompt, evenly spaced, drafted again 
 
 
 def shuffled_features(features, layers):
-    """A prompt's features of `layers` at other positions: one fixed permutation of its rows, the same for every layer.
-    Each row keeps its statistics and loses its position (zeros would be a state no target produces:
-    docs/drafters.md)."""
+    """A prompt's `layers` features under one fixed row permutation (zeros: a state no target produces)."""
     order = torch.randperm(features[layers[0]].shape[0], generator=torch.Generator().manual_seed(0))
     return {L: features[L][order.to(features[L].device)] for L in layers}
 
@@ -5211,8 +5168,7 @@ def feature_check_prompt(drafter, res, features, ids, embed_w, head, device):
 
 
 def feature_check_summary(per_prompt):
-    """First-position acceptance and matched drafts per anchor with the target's features and with them shuffled, on
-    the same anchors, and the paired difference of matched drafts: its 95% upper bound and z."""
+    """The feature check pooled: acceptance with real and shuffled features, the gain's 95% bound and z."""
     n, first, first_shuffled, matched, shuffled, squares = (sum(c[i] for c in per_prompt) for i in range(6))
     if not n:
         return None
@@ -5420,8 +5376,7 @@ def cost_sizes(drafters, settings):
 
 @inference
 def measure_costs(model, drafters, settings, items):
-    """Seconds of a plain step, a verify pass over 1 + K tokens (1 + budget: DDTree) and each drafter's round at
-    depth K, at the prompts' median context L (prompt + half the reference)."""
+    """Seconds of a plain step, verify sizes, drafters' rounds at the median context L (prompt + half the reference)."""
     _, _, embed, head = target_parts(model)
     sizes, L = cost_sizes(drafters, settings)[0], typical_context(items)
     ids = [t for it in items for t in it["prompt_ids"] + it["completion_ids"]] or [0]
@@ -5489,9 +5444,8 @@ def measure_costs(model, drafters, settings, items):
 
 
 def shape_of(cfg):
-    """What a roofline reads of a target config: matmul weights a token passes through (dense, per expert, the
-    head), the experts and those a token picks, full-attention layers and their KV bytes a token, linear-attention
-    state bytes a sequence, and the attention width (query heads x head dim)."""
+    """What a roofline reads of a target config: matmul weights a token passes through (dense, per expert, the head),
+    experts, attention layers' KV bytes a token, linear-attention state bytes a sequence, the attention width."""
     c = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     get = (lambda k, d=None: getattr(c, k, d)) if not isinstance(c, dict) else c.get
     H, L, V, nh = get("hidden_size"), get("num_hidden_layers"), get("vocab_size"), get("num_attention_heads")
@@ -5512,9 +5466,8 @@ def shape_of(cfg):
 
 def pass_seconds(gpu, shape, batch, tokens, context, weights=None):
     """A roofline of one pass of `tokens` new tokens a sequence over `context` cached ones, for `batch` sequences:
-    max(bytes read / bandwidth, FLOPs / peak) at ROOFLINE's shares, plus the fixed cost of a pass and its layers.
-    Bytes: the weights at weight_bytes each (of the experts, those some token picks), each sequence's KV cache (or
-    linear-attention state); FLOPs: 2 per weight per token, 4 per cached position per token and attention width."""
+    max(bytes read / bandwidth, FLOPs / peak) at ROOFLINE's shares, plus the fixed cost of a pass and its layers;
+    bytes and FLOPs as docs/serving.md counts them (of the experts, those some token picks)."""
     n = batch * tokens
     reached = shape["experts"] * (1 - (1 - shape["picks"] / shape["experts"]) ** n) if shape["experts"] else 0
     per_expert = shape["expert"] / max(shape["experts"], 1)
@@ -5557,8 +5510,7 @@ def round_seconds(gpu, shape, kind, key, batch, context, tree=None):
 
 
 def roofline_table(gpu, target, drafters, sizes, batch_sizes, context):
-    """Costs per batch size from shapes alone: the target's plain step and verify passes of `sizes` tokens, each
-    drafter's rounds (drafters: [(name, shape, kind, keys, tree)])."""
+    """Costs per batch size from shapes alone (drafters: [(name, shape, kind, keys, tree)])."""
     return {str(b): {"target": {str(n): pass_seconds(gpu, target, b, n, context) for n in [1, *sizes]},
                      "draft": {name: {k: round_seconds(gpu, shape, kind, k, b, context, tree) for k in keys}
                                for name, shape, kind, keys, tree in drafters}} for b in batch_sizes}
@@ -5620,12 +5572,9 @@ def paired_speedup(a, b, units):
 
 
 def predicted_speedups(report, costs, results, items):
-    """Every row's predicted speedup (speedup()) per batch size: each depth K verifies 1 + K tokens, a DDTree budget b
-    1 + b with the trained depth's draft, SGLang's tree its draft tokens. The rows of a drafter are measured on the
-    same prompts, so they are compared paired (paired_speedup): the top row is named best when its paired interval
-    against every other row lies above 0; else the leaders, the top row and those the paired test cannot tell from
-    it, are listed with their intervals. Leaves out batching in a measured table, scheduling and a request's last
-    rounds."""
+    """Every row's predicted speedup (speedup()) per batch size: depth K verifies 1 + K tokens, DDTree budget b 1 + b,
+    SGLang's tree its draft tokens; a drafter's rows compared paired (paired_speedup): best or leaders, as
+    docs/serving.md says. Leaves out batching in a measured table, scheduling and a request's last rounds."""
     for d, res in zip(report["drafters"], results):
         depths = d.get("depths") or {str(d["drafts_per_round"]): d}
         out, K, units = {}, str(d["drafts_per_round"]), row_units(d, res, items)
@@ -5652,8 +5601,7 @@ def predicted_speedups(report, costs, results, items):
 
 
 def export_vllm_synthetic(report, path, depth):
-    """vLLM's speculative config that replays the first drafter's measured profile: per-position unconditional
-    acceptance rates (length K, in [0, 1], non-increasing, as vLLM's validation asks)."""
+    """vLLM's speculative config replaying the first drafter's per-position rates (non-increasing, as vLLM asks)."""
     d = report["drafters"][0]
     depth = depth or d["drafts_per_round"]
     stats = (d.get("depths") or {}).get(str(depth), d if depth == d["drafts_per_round"] else None)
@@ -5678,9 +5626,8 @@ def export_vllm_synthetic(report, path, depth):
 
 
 def reference_fit(items, sampled=None, key="target_agreement"):
-    """The references against the target, pooled; a token fits as the target's argmax given the reference prefix
-    (greedy) or inside its sampling support (sampled). Gives the report's figures (`key`: the share that fits;
-    sampled: that share and the fitting tokens' mean log-prob), the tokens that fit, all, and [(item, first misfit)]."""
+    """The references against the target, pooled; a token fits as its argmax given the reference prefix (greedy) or in
+    its sampling support (sampled). Gives the report's figures, the tokens that fit, all, and [(item, first misfit)]."""
     fits = [it.get("support") or (*it["agree"], 0.0, it["first_divergence"]) for it in items]
     fit, total, logp = (sum(f[i] for f in fits) for i in range(3))
     share = fit / total if total else None
@@ -5872,8 +5819,7 @@ def served_causes(held, compared, ks, evaluated, z, impossible):
 
 
 def served_summary(held, B, depths):
-    """The requests' served figures pooled against the exact ones on the same texts, the gap with its paired interval
-    over requests, per position, and the causes the data name."""
+    """The requests' served figures pooled against the exact ones: the paired gap, per position, causes."""
     ks = sorted({h["k"] for h in held})
     steps, accepted = sum(h["steps"] or 0 for h in held), sum(h["accepted"] for h in held)
     compared = [h for h in held if "units" in h]
@@ -5945,12 +5891,9 @@ def drafter_facts(d):
             if d.mask_variants else None}
 
 
-# A drafter trained for this target and layer set drafts far better with its features than with them shuffled across
-# positions (feature_check_prompt); one trained for another does not (docs/report.md, Warnings: why no fixed
-# acceptance floor).
-# Warn when, on the same anchors, the real features match no significantly more drafts (z below FEATURE_CHECK_Z) AND,
-# with 95% confidence, add less than FEATURE_CHECK_MARGIN drafts per anchor (a few anchors give no verdict); only on
-# the target's own references (agreement or support >= TRUSTED_REFERENCES): foreign ones say nothing of the drafter.
+# The feature check (feature_check_prompt; why: docs/report.md, Warnings): warn when, on the same anchors, real
+# features match no significantly more drafts than shuffled ones (z < FEATURE_CHECK_Z) AND add, 95% sure, less than
+# FEATURE_CHECK_MARGIN drafts an anchor; only on the target's own references (agreement/support >= TRUSTED_REFERENCES).
 FEATURE_CHECK_Z, FEATURE_CHECK_MARGIN = 1.96, 0.1
 TRUSTED_REFERENCES = 0.9
 
@@ -6040,14 +5983,12 @@ def common_depth(drafters):
 
 
 def at_depth(res, d, K):
-    """A result at depth K (None: as trained)."""
     return res if K in (None, d["drafts_per_round"]) else res["depths"][K]
 
 
 def side_by_side(drafters, results, items):
-    """Several drafters over the same prompts: each one's figures and its paired difference from the first's tau.
-    Drafters drafting different numbers of tokens a round (an MTP layer's 3, a DFlash block's 15) compare only at a
-    shared depth: "at_depth": {K: rows} at every --depths K of them all, paired at K."""
+    """Several drafters over the same prompts, each paired against the first's tau; drafters drafting different numbers
+    a round (MTP's 3, DFlash's 15) pair only at a shared depth: "at_depth": {K: rows} at each --depths K of them all."""
     trained, splits = [d["drafts_per_round"] for d in drafters], list(dict.fromkeys(it["split"] for it in items))
 
     def split_taus(d, res, K):   # tau by split at depth K, for the bars
@@ -6101,12 +6042,9 @@ def published_beside(name, rows, drafter, config):
 
 
 def bench_table(drafters, results, items, config):
-    """--bench: a row per drafter per benchmark, or per category of a suite that has them, then the suite overall
-    (pooled over its categories, as Spec-Bench's "overall"): tau pooled over verify rounds (vLLM's, Spec-Bench's,
-    SPEED-Bench's) and the mean of per-request means (dflash's; a turn is a request), each with its 95% interval; the
-    requests' 10th, 50th and 90th percentiles (AIPerf's distribution); accepted drafts per step, tau - 1
-    (TensorRT-LLM's); the paired delta tau from the first drafter. Then the average over the benchmarks, each weighing
-    one (the papers' last column), its interval from theirs; and where the run departs from the recipe."""
+    """--bench: a row per drafter per benchmark or category, then the suite pooled (Spec-Bench's overall): tau pooled
+    and per-request means (a turn a request) with 95% intervals, p10/p50/p90, tau - 1, the paired delta tau; the
+    mean over benchmarks, each weighing one (the papers' last column), its interval from theirs; recipe departures."""
     K = common_depth(drafters)   # drafters drafting different numbers: the table at the fewest, where all draft
 
     def figures(keep):
@@ -6273,7 +6211,6 @@ def serving_lines(d, source=None):
 
 
 def comparison_lines(c):
-    """Several drafters side by side, each against the first, paired on the same prompts."""
     budgets = sorted({b for row in c["drafters"] for b in row["ddtree"]}, key=int)
     width = max(len("drafter"), *(len(row["name"]) for row in c["drafters"]))
     yield (f"\n== side by side over {c['prompts']} prompts (95% intervals over prompts; differences paired on the "
@@ -6317,7 +6254,6 @@ PROMPT_ROWS = 16   # a run over at most this many prompts prints a row for each 
 
 
 def prompt_lines(entries, sampling):
-    """One row per prompt: its tau, rounds and the first words of its reference."""
     label = [e["id"] + "".join(f" {k} {e[k]}" for k in ("sample", "turn") if k in e) for e in entries]
     width = max(len("prompt"), *map(len, label))
     yield f"   {'prompt':<{width}}  {'split':<8}    tau  rounds  tokens  reply"
@@ -6518,9 +6454,8 @@ def plotted_drafters(source):
 
 
 def plot_panels(source):
-    """What --plot draws, as data: [(title, x label, y label, kind, [(label, xs, ys, 95% intervals or None)])], one
-    panel per figure that has data. kind: line, bars (grouped), steps (a training series, its best step marked) or
-    depths (measured depths as points, joined where they are neighbours)."""
+    """What --plot draws: [(title, x label, y label, kind, [(label, xs, ys, 95% intervals or None)])], a panel a figure
+    with data; kind: line, bars (grouped), steps (a series, best step marked) or depths (points, neighbours joined)."""
     shown, series = plotted_drafters(source)
     panels = []
 
@@ -6704,8 +6639,7 @@ def result_from_json(r, drafts, tree_drafts=None):
     return {"rounds": r["rounds"], "ddtree_rounds": {int(b): v for b, v in r["ddtree_rounds"].items()},
             "anchors": torch.tensor(r["anchors"], dtype=torch.long),
             "matched": torch.tensor(r["matched"], dtype=torch.long), "equal": bit_slots(r["equal"], drafts),
-            "by_context": r["by_context"],
-            **({"ties": bit_slots(r["ties"], drafts)} if "ties" in r else {}),
+            "by_context": r["by_context"], **({"ties": bit_slots(r["ties"], drafts)} if "ties" in r else {}),
             **{k: r[k] for k in ("mask_check", "override_check", "expected", "feature_check", "suspects",
                                  "served_steps") if r.get(k) is not None},
             **({"depths": {int(k): result_from_json(v, int(k)) for k, v in r["depths"].items()}}
@@ -6840,8 +6774,7 @@ def lock_owner(path):
 
 
 def take_lock(settings, path):
-    """The lock `path` created for this run (its PID and host); a lock whose process has ended is taken over with a
-    note. Returns None, or why the output is not this run's to write."""
+    """Create the lock `path` (PID, host), taking over an ended process's; None, or why the output is not ours."""
     for _ in range(2):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -6878,8 +6811,7 @@ def replaced_input(settings):
     named += [("a --merge input", path) for path in s.get("merge") or []]
     named += [(f"checkpoint --ckpt {spec}", split_ckpt_spec(spec)[1]) for spec in s.get("ckpt") or []]
     mine = os.stat(output) if os.path.exists(output) else None   # else only an output spelled to its place can be it
-    report = False   # an earlier report (or series) of this tool, written into a model's or run's directory, is none of
-    # the model's files
+    report = False   # an earlier report (or series) of this tool, in a model's or run's directory, is none of its files
     with contextlib.suppress(OSError), open(output, "rb") as f:
         report = f.read(12) in (b'{\n "config":', b'{"watch": {"')   # a report, or a watch's series
     for what, path in [(what, path) for what, path in named if path]:
@@ -6971,7 +6903,6 @@ def mine(it, settings):
 
 
 def add_timing(timing):
-    """Another process's stage times (a shard's, a rank's) added to this run's."""
     for stage, seconds in timing.items():
         if stage != "total_s":
             TIMING[stage] = TIMING.get(stage, 0.0) + seconds
@@ -7112,8 +7043,7 @@ def keep_hidden(saved, it, ids, x, layer_union):
     ties = torch.zeros(len(x.argmax), dtype=torch.bool)
     ties[x.ties or []] = True
     tensors = {f"{i}.ids": torch.tensor(ids), f"{i}.argmax": torch.tensor(x.argmax), f"{i}.gaps": gap,
-               f"{i}.ties": ties,
-               **({f"{i}.p": x.p} if x.p is not None else {}),
+               f"{i}.ties": ties, **({f"{i}.p": x.p} if x.p is not None else {}),
                **{f"{i}.layer{L}": x.features[L].contiguous() for L in layer_union}}
     row = {"id": it["id"], "index": it["index"], "line": it.get("line", it["index"]), "split": it["split"],
            "prompt_tokens": len(it["prompt_ids"]), "completion_tokens": len(it["completion_ids"]),
@@ -7330,7 +7260,6 @@ def note_maskless(drafters, settings):
 
 
 def text_note(d):
-    """A baseline's load line."""
     knobs = f"prompt_lookup_min {d.head['min']}, max {d.head['max']}" if "min" in d.head else \
         f"suffix_decoding_max_tree_depth {d.head['depth']}, its cross-request corpus off"
     why = (d.defaults or {}).get("block_size")
@@ -7340,15 +7269,13 @@ def text_note(d):
 
 
 def load_run(settings, learned, tokenizer=None):
-    """The target's config and every --ckpt drafter, named apart (training-run steps after the first wait on disk);
-    the tokenizer, with --served or --server, for its special tokens: mask tokens an engine may take."""
+    """The target's config, every --ckpt drafter named apart (later run steps wait on disk); `tokenizer`: mask ids."""
     target_cfg, drafters = read_target_config(settings["target"]), []
     for spec, step in checkpoint_specs(settings):
         d = load_drafter(spec, target_cfg, settings)
         d.step = step
         if step is not None and drafters:
-            d.weights = None
-            d.own = None   # the checkpoint's own values, if flags override them, are reloaded with it
+            d.weights = d.own = None   # the checkpoint's own values, if flags override them, are reloaded with it
             d.reload = lambda spec=spec: (lambda r: {"weights": r.weights, "own": r.own})(
                 load_drafter(spec, target_cfg, quietly(settings), identify=False))
         drafters.append(d)
@@ -7455,7 +7382,6 @@ def price(settings, learned, drafters, items):
 
 
 def finish_run(settings, learned, items, records, drafters, facts, started):
-    """The run's costs (--costs measure), every rank's records gathered, the report."""
     skipped = [{"id": it["id"], "reason": it["skip"]} for it in items if it.get("skip") and mine(it, settings)]
     if settings.get("costs") == "measure" and not learned.interrupted:
         try:
@@ -7838,12 +7764,8 @@ def run(settings, earlier=None):
     return report
 
 
-# The Python entry point: a training loop imports this file and calls measure() every N steps. It writes nothing,
-# installs no signal handler, leaves torch's thread count and the drafter module (training mode, gradients) as they
-# are, and costs the drafter pass over the saved features (the target is never built). Its pass runs on one CPU thread
-# (threads=N for more): libgomp's threads spin between torch's parallel regions (GOMP_SPINCOUNT is read once, when
-# torch loads, so only the CLI, which sets it before, can shorten it), and on a box whose cores are busy, as a
-# training box's are, the spinning threads took the cores the pass needed: 3-30x slower than one thread.
+# The Python entry point (docs/training.md): measure() writes nothing, installs no handler, leaves the drafter and
+# torch's threads as they are; one CPU thread by default, as libgomp's spinning threads fight a busy box for cores.
 @dataclass
 class Features:
     """Saved features loaded once (load_features) and reused by every measure() call."""
