@@ -3199,21 +3199,20 @@ LILICORR_KEYS = ("candidate_topk", "hidden_size", "num_layers", "num_heads", "ml
 
 def lilicorr_head(cfg, state, where, settings):
     """What LiLiCorr's correlator reads: its lilicorr_* knobs, its width, the trained block."""
-    if dflash_value(cfg, "lilicorr_enabled") is False:
-        fail(f"{where} with lilicorr_enabled false: no engine serves it so (vLLM refuses it, SGLang then loads no "
-             "correlator); set it true")
     missing = next((k for k in LILICORR_KEYS if dflash_value(cfg, "lilicorr_" + k) is None), None)
-    if missing:
-        fail(f"{where} needs lilicorr_{missing} in its dflash_config (neither engine has a default); it is missing")
+    refuse((dflash_value(cfg, "lilicorr_enabled") is False, f"{where} with lilicorr_enabled false: no engine serves it "
+            "so (vLLM refuses it, SGLang then loads no correlator); set it true"),
+           (missing, f"{where} needs lilicorr_{missing} in its dflash_config (neither engine has a default); it is "
+            "missing"))
     head = {k: dflash_value(cfg, "lilicorr_" + k) for k in LILICORR_KEYS}
     top, width = head["candidate_topk"], head["hidden_size"] or cfg["hidden_size"]
-    if top > 16 or top & (top - 1):
-        fail(f"{where}: lilicorr_candidate_topk {top} must be a power of two <= 16, as both engines require")
-    if width % head["num_heads"]:
-        fail(f"{where}: lilicorr_num_heads {head['num_heads']} does not divide its width {width}")
-    if dflash_value(cfg, "has_own_lm_head") and settings.get("engine", "vllm") == "vllm":
-        fail(f"{where} with has_own_lm_head: vLLM takes its candidates from the checkpoint's lm_head, which this tool "
-             "does not run; --engine sglang takes them from the target's head, as SGLang does")
+    refuse((top > 16 or top & (top - 1), f"{where}: lilicorr_candidate_topk {top} must be a power of two <= 16, as "
+            "both engines require"),
+           (width % head["num_heads"], f"{where}: lilicorr_num_heads {head['num_heads']} does not divide its width "
+            f"{width}"),
+           (dflash_value(cfg, "has_own_lm_head") and settings.get("engine", "vllm") == "vllm", f"{where} with "
+            "has_own_lm_head: vLLM takes its candidates from the checkpoint's lm_head, which this tool does not run; "
+            "--engine sglang takes them from the target's head, as SGLang does"))
     return {**head, "width": width, "block": dflash_value(cfg, "block_size") or 16, "context_rows": True}
 
 
@@ -4054,7 +4053,7 @@ def recognize(cfg, state, name):
         w in a for w in f.words for a in archs) or any(t in k for t in f.tensors for k in names)), "DFlash")
     if FAMILIES[generation].causal:   # EAGLE-3, P-EAGLE
         layout = "speculators" if speculators else "SpecForge"
-        return generation, layout, eagle3_config(given, name, layout, generation == "P-EAGLE"), \
+        return generation, layout, eagle3_config(given, name, layout, FAMILIES[generation].rounds == "parallel"), \
             {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()}
     layout = "speculators" if speculators else "transformers-native assistant" if native else "public"
     return generation, layout, speculators_config(cfg, name) if speculators else cfg, renamed
@@ -4128,20 +4127,15 @@ def settle_text_depth(drafters):
         d.hash = content_hash({}, d.generation, d.head, d.block_size)
 
 
-def given_flags(settings, mode):
-    """The flags of `mode` the run sets to other than their defaults, as {flag: value}."""
-    defaults = build_parser()
-    return {flag: settings[k] for flag, k in (("--" + k.replace("_", "-"), k) for k in flag_names(mode))
-            if settings.get(k, defaults.get_default(k)) != defaults.get_default(k)}
-
-
 def load_drafter(spec, target_cfg, settings, identify=True, given=None):
     """read_drafter's drafter; where flags replace what its checkpoint states, also as its checkpoint alone describes it
     (loaded again, quietly, without them), each such flag named: d.overrides, d.own (the override check drafts both)."""
-    d, flags = read_drafter(spec, target_cfg, settings, identify, given), given_flags(settings, "O")
+    d, parser = read_drafter(spec, target_cfg, settings, identify, given), build_parser()
+    flags = {"--" + k.replace("_", "-"): settings[k] for k in flag_names("O")   # the overriding flags given
+             if settings.get(k, parser.get_default(k)) != parser.get_default(k)}
     if not flags:
         return d
-    plain = {**settings, **{k: build_parser().get_default(k) for k in flag_names("O")}}
+    plain = {**settings, **{k: parser.get_default(k) for k in flag_names("O")}}
     try:
         own = read_drafter(spec, target_cfg, quietly(plain), False, given)
     except UsageError:   # the checkpoint does not load without them: they supply what it lacks, override nothing
