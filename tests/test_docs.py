@@ -162,7 +162,7 @@ def written(tmp_path_factory):
                     "--limit", "2"],
         "bench": ["--demo", "--bench", "gsm8k,mt-bench", "--bench-dir", str(root / "bench"), "--max-samples", "2",
                   "--published", "z-lab/Qwen3-4B-DFlash-b16"],
-        "shard": ["--demo", "--shard", "1/2", "--limit", "2"],
+        "shard": ["--demo", "--shard", "1/2", "--limit", "2", "--verify", "standard,fly"],
         "eagle": ["--target", f"{FIX}/llama/target", "--ckpt", f"{FIX}/llama/eagle3", "--prompts",
                   f"{FIX}/demo/prompts.jsonl", "--limit", "2", "--adaptive-steps"],
         "families": ["--demo", "--ckpt", f"{FIX}/families/domino", "--ckpt", f"{FIX}/speculators/xpress", "--ckpt",
