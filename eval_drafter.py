@@ -1490,7 +1490,8 @@ def resolve_settings(args, ranks=True):
                 # what happened, once the tokenizer is read: applied / off (--no-chat-template) / none in the tokenizer
                 "chat_template": "off" if args.no_chat_template else None,
                 "ddtree_budgets": parse_budgets(args.ddtree_budgets), "depths": parse_depths(args.depths),
-                "eagle_tree": parse_eagle_tree(args.eagle_tree), "verify": [r for r in rules if r != "fly"] or ["standard"],
+                "eagle_tree": parse_eagle_tree(args.eagle_tree),
+                "verify": [r for r in rules if r != "fly"] or ["standard"],
                 "fly": fly,
                 "costs_used": read_costs(args.costs) if args.costs and args.costs != "measure" and
                 not args.costs.startswith("gpu:") else None,
@@ -4071,7 +4072,8 @@ FAMILIES = {
                      "(method suffix, its own-history match; its cross-request corpus off)",
                      ddtree_note="suffix decoding proposes one chain in vLLM, so no DDTree rows"),
     "MTP": Family(None, causal_round, causal=True, method="mtp", rounds="chain", adaptive=True,
-                  sources="the target's own mtp.* layer (Qwen3.5/3.6, Qwen3-Next)", engines="vLLM 0.33 and 0.34, SGLang 0.5.23", ddtree_note=(
+                  sources="the target's own mtp.* layer (Qwen3.5/3.6, Qwen3-Next)",
+                  engines="vLLM 0.33 and 0.34, SGLang 0.5.23", ddtree_note=(
         "the MTP layer drafts a chain here, as vLLM serves it and SGLang by default (top-1; its token trees are out "
         "of scope), so no DDTree rows")),
 }
@@ -4391,8 +4393,8 @@ def fly_run(model, d, it, settings, stops):
     tokens are deferred mismatches (committed against the target's greedy choice), where it departs from the
     reference."""
     rounds, W = [], settings["fly"]["window"] or min(6, d.block_size - 2)
-    text = speculative_generate(model, d, it["prompt_ids"], it.get("room") or len(it["completion_ids"]), stops, it["id"],
-                                fly=settings["fly"], rounds=rounds)
+    text = speculative_generate(model, d, it["prompt_ids"], it.get("room") or len(it["completion_ids"]), stops,
+                                it["id"], fly=settings["fly"], rounds=rounds)
     return {"window": W, "rounds": [n for n, _ in rounds], "deferred": sum(x for _, x in rounds), "tokens": len(text),
             "first_departure": first_difference(text, it["completion_ids"])}
 
@@ -6253,7 +6255,8 @@ def serving_lines(d, source=None):
         yield (f"   FLy ({f['rule']}, window {f['window']}; lossy, each prompt the drafter's own text): tau "
                f"{fmt(f['tau'])} {interval(f['tau_ci95'])}, {f['rounds']} rounds; {f['deferred']} of {f['tokens']} "
                f"tokens committed against the target's greedy choice; the text departs from the reference in "
-               f"{len(departs)} of {len(f['prompts'])} prompts" + (f" (first at token {min(departs)})" if departs else ""))
+               f"{len(departs)} of {len(f['prompts'])} prompts" +
+               (f" (first at token {min(departs)})" if departs else ""))
     served = d.get("served")
     if served:
         yield (f"   served by {served['engine']} (K={', '.join(map(str, served['k']))}, {served['requests']} requests, "
@@ -7377,7 +7380,8 @@ def load_run(settings, learned, tokenizer=None):
         defaults = d.defaults or {}
         why = {k: f" ({defaults[k][1]})" if k in defaults else "" for k in ("block_size", "target_layer_ids")}
         log(settings, f"drafter {d.name}: " + (text_note(d) if family(d).text else f"{d.block_size - 1} steps a "
-                      f"round, layers {d.layers}, no block (a causal chain)" if family(d).causal else f"block {d.block_size - d.from_anchor}"
+                      f"round, layers {d.layers}, no block (a causal chain)" if family(d).causal else
+                      f"block {d.block_size - d.from_anchor}"
                       f"{why['block_size']}, layers {d.layers}{why['target_layer_ids']}, in-block mask per layer: "
                       f"{', '.join(rule_label(r) for r in d.rules)}") +
             "".join(f"; {k} {v} ({text})" for k, (v, text) in defaults.items() if k not in why) +
@@ -7426,8 +7430,9 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
         else:
             stream, embed_w, head = extract_from_target([it for it in items if mine(it, settings)], settings, learned,
                                                       target_cfg, sorted(layer_union + checked), set(records),
-                                                      drafters[0], keep, saved, [d for d in drafters if settings["fly"]
-                                                                                 and not family(d).causal and d.weights])
+                                                      drafters[0], keep, saved,
+                                                      [d for d in drafters if settings["fly"] and not family(d).causal
+                                                       and d.weights])
         records = {i: r for i, r in records.items() if i < len(items)}  # resumed with a smaller --limit
         with progress(settings, sum(mine(it, settings) for it in items) - len(records), "draft", 1) as bar:
             for record in scored_records(stream, drafters, embed_w, head, settings):
@@ -8011,8 +8016,8 @@ def main(argv=None):
 
 if __name__ == "__main__":
     code = main()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:   # a torchrun rank, its files written: gloo's threads can still abort
-        sys.stdout.flush()                           # the interpreter's teardown (SIGABRT, "terminate called without an
-        sys.stderr.flush()                           # active exception", 1 in ~30 busy runs), which this exit skips
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:   # a torchrun rank, its files written: gloo's threads can
+        sys.stdout.flush()   # still abort the interpreter's teardown (SIGABRT, "terminate called without an active
+        sys.stderr.flush()   # exception", about 1 in 30 busy runs), which this exit skips
         os._exit(code)
     sys.exit(code)
