@@ -4944,8 +4944,8 @@ ADAPTIVE = {"candidates": (1, 3, 5, 7), "start": 3, "alpha": 0.2, "warmup": 10, 
 
 
 def adaptive_rounds(matched, spans):
-    """The controller replayed: matched(k) = {anchor: drafts accepted at k steps}, spans = [(first anchor, length)] of
-    the prompts in order. ([rounds per prompt], {steps: verify steps taken at it})."""
+    """The controller replayed: matched(p, k) = prompt p's {anchor: drafts accepted at k steps}, spans = [(first
+    anchor, length)] of the prompts in order. ([rounds per prompt], {steps: verify steps taken at it})."""
     c = ADAPTIVE
     ladder, steps, ema, verifies, used, out = c["candidates"], c["start"], c["start"] - 1.0, 0, {}, []
     for p, (anchor, total) in enumerate(spans):
