@@ -259,9 +259,9 @@ def test_sampled_block_rows_survive_saved_features_shards_and_resume(tmp_path, m
     assert same(resumed) == same(whole)
 
 
-@pytest.mark.parametrize("value", ["fly", "standard,,x", ""])
+@pytest.mark.parametrize("value", ["synthetic", "standard,,x", ""])
 def test_an_unknown_rule_is_refused_in_one_line(capsys, value):
-    refused_in_one_line(capsys, ["--demo", "--verify", value, "--limit", "1"], "--verify takes standard, block or both")
+    refused_in_one_line(capsys, ["--demo", "--verify", value, "--limit", "1"], "--verify takes standard, block, fly")
 
 
 def test_costs_and_the_vllm_export_under_block(tmp_path, capsys):
