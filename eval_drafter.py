@@ -6027,15 +6027,20 @@ def drafter_report(d, results, items):
             **({"adaptive": adaptive} if adaptive else {}), **({"fly": fly_summary(runs, B)} if runs else {})}
 
 
+def walked_summary(rounds, longest):
+    """Pooled tau of per-prompt rounds walked outside the chain's records (FLy's texts, adaptive steps), its 95%
+    interval over prompts, the rounds and their histogram."""
+    flat = [n for r in rounds for n in r]
+    return {"tau": sum(flat) / len(flat) if flat else None, "tau_ci95": ratio_ci95(list(map(sum, rounds)),
+                                                                                   list(map(len, rounds))),
+            "rounds": len(flat), "histogram": [flat.count(n) for n in range(1, longest + 1)]}
+
+
 def fly_summary(runs, B):
     """--verify fly over the prompts (id, the drafter's FLy run): tau of its own texts, what it committed against
     the target's greedy choice, where each text departs from the reference."""
-    rounds = [r["rounds"] for _, r in runs]
-    flat = [n for r in rounds for n in r]
     return {"rule": "vLLM 0.34 FLy, temperature 0", "window": runs[0][1]["window"],
-            "tau": sum(flat) / len(flat) if flat else None, "tau_ci95": ratio_ci95(list(map(sum, rounds)),
-                                                                                   list(map(len, rounds))),
-            "rounds": len(flat), "histogram": [flat.count(n) for n in range(1, B + 1)],
+            **walked_summary([r["rounds"] for _, r in runs], B),
             "deferred": sum(r["deferred"] for _, r in runs), "tokens": sum(r["tokens"] for _, r in runs),
             "prompts": [{"id": i, **{k: v for k, v in r.items() if k != "window"}} for i, r in runs]}
 
@@ -6046,11 +6051,8 @@ def adaptive_summary(results, items, B):
            ((k, res if k == B - 1 else res["depths"][k]) for k in ADAPTIVE["candidates"])} for res in results]
     rounds, used = adaptive_rounds(lambda p, k: at[p][k], [(len(it["prompt_ids"]), len(it["prompt_ids"]) + len(
         it["completion_ids"])) for it in items])
-    flat = [n for r in rounds for n in r]
     return {"controller": "SGLang 0.5.23 --speculative-adaptive, batch size 1", **{k: ADAPTIVE[k] for k in (
-        "candidates", "start")}, "tau": sum(flat) / len(flat) if flat else None,
-            "tau_ci95": ratio_ci95([sum(r) for r in rounds], [len(r) for r in rounds]), "rounds": len(flat),
-            "histogram": [flat.count(n) for n in range(1, max(ADAPTIVE["candidates"]) + 2)],
+        "candidates", "start")}, **walked_summary(rounds, max(ADAPTIVE["candidates"]) + 1),
             "steps": {str(k): n for k, n in sorted(used.items())}, "prompt_rounds": rounds}
 
 
