@@ -194,7 +194,6 @@ def progress(settings, total, desc, position=0, unit="prompts"):
 
 
 def read_json(path):
-    """A JSON object from a file, or one clear error."""
     try:
         with open(path, encoding="utf-8") as f:
             value = json.load(f)
@@ -1236,7 +1235,6 @@ def describe_sampling(sampling):
 
 
 def sampling_record(settings):
-    """What a saved sampled reference records of its settings (None when greedy)."""
     sampling = sampling_of(settings)
     return None if not sampling else dict(zip(("temperature", "top_p", "top_k"), sampling), seed=settings["seed"])
 
@@ -1256,7 +1254,6 @@ def check_writable(flag, path):
 
 
 def resolve_plot(args):
-    """--plot --from: the picture of a finished run, nothing else."""
     check_outputs(args)
     source = getattr(args, "from")   # "from" is a keyword: no args.from
     refuse((not args.plot, "--from names a finished run's JSON for --plot to draw; give --plot FILE.png"),
@@ -1537,7 +1534,6 @@ class Run:
 
 
 def run_config(settings, learned):
-    """The settings as the report echoes them, then what the run learned."""
     return {**settings, **{k: v for k, v in (
         ("chat_template", learned.chat_template), ("costs_used", learned.costs_used),
         ("target_hash", learned.target_hash), ("reference_generation_choice", learned.reference_choice),
@@ -2143,7 +2139,6 @@ def near_ties(logits, tokens, dtype=None):
 
 @dataclass
 class Extraction:
-    """What one teacher-forced target pass gives the drafters' evaluation."""
     features: dict          # {layer id: (T, H)}
     argmax: list            # the target's argmax after each completion prefix
     gaps: dict              # {completion position: logit gap} where the argmax is not the reference's token
@@ -2538,7 +2533,6 @@ def recorded_target(path, cfg, raw):
 
 
 def target_names(target_dir, target_cfg):
-    """The target's names, lower-cased: its directory, a cache path's hub repo, its config's _name_or_path."""
     names = set()
     for where in (target_dir or "", getattr(target_cfg, "_name_or_path", "") or ""):
         where = os.path.abspath(where) if where and os.path.exists(where) else where
@@ -2548,7 +2542,6 @@ def target_names(target_dir, target_cfg):
 
 
 def foreign_target(said, target_cfg, target_dir):
-    """Warnings where what a checkpoint records of its target is not the target in the run."""
     warnings, ours = [], target_names(target_dir, target_cfg)
     config = os.path.join(target_dir or "", "config.json")
     for where, value in said:
@@ -2577,7 +2570,6 @@ def foreign_target(said, target_cfg, target_dir):
 
 
 def same_config(a, b):
-    """Two model configs equal but for where and by what they were saved."""
     drop = ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
     return ({k: v for k, v in read_json(a).items() if k not in drop} ==
             {k: v for k, v in read_json(b).items() if k not in drop})
@@ -2657,7 +2649,6 @@ def drafter_record(state, shapes, carried, vocab, target_cfg, settings, identify
 
 
 def layout_note(layout, spec_cfg, rules, vocab):
-    """What the load line adds for a layout whose conventions differ from the public one."""
     if layout == "transformers-native assistant":
         return " (bidirectional in every layer; its sliding mask keeps |q - p| <= W, shown as window W + 1)"
     if layout != "speculators":
@@ -2687,7 +2678,6 @@ def mlp_tensors(cfg, moe):
 
 
 def check_drafter_tensors(weights, shapes, name, generation):
-    """Every expected tensor present with its shape and finite; nothing unexpected."""
     def listed(keys):
         return f"{', '.join(keys[:3]) or 'none'}{', ...' if len(keys) > 3 else ''}"
     missing = [k for k in shapes if k not in weights]
@@ -2846,7 +2836,6 @@ def rope_heads(w, norm, y, cfg, cos, sin):
 
 
 def keys_values(w, p, x, cfg, cos, sin):
-    """Attention p's keys (normed, rotated) and values of rows x, as heads."""
     return (rope_heads(w, p + "k_norm.weight", linear(x, w, p + "k_proj"), cfg, cos, sin),
             heads(linear(x, w, p + "v_proj"), cfg["num_key_value_heads"], head_dim_of(cfg)))
 
@@ -3242,7 +3231,6 @@ LILICORR_KEYS = ("candidate_topk", "hidden_size", "num_layers", "num_heads", "ml
 
 
 def lilicorr_head(cfg, state, where, settings):
-    """What LiLiCorr's correlator reads: its lilicorr_* knobs, its width, the trained block."""
     missing = next((k for k in LILICORR_KEYS if dflash_value(cfg, "lilicorr_" + k) is None), None)
     refuse((dflash_value(cfg, "lilicorr_enabled") is False, f"{where} with lilicorr_enabled false: no engine serves it "
             "so (vLLM refuses it, SGLang then loads no correlator); set it true"),
@@ -3519,10 +3507,9 @@ def lilicorr_scores(d, rows, candidates, logp, anchor_rows, embed_w):
 
 
 def lilicorr_round(d, context_kv, anchors, first, starts, embed_w, head, prompt_id, given=None, sampling=None):
-    """LiLiCorr's round: each slot's top-k candidates by the drafter's log-probs, scored by the correlator given the
-    projected target row before the anchor; the greedy walk from the anchor (i_0 = argmax start, then each slot's best
-    successor of the one before; the engines' walk, not Viterbi). With `given` tokens: a drafter sampling each step
-    from softmax(scores / T) over the candidates (vLLM's probabilistic drafts) draws each, after the given ones."""
+    """LiLiCorr's round: each slot's top-k candidates by the drafter's log-probs, scored by lilicorr_scores, walked
+    greedily from the anchor (the engines' walk, not Viterbi); with `given` tokens, each one's chance under
+    softmax(scores / T) over the candidates (vLLM's probabilistic drafts)."""
     hidden = drafter_forward(d, context_kv, anchors, mask_block(d, first), embed_w, starts)
     rows, k = proposal_rows(d, hidden), d.head["candidate_topk"]
     logits = drafter_logits(d, head, rows, prompt_id)[0].float()
@@ -3599,8 +3586,7 @@ def eagle3_layers(e, target_cfg, settings, name, n_fc, parallel):
 
 
 def load_eagle3(name, path, generation, fam, cfg, state, layout, raw, target_cfg, settings, identify):
-    """An EAGLE-3 drafter: one decoder layer over [embedding; fused target features], chained K steps. P-EAGLE: the
-    same layer drafting K tokens in one pass, from the bonus token's row and K - 1 mask slots after it."""
+    """An EAGLE-3 drafter (one decoder layer over [embedding; fused target features], chained K steps) or P-EAGLE's."""
     e, parallel = cfg["eagle"], generation == "P-EAGLE"
     check_hidden(cfg, target_cfg, name)
     if "fc.weight" not in state or "layers.0.hidden_norm.weight" not in state:
@@ -4389,9 +4375,8 @@ def generate_reference(model, it, settings, learned, drafter, stops):
 
 
 def fly_run(model, d, it, settings, stops):
-    """Drafter d's own text for a prompt under FLy (--verify fly), by the online loop: its rounds, how many of its
-    tokens are deferred mismatches (committed against the target's greedy choice), where it departs from the
-    reference."""
+    """d's own text under FLy (--verify fly), by the online loop: its rounds, how many of its tokens are deferred
+    mismatches (committed against the target's greedy choice), where it departs from the reference."""
     rounds, W = [], settings["fly"]["window"] or min(6, d.block_size - 2)
     text = speculative_generate(model, d, it["prompt_ids"], it.get("room") or len(it["completion_ids"]), stops,
                                 it["id"], fly=settings["fly"], rounds=rounds)
@@ -4403,7 +4388,6 @@ SERVER_BATCH = 8  # prompts per request
 
 
 def server_words(error):
-    """The server's own message from an HTTP error body: error.message, message, detail, or the text."""
     text = error.read().decode("utf-8", "replace")
     with contextlib.suppress(json.JSONDecodeError, AttributeError):
         body = json.loads(text)
@@ -5403,7 +5387,6 @@ def engine_metrics(s, depth, tokens=None):
 
 
 def by_context(sums_per_prompt):
-    """tau and first-position acceptance by the anchor's context length, over the buckets that have rounds."""
     total = {}
     for buckets in sums_per_prompt:
         for bucket, values in buckets.items():
@@ -5915,7 +5898,6 @@ def served_summary(held, B, depths):
 
 
 def prompt_report(it, res, B):
-    """One reference's entry: its source, how it sits with the target, its rounds (or their expectation)."""
     sampled = "expected" in res
     committed, rounds = prompt_totals([res], [it])[it["id"]]   # exact or expected
     entry = {"id": it["id"], **{k: it[k] for k in ("sample", "turn") if it.get(k) is not None}, "split": it["split"],
@@ -5976,7 +5958,6 @@ def acceptance_warning(s, check):
 
 
 def drafter_report(d, results, items):
-    """The report of one drafter (its facts d) over some prompts' results."""
     B = d["drafts_per_round"] + 1   # the longest round: every draft and the target's own token
     note = FAMILIES[d["generation"]].ddtree_note
     no_trees = {"ddtree": None, "ddtree_note": note} if note else {}
@@ -6122,9 +6103,8 @@ def published_beside(name, rows, drafter, config):
 
 
 def bench_table(drafters, results, items, config):
-    """--bench: a row per drafter per benchmark or category, then the suite pooled (Spec-Bench's overall): tau pooled
-    and per-request means (a turn a request) with 95% intervals, p10/p50/p90, tau - 1, the paired delta tau; the
-    mean over benchmarks, each weighing one (the papers' last column), its interval from theirs; recipe departures."""
+    """--bench: a row per drafter per benchmark or category, then the suite pooled (Spec-Bench's overall), then the mean
+    over benchmarks, each weighing one (the papers' last column), its interval from theirs; recipe departures."""
     K = common_depth(drafters)   # drafters drafting different numbers: the table at the fewest, where all draft
 
     def figures(keep):
@@ -6224,7 +6204,6 @@ def interval(ci):
 
 
 def reference_line(stats):
-    """Greedy: the target agreement; sampled: the references' share inside the target's support."""
     if "reference_support" in stats:
         return (f"reference support {fmt(stats['reference_support'], 4)}, mean log-prob "
                 f"{fmt(stats['reference_mean_logprob'])}")
@@ -7678,7 +7657,6 @@ def step_line(settings, learned, d, source, embed_w, head):
 
 
 def step_text(line, best):
-    """A step's printed line: tau and its interval, first-position acceptance, DDTree and depth taus, the best mark."""
     ci = f" {interval(line['tau_ci95'])}" if line.get("tau_ci95") else ""
     return (f"step {line['step']:>7}  tau {fmt(line['tau'])}{ci}  first {fmt(line['first_position_acceptance'])}"
             + "".join(f"  ddtree{b} {fmt(s['tau'])}" for b, s in (line.get("ddtree") or {}).items())
