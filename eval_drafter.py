@@ -258,7 +258,8 @@ CONFIG_KINDS = {
                      "sample_from_anchor", "tie_word_embeddings", "norm_before_residual", "norm_before_fc", "fc_norm",
                      "norm_output", "shift_label", "attn_output_gate", "norm_topk_prob", "lilicorr_enabled",
                      "has_own_lm_head"), SWITCH),
-    **dict.fromkeys(("target_layer_ids", "aux_hidden_state_layer_ids", "eagle_aux_hidden_state_layer_ids"), IDS)}
+    **dict.fromkeys(("target_layer_ids", "aux_hidden_state_layer_ids", "eagle_aux_hidden_state_layer_ids",
+                     "no_rope_layers"), IDS)}
 CONFIG_NESTS = ("dflash_config", "transformer_layer_config", "eagle_config", "text_config", "rope_parameters",
                 "rope_scaling")
 # The target config's keys the tool itself reads (its own, and its MTP layer's); transformers checks the rest
@@ -2817,7 +2818,9 @@ def rope_cos_sin(drafter, positions, dtype):
 
 def apply_rope(x, cos, sin):
     # x: (heads, T, head_dim); rotate pairs (i, i + r/2) of the first r = cos's width dims as Qwen3 does (the rest
-    # pass unrotated: a partial rotary, as Qwen3.5's r = head_dim / 4).
+    # pass unrotated: a partial rotary, as Qwen3.5's r = head_dim / 4). No cos: a NoPE layer, x as it is.
+    if cos is None:
+        return x
     r = cos.shape[-1]
     if r < x.shape[-1]:
         return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
@@ -2873,13 +2876,19 @@ def block_mask(anchors, n_ctx, block_size, rule, starts=None):
     return torch.cat([ctx_ok, blk_ok], dim=1)
 
 
+def layer_rope(drafter, i, cos, sin):
+    """Layer i's rotation: none in DFlash 2's no_rope_layers (queries, keys and context keys alike)."""
+    return (None, None) if i in (dflash_value(drafter.cfg, "no_rope_layers") or ()) else (cos, sin)
+
+
 def drafter_context(drafter, features, start=0):
     """Project the target features (T, n_layers * H) of positions start.. once: per-layer context K/V."""
     w, cfg = drafter.weights, drafter.cfg
     ctx = rms_norm(F.linear(features, w["fc.weight"]), w["hidden_norm.weight"], cfg.get("rms_norm_eps", 1e-6))
     cos, sin = rope_cos_sin(drafter, torch.arange(start, start + ctx.shape[0], device=ctx.device), ctx.dtype)
     # LiLiCorr's correlator also reads the projected row before each anchor: one more entry, grown like the K/V
-    return [keys_values(w, f"layers.{i}.self_attn.", ctx, cfg, cos, sin) for i in range(cfg["num_hidden_layers"])] \
+    return [keys_values(w, f"layers.{i}.self_attn.", ctx, cfg, *layer_rope(drafter, i, cos, sin))
+            for i in range(cfg["num_hidden_layers"])] \
         + ([(ctx[None], ctx[None])] if (drafter.head or {}).get("context_rows") else [])
 
 
@@ -2924,10 +2933,10 @@ def drafter_forward(drafter, context_kv, anchors, block_ids, embed_w, starts=Non
     cos, sin = rope_cos_sin(drafter, (anchors[:, None] + torch.arange(B, device=anchors.device)).reshape(-1), x.dtype)
     masks = {rule: block_mask(anchors, n_ctx, B, rule, starts) for rule in set(drafter.rules)}
     for i, rule in enumerate(drafter.rules):
-        p = f"layers.{i}."
+        p, rot = f"layers.{i}.", layer_rope(drafter, i, cos, sin)
         h, taps = conv_in(drafter, p + "attention_conv.", rms_norm(x, w[p + "input_layernorm.weight"], eps), n)
-        q = rope_heads(w, p + "self_attn.q_norm.weight", linear(h, w, p + "self_attn.q_proj"), cfg, cos, sin)
-        k, v = keys_values(w, p + "self_attn.", h, cfg, cos, sin)
+        q = rope_heads(w, p + "self_attn.q_norm.weight", linear(h, w, p + "self_attn.q_proj"), cfg, *rot)
+        k, v = keys_values(w, p + "self_attn.", h, cfg, *rot)
         k_ctx, v_ctx = context_kv[i]
         attn = attention(q, torch.cat([k_ctx[:, :n_ctx], k], 1), torch.cat([v_ctx[:, :n_ctx], v], 1), masks[rule])
         attn = linear(attn.transpose(0, 1).reshape(n * B, -1), w, p + "self_attn.o_proj")
@@ -3126,6 +3135,18 @@ def dflash2_settings(cfg, state, name, settings):
     top_k = dflash_value(cfg, "selector_top_k")
     return conv_settings(cfg, state, name, settings, {} if top_k is not None else {"selector_top_k": 16}), \
         int(16 if top_k is None else top_k)
+
+
+def nope_note(cfg, generation, name):
+    """The load line's word on no_rope_layers (DFlash 2's NoPE layers, by index), checked; '' without them."""
+    layers = dflash_value(cfg, "no_rope_layers") or []
+    if layers and generation != "DFlash 2":
+        fail(f"drafter {name}: its config lists no_rope_layers, which vLLM 0.34 reads for DFlash 2 drafters only (this "
+             f"is a {generation} drafter); remove the key, or save it as a DFlash2DraftModel if it was trained so")
+    if any(i >= cfg["num_hidden_layers"] for i in layers):
+        fail(f"drafter {name}: its no_rope_layers {layers} name a layer past its {cfg['num_hidden_layers']}")
+    return f", no RoPE in layers {sorted(set(layers))} (vLLM 0.34 serves it as DFlash2RicursiveDraftModel; " \
+        "vLLM 0.33 and SGLang 0.5.23 would rotate them)" if layers else ""
 
 
 def select_path(drafter, unary, candidates, projected, first):
@@ -3333,7 +3354,7 @@ def load_block(name, path, generation, fam, cfg, state, layout, raw, target_cfg,
     for flag in (f for f, owner in FAMILY_FLAGS.items() if owner != generation and settings.get(f) is not None):
         log(settings, f"drafter {name}: --{flag.replace('_', '-')} applies to {FAMILY_FLAGS[flag]} drafters only")
     log(settings, f"drafter {name}: {generation}, {layout} layout" + layout_note(layout, spec_cfg, rules, vocab)
-        + (fam.note(head) if fam.note else ""))
+        + (fam.note(head) if fam.note else "") + nope_note(cfg, generation, name))
     if fam.greedy and settings.get("temperature") and settings.get("draft_policy") == "sample":
         fail(f"drafter {name}: a {generation} drafter drafts greedily at every temperature ({fam.greedy}); "
              "use --draft-policy argmax")

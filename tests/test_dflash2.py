@@ -190,6 +190,27 @@ def test_bad_conv_group_is_one_line(tmp_path, capsys):
     assert len(err) == 1 and "conv_group_size 24 does not divide the hidden size 64" in err[0]
 
 
+NOPE = {"dflash": (lambda d: with_config(d, top={"no_rope_layers": [1]}),
+                   "its config lists no_rope_layers, which vLLM 0.34 reads for DFlash 2 drafters only"),
+        "past_the_layers": (lambda d: dflash2_from_demo(d, no_rope_layers=[0, 2]),
+                            "its no_rope_layers [0, 2] name a layer past its 2"),
+        "not_a_list": (lambda d: dflash2_from_demo(d, no_rope_layers=1), "no_rope_layers")}
+
+
+def test_no_rope_layers_said_on_the_load_line(tmp_path, demo_target, capsys):
+    err = load_line(dflash2_from_demo(tmp_path / "d2", no_rope_layers=[1]), capsys, demo_target.config)
+    assert "DFlash 2, public layout" in err and "no RoPE in layers [1] (vLLM 0.34 serves it as " \
+        "DFlash2RicursiveDraftModel" in err
+
+
+@pytest.mark.parametrize("case", sorted(NOPE))
+def test_misplaced_no_rope_layers_are_one_line(tmp_path, capsys, case):
+    path = NOPE[case][0](tmp_path / "d")
+    assert ed.main(["--demo", "--ckpt", path, "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and NOPE[case][1] in err[0], err
+
+
 # ----------------------------------------------------------------------------------------------------
 # The rest of the tool with a DFlash 2 drafter
 

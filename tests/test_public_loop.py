@@ -98,6 +98,33 @@ def test_dflash2_rounds_equal_the_public_loop(tmp_path, demo, monkeypatch):
     assert len(set(all_rounds)) >= 5   # rounds of many lengths
 
 
+def test_dflash2_no_rope_layers_equal_the_public_loop_without_their_rotation(tmp_path, demo, monkeypatch):
+    """no_rope_layers (vLLM 0.34's DFlash2RicursiveDraftModel): the listed layers rotate neither queries, keys nor
+    context keys. The public model, its attention given an identity rotation (cos 1, sin 0) in those layers, is the
+    online loop; the tool's rounds equal it and differ from the same drafter with every layer rotated."""
+    target, rows, prompts = demo
+    public = public_module(monkeypatch)
+    rotate = public.Qwen3DFlashAttention.forward
+
+    def forward(self, *args, position_embeddings=None, **kwargs):
+        if self.layer_idx in (getattr(self.config, "no_rope_layers", None) or ()):
+            position_embeddings = tuple(f(t) for f, t in zip((torch.ones_like, torch.zeros_like), position_embeddings))
+        return rotate(self, *args, position_embeddings=position_embeddings, **kwargs)
+
+    monkeypatch.setattr(public.Qwen3DFlashAttention, "forward", forward)
+    plain_dir = dflash2_from_demo(tmp_path / "plain")
+    nope_dir = dflash2_from_demo(tmp_path / "nope")
+    cfg = json.loads((tmp_path / "nope" / "config.json").read_text())
+    (tmp_path / "nope" / "config.json").write_text(json.dumps({**cfg, "no_rope_layers": [1]}))
+    references, expected = run_public(public, nope_dir, target, prompts, 8)
+    report = tool_rounds(tmp_path, os.path.join(DEMO, "target"), nope_dir, rows, references)
+    all_rounds = check_against(report, expected, 8)
+    assert len(set(all_rounds)) >= 4
+    plain = tool_rounds(tmp_path, os.path.join(DEMO, "target"), plain_dir, rows, references, name="plain")
+    assert [p["rounds"] for p in plain["drafters"][0]["prompts"]] != [p["rounds"] for p in report["drafters"][0]["prompts"]]
+    assert report["drafters"][0]["hash"] != plain["drafters"][0]["hash"]
+
+
 def test_dflash_embedding_scale_rounds_equal_the_public_loop(tmp_path, demo, monkeypatch):
     """input_embedding_scale 10: the block's embeddings are raw embedding rows x 10. Ignoring it changes the
     rounds (checked below), so the equality says the scale is applied as the public loop applies it."""
