@@ -22,7 +22,7 @@ The sections, in the order data flows (each definition stands under its banner, 
     Drafter backbone: checkpoints read, the shared checks, the block pass (SDPA, explicit context-plus-block mask)
     Drafter families, block: DFlash, DFlash 2, DSpark, Domino, XPress, LiLiCorr (their loading and proposal code)
     Drafter families, causal: EAGLE-3, P-EAGLE and the MTP layer (their loading and proposal code)
-    Drafter families, text: the baselines that draft from the text alone (n-gram prompt lookup, suffix decoding)
+    Drafter families, baselines: n-gram prompt lookup, suffix decoding and a small draft model, from the text alone
     Drafter families: recognition and the family table, the one place a family is dispatched from
     Drafting: a drafter loaded by its family, every anchor drafted
     References: the target's own (speculative or plain decoding) and a serving engine's
@@ -798,7 +798,8 @@ FLAGS = [
         "with torch.load(weights_only=True), nesting and prefixes unwrapped; a SpecForge step directory; a training "
         "run's directory of steps (--steps); a target directory: its MTP layer (as --mtp); a baseline drafting from "
         "the text alone, vLLM 0.34's rules: ngram[:k=K,min=N,max=M] (prompt lookup), suffix[:k=K,depth=D] (suffix "
-        "decoding; K by default the first drafter's)")),
+        "decoding), draft_model:DIR[:k=K] (a small causal LM on the target's vocabulary); K by default the first "
+        "drafter's")),
     ("inputs", "--mtp", "W", None, dict(action="store_true", help="also evaluate the target's own MTP layer "
         "(Qwen3.5/3.6, Qwen3-Next: mtp.* in its safetensors) as drafter mtp, the baseline a drafter must beat; the "
         "same as --ckpt mtp=TARGET_DIR")),
@@ -2409,6 +2410,7 @@ class Drafter:
     overrides: dict = None      # {flag: {"given", "checkpoint"}} of the flags that replace what its checkpoint states
     own: object = None          # the same drafter as its checkpoint alone describes it, when flags override it
     suspects: dict = None       # {what: changed fields} of the inputs a serving engine may feed it instead
+    model: object = None        # a draft-model baseline's causal LM
     common_depth: int = None    # the fewest drafts a round of the run's drafters, where they differ: walked there too
 
 
@@ -3938,38 +3940,80 @@ def parallel_round(d, context, anchors, first, starts, embed_w, head, prompt_id,
 
 
 # ----------------------------------------------------------------------------------------------------
-# Drafter families, text: the baselines that draft from the text alone (n-gram prompt lookup, suffix decoding)
+# Drafter families, baselines: n-gram prompt lookup, suffix decoding and a small draft model, from the text alone
 
 
-# --ckpt NAME=ngram[:k=K,min=N,max=M] and NAME=suffix[:k=K,depth=D]: vLLM 0.34's ngram and suffix methods, their knobs
-# and defaults (ngram/config.py: prompt_lookup_min = max = 5; suffix: suffix_decoding_max_tree_depth 24). K, the
-# drafts a round, is the run's first model drafter's unless given (vLLM asks it of ngram; suffix takes min(8, depth)).
-TEXT_BASELINES = {"ngram": {"min": 5, "max": 5}, "suffix": {"depth": 24}}
+# --ckpt NAME=ngram[:k=K,min=N,max=M], NAME=suffix[:k=K,depth=D] and NAME=draft_model:DIR[:k=K]: vLLM 0.34's ngram,
+# suffix and draft_model methods, their knobs and defaults (ngram/config.py: prompt_lookup_min = max = 5; suffix:
+# suffix_decoding_max_tree_depth 24). K, the drafts a round, is the run's first model drafter's unless given (vLLM asks
+# it of ngram and draft_model; suffix takes min(8, depth)).
+TEXT_BASELINES = {"ngram": {"min": 5, "max": 5}, "suffix": {"depth": 24}, "draft_model": {}}
 
 
 def text_spec(path):
-    """(kind, {knob: value}) of a --ckpt baseline spelling, None for a path (a file named so wins)."""
+    """(kind, {knob: value}) of a --ckpt baseline spelling, None for a path (a file named so wins); a draft model's
+    directory is its knob "dir"."""
     kind, _, knobs = path.partition(":")
     if kind not in TEXT_BASELINES or os.path.exists(path):
         return None
+    if kind == "draft_model":
+        where, _, knobs = knobs.partition(":")
+        refuse((not os.path.isfile(os.path.join(where, "config.json")), f"--ckpt {path}: draft_model takes a causal "
+                "LM's directory (its config.json and weights), e.g. draft_model:models/Qwen3-0.6B:k=4"))
     given = dict(part.partition("=")[::2] for part in knobs.split(",") if part)
     bad = [k for k, v in given.items() if k not in {"k", *TEXT_BASELINES[kind]} or not v.isdigit() or int(v) < 1]
     refuse((bad, f"--ckpt {path}: {kind} takes k=, " + ", ".join(f"{k}=" for k in TEXT_BASELINES[kind]) +
             f" with whole numbers of 1 or more (got {bad[0]}=...)" if bad else ""))
-    knobs = {**TEXT_BASELINES[kind], **{k: int(v) for k, v in given.items()}}
+    knobs = {**TEXT_BASELINES[kind], **{k: int(v) for k, v in given.items()},
+             **({"dir": os.path.abspath(where)} if kind == "draft_model" else {})}
     refuse((knobs.get("min", 1) > knobs.get("max", 1), f"--ckpt {path}: min {knobs.get('min')} is above max "
             f"{knobs.get('max')} (vLLM refuses it too)"))
     return kind, knobs
 
 
-def load_text(name, path):
-    """A baseline as a drafter record: no weights, no target layers; its K, if not given, settled with the others'."""
+def load_text(name, path, target_cfg, settings):
+    """A baseline as a drafter record: no target layers; its K, if not given, settled with the others'. A draft model
+    loads in the run's dtype and device; a sampling run's draft_sample_method follows --draft-policy."""
     kind, knobs = text_spec(path)
-    head = {"rule": f"vLLM 0.34's {kind}", **{k: v for k, v in knobs.items() if k != "k"},
-            "lookup": [knobs["min"], knobs["max"]] if kind == "ngram" else [1, knobs["depth"]]}
+    head = {"rule": f"vLLM 0.34's {kind}", **{k: v for k, v in knobs.items() if k != "k"}}
+    if kind != "draft_model":
+        head["lookup"] = [knobs["min"], knobs["max"]] if kind == "ngram" else [1, knobs["depth"]]
+    model = kind == "draft_model" and load_draft_model(knobs["dir"], target_cfg, settings, name)
+    if model:
+        sample = settings["temperature"] > 0 and settings["draft_policy"] == "sample"
+        head.update(draft_sample_method="probabilistic" if sample else "greedy", temperature=sample and
+                    settings["temperature"], parameters=sum(t.numel() for t in model.parameters()))
     return Drafter(name=name, checkpoint=path, cfg={}, weights={}, layers=[], block_size=knobs.get("k", 0) + 1,
                    mask_token_id=-1, rules=[], rope=None, logit_rows=0, generation=kind, layout="vLLM 0.34", head=head,
-                   warnings=[], defaults={})
+                   warnings=[], defaults={}, model=model or None)
+
+
+def load_draft_model(where, target_cfg, settings, name):
+    """A standalone draft model, refused in one line where vLLM refuses it: a vocabulary of another size."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.from_pretrained(where)
+    vocab = getattr(cfg.get_text_config(), "vocab_size", None)
+    refuse((vocab != target_cfg.vocab_size, f"drafter {name}: the draft model {where} has a vocabulary of {vocab} "
+            f"tokens, the target {target_cfg.vocab_size}; vLLM serves a draft model on the target's tokenizer only"))
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=getattr(torch, settings["dtype"]))
+    return model.to(settings["device"]).eval()
+
+
+@inference
+def model_drafts(d, ids):
+    """A draft model's drafts at every position a of ids, as its rounds reach them: it drafts greedily after the
+    committed text, so while its drafts match the text, draft i is its argmax after ids[:a + i + 1], one teacher-forced
+    pass for all (a draft after a miss is never verified). Sampling (probabilistic): the chance of the text's token under
+    softmax(logits / T), as vLLM draws it (the temperature alone). (drafts (len, K), chances or None)."""
+    k, T = d.block_size - 1, d.head["temperature"]
+    logits = d.model(torch.tensor([ids], device=d.model.device)).logits[0].float()
+    best = torch.cat([logits.argmax(-1), logits.new_full((k,), -1, dtype=torch.long)]).cpu()
+    at = torch.arange(len(ids))[:, None] + torch.arange(k)
+    if not T:
+        return best[at], None
+    nxt = torch.tensor(ids[1:] + [0], device=logits.device)
+    chance = torch.cat([sampled_prob(logits, nxt, (T, 1.0, 0)).double().cpu(), torch.zeros(k, dtype=torch.float64)])
+    return best[at], chance[at]
 
 
 def lookup_drafts(ids, k, low, high):
@@ -3991,10 +4035,11 @@ def lookup_drafts(ids, k, low, high):
 
 
 def text_round(d, context, anchors, first, starts, embed_w, head, prompt_id, given=None, sampling=None):
-    """A baseline's round: the drafts at the anchors, and (`given` tokens) the chance of each: 1 where it is the draft,
-    as vLLM verifies drafts that carry no probabilities (the target's p alone decides, a deterministic walk)."""
-    drafts = context[anchors.cpu()]
-    return drafts, None if given is None else (drafts == given.cpu()).double()
+    """A baseline's round: the drafts at the anchors, and (`given` tokens) the chance of each: a sampling draft model's,
+    else 1 where it is the draft, as vLLM verifies drafts that carry no probabilities (the target's p alone decides)."""
+    drafts, chances = context[0][anchors.cpu()], context[1]
+    return drafts, None if given is None else chances[anchors.cpu()] if chances is not None else \
+        (drafts == given.cpu()).double()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -4078,6 +4123,10 @@ FAMILIES = {
                      sources="none: the request's own text (--ckpt NAME=suffix[:k=K,depth=D])", engines="vLLM 0.34 "
                      "(method suffix, its own-history match; its cross-request corpus off)",
                      ddtree_note="suffix decoding proposes one chain in vLLM, so no DDTree rows"),
+    "draft_model": Family(None, text_round, causal=True, text=True, method="draft_model", rounds="chain",
+                          sources="a small causal LM on the target's vocabulary (--ckpt NAME=draft_model:DIR[:k=K])",
+                          engines="vLLM 0.33 and 0.34 (draft_model), SGLang 0.5.23 (STANDALONE, a chain at top-1)",
+                          ddtree_note="a draft model proposes one chain in vLLM, so no DDTree rows"),
     "MTP": Family(None, causal_round, causal=True, method="mtp", rounds="chain", adaptive=True,
                   sources="the target's own mtp.* layer (Qwen3.5/3.6, Qwen3-Next)",
                   engines="vLLM 0.33 and 0.34, SGLang 0.5.23", ddtree_note=(
@@ -4119,7 +4168,7 @@ def read_drafter(spec, target_cfg, settings, identify=True, given=None):
     """A drafter from its --ckpt spec, or from `given` = (config or None, state dict) held in memory (left whole)."""
     name, path = split_ckpt_spec(spec)
     if given is None and text_spec(path):
-        return load_text(name, path)
+        return load_text(name, path, target_cfg, settings)
     if given is not None:
         cfg, raw = given
         cfg = check_config(cfg, f"drafter {name}'s config") if cfg is not None else None
@@ -4168,7 +4217,7 @@ OVERRIDES = (
 def settle_text_depth(drafters):
     """Baselines without k= draft as many a round as the run's first model drafter (compared at its depth; alone:
     vLLM's suffix default, min(8, depth); vLLM asks it of ngram); then their identity: their rule, knobs and K."""
-    model = next((d for d in drafters if not family(d).text), None)
+    model = next((d for d in drafters if (d.model or not family(d).text) and d.block_size > 1), None)
     for d in (d for d in drafters if family(d).text):
         if d.block_size == 1:
             refuse((model is None and "depth" not in d.head, f"--ckpt {d.checkpoint}: give its drafts a round as k= "
@@ -4176,7 +4225,8 @@ def settle_text_depth(drafters):
             d.block_size, why = (model.block_size, f"{model.name}'s") if model else \
                 (min(8, d.head["depth"]) + 1, "vLLM's default, min(8, depth)")
             d.defaults = {"block_size": (d.block_size, why)}
-        d.hash = content_hash({}, d.generation, d.head, d.block_size)
+        d.hash = content_hash(d.model.state_dict() if d.model else {}, d.generation,
+                              {k: v for k, v in d.head.items() if k != "dir"}, d.block_size)
 
 
 def load_drafter(spec, target_cfg, settings, identify=True, given=None):
@@ -4215,7 +4265,8 @@ def override_text(flag, o):
 def prompt_context(drafter, features, ids=None, embed_w=None):
     """What the blocks attend to: per-layer context K/V, a causal pass over the text, or a baseline's drafts."""
     if family(drafter).text:
-        return lookup_drafts(ids, drafter.block_size - 1, *drafter.head["lookup"])
+        return model_drafts(drafter, ids) if drafter.model else \
+            (lookup_drafts(ids, drafter.block_size - 1, *drafter.head["lookup"]), None)
     features = torch.cat([features[L] for L in drafter.layers], dim=-1)
     return causal_pass(drafter, features, ids, embed_w) if family(drafter).causal else \
         drafter_context(drafter, features)
@@ -5461,6 +5512,12 @@ def measure_costs(model, drafters, settings, items):
     timings = [(costs["target"], "1", lambda: timed_pass(model, cache, ids[L:L + 1])),   # (where, key, a timed run)
                *((costs["target"], str(n), lambda n=n: timed_pass(model, cache, ids[L:L + n], layers)) for n in sizes)]
     for d in drafters:
+        if d.model:   # a draft model, as vLLM runs it: the k + 1 new rows in one pass, then k - 1 single steps
+            _, _, own = target_pass(d.model, ids[:L], [], rewindable_cache(d.model))
+            timings += [(costs["draft"].setdefault(d.name, {}), str(k), lambda k=k, m=d.model, c=own: timed_pass(
+                m, c, ids[L:L + k + 1]) + sum(timed_pass(m, c, ids[L:L + 1]) for _ in range(k - 1)))
+                for k in [d.block_size - 1, *served_depths(d, settings)]]
+            continue
         if family(d).text:   # a lookup in the text: nothing beside the target's passes
             timings += [(costs["draft"].setdefault(d.name, {}), str(k), lambda: 0.0)
                         for k in [d.block_size - 1, *served_depths(d, settings)]]
@@ -5588,7 +5645,8 @@ def roofline_costs(target_cfg, drafters, settings, items):
     """--costs gpu:NAME: the run's target and drafters priced by roofline_table, at the prompts' typical context."""
     gpu, context, target = settings["gpu"], typical_context(items), shape_of(target_cfg)
     sizes, keys = cost_sizes(drafters, settings)
-    kinds = [(d.name, d.layers and drafter_shape(d, target), family(d).rounds, keys[d.name], d.tree) for d in drafters]
+    kinds = [(d.name, shape_of(d.model.config) if d.model else d.layers and drafter_shape(d, target), family(d).rounds,
+              keys[d.name], d.tree) for d in drafters]
     return {"source": f"a roofline for {gpu['name']} ({gpu['bandwidth_tbs']:g} TB/s x {gpu['bandwidth_share']:g}, "
                       f"{gpu['peak_tflops']:g} TFLOP/s x {gpu['compute_share']:g}, {gpu['pass_us']:g} us a pass + "
                       f"{gpu['layer_us']:g} us a layer, {gpu['weight_bytes']} bytes a weight) at a context of "
@@ -5678,7 +5736,8 @@ def export_vllm_synthetic(report, path, depth):
              f"(--depths {depth}) or pick another with --export-depth")
     rates, method = stats["engine_metrics"]["vllm"]["per_position_acceptance_rate"], FAMILIES[d["generation"]].method
     head, text = d.get("head") or {}, FAMILIES[d["generation"]].text
-    config = {"method": method, **({} if method == "mtp" or text else {"model": d["checkpoint"]}),
+    config = {"method": method, **({} if method == "mtp" or text and "dir" not in head else
+                                   {"model": head.get("dir", d["checkpoint"])}),
               **(FAMILIES[d["generation"]].vllm or {}),
               **({"prompt_lookup_min": head["min"], "prompt_lookup_max": head["max"]} if "min" in head and text else
                  {"suffix_decoding_max_tree_depth": head["depth"], "suffix_decoding_max_cached_requests": 0}
@@ -7352,12 +7411,16 @@ def note_maskless(drafters, settings):
 
 
 def text_note(d):
+    why = (d.defaults or {}).get("block_size")
+    lead = f"{d.generation}, a baseline drafting from the text alone: {d.block_size - 1} drafts a round" + \
+        (f" ({why[1]})" if why else "") + f", {d.head['rule']} rule"
+    if d.model:
+        return lead + (f" ({d.head['dir']}, {d.head['parameters'] / 1e6:.1f}M parameters, {d.head['draft_sample_method']} "
+                       "drafts): its own causal pass over the committed text, K steps a round")
     knobs = f"prompt_lookup_min {d.head['min']}, max {d.head['max']}" if "min" in d.head else \
         f"suffix_decoding_max_tree_depth {d.head['depth']}, its cross-request corpus off"
-    why = (d.defaults or {}).get("block_size")
-    return (f"{d.generation}, a baseline drafting from the text alone: {d.block_size - 1} drafts a round" +
-            (f" ({why[1]})" if why else "") + f", {d.head['rule']} rule ({knobs}): the latest earlier occurrence of "
-            "the longest matching tail, the tokens after it, padded with the last token, all verified")
+    return lead + f" ({knobs}): the latest earlier occurrence of the longest matching tail, the tokens after it, " \
+        "padded with the last token, all verified"
 
 
 def load_run(settings, learned, tokenizer=None):

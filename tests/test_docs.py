@@ -166,7 +166,8 @@ def written(tmp_path_factory):
         "eagle": ["--target", f"{FIX}/llama/target", "--ckpt", f"{FIX}/llama/eagle3", "--prompts",
                   f"{FIX}/demo/prompts.jsonl", "--limit", "2", "--adaptive-steps"],
         "families": ["--demo", "--ckpt", f"{FIX}/families/domino", "--ckpt", f"{FIX}/speculators/xpress", "--ckpt",
-                     f"{FIX}/families/lilicorr", "--ckpt", "n=ngram:min=2,max=3", "--ckpt", "s=suffix", "--limit", "2"],
+                     f"{FIX}/families/lilicorr", "--ckpt", "n=ngram:min=2,max=3", "--ckpt", "s=suffix", "--ckpt",
+                     f"m=draft_model:{FIX}/demo/target", "--limit", "2"],
         "steps": ["--demo", "--ckpt", f"run={run}", "--mask-token-id", "1", "--prompts", str(prompts)],
     }
     if HYBRID:   # the hybrid target's MTP layer
