@@ -978,6 +978,10 @@ FLAGS = [
         "--save-costs)")),
     ("deployment", "--batch-sizes", "", None, dict(default="1", metavar="B,...", help="with --costs gpu:NAME, the "
         "batch sizes to price, e.g. 1,8,32 (default 1): verification turns compute-bound as they grow")),
+    ("deployment", "--k-by-batch-size", "", None, dict(metavar="S-E:K,...", help="vLLM's "
+        "num_speculative_tokens_per_batch_size, e.g. 1-4:7,5-32:3,33-256:0: K by batch size (inclusive ranges from 1; "
+        "a gap or a size past the last takes the K before it; each capped at the drafter's own; 0 = plain decoding); "
+        "each priced batch size names the row vLLM serves there (its depths are walked too)")),
     ("deployment", "--save-costs", "W", None, dict(metavar="FILE.json", help="write the costs the run used (--costs "
         "measure on a GPU box) as a table that --costs FILE reads on another box")),
     ("deployment", "--export-vllm-synthetic", "W", None, dict(metavar="FILE.json", help="write vLLM's speculative "
@@ -1054,6 +1058,26 @@ def flag_names(mode):
 
 def parse_args(argv, epilog=None):
     return build_parser(epilog).parse_args(argv)
+
+
+def k_by_batch(text):
+    """--k-by-batch-size as [[start, end, K]] in order, refused in one line where vLLM refuses the table."""
+    table = []
+    for part in filter(None, (text or "").split(",")):
+        m = re.fullmatch(r"\s*(\d+)-(\d+):(\d+)\s*", part)
+        refuse((not m or int(m[1]) < 1 or int(m[1]) > int(m[2]), f"--k-by-batch-size takes START-END:K ranges like "
+                f"1-4:7,5-32:3 (START >= 1, START <= END, K >= 0); got {part!r}"))
+        table.append([int(m[1]), int(m[2]), int(m[3])])
+    table.sort()
+    refuse((table and table[0][0] != 1, "--k-by-batch-size: its first range must start at batch size 1 (vLLM's rule)"),
+           *((a[1] >= b[0], f"--k-by-batch-size: ranges {a[0]}-{a[1]} and {b[0]}-{b[1]} overlap")
+             for a, b in zip(table, table[1:])))
+    return table or None
+
+
+def batch_k(table, batch, K):
+    """The K vLLM serves at `batch` requests: the range starting last at or before it, capped at the static K."""
+    return min(K, [k for start, _, k in table if start <= batch][-1])
 
 
 def int_list(text, refusal):
@@ -1439,8 +1463,8 @@ def resolve_settings(args, ranks=True):
            (args.costs and args.costs != "measure" and not args.costs.startswith("gpu:") and
             not os.path.isfile(args.costs), f"--costs takes measure, gpu:NAME or a JSON file of costs; {args.costs} "
             "is none of them (see docs/serving.md)"),
-           ((args.batch_sizes != "1" or args.save_costs) and not args.costs, "--batch-sizes and --save-costs go with "
-            "--costs (gpu:NAME prices batch sizes; measure's table is saved)"),
+           ((args.batch_sizes != "1" or args.save_costs or args.k_by_batch_size) and not args.costs, "--batch-sizes, "
+            "--k-by-batch-size and --save-costs go with --costs (gpu:NAME prices batch sizes; measure's table is saved)"),
            (args.costs == "measure" and (args.load_hidden or args.compare_hidden), "--costs measure times the target "
             "model, which a run from saved features does not build: give --costs FILE (costs measured where the "
             "target runs), or measure in a run with the target"),
@@ -1497,6 +1521,7 @@ def resolve_settings(args, ranks=True):
                 "gpu": gpu_spec(args.costs) if args.costs and args.costs.startswith("gpu:") else None,
                 "batch_sizes": int_list(args.batch_sizes, f"--batch-sizes takes batch sizes >= 1 like 1,8,32; got "
                                                           f"{args.batch_sizes!r}"),
+                "k_by_batch_size": k_by_batch(args.k_by_batch_size),
                 "shard": shard, "ranks": 1, "rank": 0, "output_streamed": output_streamed,
                 "walk_rule": "first anchor = first completion token; next anchor = anchor + acceptance; "
                              "stop when the next block's drafts would pass the end of the reference",
@@ -5026,7 +5051,9 @@ def served_depths(d, settings):
     """The depths --depths asks of drafter d besides its trained one (its block's drafts), and the run's common one."""
     trained, asked = d.block_size - 1, settings.get("depths")
     wanted = [*(range(1, trained) if asked == "all" else asked or []), *[d.common_depth] * bool(d.common_depth),
-              *(ADAPTIVE["candidates"] if settings.get("adaptive_steps") and family(d).adaptive else ())]
+              *(ADAPTIVE["candidates"] if settings.get("adaptive_steps") and family(d).adaptive else ()),
+              *(batch_k(settings["k_by_batch_size"], b, trained) for b in settings["batch_sizes"]
+                if settings.get("k_by_batch_size") and batch_k(settings["k_by_batch_size"], b, trained))]
     return [k for k in dict.fromkeys(wanted) if k != trained]
 
 
@@ -5700,7 +5727,9 @@ def paired_speedup(a, b, units):
 def predicted_speedups(report, costs, results, items):
     """Every row's predicted speedup (speedup()) per batch size: depth K verifies 1 + K tokens, DDTree budget b 1 + b,
     SGLang's tree its draft tokens; a drafter's rows compared paired (paired_speedup): best or leaders, as
-    docs/serving.md says. Leaves out batching in a measured table, scheduling and a request's last rounds."""
+    docs/serving.md says; with --k-by-batch-size, the row vLLM serves. Leaves out batching in a measured table,
+    scheduling and a request's last rounds."""
+    table = report["config"].get("k_by_batch_size")
     for d, res in zip(report["drafters"], results):
         depths = d.get("depths") or {str(d["drafts_per_round"]): d}
         out, K, units = {}, str(d["drafts_per_round"]), row_units(d, res, items)
@@ -5720,6 +5749,10 @@ def predicted_speedups(report, costs, results, items):
             leaders = ranked[:1] + [n for n in ranked[1:] if (priced[n]["below_top"] or [0, 0])[1] <= 0]
             out[batch] = {"plain_s": t["target"]["1"], "rows": priced, "leaders": leaders,
                           "best": leaders[0] if len(leaders) == 1 else None}
+            if table:   # vLLM's K at this batch size: its row, or plain decoding (speedup 1) at K 0
+                k = batch_k(table, int(batch), int(K))
+                out[batch]["vllm_k"] = {"k": k, "row": f"K={k}" if k else None,
+                                        "speedup": priced[f"K={k}"]["speedup"] if k else 1.0}
         d["predicted_speedup"] = out
     for row, d in zip((report.get("comparison") or {}).get("drafters", []), report["drafters"]):
         row["predicted_speedup"] = {batch: {"best": p["best"], "leaders": p["leaders"], "speedup": p["rows"][
@@ -6355,6 +6388,11 @@ def serving_lines(d, source=None):
         if len(p["leaders"]) > 1:
             yield (f"     no best at this precision: {', '.join(p['leaders'][1:])} cannot be told from "
                    f"{p['leaders'][0]} (their paired intervals reach 0)")
+        if "vllm_k" in p:
+            v = p["vllm_k"]
+            yield (f"     vLLM's K at this batch size (--k-by-batch-size): {v['k']}, " +
+                   (f"the {v['row']} row, speedup {v['speedup']:.2f}x" if v["row"] and v["speedup"] else
+                    "plain decoding, speedup 1.00x" if not v["row"] else f"the {v['row']} row (no cost)"))
 
 
 def comparison_lines(c):

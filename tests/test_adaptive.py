@@ -98,3 +98,48 @@ def test_without_an_adaptive_drafter_it_is_one_line(capsys):
     refused_in_one_line(capsys, ["--demo", "--quiet", "--adaptive-steps"], "EAGLE, EAGLE-3 and MTP")
     refused_in_one_line(capsys, [*ARGV, "--quiet", "--temperature", "0.8", "--draft-policy", "sample"],
                         "argmax drafts")
+
+
+# ----------------------------------------------------------------------------------------------------
+# vLLM's K by batch size (num_speculative_tokens_per_batch_size) in the cost rows
+
+
+def vllm_dense_lookup(table, static_k, max_seqs):
+    """vLLM's dense table (v1/spec_decode/dynamic/utils.py), written from its description: entry b for 1..max_seqs is
+    min(static K, the K of the range holding b); a gap and sizes past the last range keep the K last set."""
+    dense, k = [None], None
+    ranges = sorted(table)
+    for b in range(1, max_seqs + 1):
+        k = next((K for start, end, K in ranges if start <= b <= end), k)
+        dense.append(min(static_k, k))
+    return dense
+
+
+def test_k_by_batch_size_names_the_row_vllm_serves(tmp_path):
+    table, sizes = [(1, 4, 7), (5, 16, 3), (20, 40, 5), (48, 100, 0)], [1, 4, 5, 17, 20, 33, 47, 48, 64, 200]
+    spec = ",".join(f"{a}-{b}:{k}" for a, b, k in [table[2], table[0], table[3], table[1]])   # any order
+    report = run_tool(tmp_path, "k", "--demo", "--limit", "3", "--max-new-tokens", "32", "--ddtree-budgets", "none",
+                      "--block-size", "6", "--costs", "gpu:H100", "--batch-sizes", ",".join(map(str, sizes)),
+                      "--k-by-batch-size", spec)
+    d = report["drafters"][0]
+    dense = vllm_dense_lookup(table, d["drafts_per_round"], max(sizes))
+    assert set(d["depths"]) == {"3", "5"}   # the depths vLLM serves below the drafter's 5 were walked
+    for b in sizes:
+        p, k = d["predicted_speedup"][str(b)], dense[b]
+        assert p["vllm_k"]["k"] == k, b
+        assert p["vllm_k"]["speedup"] == (p["rows"][f"K={k}"]["speedup"] if k else 1.0), b
+    assert {dense[b] for b in sizes} == {0, 3, 5}   # capped at 5, carried through gaps, plain decoding at 0
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("2-4:7", "its first range must start at batch size 1"),
+    ("1-8:7,4-16:3", "ranges 1-8 and 4-16 overlap"),
+    ("1-8", "takes START-END:K ranges"),
+    ("1-0:3", "takes START-END:K ranges"),
+])
+def test_bad_k_by_batch_size_is_one_line(spec, fragment, capsys):
+    refused_in_one_line(capsys, ["--demo", "--costs", "gpu:H100", "--k-by-batch-size", spec], fragment)
+
+
+def test_k_by_batch_size_goes_with_costs(capsys):
+    refused_in_one_line(capsys, ["--demo", "--k-by-batch-size", "1-8:3"], "--k-by-batch-size and --save-costs go with")

@@ -157,7 +157,8 @@ def written(tmp_path_factory):
     demo, short = os.path.join(FIX, "demo", "drafter"), ["--max-new-tokens", "24", "--quiet"]
     modes = {
         "two": ["--demo", "--ckpt", f"a={demo}", "--ckpt", f"b={FIX}/families/dspark_vanilla", "--depths", "3",
-                "--costs", "gpu:H100", "--check-mask", "--limit", "3"],
+                "--costs", "gpu:H100", "--check-mask", "--limit", "3", "--batch-sizes", "1,64",
+                "--k-by-batch-size", "1-8:3,9-64:0"],
         "sampled": ["--demo", "--temperature", "0.01", "--verify", "standard,block", "--samples-per-prompt", "2",
                     "--limit", "2"],
         "bench": ["--demo", "--bench", "gsm8k,mt-bench", "--bench-dir", str(root / "bench"), "--max-samples", "2",
