@@ -51,6 +51,7 @@ import hashlib
 import heapq
 import inspect
 import io
+import itertools
 import json
 import math
 import random
@@ -970,6 +971,11 @@ FLAGS = [
     ("deployment", "--adaptive-steps", "R", None, dict(action="store_true", help="EAGLE-3 and MTP drafters: SGLang's "
         "--speculative-adaptive at batch size 1 replayed over the exact rounds at its step counts 1, 3, 5, 7 (each "
         "walked as a served depth), its state carried from prompt to prompt as one server's: a row beside the depths")),
+    ("deployment", "--adaptive-verification", "R", None, dict(action="store_true", help="DSpark drafters with a "
+        "confidence head (enable_confidence_head): vLLM 0.34's enable_adaptive_verification at batch size 1 and "
+        "temperature 0 replayed over the exact rounds: each verify takes the first m drafts, m = argmax_k (1 + the "
+        "first k survivals of the previous block's confidences) / (the draft cost + the verify cost of 1 + k tokens at "
+        "vLLM's captured sizes); a row beside the fixed K with its speedup (needs --costs)")),
     ("deployment", "--costs", "", None, dict(metavar="measure|gpu:NAME|FILE", help="predicted speedup, with its 95%% "
         "interval, per depth, DDTree budget, tree and rule: measure = time the target's and the drafters' passes here "
         "(the run's device and dtype), interleaved and repeated until stable; gpu:NAME = a roofline of each pass from "
@@ -1463,6 +1469,10 @@ def resolve_settings(args, ranks=True):
            (args.costs and args.costs != "measure" and not args.costs.startswith("gpu:") and
             not os.path.isfile(args.costs), f"--costs takes measure, gpu:NAME or a JSON file of costs; {args.costs} "
             "is none of them (see docs/serving.md)"),
+           (args.adaptive_verification and not args.costs, "--adaptive-verification weighs each verify's cost: give "
+            "--costs (measure, gpu:NAME or a FILE)"),
+           (args.adaptive_verification and (args.temperature > 0 or args.anchors == "walk"), "--adaptive-verification "
+            "replays greedy rounds from drafts at every anchor: temperature 0, without --anchors walk"),
            ((args.batch_sizes != "1" or args.save_costs or args.k_by_batch_size) and not args.costs, "--batch-sizes, "
             "--k-by-batch-size and --save-costs go with --costs (gpu:NAME prices batch sizes; measure's table is saved)"),
            (args.costs == "measure" and (args.load_hidden or args.compare_hidden), "--costs measure times the target "
@@ -3067,6 +3077,7 @@ def speculators_config(cfg, name):
             "target_hidden_size": cfg.get("target_hidden_size"),
             "dflash_config": {"mask_token_id": cfg["mask_token_id"], "target_layer_ids": [i - 1 for i in aux],
                               **{k: cfg[k] for k in FAMILY_KEYS if k in cfg}},
+            **{k: cfg[k] for k in ("enable_confidence_head", "confidence_head_with_markov") if k in cfg},
             "speculators": {"aux_hidden_state_layer_ids": aux, "draft_vocab_size": cfg.get("draft_vocab_size"),
                             "sample_from_anchor": bool(cfg.get("sample_from_anchor", kind == "dspark")),
                             "sliding_window_non_causal": bool(cfg.get("sliding_window_non_causal", kind == "dflash2"))}}
@@ -3112,6 +3123,9 @@ def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab
             shapes.update({m + "gate_proj.weight": (r, H + r), m + "gate_proj.bias": (r,)})
         if head["kind"] == "rnn":
             shapes.update({m + "joint_proj.weight": (3 * r, 2 * r + H), m + "joint_proj.bias": (3 * r,)})
+    if generation == "DSpark" and (head or {}).get("confidence"):   # one fp32 logit a slot, with a bias
+        shapes.update({"confidence_head.proj.weight": (1, H + head["rank"] * (head["confidence"] == "markov")),
+                       "confidence_head.proj.bias": (1,)})
     if generation == "XPress":   # token_embed reads the previous token (target ids), readout writes draft logits
         r, m, B = head["rank"], head["mlp"], head["block"]
         shapes.update({XPRESS + k: shape for k, shape in {
@@ -3211,7 +3225,26 @@ def dspark_head(cfg, state, where, settings):
     kind = dflash_value(cfg, "markov_head_type", "vanilla")
     if kind not in MARKOV_HEADS:
         fail(f"{where} with markov_head_type {kind!r}: DSpark's heads are {', '.join(MARKOV_HEADS)}")
-    return {"kind": kind if rank else None, "rank": rank, "topk": settings.get("dspark_draft_topk") or 0}
+    head = {"kind": kind if rank else None, "rank": rank, "topk": settings.get("dspark_draft_topk") or 0}
+    if settings.get("adaptive_verification") and dflash_value(cfg, "enable_confidence_head") and \
+            "confidence_head.proj.weight" in state:   # vLLM 0.34 builds the head only where the config enables it
+        head["confidence"] = "markov" if dflash_value(cfg, "confidence_head_with_markov") else "plain"
+    return head
+
+
+def dspark_confidence(d, context_kv, anchors, first, drafts, embed_w):
+    """vLLM 0.34's confidence head at every anchor (n, N), float32: sigmoid(proj(x)) of each slot's final-normed row,
+    x = the row, or [row; markov_w1[the token before the slot]] (the anchor's, then the drafts) with_markov."""
+    out, w, per_call = [], d.weights, max(1, ANCHOR_TOKENS_PER_CHUNK // d.block_size)
+    for lo in range(0, anchors.shape[0], per_call):
+        part = slice(lo, lo + per_call)
+        x = proposal_rows(d, drafter_forward(d, context_kv, anchors[part], mask_block(d, first[part]), embed_w)).float()
+        if d.head["confidence"] == "markov":
+            prev = torch.cat([first[part, None], drafts[part, :-1]], 1)
+            x = torch.cat([x, w["markov_head.markov_w1.weight"][prev].float()], -1)
+        out.append(torch.sigmoid(F.linear(x, w["confidence_head.proj.weight"].float(),
+                                          w["confidence_head.proj.bias"].float()))[..., 0])
+    return torch.cat(out) if out else torch.zeros(0, d.block_size - 1)
 
 
 def domino_head(cfg, state, where, settings):
@@ -3385,8 +3418,8 @@ def load_block(name, path, generation, fam, cfg, state, layout, raw, target_cfg,
     if fam.greedy and settings.get("temperature") and settings.get("draft_policy") == "sample":
         fail(f"drafter {name}: a {generation} drafter drafts greedily at every temperature ({fam.greedy}); "
              "use --draft-policy argmax")
-    for k in [k for k in state if k.startswith("confidence_head.")]:
-        state.pop(k)   # DSpark's confidence head sizes SGLang's verify windows in its non-default modes, no draft
+    for k in [k for k in state if k.startswith("confidence_head.") and not (head or {}).get("confidence")]:
+        state.pop(k)   # DSpark's confidence head sizes verify budgets only (--adaptive-verification), no draft
     conv, top_k = fam.conv(cfg, state, name, settings) if fam.conv else ((), 0)
     shapes = expected_tensors(cfg, conv, generation, state, target_cfg.vocab_size, head, vocab and len(vocab[0]))
     return drafter_record(state, shapes, carried, vocab, target_cfg, settings, identify,
@@ -4993,11 +5026,15 @@ def score_drafter(d, prompts, group, embed_w, head, settings, budgets, rules):
                 reference = ids_t[anchors[:, None] + torch.arange(1, d.block_size, device=anchors.device)]
                 q = torch.zeros(reference.shape, dtype=torch.float64) if sample_policy else None
                 ties = torch.zeros(reference.shape, dtype=torch.bool)
-                drafts, top = draft_all_anchors(
-                    d, prompt_context(d, features, ids, embed_w), anchors, ids_t[anchors], embed_w, head,
-                    max(budgets, default=0), prompt_id, after=ids_t[anchors + 1], reference=reference,
-                    sampling=sampling, proposal=q, ties=ties)
+                context = prompt_context(d, features, ids, embed_w)
+                drafts, top = draft_all_anchors(d, context, anchors, ids_t[anchors], embed_w, head, max(budgets, default=0),
+                                                prompt_id, after=ids_t[anchors + 1], reference=reference,
+                                                sampling=sampling, proposal=q, ties=ties)
+                confidence = (d.head or {}).get("confidence") and \
+                    dspark_confidence(d, context, anchors, ids_t[anchors], drafts, embed_w).tolist()
             res = score_prompt(drafts, ids, n_prompt, d.block_size, top, budgets, ties)
+            if confidence:
+                res["confidence"] = confidence
         tie_slots(res, n_prompt, len(ids), group[i][0].get("ties"))
         with timed("metrics_s"):
             if q is None:   # one walk, the argmax drafts': round i starts at n_prompt + the rounds before it
@@ -5047,6 +5084,44 @@ def adaptive_rounds(matched, spans):
     return out, used
 
 
+def capture_sizes(K):
+    """The verify sizes vLLM 0.34 captures up to 1 + K for adaptive verification (1, 2, 4, then four a doubling from
+    8: varlen_decode_cudagraph_capture_grid), and 1 + K (the uniform decode's): a pass pads up to the next of them."""
+    grid, low = {1, 2, 4, 8}, 8
+    while low < K + 1:
+        grid.update(range(low + low // 4, 2 * low + 1, low // 4))
+        low *= 2
+    return sorted({g for g in grid if g <= K + 1} | {K + 1})
+
+
+def verify_budget(previous, draft_s, verify_s):
+    """vLLM 0.34's budget at batch size 1 (get_num_tokens): the first k maximizing (1 + the sum of the first k
+    survivals, the running products of `previous`) / (draft_s + verify_s[1 + k]), in its order of float64 sums."""
+    survival, prefix, best, m = 1.0, 0.0, None, 0
+    for k in range(len(previous) + 1):
+        if k:
+            survival *= previous[k - 1]
+            prefix += survival
+        value = (1 + prefix) / (draft_s + verify_s[1 + k])
+        if best is None or value > best:
+            best, m = value, k
+    return m
+
+
+def budget_rounds(matched, confidence, first, total, K, draft_s, verify_s):
+    """Greedy rounds under adaptive verification from anchor `first`: each verify takes the first m drafts, m from
+    the confidences of the block before (all 1 for a request's first), and commits min(matched, m) + 1; the walk's
+    end as walk's. matched and confidence: {anchor: ...}. ([rounds], [m of each])."""
+    previous, anchor, rounds, budgets = [1.0] * K, first, [], []
+    while anchor + K <= total - 1:
+        m = verify_budget(previous, draft_s, verify_s)
+        accepted = min(matched[anchor], m)
+        rounds.append(accepted + 1)
+        budgets.append(m)
+        previous, anchor = confidence[anchor], anchor + accepted + 1
+    return rounds, budgets
+
+
 def served_depths(d, settings):
     """The depths --depths asks of drafter d besides its trained one (its block's drafts), and the run's common one."""
     trained, asked = d.block_size - 1, settings.get("depths")
@@ -5070,6 +5145,13 @@ def check_depths(drafters, settings):
            (settings.get("adaptive_steps") and sampling_of(settings) and settings["draft_policy"] == "sample",
             "--adaptive-steps replays the rounds a text fixes: with --draft-policy sample they are random; use argmax "
             "drafts (the engines' default)"))
+    heads = [d for d in drafters if (d.head or {}).get("confidence")] if settings.get("adaptive_verification") else []
+    refuse((settings.get("adaptive_verification") and not heads, "--adaptive-verification: no drafter here is a DSpark "
+            "drafter whose config enables its confidence head (enable_confidence_head) with confidence_head.* tensors; "
+            "vLLM's online estimator for the others is not modelled"))
+    for d in (d for d in drafters if heads and d not in heads):
+        log(settings, f"note: no adaptive-verification row for drafter {d.name}: it has no confidence head (vLLM would "
+                      "size its verifies by its online acceptance estimator, not modelled here)")
     for d in drafters if settings.get("fly") else ():   # vLLM's own refusals of FLy's window
         W, K = settings["fly"]["window"], d.block_size - 1
         refuse((K < 2 or (W or 0) >= K, f"--verify fly: drafter {d.name} drafts {K} a round; vLLM asks at least 2 and "
@@ -5402,6 +5484,16 @@ def ratio_ci95(committed, rounds):
     return ci95(*ratio_terms(units)) if len(units) >= 2 else None
 
 
+def walked_summary(rounds, longest):
+    """Pooled tau of per-prompt rounds walked outside the chain's records (FLy's texts, adaptive steps and
+    verification), its 95%
+    interval over prompts, the rounds and their histogram."""
+    flat = [n for r in rounds for n in r]
+    return {"tau": sum(flat) / len(flat) if flat else None, "tau_ci95": ratio_ci95(list(map(sum, rounds)),
+                                                                                   list(map(len, rounds))),
+            "rounds": len(flat), "histogram": [flat.count(n) for n in range(1, longest + 1)]}
+
+
 def prompt_totals(results, items):
     """{prompt: (committed, rounds)}, exact or expected; a prompt's samples and turns are one unit, not independent."""
     totals = {}
@@ -5517,7 +5609,9 @@ def cost_sizes(drafters, settings):
     keys = {d.name: [str(k) for k in [d.block_size - 1, *served_depths(d, settings)]] + ["tree"] * bool(d.tree)
             for d in drafters}
     return sorted({1 + int(k) for ks in keys.values() for k in ks if k != "tree"} |
-                  {1 + b for b in settings["ddtree_budgets"]} | {d.tree["tokens"] for d in drafters if d.tree}), keys
+                  {1 + b for b in settings["ddtree_budgets"]} | {d.tree["tokens"] for d in drafters if d.tree} |
+                  {n for d in drafters if (d.head or {}).get("confidence") for n in capture_sizes(d.block_size - 1)}), \
+        keys
 
 
 @inference
@@ -5757,6 +5851,40 @@ def predicted_speedups(report, costs, results, items):
     for row, d in zip((report.get("comparison") or {}).get("drafters", []), report["drafters"]):
         row["predicted_speedup"] = {batch: {"best": p["best"], "leaders": p["leaders"], "speedup": p["rows"][
             p["leaders"][0]]["speedup"] if p["leaders"] else None} for batch, p in d["predicted_speedup"].items()}
+
+
+def adaptive_verification(report, costs, results, items):
+    """--adaptive-verification: each DSpark drafter with a confidence head walked under vLLM 0.34's verify budget
+    (budget_rounds) at batch size 1, its verify costs padded to the captured sizes (made non-decreasing, as vLLM's
+    profiled curve is); tau, which slots were verified, and the speedup its smaller verify passes give."""
+    t = costs.get("batch_sizes", {"1": costs}).get("1", {})
+    for d, res in zip(report["drafters"], results):
+        if not res or "confidence" not in res[0]:
+            continue
+        K, sizes = d["drafts_per_round"], capture_sizes(d["drafts_per_round"])
+        draft_s, missing = t.get("draft", {}).get(d["name"], {}).get(str(K)), [n for n in sizes if
+                                                                              str(n) not in t.get("target", {})]
+        if draft_s is None or missing or "1" not in t.get("target", {}):
+            d["adaptive_verification"] = {"note": f"the costs lack {d['name']}'s round at K={K} or the verify pass "
+                                                  f"of {(missing or [1])[0]} tokens: no budget to replay"}
+            continue
+        padded = dict(zip(sizes, itertools.accumulate((t["target"][str(n)] for n in sizes), max)))
+        verify_s = {n: padded[next(g for g in sizes if g >= n)] for n in range(1, K + 2)}
+        walks = [budget_rounds(dict(zip(r["anchors"].tolist(), r["matched"].tolist())), dict(zip(
+            r["anchors"].tolist(), r["confidence"])), len(it["prompt_ids"]), len(it["prompt_ids"]) +
+            len(it["completion_ids"]), K, draft_s, verify_s) for r, it in zip(res, items)]
+        budgets = [m for _, ms in walks for m in ms]
+        gained = [sum(rounds) * t["target"]["1"] for rounds, _ in walks]
+        spent = [sum(draft_s + verify_s[1 + m] for m in ms) for _, ms in walks]
+        fixed = ((d.get("predicted_speedup") or {}).get("1", {}).get("rows", {}).get(f"K={K}") or {}).get("speedup")
+        d["adaptive_verification"] = {
+            "rule": "vLLM 0.34 enable_adaptive_verification (confidence head), batch size 1, temperature 0",
+            **walked_summary([rounds for rounds, _ in walks], K + 1), "capture_sizes": sizes,
+            "verified_per_round": sum(budgets) / len(budgets) if budgets else None,
+            "verified_by_slot": [sum(m > i for m in budgets) / len(budgets) if budgets else None for i in range(K)],
+            "speedup": sum(gained) / sum(spent) if sum(spent) else None,
+            "speedup_ci95": ratio_ci95(gained, spent) if sum(spent) else None, "fixed_speedup": fixed,
+            "prompt_rounds": [rounds for rounds, _ in walks], "prompt_budgets": [ms for _, ms in walks]}
 
 
 def export_vllm_synthetic(report, path, depth):
@@ -6121,15 +6249,6 @@ def drafter_report(d, results, items):
             **({"adaptive": adaptive} if adaptive else {}), **({"fly": fly_summary(runs, B)} if runs else {})}
 
 
-def walked_summary(rounds, longest):
-    """Pooled tau of per-prompt rounds walked outside the chain's records (FLy's texts, adaptive steps), its 95%
-    interval over prompts, the rounds and their histogram."""
-    flat = [n for r in rounds for n in r]
-    return {"tau": sum(flat) / len(flat) if flat else None, "tau_ci95": ratio_ci95(list(map(sum, rounds)),
-                                                                                   list(map(len, rounds))),
-            "rounds": len(flat), "histogram": [flat.count(n) for n in range(1, longest + 1)]}
-
-
 def fly_summary(runs, B):
     """--verify fly over the prompts (id, the drafter's FLy run): tau of its own texts, what it committed against
     the target's greedy choice, where each text departs from the reference."""
@@ -6309,6 +6428,7 @@ def make_report(config, facts, done, skipped, seconds, interrupted, warn=True):
               "elapsed_s": seconds, **({"interrupted": True} if interrupted else {})}
     if config.get("costs_used"):
         predicted_speedups(report, config["costs_used"], results, finished)
+        adaptive_verification(report, config["costs_used"], results, finished)
     return report
 
 
@@ -6343,6 +6463,14 @@ def serving_lines(d, source=None):
         yield (f"   adaptive steps ({a['controller']}: steps {', '.join(map(str, a['candidates']))}, from "
                f"{a['start']}): tau {fmt(a['tau'])} {interval(a['tau_ci95'])}, {a['rounds']} rounds; verify steps "
                "at " + ", ".join(f"{k}: {n}" for k, n in a["steps"].items()))
+    v = d.get("adaptive_verification")
+    if v:
+        yield "   adaptive verification: " + (v["note"] if "note" in v else (
+            f"({v['rule']}; verify sizes {', '.join(map(str, v['capture_sizes']))}): tau {fmt(v['tau'])} "
+            f"{interval(v['tau_ci95'])}, {v['rounds']} rounds, {fmt(v['verified_per_round'])} of "
+            f"{d['drafts_per_round']} drafts verified a round (by slot " + " ".join(
+                fmt(x, 2) for x in v["verified_by_slot"]) + f"); speedup {fmt(v['speedup'], 2)}x "
+            f"{interval(v['speedup_ci95'])} against {fmt(v['fixed_speedup'], 2)}x verifying all"))
     f = d.get("fly")
     if f:
         departs = [p["first_departure"] for p in f["prompts"] if p["first_departure"] is not None]
@@ -6379,7 +6507,7 @@ def serving_lines(d, source=None):
                 f"{r['speedup']:.2f}x [{r['speedup_ci95'][0]:.2f}, {r['speedup_ci95'][1]:.2f}]"
             yield (f"     {name:<{width}} tau {fmt(r['tau'])}  round {cost:<20} speedup {speed}"
                    + ("  <- best" if name == p["best"] else "  <- a leader" if name in p["leaders"][1:] or
-                      name == p["leaders"][0] and not p["best"] else ""))
+                      p["leaders"][:1] == [name] and not p["best"] else ""))
         against = dict(sorted(((n, r["below_top"]) for n, r in p["rows"].items() if r.get("below_top")),
                               key=lambda x: x[1][0]))
         if against:
@@ -6809,7 +6937,7 @@ def result_json(r):
             "anchors": r["anchors"].tolist(), "matched": r["matched"].tolist(),
             "equal": slot_bits(r["equal"]), **({"ties": slot_bits(r["ties"])} if "ties" in r else {}),
             "mask_check": r.get("mask_check"), "override_check": r.get("override_check"), "by_context": r["by_context"],
-            **{k: r[k] for k in ("expected", "feature_check", "suspects", "served_steps") if k in r},
+            **{k: r[k] for k in ("expected", "feature_check", "suspects", "served_steps", "confidence") if k in r},
             **({"depths": {str(k): result_json(v) for k, v in r["depths"].items()}} if "depths" in r else {}),
             **({"tree": result_json(r["tree"])} if "tree" in r else {}),
             **({"verify": {rule: result_json(v) for rule, v in r["verify"].items()}} if "verify" in r else {})}
@@ -6826,7 +6954,7 @@ def result_from_json(r, drafts, tree_drafts=None):
             "matched": torch.tensor(r["matched"], dtype=torch.long), "equal": bit_slots(r["equal"], drafts),
             "by_context": r["by_context"], **({"ties": bit_slots(r["ties"], drafts)} if "ties" in r else {}),
             **{k: r[k] for k in ("mask_check", "override_check", "expected", "feature_check", "suspects",
-                                 "served_steps") if r.get(k) is not None},
+                                 "served_steps", "confidence") if r.get(k) is not None},
             **({"depths": {int(k): result_from_json(v, int(k)) for k, v in r["depths"].items()}}
                if "depths" in r else {}),
             **({"tree": result_from_json(r["tree"], tree_drafts)} if "tree" in r else {}),

@@ -318,3 +318,20 @@ def mtp_proposer(target, path, K, sampling=None):
             drafts.append(int(torch.multinomial(qs[-1], 1, generator=g)))
         return drafts, qs
     return propose
+
+
+def dspark_with_confidence(out_dir, markov=False, scale=2.0, bias=1.0, seed=0):
+    """The DSpark fixture (families/dspark_vanilla, speculators layout) with a random confidence head as vLLM 0.34
+    builds it (DSparkConfidenceHead: one linear to a logit, with a bias; over [row; markov_w1[prev]] with_markov),
+    enabled in its config."""
+    src = os.path.join(HERE, "fixtures", "families", "dspark_vanilla")
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    width = cfg["transformer_layer_config"]["hidden_size"] + (weights["markov_head.markov_w1.weight"].shape[1]
+                                                              if markov else 0)
+    weights["confidence_head.proj.weight"] = scale * torch.randn(1, width, generator=g) / math.sqrt(width)
+    weights["confidence_head.proj.bias"] = torch.tensor([bias])
+    cfg.update(enable_confidence_head=True, confidence_head_with_markov=markov)
+    return save(out_dir, cfg, weights)

@@ -24,6 +24,7 @@ import transformers
 import bench_data as bd
 import eval_drafter as ed
 from spec_engine import load_demo, start_engine
+from drafters import dspark_with_confidence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
@@ -170,6 +171,8 @@ def written(tmp_path_factory):
                      f"{FIX}/families/lilicorr", "--ckpt", "n=ngram:min=2,max=3", "--ckpt", "s=suffix", "--ckpt",
                      f"m=draft_model:{FIX}/demo/target", "--limit", "2"],
         "steps": ["--demo", "--ckpt", f"run={run}", "--mask-token-id", "1", "--prompts", str(prompts)],
+        "verification": ["--demo", "--ckpt", f"c={dspark_with_confidence(root / 'c')}", "--adaptive-verification",
+                         "--costs", "gpu:H100", "--limit", "2"],
     }
     if HYBRID:   # the hybrid target's MTP layer
         modes["mtp"] = ["--target", f"{FIX}/demo_hybrid/target", "--mtp", "--prompts",
