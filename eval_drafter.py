@@ -1474,7 +1474,8 @@ def resolve_settings(args, ranks=True):
            (args.adaptive_verification and (args.temperature > 0 or args.anchors == "walk"), "--adaptive-verification "
             "replays greedy rounds from drafts at every anchor: temperature 0, without --anchors walk"),
            ((args.batch_sizes != "1" or args.save_costs or args.k_by_batch_size) and not args.costs, "--batch-sizes, "
-            "--k-by-batch-size and --save-costs go with --costs (gpu:NAME prices batch sizes; measure's table is saved)"),
+            "--k-by-batch-size and --save-costs go with --costs (gpu:NAME prices batch sizes; measure's table is "
+            "saved)"),
            (args.costs == "measure" and (args.load_hidden or args.compare_hidden), "--costs measure times the target "
             "model, which a run from saved features does not build: give --costs FILE (costs measured where the "
             "target runs), or measure in a run with the target"),
@@ -4060,9 +4061,9 @@ def load_draft_model(where, target_cfg, settings, name):
 @inference
 def model_drafts(d, ids):
     """A draft model's drafts at every position a of ids, as its rounds reach them: it drafts greedily after the
-    committed text, so while its drafts match the text, draft i is its argmax after ids[:a + i + 1], one teacher-forced
-    pass for all (a draft after a miss is never verified). Sampling (probabilistic): the chance of the text's token under
-    softmax(logits / T), as vLLM draws it (the temperature alone). (drafts (len, K), chances or None)."""
+    committed text, so while its drafts match the text, draft i is its argmax after ids[:a + i + 1], one
+    teacher-forced pass for all (a draft after a miss is never verified). Sampling (probabilistic): the chance of the
+    text's token under softmax(logits / T), as vLLM draws it (the temperature alone). (drafts (len, K), chances)."""
     k, T = d.block_size - 1, d.head["temperature"]
     logits = d.model(torch.tensor([ids], device=d.model.device)).logits[0].float()
     best = torch.cat([logits.argmax(-1), logits.new_full((k,), -1, dtype=torch.long)]).cpu()
@@ -5027,9 +5028,9 @@ def score_drafter(d, prompts, group, embed_w, head, settings, budgets, rules):
                 q = torch.zeros(reference.shape, dtype=torch.float64) if sample_policy else None
                 ties = torch.zeros(reference.shape, dtype=torch.bool)
                 context = prompt_context(d, features, ids, embed_w)
-                drafts, top = draft_all_anchors(d, context, anchors, ids_t[anchors], embed_w, head, max(budgets, default=0),
-                                                prompt_id, after=ids_t[anchors + 1], reference=reference,
-                                                sampling=sampling, proposal=q, ties=ties)
+                drafts, top = draft_all_anchors(d, context, anchors, ids_t[anchors], embed_w, head,
+                                                max(budgets, default=0), prompt_id, after=ids_t[anchors + 1],
+                                                reference=reference, sampling=sampling, proposal=q, ties=ties)
                 confidence = (d.head or {}).get("confidence") and \
                     dspark_confidence(d, context, anchors, ids_t[anchors], drafts, embed_w).tolist()
             res = score_prompt(drafts, ids, n_prompt, d.block_size, top, budgets, ties)
@@ -7581,8 +7582,9 @@ def text_note(d):
     lead = f"{d.generation}, a baseline drafting from the text alone: {d.block_size - 1} drafts a round" + \
         (f" ({why[1]})" if why else "") + f", {d.head['rule']} rule"
     if d.model:
-        return lead + (f" ({d.head['dir']}, {d.head['parameters'] / 1e6:.1f}M parameters, {d.head['draft_sample_method']} "
-                       "drafts): its own causal pass over the committed text, K steps a round")
+        return lead + (f" ({d.head['dir']}, {d.head['parameters'] / 1e6:.1f}M parameters, "
+                       f"{d.head['draft_sample_method']} drafts): its own causal pass over the committed text, K steps "
+                       "a round")
     knobs = f"prompt_lookup_min {d.head['min']}, max {d.head['max']}" if "min" in d.head else \
         f"suffix_decoding_max_tree_depth {d.head['depth']}, its cross-request corpus off"
     return lead + f" ({knobs}): the latest earlier occurrence of the longest matching tail, the tokens after it, " \

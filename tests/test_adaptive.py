@@ -9,7 +9,6 @@ candidate - 0.75, else up while it is > the current one - 0.5), its state never 
 rounds per prompt and its steps taken equal the loop's; a run interrupted in its middle and resumed, and shards
 merged, give the same row; a run without an EAGLE-3 or MTP drafter refuses the flag in one line.
 """
-import os
 
 import pytest
 import torch

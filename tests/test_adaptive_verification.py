@@ -123,8 +123,8 @@ def test_refusals_and_notes(paths, capsys, tmp_path):
                         "temperature 0, without --anchors walk")
     refused_in_one_line(capsys, ["--demo", "--adaptive-verification", "--costs", "gpu:H100", "--quiet"],
                         "no drafter here is a DSpark drafter whose config enables its confidence head")
-    report = run_tool(tmp_path, "gpu", "--demo", "--ckpt", f"c={paths['c']}", "--ckpt", f"demo={DEMO_DRAFTER}", "--limit", "2",
-                      "--max-new-tokens", "32", "--adaptive-verification", "--costs", "gpu:H100")
+    report = run_tool(tmp_path, "gpu", "--demo", "--ckpt", f"c={paths['c']}", "--ckpt", f"demo={DEMO_DRAFTER}",
+                      "--limit", "2", "--max-new-tokens", "32", "--adaptive-verification", "--costs", "gpu:H100")
     c, demo = report["drafters"]
     assert c["adaptive_verification"]["capture_sizes"] == [1, 2, 4, 8, 9] and "adaptive_verification" not in demo
     assert c["head"]["confidence"] == "plain"

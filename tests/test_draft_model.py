@@ -148,7 +148,8 @@ def test_interrupted_in_the_middle_then_resumed(tmp_path, small, monkeypatch):
 
 def test_refusals_are_one_line(tmp_path, small, capsys):
     from transformers import AutoConfig
-    refused_in_one_line(capsys, [*argv("--ckpt", f"draft_model:{tmp_path}/none:k=3")], "draft_model takes a causal LM's")
+    refused_in_one_line(capsys, [*argv("--ckpt", f"draft_model:{tmp_path}/none:k=3")],
+                        "draft_model takes a causal LM's")
     cfg = AutoConfig.from_pretrained(TARGET)
     cfg.vocab_size = 80
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "wide")
