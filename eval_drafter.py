@@ -5802,7 +5802,9 @@ def row_units(d, results, items):
     tree = d.get("eagle_tree")
     if tree and "tau" in tree:
         picks[f"SGLang tree {tree['steps']},{tree['topk']},{tree['tokens']}"] = lambda r: r["tree"]
-    return {name: prompt_totals([pick(r) for r in results], items) for name, pick in picks.items()}
+    fly = {f"K={K} fly": prompt_totals([(it.get("fly") or {}).get(d["name"], {"rounds": []}) for it in items], items)}
+    return {**{name: prompt_totals([pick(r) for r in results], items) for name, pick in picks.items()},
+            **(fly if d.get("fly") else {})}
 
 
 def paired_speedup(a, b, units):
@@ -5831,6 +5833,8 @@ def predicted_speedups(report, costs, results, items):
         rows = {f"K={k}": (s, str(1 + int(k)), k) for k, s in depths.items()}
         rows.update({f"DDTree {b}": (s, str(1 + int(b)), K) for b, s in (d["ddtree"] or {}).items()})
         rows.update({f"K={K} {rule}": (s, str(1 + int(K)), K) for rule, s in (d.get("verify") or {}).items()})
+        if d.get("fly"):   # FLy's own texts, verified by the same passes: its loss is reported beside it
+            rows[f"K={K} fly"] = (d["fly"], str(1 + int(K)), K)
         tree = d.get("eagle_tree")
         if tree and "tau" in tree:   # SGLang verifies its draft tokens, the anchor's included
             rows[f"SGLang tree {tree['steps']},{tree['topk']},{tree['tokens']}"] = (tree, str(tree["tokens"]), "tree")

@@ -100,6 +100,19 @@ def test_departure_is_where_the_fly_text_leaves_the_greedy_text(tmp_path, demo):
         assert p["first_departure"] == first_departure(text, greedy)
 
 
+def test_fly_has_its_own_predicted_speedup_row(tmp_path):
+    """Its own texts' tau over the K row's cost (the same passes verify them); the loss is beside it, not in it."""
+    d = run_tool(tmp_path, "c", "--demo", "--verify", "standard,fly", "--fly-window", "2", "--fly-threshold", "0",
+                 "--max-new-tokens", str(N_NEW), "--ignore-eos", "--limit", "3", "--ddtree-budgets", "none",
+                 "--costs", "gpu:H100")["drafters"][0]
+    K = d["drafts_per_round"]
+    rows = d["predicted_speedup"]["1"]["rows"]
+    fly, plain = rows[f"K={K} fly"], rows[f"K={K}"]
+    assert fly["tau"] == d["fly"]["tau"] != plain["tau"]
+    assert fly["speedup"] == pytest.approx(d["fly"]["tau"] * plain["ratio"])
+    assert fly["speedup_ci95"] == pytest.approx([x * plain["ratio"] for x in d["fly"]["tau_ci95"]])
+
+
 def test_an_interruption_in_the_middle_then_resume(tmp_path, monkeypatch):
     out = tmp_path / "cut.json"
     argv = ["--demo", "--verify", "fly", "--fly-window", "2", "--fly-threshold", "0", "--max-new-tokens", "48",
