@@ -2769,6 +2769,9 @@ def config_defaults(cfg, settings, layer_ids):
         defaults["rope_theta"] = (10000.0, "default: the config has none")   # build_rope's
     if cfg.get("rms_norm_eps") is None:
         defaults["rms_norm_eps"] = (1e-6, "default: the config has none")    # the block pass's
+    if (cfg.get("speculators") or {}).get("anchor_default"):
+        defaults["sample_from_anchor"] = (False, "vLLM 0.34's reading of a speculators DSpark config without the key; "
+                                                 "speculators itself would read true")
     return defaults
 
 
@@ -3056,9 +3059,13 @@ SPECULATORS_KEYS = {"speculators_model_type", "architectures", "transformer_laye
 
 def speculators_config(cfg, name):
     """A speculators DFlash / DFlash 2 / DSpark / XPress config under the public keys (aux_hidden_state_layer_ids
-    L + 1 as layer id L); a key it cannot map is refused. DSpark's sample_from_anchor defaults to true, as there."""
+    L + 1 as layer id L); a key it cannot map is refused. A missing sample_from_anchor is false, as vLLM 0.34 reads
+    it (speculators' own DSpark default is true; it saves the key, so only hand-written configs lack it)."""
     kind, layer = cfg.get("speculators_model_type"), cfg.get("transformer_layer_config")
     where = f"drafter {name}: its speculators config"
+    refuse((kind == "mtp", f"{where} says speculators_model_type 'mtp': speculators 0.9.0 saves it, but neither vLLM "
+            "0.33 nor 0.34 reads that type (0.34 reads eagle3, peagle, dflash, dflash2, dspark); evaluate the target's "
+            "own MTP layer with --mtp, as vLLM serves it (method mtp)"))
     if kind not in ("dflash", "dflash2", "dspark", "xpress"):
         fail(f"{where} says speculators_model_type {kind!r}; this tool evaluates dflash, dflash2, dspark, xpress, "
              "eagle3 and peagle")
@@ -3080,7 +3087,9 @@ def speculators_config(cfg, name):
                               **{k: cfg[k] for k in FAMILY_KEYS if k in cfg}},
             **{k: cfg[k] for k in ("enable_confidence_head", "confidence_head_with_markov") if k in cfg},
             "speculators": {"aux_hidden_state_layer_ids": aux, "draft_vocab_size": cfg.get("draft_vocab_size"),
-                            "sample_from_anchor": bool(cfg.get("sample_from_anchor", kind == "dspark")),
+                            "sample_from_anchor": bool(cfg.get("sample_from_anchor", False)),
+                            **({"anchor_default": True} if "sample_from_anchor" not in cfg and kind == "dspark"
+                               else {}),
                             "sliding_window_non_causal": bool(cfg.get("sliding_window_non_causal", kind == "dflash2"))}}
 
 

@@ -490,3 +490,19 @@ def test_a_confidence_head_and_older_names_change_no_draft(tmp_path):
     a, b = report["drafters"]
     assert b["generation"] == "DSpark" and b["head"] == a["head"]
     assert [p["rounds"] for p in b["prompts"]] == [p["rounds"] for p in a["prompts"]]
+
+
+def test_a_speculators_dspark_config_without_sample_from_anchor_reads_as_vllm_does(tmp_path, capsys):
+    """vLLM 0.34's speculators reader takes a missing sample_from_anchor as false (speculators' own default is true):
+    block 8 then drafts 7 a round, not 8, and the load line says the default and whose it is."""
+    out = tmp_path / "d"
+    shutil.copytree(os.path.join(FAMILIES, "dspark_vanilla"), out)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg.pop("sample_from_anchor") is True
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert ed.main(["--demo", "--ckpt", f"a={FAMILIES}/dspark_vanilla", "--ckpt", f"b={out}", "--limit", "1",
+                    "--max-new-tokens", "16", "--output", str(tmp_path / "o.json")]) == 0
+    assert "sample_from_anchor False (vLLM 0.34's reading of a speculators DSpark config without the key" in \
+        capsys.readouterr().err
+    a, b = json.loads((tmp_path / "o.json").read_text())["drafters"]
+    assert (a["drafts_per_round"], b["drafts_per_round"]) == (8, 7)

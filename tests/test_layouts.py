@@ -278,6 +278,7 @@ def test_carried_target_tensors_are_compared(tmp_path, capsys):
 
 @pytest.mark.parametrize("top,fragment", [
     ({"speculators_model_type": "mlp"}, "says speculators_model_type 'mlp'; this tool evaluates dflash, dflash2, dspark, xpress, eagle3 and peagle"),
+    ({"speculators_model_type": "mtp"}, "'mtp': speculators 0.9.0 saves it, but neither vLLM 0.33 nor 0.34 reads"),
     ({"transformer_layer_config": None}, "has no transformer_layer_config"),
     ({"aux_hidden_state_layer_ids": [0, 2, 3]}, "aux_hidden_state_layer_ids [0, 2, 3]: they must be indices >= 1"),
     ({"mask_token_id": None}, "has no mask_token_id"),
