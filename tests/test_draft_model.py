@@ -7,15 +7,13 @@ probabilistic: a draw from softmax(logits / T)), verify with a fresh target pass
 every round from one teacher-forced pass of the draft model; they must agree round by round (greedy, and argmax
 drafts on sampled texts) and in expectation (sampled drafts). Then depths, costs, an interruption and the refusals.
 """
-import json
 import os
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-import eval_drafter as ed
-from conftest import finished_prompts, refused_in_one_line
+from conftest import interrupted_then_resumed, refused_in_one_line
 from drafters import DEMO, DEMO_DRAFTER, demo_pair, on_texts, online_rounds, run_tool, speculative_sampling_runs
 from test_sampled import mc_check
 
@@ -127,23 +125,13 @@ def test_beside_a_drafter_with_depths_and_costs(tmp_path, small):
 
 
 def test_interrupted_in_the_middle_then_resumed(tmp_path, small, monkeypatch):
+    """Ctrl-C in the third prompt's teacher-forced pass: two prompts kept; --resume gives the whole run's numbers."""
     where, _ = small
     base = argv("--ckpt", f"dm=draft_model:{where}:k=4", "--quiet")
     whole = run_tool(tmp_path, "whole", *base)
     out = tmp_path / "cut.json"
-    real, calls = ed.model_drafts, []
-
-    def stopping(*args):   # one teacher-forced pass a prompt: the third prompt's
-        if finished_prompts(out) == 2:
-            calls.append(1)
-            raise KeyboardInterrupt
-        return real(*args)
-    monkeypatch.setattr(ed, "model_drafts", stopping)
-    assert ed.main([*base, "--output", str(out)]) == 130
-    assert calls == [1] and finished_prompts(out) == 2
-    monkeypatch.undo()
-    assert ed.main([*base, "--output", str(out), "--resume"]) == 0
-    assert json.loads(out.read_text())["drafters"] == whole["drafters"]
+    resumed = interrupted_then_resumed(monkeypatch, [*base, "--output", str(out)], out, "model_drafts", 3, 2)
+    assert resumed["drafters"] == whole["drafters"]
 
 
 def test_refusals_are_one_line(tmp_path, small, capsys):
