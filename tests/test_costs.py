@@ -160,4 +160,5 @@ def test_a_spec_file_prices_an_accelerator_of_ones_own(tmp_path, capsys):
     refused_in_one_line(capsys, [*DEMO, "--costs", "gpu:H900"], "no accelerator named 'H900'; give one of H100")
     spec.write_text(json.dumps({"peak_tflops": 100}))
     refused_in_one_line(capsys, [*DEMO, "--costs", f"gpu:{spec}"], "peak_tflops must be a number above 0")
-    refused_in_one_line(capsys, [*DEMO, "--batch-sizes", "8"], "--batch-sizes, --k-by-batch-size and --save-costs go with --costs")
+    refused_in_one_line(capsys, [*DEMO, "--batch-sizes", "8"],
+                        "--batch-sizes, --k-by-batch-size and --save-costs go with --costs")
