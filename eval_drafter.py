@@ -62,7 +62,7 @@ import statistics
 import time
 from collections import namedtuple
 from dataclasses import dataclass, field, replace
-from functools import wraps
+from functools import reduce, wraps
 from types import MappingProxyType
 
 torch = F = None   # bound by load_torch(): as the module is imported, or by main once the arguments parse (seconds)
@@ -290,10 +290,9 @@ def check_config(cfg, where, keys=None, prefix=""):
     for key, value in cfg.items():
         if isinstance(value, dict) and key in CONFIG_NESTS:
             check_config(value, where, keys, f"{prefix}{key}.")
-        elif value is not None and key in CONFIG_KINDS and (keys is None or key in keys):
-            error = config_value_error(prefix + key, value, CONFIG_KINDS[key])
-            if error:
-                fail(f"{where}: {error}")
+        elif value is not None and key in CONFIG_KINDS and (keys is None or key in keys) and \
+                (error := config_value_error(prefix + key, value, CONFIG_KINDS[key])):
+            fail(f"{where}: {error}")
     return cfg
 
 
@@ -440,12 +439,11 @@ def gguf_file(path):
     """The GGUF file a --target names: the file itself, or the one .gguf of a directory that has no config.json."""
     if os.path.isfile(path) and path.endswith(".gguf"):
         return path
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        found = sorted(name for name in os.listdir(path) if name.endswith(".gguf"))
-        if len(found) > 1:
-            fail(f"--target {path} holds {len(found)} GGUF files ({', '.join(found[:4])}): name the one to use")
-        return os.path.join(path, found[0]) if found else None
-    return None
+    found = sorted(name for name in os.listdir(path) if name.endswith(".gguf")) \
+        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")) else []
+    if len(found) > 1:
+        fail(f"--target {path} holds {len(found)} GGUF files ({', '.join(found[:4])}): name the one to use")
+    return os.path.join(path, found[0]) if found else None
 
 
 def stated_width(spec):
@@ -469,11 +467,10 @@ def gguf_target(path, settings_quiet, drafters=()):
     stamp = os.path.join(out, "gguf.json")
     import transformers   # a directory one major version wrote, the other cannot read (its tokenizer class)
     major = transformers.__version__.split(".")[0]
-    if os.path.isfile(stamp):
-        facts = read_json(stamp)
-        if facts.get("bytes") == os.path.getsize(path) and facts.get("mtime") == os.path.getmtime(path) and \
-                facts.get("transformers_major") == major:
-            return out, facts
+    facts = read_json(stamp) if os.path.isfile(stamp) else {}
+    if (facts.get("bytes"), facts.get("mtime"), facts.get("transformers_major")) == \
+            (os.path.getsize(path), os.path.getmtime(path), major):
+        return out, facts
     for package in ("gguf", "accelerate"):
         if importlib.util.find_spec(package) is None:
             fail(f"--target {path} is a GGUF file, which transformers reads with the {package} package: "
@@ -522,9 +519,8 @@ def gguf_target(path, settings_quiet, drafters=()):
         del model.config.quantization_config          # transformers 5.x would otherwise read as packed GGUF again
     model.config.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
-    tied = model.config.tie_word_embeddings
-    save_file({k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")},
-              os.path.join(tmp, "model.safetensors"))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight" or
+               not model.config.tie_word_embeddings}, os.path.join(tmp, "model.safetensors"))
     tokenizer.save_pretrained(tmp)
     write_json(os.path.join(tmp, "gguf.json"), facts)
     if os.path.isdir(out):
@@ -664,7 +660,8 @@ def bench_places(name):
     org, short = repo.split("/")
     snake = re.sub(r"([a-z\d])([A-Z])", r"\1_\2", re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1_\2", short)).lower()
     hub = [f"{top}/{config + '/' if config else ''}**/{leaf}"
-           for top in (short, f"datasets--{org}--{short}/snapshots/*") for leaf in (f"*{split}*.parquet", f"{split}/*.parquet", f"*{split}*.jsonl")]
+           for top in (short, f"datasets--{org}--{short}/snapshots/*")
+           for leaf in (f"*{split}*.parquet", f"{split}/*.parquet", f"*{split}*.jsonl")]
     return [f"{name}.jsonl", f"{name}.json", f"{snake}-{split}.jsonl", f"{snake}-{split}.json", f"{name}/data-*.arrow",
             f"{name}/{split}/data-*.arrow", *hub, *more, f"{org}___{snake}/{config or '*'}/*/*/{snake}-{split}*.arrow"]
 
@@ -761,10 +758,10 @@ start here:
       --prompts prompts.jsonl --output result.json
 """
 
-# Number rules: (what the value must be, test); NaN fails every test, and the float ones refuse infinity where it
-# means nothing.
+# Number rules: (what the value must be, test); NaN fails every test, the float ones infinity where it means nothing.
 AT_LEAST_0, AT_LEAST_1 = ("at least 0", lambda v: v >= 0), ("at least 1", lambda v: v >= 1)
 BLOCK_RULE = ("at least 2 (a block needs the anchor and at least one draft)", lambda v: v >= 2)
+SECONDS = ("a finite number of seconds above 0", lambda v: 0 < v < math.inf)
 GROUPS = {  # --help's groups of flags
     "inputs": "inputs", "drafter": "drafter config (defaults come from the checkpoint's config.json)",
     "evaluation": "evaluation", "references": "references (prompts without a completion get the target's greedy one)",
@@ -826,8 +823,8 @@ FLAGS = [
         "prompts): " + ", ".join(PUBLISHED))),
     ("inputs", "--max-samples", "HC", AT_LEAST_1, dict(type=int, help="--bench: the first N of each benchmark in the "
         "recipe's order (dflash's: seed 42, as its --max-samples; the others': the file's) (default: all)")),
-    ("drafter", "--drafter-config", "O", None, dict(metavar="FILE", help="the drafter's config.json: for checkpoint files that "
-        "have none beside (one beside them is overridden, and the load line says so)")),
+    ("drafter", "--drafter-config", "O", None, dict(metavar="FILE", help="the drafter's config.json: for checkpoint "
+        "files that have none beside (one beside them is overridden, and the load line says so)")),
     ("drafter", "--layers", "RO", None, dict(help="target layer ids feeding the drafter, e.g. 1,16,31,46,61 (default: "
         "the checkpoint's dflash_config.target_layer_ids)")),
     ("drafter", "--block-size", "RO", BLOCK_RULE, dict(type=int, help="block size (default: the checkpoint's "
@@ -903,7 +900,8 @@ FLAGS = [
     ("references", "--turns", "RHCG", None, dict(default="all", choices=["all", "first"],
         help="a \"turns\" line with several user turns: all (default) = every turn scored, each with the target's own "
              "earlier replies in its context, as the public benchmark runs MT-bench; first = the first turn only")),
-    ("references", "--no-chat-template", "RHCG", None, dict(action="store_true", help="tokenize prompts as plain text")),
+    ("references", "--no-chat-template", "RHCG", None, dict(action="store_true",
+        help="tokenize prompts as plain text")),
     ("references", "--enable-thinking", "RHCG", None, dict(action="store_true", help="chat template with thinking on")),
     ("references", "--server", "HCG", None, dict(metavar="URL", help="take missing references from a serving engine at "
         "URL")),
@@ -913,8 +911,8 @@ FLAGS = [
     ("references", "--server-model", "HCS", None, dict(help="model name for --server-api openai")),
     ("references", "--server-concurrency", "HCS", AT_LEAST_1, dict(type=int, default=4,
         help="requests in flight (default 4)")),
-    ("references", "--server-timeout", "HCS", ("a finite number of seconds above 0", lambda v: 0 < v < math.inf),
-        dict(type=float, default=600, help="seconds per request (default 600)")),
+    ("references", "--server-timeout", "HCS", SECONDS, dict(type=float, default=600,
+        help="seconds per request (default 600)")),
     ("references", "--server-retries", "HCS", AT_LEAST_0, dict(type=int, default=3,
         help="retries for 5xx, timeouts, resets (default 3)")),
     ("references", "--served", "RHCWG", None, dict(metavar="FILE.jsonl", help="an engine's own replies, one a "
@@ -996,15 +994,15 @@ FLAGS = [
     ("deployment", "--export-depth", "W", AT_LEAST_1, dict(type=int,
         help="the depth K of --export-vllm-synthetic (default: the trained one)")),
     ("training", "--watch", "", None, dict(metavar="[NAME=]RUN_DIR", help="follow a training run as it writes step "
-        "checkpoints: each complete step evaluated once (from --load-hidden features, or one target pass at the start), "
-        "a line per step appended to --output as JSONL (a rerun skips the steps there); Ctrl-C stops it")),
-    ("training", "--watch-interval", "V", ("a finite number of seconds above 0", lambda v: 0 < v < math.inf),
-        dict(type=float, default=30.0, metavar="S", help="seconds between looks at the run directory (default 30); a "
-             "checkpoint counts as complete once its files have not changed for one interval and it loads")),
+        "checkpoints: each complete step evaluated once (from --load-hidden features, or one target pass at the "
+        "start), a line per step appended to --output as JSONL (a rerun skips the steps there); Ctrl-C stops it")),
+    ("training", "--watch-interval", "V", SECONDS, dict(type=float, default=30.0, metavar="S", help="seconds between "
+        "looks at the run directory (default 30); a checkpoint counts as complete once its files have not changed for "
+        "one interval and it loads")),
     ("training", "--watch-until", "V", AT_LEAST_0, dict(type=int, metavar="STEP", help="end the watch once a step >= "
         "STEP is evaluated")),
-    ("training", "--watch-idle", "V", ("a finite number of seconds above 0", lambda v: 0 < v < math.inf),
-        dict(type=float, metavar="S", help="end the watch after S seconds without a new step (default: never)")),
+    ("training", "--watch-idle", "V", SECONDS, dict(type=float, metavar="S", help="end the watch after S seconds "
+        "without a new step (default: never)")),
     ("training", "--plot", "CFM", None, dict(metavar="FILE.png", help="draw what the run measured (.png, .svg or "
         ".pdf): per-position acceptance, acceptance lengths, tau by served depth, by training step, by context "
         "length; needs matplotlib")),
@@ -1273,16 +1271,12 @@ def sampling_record(settings):
 
 def check_writable(flag, path):
     """Before anything loads: `path` is a file in a writable directory (a link's target's), or a writable device."""
-    where = os.path.dirname(os.path.realpath(path))
-    if os.path.isdir(path):
-        fail(f"{flag} {path} is a directory: give a file name")
-    elif streamed(path):
-        if not os.access(path, os.W_OK):
-            fail(f"{flag} {path} is not writable")
-    elif not os.path.isdir(where):
-        fail(f"{flag} {path}: its directory does not exist; create it first")
-    elif not os.access(where, os.W_OK | os.X_OK):
-        fail(f"{flag} {path}: its directory {where} is not writable (read-only or not yours); pick another path")
+    where, device = os.path.dirname(os.path.realpath(path)), streamed(path)
+    refuse((os.path.isdir(path), f"{flag} {path} is a directory: give a file name"),
+           (device and not os.access(path, os.W_OK), f"{flag} {path} is not writable"),
+           (not device and not os.path.isdir(where), f"{flag} {path}: its directory does not exist; create it first"),
+           (not device and not os.access(where, os.W_OK | os.X_OK),
+            f"{flag} {path}: its directory {where} is not writable (read-only or not yours); pick another path"))
 
 
 def resolve_plot(args):
@@ -1324,9 +1318,7 @@ def check_outputs(args):
 
 def resolve_merge(args):
     """--merge settings: the shard files and the output (every other flag belongs to the shards)."""
-    missing = [path for path in args.merge if not os.path.isfile(path)]
-    if missing:
-        fail(f"--merge: {missing[0]} not found")
+    refuse(*((not os.path.isfile(path), f"--merge: {path} not found") for path in args.merge))
     check_outputs(args)
     return {"merge": [os.path.abspath(path) for path in args.merge], "output": args.output, "quiet": args.quiet,
             "threads": args.threads, "compare_hidden": None, "plot": args.plot, "tensorboard": args.tensorboard,
@@ -1343,8 +1335,7 @@ def default_threads():
 
 def rank_setup(settings):
     """Under torchrun: join the process group, take this rank's GPU (threads: default_threads); returns its settings."""
-    ranks = int(os.environ.get("WORLD_SIZE", "1"))
-    if ranks < 2 or settings.get("compare_hidden"):
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or settings.get("compare_hidden"):
         return {}
     import torch.distributed as dist
     if settings["shard"]:
@@ -1464,11 +1455,11 @@ def resolve_settings(args, ranks=True):
             f"--drafter-config file not found: {args.drafter_config}"))
     shard = parse_shard(args.shard) if args.shard else None
     parse_steps(args.steps)
+    costs_file = bool(args.costs) and args.costs != "measure" and not args.costs.startswith("gpu:")
     refuse((args.export_depth and not args.export_vllm_synthetic,
             "--export-depth sets the depth of --export-vllm-synthetic, which is not given"),
-           (args.costs and args.costs != "measure" and not args.costs.startswith("gpu:") and
-            not os.path.isfile(args.costs), f"--costs takes measure, gpu:NAME or a JSON file of costs; {args.costs} "
-            "is none of them (see docs/serving.md)"),
+           (costs_file and not os.path.isfile(args.costs), f"--costs takes measure, gpu:NAME or a JSON file of costs; "
+            f"{args.costs} is none of them (see docs/serving.md)"),
            (args.adaptive_verification and not args.costs, "--adaptive-verification weighs each verify's cost: give "
             "--costs (measure, gpu:NAME or a FILE)"),
            (args.adaptive_verification and (args.temperature > 0 or args.anchors == "walk"), "--adaptive-verification "
@@ -1476,9 +1467,9 @@ def resolve_settings(args, ranks=True):
            ((args.batch_sizes != "1" or args.save_costs or args.k_by_batch_size) and not args.costs, "--batch-sizes, "
             "--k-by-batch-size and --save-costs go with --costs (gpu:NAME prices batch sizes; measure's table is "
             "saved)"),
-           (args.costs == "measure" and (args.load_hidden or args.compare_hidden), "--costs measure times the target "
-            "model, which a run from saved features does not build: give --costs FILE (costs measured where the "
-            "target runs), or measure in a run with the target"),
+           (args.costs == "measure" and from_file, "--costs measure times the target model, which a run from saved "
+            "features does not build: give --costs FILE (costs measured where the target runs), or measure in a run "
+            "with the target"),
            (shard and not args.output,
             "--shard needs --output: a shard's records are for --merge, which reads them from that file"),
            (args.device == "cuda" and not torch.cuda.is_available(),
@@ -1488,9 +1479,9 @@ def resolve_settings(args, ranks=True):
         if "fly" in rules else None
     refuse((fly and args.temperature > 0, "--verify fly runs at temperature 0 here: vLLM's sampled FLy draws its "
             "uniforms inside its kernel, which no loop outside it reproduces"),
-           (fly and (args.load_hidden or args.compare_hidden or args.server or args.served), "--verify fly generates "
-            "each drafter's own text with the target (FLy's text is not the target's): run it with the target, not "
-            "from saved features, a server or served replies"),
+           (fly and (from_file or args.server or args.served), "--verify fly generates each drafter's own text with "
+            "the target (FLy's text is not the target's): run it with the target, not from saved features, a server "
+            "or served replies"),
            (not fly and (args.fly_window or args.fly_threshold != 0.3 or args.fly_top_k != 3),
             "--fly-window, --fly-threshold and --fly-top-k set FLy's knobs: add fly to --verify"))
     device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
@@ -1503,14 +1494,11 @@ def resolve_settings(args, ranks=True):
                 "which transformers uses to place the layers: pip install accelerate"),
                (int(os.environ.get("WORLD_SIZE", "1")) > 1, "--device-map auto and torchrun both claim the GPUs: use "
                 "one rank per GPU, or one process with --device-map auto"))
-    layers = None
-    if args.layers:
-        try:
-            layers = [int(x) for x in args.layers.split(",") if x.strip()]
-        except ValueError:
-            fail(f"--layers must be comma-separated integers, got {args.layers!r}")
-        if not layers:
-            fail("--layers is empty")
+    try:
+        layers = [int(x) for x in args.layers.split(",") if x.strip()] if args.layers else None
+    except ValueError:
+        fail(f"--layers must be comma-separated integers, got {args.layers!r}")
+    refuse((layers == [], "--layers is empty"))
     transformers_version = check_transformers()
     settings = {**vars(args),  # every flag as given, then what was resolved from it
                 "target": os.path.abspath(args.target) if args.target else None,
@@ -1525,10 +1513,8 @@ def resolve_settings(args, ranks=True):
                 "chat_template": "off" if args.no_chat_template else None,
                 "ddtree_budgets": parse_budgets(args.ddtree_budgets), "depths": parse_depths(args.depths),
                 "eagle_tree": parse_eagle_tree(args.eagle_tree),
-                "verify": [r for r in rules if r != "fly"] or ["standard"],
-                "fly": fly,
-                "costs_used": read_costs(args.costs) if args.costs and args.costs != "measure" and
-                not args.costs.startswith("gpu:") else None,
+                "verify": [r for r in rules if r != "fly"] or ["standard"], "fly": fly,
+                "costs_used": read_costs(args.costs) if costs_file else None,
                 "gpu": gpu_spec(args.costs) if args.costs and args.costs.startswith("gpu:") else None,
                 "batch_sizes": int_list(args.batch_sizes, f"--batch-sizes takes batch sizes >= 1 like 1,8,32; got "
                                                           f"{args.batch_sizes!r}"),
@@ -1667,8 +1653,7 @@ def parse_prompt_row(row, where, number):
     elif isinstance(row.get("messages"), list) and row["messages"]:
         item["messages"] = [chat_turn(m, where) for m in row["messages"]]
     elif isinstance(row.get("turns"), list) and row["turns"] and all(isinstance(t, str) for t in row["turns"]):
-        item["messages"] = [{"role": "user", "content": row["turns"][0]}]
-        item["turns"] = row["turns"]
+        item.update(messages=[{"role": "user", "content": row["turns"][0]}], turns=row["turns"])
         given = row.get("completions", row.get("completion_ids") if len(row["turns"]) > 1 else None)
         if len(row["turns"]) > 1 and given is not None:   # a reference for every turn
             if not (isinstance(given, list) and len(given) == len(row["turns"]) and
@@ -1696,8 +1681,8 @@ def parse_prompt_row(row, where, number):
     elif any(k in row for k in PROMPT_FIELDS):   # there, but not as it must be
         key = next(k for k in PROMPT_FIELDS if k in row)
         key = "input" if isinstance(row.get("instruction"), str) else key   # Alpaca's input is what is wrong
-        fail(f"{where}: " + config_value_error(key, row[key], ({"input": "a string (Alpaca)"}.get(key) or
-                                                                PROMPT_FIELDS[key], lambda v: False, None)))
+        fail(f"{where}: " + config_value_error(key, row[key], (PROMPT_FIELDS.get(key, "a string (Alpaca)"),
+                                                                lambda v: False, None)))
     else:
         fail(f"{where}: no prompt field; give one of " + ", ".join(f'"{k}"' for k in PROMPT_FIELDS))
     item["ignored"] = [k for k in FOREIGN_ANSWERS if k in row]
@@ -1973,8 +1958,7 @@ def read_embed_head(path, target_cfg, settings):
     """The target's embedding matrix and lm_head read by name from its safetensors: the model is never built."""
     files, dtype = target_tensor_files(path), getattr(torch, settings["dtype"])
     embed = next((n for n in EMBED_NAMES if n in files), None)
-    if embed is None:
-        fail(f"no embed_tokens weight found in the safetensors of {path}")
+    refuse((embed is None, f"no embed_tokens weight found in the safetensors of {path}"))
     got = {k: v.to(dtype) for k, v in target_tensors(files, {embed, "lm_head.weight"} & set(files),
                                                        settings["device"]).items()}
     head_w = got.get("lm_head.weight", got[embed])
@@ -2079,9 +2063,8 @@ def target_pass(model, ids, layer_ids, cache=None):
 
 def check_finite(features, prompt_id):
     for L, f in features.items():
-        if not torch.isfinite(f).all():
-            fail(f"prompt {prompt_id}: the target's layer {L} output holds NaN or Inf (a numerics problem in the "
-                 "extraction: try --dtype float32)")
+        refuse((not torch.isfinite(f).all(), f"prompt {prompt_id}: the target's layer {L} output holds NaN or Inf (a "
+                "numerics problem in the extraction: try --dtype float32)"))
 
 
 TOP_P_PREFIXES = (64, 1024)   # top-p reads a row's leading sorted mass from its top tokens; a sort past them
@@ -2169,10 +2152,10 @@ def near_ties(logits, tokens, dtype=None):
     """Per row: is the choice between the argmax and `tokens` (the text's; where they are one, the runner-up) a
     near-tie that another implementation's numerics can flip? tokens -1 (outside a draft vocabulary): never."""
     top = logits.topk(min(2, logits.shape[-1]), dim=-1)
-    values = top.values.float()
+    values, share = top.values.float(), NEAR_TIE[str(dtype or logits.dtype).removeprefix("torch.")]
     other = torch.where(top.indices[:, 0] == tokens, values[:, -1],
                         logits.gather(1, tokens.clamp(min=0)[:, None])[:, 0].float())
-    return (values[:, 0] - other < NEAR_TIE[str(dtype or logits.dtype).removeprefix('torch.')] * values[:, 0].abs().clamp(min=10)) & (tokens >= 0)
+    return (values[:, 0] - other < share * values[:, 0].abs().clamp(min=10)) & (tokens >= 0)
 
 
 @dataclass
@@ -2221,12 +2204,9 @@ def next_token(logits, sampling, generator):
 def plain_generate(model, prompt_ids, max_new_tokens, stop_ids, sampling=None, generator=None, cache=None, tokens=None):
     """Plain decoding with the KV cache: greedy (the reference speculative decoding would commit), or one sample. With
     `cache` and `tokens`: goes on from a generation whose cache holds all but its last token (speculative_generate's)."""
-    if tokens is None:
-        out, tokens = model(input_ids=torch.tensor([prompt_ids], device=model.device), use_cache=True,
-                            logits_to_keep=1), []
-    else:
-        out = model(input_ids=torch.tensor([tokens[-1:]], device=model.device), use_cache=True,
-                    **cache_kwarg(model, cache))
+    out = model(input_ids=torch.tensor([prompt_ids if tokens is None else tokens[-1:]], device=model.device),
+                use_cache=True, **({"logits_to_keep": 1} if tokens is None else cache_kwarg(model, cache)))
+    tokens = [] if tokens is None else tokens
     while True:
         token = next_token(out.logits[0, -1:], sampling, generator)
         tokens.append(token)
@@ -2399,12 +2379,10 @@ def unwrap_state_dict(state, name, settings):
     rules = []
     while isinstance(state, dict) and not all(isinstance(v, torch.Tensor) for v in state.values()):
         key = next((k for k in STATE_DICT_NESTS if isinstance(state.get(k), dict)), None)
-        if key is None:
-            fail(f"drafter {name}: the checkpoint holds no state dict of tensors (top-level keys: "
-                 f"{', '.join(map(str, list(state)[:6]))}); expected one under {', '.join(STATE_DICT_NESTS)}")
+        refuse((key is None, f"drafter {name}: the checkpoint holds no state dict of tensors (top-level keys: "
+                f"{', '.join(map(str, list(state)[:6]))}); expected one under {', '.join(STATE_DICT_NESTS)}"))
         state, rules = state[key], rules + [f"took ['{key}']"]
-    if not isinstance(state, dict) or not state:
-        fail(f"drafter {name}: the checkpoint holds no tensors")
+    refuse((not isinstance(state, dict) or not state, f"drafter {name}: the checkpoint holds no tensors"))
     while prefix := next((p for p in KEY_PREFIXES if all(k.startswith(p) for k in state)), None):
         state = {k[len(prefix):]: v for k, v in state.items()}
         rules.append(f"stripped '{prefix}'")
@@ -2472,9 +2450,8 @@ def infer_config(state, target_cfg, settings, name, raw):
     needed = ["fc.weight"] + [f"layers.0.{k}.weight" for k in ("self_attn.q_norm", "self_attn.q_proj",
                                                                  "self_attn.k_proj", "mlp.gate_proj")]
     missing = [k for k in needed if k not in state]
-    if missing:
-        fail(f"drafter {name}: no config.json and the tensors are not a DFlash drafter's (missing "
-             f"{', '.join(missing)}); pass --drafter-config FILE")
+    refuse((missing, f"drafter {name}: no config.json and the tensors are not a DFlash drafter's (missing "
+            f"{', '.join(missing)}); pass --drafter-config FILE"))
     hidden = state["fc.weight"].shape[0]
     head_dim = settings["head_dim"] or state["layers.0.self_attn.q_norm.weight"].shape[0]
     q_width, kv_width = (state[f"layers.0.self_attn.{p}.weight"].shape[0] for p in ("q_proj", "k_proj"))
@@ -2490,9 +2467,8 @@ def infer_config(state, target_cfg, settings, name, raw):
              "state); a block cannot exceed what it was trained for")
     block_from = "--block-size" if block else "the training state" if trained.get("block_size") else "default"
     block = block or trained.get("block_size") or 16
-    if mask_id is None:
-        fail(f"drafter {name}: no config.json, so the mask token id is unknown; pass --mask-token-id "
-             "(or --drafter-config FILE)")
+    refuse((mask_id is None, f"drafter {name}: no config.json, so the mask token id is unknown; pass --mask-token-id "
+            "(or --drafter-config FILE)"))
     rope_theta = getattr(target_cfg, "rope_theta", None) or \
         (getattr(target_cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
     cfg = {"hidden_size": hidden, "intermediate_size": state["layers.0.mlp.gate_proj.weight"].shape[0],
@@ -2523,9 +2499,8 @@ NEEDED_CONFIG = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num
 
 
 def check_hidden(cfg, target_cfg, name):
-    if cfg.get("hidden_size") != target_cfg.hidden_size:
-        fail(f"drafter {name} has hidden size {cfg.get('hidden_size')} but the target has {target_cfg.hidden_size}: "
-             "it was trained for another target")
+    refuse((cfg.get("hidden_size") != target_cfg.hidden_size, f"drafter {name} has hidden size "
+            f"{cfg.get('hidden_size')} but the target has {target_cfg.hidden_size}: it was trained for another target"))
 
 
 WRONG_DRAFTER_CHECK = "check the target it was trained for (--target), target_layer_ids (--layers), the mask token " \
@@ -2540,21 +2515,17 @@ def config_warnings(cfg, target_cfg):
             f"{WRONG_DRAFTER_CHECK}" for key, value in said.items() if cfg.get(key) not in (None, value)]
 
 
-# Where checkpoints record their target: (where, how to read it from the config, from README.md's front matter or
-# from a SpecForge training state). An architecture recorded is held to the target's; a name or path, to its
-# directory, its config.json or the hub name it came from.
-TARGET_FIELDS = (("speculators_config.verifier.architectures", lambda c: ((c.get("speculators_config") or {})
-                                                                          .get("verifier") or {}).get("architectures")),
-                 ("speculators_config.verifier.name_or_path", lambda c: ((c.get("speculators_config") or {})
-                                                                         .get("verifier") or {}).get("name_or_path")),
-                 *((key, lambda c, key=key: c.get(key)) for key in ("target_model", "target_model_path",
-                                                                    "target_model_name_or_path", "base_model")))
+# Where configs record their target, as key paths (also read: README.md's front matter, SpecForge's training state).
+# An architecture recorded is held to the target's; a name or path, to its directory, config.json or hub name.
+TARGET_FIELDS = ("speculators_config.verifier.architectures", "speculators_config.verifier.name_or_path",
+                 "target_model", "target_model_path", "target_model_name_or_path", "base_model")
 
 
 def recorded_target(path, cfg, raw):
     """[(where, value)] of what a checkpoint records of its target: its config's fields, its model card's
     base_model, SpecForge's model provenance (a reference, or a directory with its config.json's sha256)."""
-    said = [(where, value) for where, read in TARGET_FIELDS if (value := read(cfg or {}))]
+    said = [(where, value) for where in TARGET_FIELDS
+            if (value := reduce(lambda c, key: (c or {}).get(key), where.split("."), cfg or {}))]
     card = os.path.join(path, "README.md") if path and os.path.isdir(path) else None
     if card and os.path.isfile(card):
         front = re.match(r"---\n(.*?)\n---", open(card, encoding="utf-8", errors="replace").read(), re.DOTALL)
@@ -2591,20 +2562,17 @@ def foreign_target(said, target_cfg, target_dir):
                                 f"is a {', '.join(sorted(arch))}: {WRONG_DRAFTER_CHECK}")
             continue
         named, digest = value if isinstance(value, tuple) else (str(value), None)
-        if os.path.isfile(os.path.join(named, "config.json")) and os.path.isfile(config):
-            if same_config(os.path.join(named, "config.json"), config):
-                continue
-            why = f"{named}, whose config.json is not this target's"
+        theirs = os.path.join(named, "config.json")
+        if os.path.isfile(theirs) and os.path.isfile(config):
+            same, why = same_config(theirs, config), f"{named}, whose config.json is not this target's"
         elif digest and os.path.isfile(config):
-            if file_hash(config) == digest:
-                continue
-            why = f"{named} (its config.json's sha256 {digest[:12]}, not this target's)"
-        elif os.path.basename(named.rstrip("/")).lower() in ours:
-            continue
+            same, why = file_hash(config) == digest, f"{named} (its config.json's sha256 {digest[:12]}, not this " \
+                "target's)"
         else:
-            why = f"{named}"
-        warnings.append(f"its {where} names its target {why}, and the target here is {target_dir}: if they are "
-                        f"the same model, ignore this; else {WRONG_DRAFTER_CHECK}")
+            same, why = os.path.basename(named.rstrip("/")).lower() in ours, f"{named}"
+        if not same:
+            warnings.append(f"its {where} names its target {why}, and the target here is {target_dir}: if they "
+                            f"are the same model, ignore this; else {WRONG_DRAFTER_CHECK}")
     return warnings
 
 
@@ -2649,16 +2617,14 @@ def draft_vocabulary(carried, cfg, target_cfg, name):
             fail(f"drafter {name}: its config says draft_vocab_size {declared} (the target has {V} tokens) but it "
                  "carries no d2t / t2d to map draft ids to target tokens")
         return None
-    if d2t is None or t2d is None or head is None:
-        fail(f"{where} needs d2t, t2d and its own lm_head.weight; it has only "
-             f"{', '.join(k for k in ('d2t', 't2d', 'lm_head.weight') if k in carried)}")
+    refuse((d2t is None or t2d is None or head is None, f"{where} needs d2t, t2d and its own lm_head.weight; it has "
+            f"only {', '.join(k for k in ('d2t', 't2d', 'lm_head.weight') if k in carried)}"))
     n = head.shape[0]
     declared = n if declared is None else declared
-    if d2t.dim() != 1 or len(d2t) != n or declared != n:
-        fail(f"{where}: d2t has {tuple(d2t.shape)} entries, lm_head.weight {n} rows and draft_vocab_size is "
-             f"{declared}; all three must agree")
-    if t2d.dim() != 1 or len(t2d) != V or t2d.dtype != torch.bool:
-        fail(f"{where}: t2d must be a boolean mask over the target's {V} tokens, it is {t2d.dtype} {tuple(t2d.shape)}")
+    refuse((d2t.dim() != 1 or len(d2t) != n or declared != n, f"{where}: d2t has {tuple(d2t.shape)} entries, "
+            f"lm_head.weight {n} rows and draft_vocab_size is {declared}; all three must agree"),
+           (t2d.dim() != 1 or len(t2d) != V or t2d.dtype != torch.bool, f"{where}: t2d must be a boolean mask over "
+            f"the target's {V} tokens, it is {t2d.dtype} {tuple(t2d.shape)}"))
     targets = torch.arange(n) + d2t.long()
     if int(targets.min()) < 0 or int(targets.max()) >= V or bool((targets[1:] <= targets[:-1]).any()):
         fail(f"{where}: d + d2t[d] must be increasing target ids in 0..{V - 1}, they are not")
@@ -2731,8 +2697,7 @@ def check_drafter_tensors(weights, shapes, name, generation):
             fail(f"drafter {name}: tensor {key} has shape {got}, its config implies {want}: "
                  "the config does not describe these weights")
     bad = next((k for k in shapes if not torch.isfinite(weights[k]).all()), None)
-    if bad:
-        fail(f"drafter {name}: tensor {bad} holds NaN or Inf values; the checkpoint is broken")
+    refuse((bad, f"drafter {name}: tensor {bad} holds NaN or Inf values; the checkpoint is broken"))
 
 
 def drafter_layer_ids(cfg, state, target_cfg, settings, name):
@@ -2784,9 +2749,8 @@ def check_layer_types(cfg, name):
         return
     if not isinstance(types, list):
         fail(f"{where} is {json.dumps(types)[:60]}, not a list; give one type per layer ({kinds})")
-    if len(types) != n:
-        fail(f"{where} has {len(types)} entr{'y' if len(types) == 1 else 'ies'} for its {n} layers "
-             f"(num_hidden_layers); give one per layer ({kinds})")
+    refuse((len(types) != n, f"{where} has {len(types)} entr{'y' if len(types) == 1 else 'ies'} for its {n} layers "
+            f"(num_hidden_layers); give one per layer ({kinds})"))
     bad = next((i for i, kind in enumerate(types) if kind not in known), None)
     if bad is not None:
         fail(f"{where} names {json.dumps(types[bad])} for layer {bad}, a type this tool does not run; it knows "
@@ -2800,9 +2764,8 @@ def layer_rules(cfg, settings, layout="public"):
     bidirectional and keeps |q - p| <= W: window W + 1 here. speculators' sliding layers see the W context positions
     before the anchor, none in the block (causal unless sliding_window_non_causal), and need use_sliding_window."""
     n, speculators = cfg["num_hidden_layers"], layout == "speculators"
-    window = dflash_value(cfg, "swa_window_size") or cfg.get("sliding_window")
-    if speculators and not cfg.get("use_sliding_window"):
-        window = None
+    window = None if speculators and not cfg.get("use_sliding_window") else \
+        dflash_value(cfg, "swa_window_size") or cfg.get("sliding_window")
     types = cfg.get("layer_types")
     if not types:
         sliding, first = cfg.get("use_sliding_window") and window, cfg.get("max_window_layers", n)
@@ -2832,8 +2795,7 @@ def build_rope(cfg, device):
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
     scaling = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = scaling.pop("rope_theta", None) or cfg.get("rope_theta") or 10000.0
-    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
+    scaling = None if scaling.get("rope_type", scaling.get("type", "default")) == "default" else scaling
     keys = ("hidden_size", "num_attention_heads", "head_dim", "max_position_embeddings")
     config = Qwen3Config(**{k: cfg[k] for k in keys if cfg.get(k) is not None}, rope_theta=theta, rope_scaling=scaling)
     return Qwen3RotaryEmbedding(config).to(device)
@@ -3063,24 +3025,20 @@ def speculators_config(cfg, name):
     it (speculators' own DSpark default is true; it saves the key, so only hand-written configs lack it)."""
     kind, layer = cfg.get("speculators_model_type"), cfg.get("transformer_layer_config")
     where = f"drafter {name}: its speculators config"
+    unknown, aux = min(set(cfg) - SPECULATORS_KEYS, default=None), cfg.get("aux_hidden_state_layer_ids")
     refuse((kind == "mtp", f"{where} says speculators_model_type 'mtp': speculators 0.9.0 saves it, but neither vLLM "
             "0.33 nor 0.34 reads that type (0.34 reads eagle3, peagle, dflash, dflash2, dspark); evaluate the target's "
-            "own MTP layer with --mtp, as vLLM serves it (method mtp)"))
-    if kind not in ("dflash", "dflash2", "dspark", "xpress"):
-        fail(f"{where} says speculators_model_type {kind!r}; this tool evaluates dflash, dflash2, dspark, xpress, "
-             "eagle3 and peagle")
-    unknown = sorted(set(cfg) - SPECULATORS_KEYS)
-    if unknown:
-        fail(f"{where} has the key {unknown[0]!r}, which this tool cannot map (speculators 0.9.0 has no such key)")
-    if not isinstance(layer, dict):
-        fail(f"{where} has no transformer_layer_config (the drafter's own layers: hidden size, heads, ...)")
-    aux = cfg.get("aux_hidden_state_layer_ids")
-    if not (isinstance(aux, list) and aux and all(isinstance(i, int) and i > 0 for i in aux)):
-        fail(f"{where} has aux_hidden_state_layer_ids {aux!r}: they must be indices >= 1 into the target's "
-             "hidden_states (0, the embedding output, is not captured by this tool)")
-    for key in ("block_size", "mask_token_id"):
-        if cfg.get(key) is None:
-            fail(f"{where} has no {key}")
+            "own MTP layer with --mtp, as vLLM serves it (method mtp)"),
+           (kind not in ("dflash", "dflash2", "dspark", "xpress"), f"{where} says speculators_model_type {kind!r}; "
+            "this tool evaluates dflash, dflash2, dspark, xpress, eagle3 and peagle"),
+           (unknown is not None, f"{where} has the key {unknown!r}, which this tool cannot map (speculators 0.9.0 has "
+            "no such key)"),
+           (not isinstance(layer, dict), f"{where} has no transformer_layer_config (the drafter's own layers: hidden "
+            "size, heads, ...)"),
+           (not (isinstance(aux, list) and aux and all(isinstance(i, int) and i > 0 for i in aux)), f"{where} has "
+            f"aux_hidden_state_layer_ids {aux!r}: they must be indices >= 1 into the target's hidden_states (0, the "
+            "embedding output, is not captured by this tool)"),
+           *((cfg.get(key) is None, f"{where} has no {key}") for key in ("block_size", "mask_token_id")))
     return {**layer, "architectures": cfg.get("architectures"), "block_size": cfg["block_size"],
             "target_hidden_size": cfg.get("target_hidden_size"),
             "dflash_config": {"mask_token_id": cfg["mask_token_id"], "target_layer_ids": [i - 1 for i in aux],
@@ -3259,10 +3217,9 @@ def dspark_confidence(d, context_kv, anchors, first, drafts, embed_w):
 
 def domino_head(cfg, state, where, settings):
     """What Domino's proposal step reads: the pure-draft prefix P, shift_label, --domino-candidate-pool."""
-    for key in ("emb_dim", "gru_hidden_dim"):
-        if dflash_value(cfg, key) is None:
-            fail(f"{where} needs {key} in its dflash_config, where SpecForge writes it; it is missing (pass the "
-                 "config it was trained with: --drafter-config FILE)")
+    refuse(*((dflash_value(cfg, key) is None, f"{where} needs {key} in its dflash_config, where SpecForge writes "
+              "it; it is missing (pass the config it was trained with: --drafter-config FILE)")
+             for key in ("emb_dim", "gru_hidden_dim")))
     # an integer >= 0 and true or false: check_config refused any other value as the config was read (CONFIG_KINDS)
     prefix, shift = dflash_value(cfg, "pure_draft_prefix_len", 0), dflash_value(cfg, "shift_label", False)
     return {"prefix": prefix, "shift": shift, "pool": settings.get("domino_candidate_pool") or 0}
@@ -3296,10 +3253,8 @@ def xpress_head(cfg, state, where, settings):
     ratio = dflash_value(cfg, "xpress_mlp_ratio")   # speculators' knob; vLLM's is the width itself
     width = dflash_value(cfg, "xpress_mlp_hidden") or (round(rank * ratio) if rank and ratio else None) \
         or (gate.shape[0] if gate is not None and gate.dim() == 2 else None)
-    passes = settings.get("xpress_passes")
-    if passes is None:
-        passes = next((v for v in (dflash_value(cfg, k) for k in ("xpress_num_passes", "num_jacobi_passes"))
-                       if v is not None), 6)
+    passes = next((v for v in (settings.get("xpress_passes"), dflash_value(cfg, "xpress_num_passes"),
+                               dflash_value(cfg, "num_jacobi_passes")) if v is not None), 6)
     topc = settings.get("xpress_topc")
     topc = dflash_value(cfg, "xpress_topc", 512) if topc is None else topc
     block = dflash_value(cfg, "xpress_block_size") or dflash_value(cfg, "block_size")
@@ -3386,11 +3341,10 @@ def load_block(name, path, generation, fam, cfg, state, layout, raw, target_cfg,
         cfg = infer_config(state, target_cfg, settings, name, raw)
     if layout == "transformers-native assistant":
         cfg = {**NATIVE_DEFAULTS, "layer_types": ["sliding_attention"] * cfg.get("num_hidden_layers", 0), **cfg}
-    if dflash_value(cfg, "block_size") is None and not cfg.get("dflash_config"):
-        fail(f"{path} is not a DFlash drafter: its config.json has neither block_size nor dflash_config")
-    if "fc.weight" not in state or "hidden_norm.weight" not in state:
-        fail(f"{path} is not a DFlash drafter: its weights have no fc.weight / hidden_norm.weight "
-             "(nor encoder.fc.weight / encoder.output_norm_enc.weight)")
+    refuse((dflash_value(cfg, "block_size") is None and not cfg.get("dflash_config"),
+            f"{path} is not a DFlash drafter: its config.json has neither block_size nor dflash_config"),
+           ("fc.weight" not in state or "hidden_norm.weight" not in state, f"{path} is not a DFlash drafter: its "
+            "weights have no fc.weight / hidden_norm.weight (nor encoder.fc.weight / encoder.output_norm_enc.weight)"))
     missing = [k for k in NEEDED_CONFIG if cfg.get(k) is None]
     if missing:
         fail(f"drafter {name}: its config has no {missing[0]}" +
@@ -3410,14 +3364,12 @@ def load_block(name, path, generation, fam, cfg, state, layout, raw, target_cfg,
         fail(f"--block-size {settings['block_size']}: drafter {name} was trained with block {trained}; a block "
              "cannot exceed what it was trained for (--depths serves fewer drafts a round)")
     B = (settings["block_size"] or trained or 16) + from_anchor   # with the anchor's slot
-    if B < 2:
-        fail(f"drafter {name}: block size {B - from_anchor} is too small (needs at least {2 - from_anchor})")
+    refuse((B < 2, f"drafter {name}: block size {B - from_anchor} is too small (needs at least {2 - from_anchor})"))
     carried = {k: state.pop(k) for k in CARRIED if k in state}
     vocab = draft_vocabulary(carried, cfg, target_cfg, name)
-    if vocab is not None and fam.full_vocabulary:
-        fail(f"drafter {name}: a {generation} drafter with a reduced draft vocabulary (d2t, t2d): its "
-             f"{fam.full_vocabulary} score target-vocabulary tokens, and no trainer makes one with a reduced "
-             "vocabulary")
+    refuse((vocab is not None and fam.full_vocabulary, f"drafter {name}: a {generation} drafter with a reduced draft "
+            f"vocabulary (d2t, t2d): its {fam.full_vocabulary} score target-vocabulary tokens, and no trainer makes "
+            "one with a reduced vocabulary"))
     check_layer_types(cfg, name)
     rules = layer_rules(cfg, settings, layout)
     head = fam.head(cfg, state, f"drafter {name}: a {generation} drafter", settings) if fam.head else None
@@ -3680,11 +3632,10 @@ def load_eagle3(name, path, generation, fam, cfg, state, layout, raw, target_cfg
     """An EAGLE-3 drafter (one decoder layer over [embedding; fused target features], chained K steps) or P-EAGLE's."""
     e, parallel = cfg["eagle"], generation == "P-EAGLE"
     check_hidden(cfg, target_cfg, name)
-    if "fc.weight" not in state or "layers.0.hidden_norm.weight" not in state:
-        fail(f"drafter {name}: an {generation} drafter needs fc.weight and layers.0.hidden_norm.weight (or midlayer.*)")
-    if any(k.startswith("layers.1.") for k in state):
-        fail(f"drafter {name}: an {generation} drafter of several layers (layers.1.*): this tool runs one-layer "
-             "EAGLE-3 and P-EAGLE drafters")
+    refuse(("fc.weight" not in state or "layers.0.hidden_norm.weight" not in state, f"drafter {name}: an {generation} "
+            "drafter needs fc.weight and layers.0.hidden_norm.weight (or midlayer.*)"),
+           (any(k.startswith("layers.1.") for k in state), f"drafter {name}: an {generation} drafter of several layers "
+            "(layers.1.*): this tool runs one-layer EAGLE-3 and P-EAGLE drafters"))
     n_fc = state["fc.weight"].shape[1] // target_cfg.hidden_size
     layers, source = eagle3_layers(e, target_cfg, settings, name, n_fc, parallel)
     carried = {k: state.pop(k) for k in CARRIED if k in state}
@@ -3894,9 +3845,8 @@ def causal_chain(d, context, anchors, starts, embed_w, head, prompt_id, given=No
 
 def causal_round(d, context, anchors, first, starts, embed_w, head, prompt_id, given=None, sampling=None):
     """EAGLE-3's and MTP's round: (K chained drafts, with `given` tokens a sampling drafter's chance of each)."""
-    return (causal_chain(d, context, anchors, starts, embed_w, head, prompt_id),
-            None if given is None else causal_chain(d, context, anchors, starts, embed_w, head, prompt_id, given,
-                                                    sampling))
+    args = (d, context, anchors, starts, embed_w, head, prompt_id)
+    return causal_chain(*args), None if given is None else causal_chain(*args, given, sampling)
 
 
 # SGLang 0.5.23 picks (steps, top-k, draft tokens) by the target's architecture when a user gives none
@@ -3916,10 +3866,9 @@ def eagle_tree_shape(settings, target_cfg, name):
         return None, f"; SGLang serves it as a chain of {steps} drafts ({source}; --eagle-tree for a tree)"
     if topk == 1:   # SGLang sets the draft tokens to steps + 1 for a chain
         tokens = steps + 1
-    if tokens - 1 > topk + (steps - 1) * topk * topk:
-        fail(f"--eagle-tree {steps},{topk},{tokens}: {steps} steps of top-{topk} give "
-             f"{topk + (steps - 1) * topk * topk} candidate nodes, fewer than the {tokens - 1} draft nodes asked "
-             "(SGLang would fail the same way); lower TOKENS or raise STEPS or TOPK")
+    refuse((tokens - 1 > topk + (steps - 1) * topk * topk, f"--eagle-tree {steps},{topk},{tokens}: {steps} steps of "
+            f"top-{topk} give {topk + (steps - 1) * topk * topk} candidate nodes, fewer than the {tokens - 1} draft "
+            "nodes asked (SGLang would fail the same way); lower TOKENS or raise STEPS or TOPK"))
     shape = {"steps": steps, "topk": topk, "tokens": tokens, "source": source}
     return shape, (f"; SGLang's token tree scored beside the chain: {steps} steps, top-{topk}, {tokens} draft tokens "
                    f"({source})")
@@ -4019,8 +3968,7 @@ TEXT_BASELINES = {"ngram": {"min": 5, "max": 5}, "suffix": {"depth": 24}, "draft
 
 
 def text_spec(path):
-    """(kind, {knob: value}) of a --ckpt baseline spelling, None for a path (a file named so wins); a draft model's
-    directory is its knob "dir"."""
+    """(kind, {knob: value}, a draft model's directory as "dir") of a --ckpt baseline; None: a path (files win)."""
     kind, _, knobs = path.partition(":")
     if kind not in TEXT_BASELINES or os.path.exists(path):
         return None
@@ -4154,31 +4102,27 @@ FAMILIES = {
                      ddtree_note="DSpark drafts a chain: each slot's Markov bias depends on the token drafted before "
                      "it, and neither vLLM nor SGLang verifies DSpark trees, so no DDTree rows"),
     "Domino": Family(load_block, chained_round, head=domino_head, note=domino_note, full_vocabulary="correction scores",
-                     words=("domino",), tensors=("prefix_gru.weight_ih_l0",),
-                     sources="SpecForge's", engines="SGLang 0.5.23",
-                     greedy="SGLang serves it so", ddtree_note="Domino drafts a chain: each proposal reads a GRU "
-                     "state over the tokens drafted before it, and SGLang serves it as a chain only, so no DDTree "
-                     "rows"),
+                     words=("domino",), tensors=("prefix_gru.weight_ih_l0",), sources="SpecForge's",
+                     engines="SGLang 0.5.23", greedy="SGLang serves it so", ddtree_note="Domino drafts a chain: each "
+                     "proposal reads a GRU state over the tokens drafted before it, and SGLang serves it as a chain "
+                     "only, so no DDTree rows"),
     "XPress": Family(load_block, xpress_round, head=xpress_head, note=xpress_note, greedy="vLLM serves it so",
                      words=("xpress",), tensors=(XPRESS + "readout.weight",),
                      sources="speculators', vLLM's", engines="vLLM 0.33 and 0.34",
                      ddtree_note="XPress drafts a chain: its refiner reads the token drafted before each slot, and "
                      "vLLM, the one engine serving it, verifies a chain, so no DDTree rows"),
     "LiLiCorr": Family(load_block, lilicorr_round, head=lilicorr_head, note=lilicorr_note, conv=lilicorr_conv,
-                       words=("lilicorr",), tensors=(LILICORR,),
+                       words=("lilicorr",), tensors=(LILICORR,), full_vocabulary="candidate lattice's scores",
                        sources="the engines' (LiLiCorrDraftModel)", engines="vLLM 0.33 and 0.34, SGLang 0.5.23",
-                       full_vocabulary="candidate lattice's scores", ddtree_note="LiLiCorr drafts a chain: its walk "
-                       "picks each slot's candidate after the one before it, and both engines verify a chain, so no "
-                       "DDTree rows"),
+                       ddtree_note="LiLiCorr drafts a chain: its walk picks each slot's candidate after the one "
+                       "before it, and both engines verify a chain, so no DDTree rows"),
     "EAGLE-3": Family(load_eagle3, causal_round, causal=True, method="eagle3", tree=True, rounds="chain",
                       adaptive=True, words=("eagle3",), tensors=("midlayer.",), sources="speculators', SpecForge's "
                       "exports and training states", engines="vLLM 0.33 and 0.34 (chains), SGLang 0.5.23 (trees)",
-                      ddtree_note=(
-        "EAGLE-3 drafts a chain here, as vLLM serves it; its trees are SGLang's, built step by step (the SGLang tree "
-        "row, --eagle-tree), not DDTree's from one pass, so no DDTree rows")),
+                      ddtree_note="EAGLE-3 drafts a chain here, as vLLM serves it; its trees are SGLang's, built step "
+                      "by step (the SGLang tree row, --eagle-tree), not DDTree's from one pass, so no DDTree rows"),
     "P-EAGLE": Family(load_eagle3, parallel_round, causal=True, method="eagle3", vllm={"parallel_drafting": True},
-                      words=("peagle",), tensors=("mask_hidden",),
-                      rounds="parallel",
+                      words=("peagle",), tensors=("mask_hidden",), rounds="parallel",
                       sources="speculators', SpecForge's", engines="vLLM 0.33 (V1 runner); vLLM 0.34 refuses it",
                       ddtree_note="P-EAGLE drafts a chain here, as vLLM, the one engine serving it, verifies its K "
                       "parallel drafts, so no DDTree rows"),
@@ -4197,9 +4141,8 @@ FAMILIES = {
                           ddtree_note="a draft model proposes one chain in vLLM, so no DDTree rows"),
     "MTP": Family(None, causal_round, causal=True, method="mtp", rounds="chain", adaptive=True,
                   sources="the target's own mtp.* layer (Qwen3.5/3.6, Qwen3-Next)",
-                  engines="vLLM 0.33 and 0.34, SGLang 0.5.23", ddtree_note=(
-        "the MTP layer drafts a chain here, as vLLM serves it and SGLang by default (top-1; its token trees are out "
-        "of scope), so no DDTree rows")),
+                  engines="vLLM 0.33 and 0.34, SGLang 0.5.23", ddtree_note="the MTP layer drafts a chain here, as "
+                  "vLLM serves it and SGLang by default (top-1; its token trees are out of scope), so no DDTree rows"),
 }
 
 
@@ -4431,8 +4374,7 @@ def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, p
     a whole block fits, each round's (length, deferred mismatches) appended to `rounds`."""
     _, _, embed, head = target_parts(model)
     logits_of = model_logits(model) if sampling else head   # the drafter reads the head alone
-    layers = drafter.layers
-    features, last, cache = target_pass(model, prompt_ids, layers, rewindable_cache(model))
+    features, last, cache = target_pass(model, prompt_ids, drafter.layers, rewindable_cache(model))
     check_finite(features, prompt_id)
     if is_hybrid(model.config):
         record_the_past(cache)   # after the prompt: recording it would keep every convolution input
@@ -4454,7 +4396,7 @@ def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, p
         # The target over the block, the cache then left holding the anchor and accepted drafts. A hybrid's recurrent
         # state saw the whole block (no crop undoes it): it is restored, the kept tokens rerun.
         saved = recurrent_states(cache)
-        new_feats, last, cache = target_pass(model, block, layers, cache)
+        new_feats, last, cache = target_pass(model, block, drafter.layers, cache)
         accepted, bonus, deferred = fly_verify(block, logits_of(last), fly) if fly else \
             (*verify(block, logits_of(last), sampling, generator), 0)
         if rounds is not None:
@@ -4467,9 +4409,8 @@ def speculative_generate(model, drafter, prompt_ids, max_new_tokens, stop_ids, p
             rewind(cache, saved, len(block))
             target_pass(model, block[:accepted + 1], [], cache)
         check_finite(new_feats, prompt_id)
-        new_kv = drafter_context(drafter, torch.cat([new_feats[L][:accepted + 1] for L in layers], dim=-1), anchor)
-        context_kv = [(torch.cat([k, k_new], 1), torch.cat([v, v_new], 1))
-                      for (k, v), (k_new, v_new) in zip(context_kv, new_kv)]
+        new_kv = drafter_context(drafter, torch.cat([new_feats[L][:accepted + 1] for L in drafter.layers], -1), anchor)
+        context_kv = [tuple(torch.cat(kv, 1) for kv in zip(*layer)) for layer in zip(context_kv, new_kv)]
         for token in block[1:accepted + 1] + [bonus]:
             tokens.append(token)
             if len(tokens) >= max_new_tokens or token in stop_ids:
@@ -4623,8 +4564,7 @@ def served_figures(entry, reply, api):
 
 def server_batch(batch, settings, learned, what=None):
     """One request for a batch of prompts: [(completion ids, finish reason)] in the batch's order."""
-    api, url = settings["server_api"], settings["server"].rstrip("/")
-    room = min(it["room"] for it in batch)
+    api, url, room = settings["server_api"], settings["server"].rstrip("/"), min(it["room"] for it in batch)
     # Every knob explicit: engines fill in the model's generation_config defaults otherwise.
     neutral = {"temperature": 0, "repetition_penalty": 1.0, "frequency_penalty": 0, "presence_penalty": 0}
     sampling = sampling_of(settings)
@@ -4801,8 +4741,7 @@ def build_tree(logp, budget, until=None):
     """Best-first DDTree over sorted per-depth log-probs (logp[d][r]: rank r at depth d + 1), nodes rank paths, until
     `budget` nodes (or `until`), ties: the smaller path first. Joining order: a smaller budget's tree is a prefix."""
     depth, width = len(logp), len(logp[0])
-    heap = [(-logp[0][0], (0,), 0.0)]   # (-score, path, parent's score)
-    order = []
+    heap, order = [(-logp[0][0], (0,), 0.0)], []   # heap: (-score, path, parent's score)
     while heap and len(order) < budget:
         neg, path, parent = heapq.heappop(heap)
         order.append(path)
@@ -5170,9 +5109,8 @@ def check_depths(drafters, settings):
         if family(d).causal:
             log(settings, f"note: no FLy row for drafter {d.name} ({d.generation}): the FLy loop, like the "
                           "speculative references, drafts with DFlash-family drafters")
-    fewest = min(d.block_size - 1 for d in drafters)
     for d in drafters if len({d.block_size for d in drafters}) > 1 else ():   # compared where they all draft
-        d.common_depth = fewest
+        d.common_depth = min(e.block_size for e in drafters) - 1
     export = settings.get("export_depth")
     if export and export != drafters[0].block_size - 1 and export not in served_depths(drafters[0], settings):
         fail(f"--export-depth {export}: drafter {drafters[0].name} is not evaluated at depth {export}; add it to "
@@ -5203,8 +5141,8 @@ def mask_variants(drafter, settings):
 
 def check_variants(d):
     """{check: {name: drafter}} drafted beside d on sampled anchors (--check-mask's masks; d.own), own first."""
-    checks = {"mask_check": {name: replace(d, rules=rules) for name, rules in (d.mask_variants or {}).items()}}
-    return {**checks, "override_check": {"as given": d, "checkpoint's own values": d.own} if d.own else {}}
+    return {"mask_check": {name: replace(d, rules=rules) for name, rules in (d.mask_variants or {}).items()},
+            "override_check": {"as given": d, "checkpoint's own values": d.own} if d.own else {}}
 
 
 def suspect_inputs(d, target_cfg, tokenizer=None):
@@ -5243,8 +5181,7 @@ def bit_slots(bits, slots):
 def reply_tail(v, prompt, res, embed_w, head, device):
     """{anchor: (drafts matched inside the reply, near-tie bits)} at the anchors past the last whose block fits: an
     engine drafts them too, and its steps there count in its figures (the drafts past the reply's end it drops)."""
-    features, ids, n_prompt, prompt_id = prompt
-    B = v.block_size
+    (features, ids, n_prompt, prompt_id), B = prompt, v.block_size
     anchors = torch.arange(max(n_prompt, len(ids) - B + 1), len(ids) - 1)
     if not anchors.numel() or any(L not in features for L in v.layers):
         return {}
@@ -5261,8 +5198,7 @@ def served_walk(s, at, tail, n_prompt, total_len):
     min(K, n_predict - generated - 1) a step, none for the last token) and, with an engine's steps one by one
     (s["per_step"]), each beside this run's round at the step's own anchor: [served length, exact length, 1 where the
     two differ at a near-tie], the engine's lengths cut at the reply's end."""
-    ours = dict(zip(at["anchors"].tolist(), zip(at["matched"].tolist(), slot_bits(at["ties"]))))
-    ours.update(tail)
+    ours = {**dict(zip(at["anchors"].tolist(), zip(at["matched"].tolist(), slot_bits(at["ties"])))), **tail}
     rounds, drafted, tied, anchor, K = [], 0, 0, n_prompt, at["ties"].shape[1]
     while anchor < total_len - 1 and anchor in ours:
         depth = K if s.get("n_predict") is None else min(K, s["n_predict"] - (anchor - n_prompt + 1) - 1)
@@ -5295,17 +5231,15 @@ def served_suspects(d, prompt, item, walked, embed_w, head, settings):
     """Which of d.suspects draws the engine's verify steps on this text (greedy) where this run's rounds differ from
     them at steps no near-tie decides: with it, every step is the engine's but where its own near-ties decide."""
     s = item["served"]
-    k = s["k"] or d.block_size - 1
     if not (d.suspects and walked and hard_steps(walked, s)):
         return None
-    found, total = [], len(prompt[1])
+    found = []
     for name, change in d.suspects.items():
-        v = replace(d, **change, block_size=k + 1, tree=None)
+        v = replace(d, **change, block_size=(s["k"] or d.block_size - 1) + 1, tree=None)
         if all(L in prompt[0] for L in v.layers):
             res = score_drafter(v, [prompt], [(item, None, None)], embed_w, head, settings, [], ["standard"])[0]
-            theirs = served_walk(s, res, reply_tail(v, prompt, res, embed_w, head, settings["device"]), prompt[2],
-                                 total)
-            if not hard_steps(theirs, s):
+            tail = reply_tail(v, prompt, res, embed_w, head, settings["device"])
+            if not hard_steps(served_walk(s, res, tail, prompt[2], len(prompt[1])), s):
                 found.append(name)
     return found
 
@@ -5420,7 +5354,7 @@ def feature_check_summary(per_prompt):
 
 def evaluate_prompts(group, drafters, embed_w, head, settings):
     """Every drafter on prompts [(item, features, target argmax)]: scores, walks, other depths, mask/feature checks."""
-    prompts, sampling = [], sampling_of(settings)
+    prompts, sampling, device = [], sampling_of(settings), settings["device"]
     for it, features, argmax in group:
         check_finite(features, it["id"])
         it["agree"] = (sum(a == b for a, b in zip(argmax, it["completion_ids"])), len(argmax))
@@ -5443,20 +5377,18 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
             for check, variants in check_variants(d).items():
                 if variants:
                     with timed(f"{check}_s"):
-                        res[check] = variant_counts(variants, features, ids, n_prompt, embed_w, head,
-                                                    settings["device"])
+                        res[check] = variant_counts(variants, features, ids, n_prompt, embed_w, head, device)
             with timed("feature_check_s"):
                 if d.layers:   # a baseline reads no features
-                    res["feature_check"] = feature_check_prompt(d, res, features, ids, embed_w, head,
-                                                                settings["device"])
+                    res["feature_check"] = feature_check_prompt(d, res, features, ids, embed_w, head, device)
             s = it.get("served")
             if s and not sampling:   # greedy: the engine's steps against this run's rounds at the engine's K
                 k, prompt = s["k"] or d.block_size - 1, (features, ids, n_prompt, prompt_id)
                 at = res if k == d.block_size - 1 else res.get("depths", {}).get(k)
                 if at is not None and at["rounds"] is not None:
                     v = d if k == d.block_size - 1 else replace(d, block_size=k + 1, tree=None)
-                    res["served_steps"] = served_walk(s, at, reply_tail(v, prompt, at, embed_w, head,
-                                                                        settings["device"]), n_prompt, len(ids))
+                    tail = reply_tail(v, prompt, at, embed_w, head, device)
+                    res["served_steps"] = served_walk(s, at, tail, n_prompt, len(ids))
                     res["suspects"] = served_suspects(d, prompt, it, res["served_steps"], embed_w, head, settings)
             kept.append(res)
     records = []
@@ -5496,8 +5428,7 @@ def ratio_ci95(committed, rounds):
 
 def walked_summary(rounds, longest):
     """Pooled tau of per-prompt rounds walked outside the chain's records (FLy's texts, adaptive steps and
-    verification), its 95%
-    interval over prompts, the rounds and their histogram."""
+    verification), its 95% interval over prompts, the rounds and their histogram."""
     flat = [n for r in rounds for n in r]
     return {"tau": sum(flat) / len(flat) if flat else None, "tau_ci95": ratio_ci95(list(map(sum, rounds)),
                                                                                    list(map(len, rounds))),
@@ -5577,14 +5508,14 @@ def engine_metrics(s, depth, tokens=None):
     if not drafts:
         return None
     accepted = sum(k * n for k, n in enumerate(h))   # a round of length k + 1 accepted k drafts
-    if tokens:   # an SGLang token tree (vLLM verifies none): its rate counts every node it drafted
-        return {"sglang": {"speculative_num_draft_tokens": tokens, "accept_len": 1 + accepted / drafts,
-                           "accept_rate": accepted / (drafts * (tokens - 1))}}
+    n = tokens or depth + 1   # an SGLang token tree's rate counts every node it drafted
+    sglang = {"speculative_num_draft_tokens": n, "accept_len": 1 + accepted / drafts,
+              "accept_rate": accepted / (drafts * (n - 1))}
+    if tokens:   # vLLM verifies no tree
+        return {"sglang": sglang}
     return {"vllm": {"num_speculative_tokens": depth, "mean_acceptance_length": 1 + accepted / drafts,
                      "per_position_acceptance_rate": [sum(h[i:]) / drafts for i in range(1, depth + 1)],
-                     "avg_draft_acceptance_rate": 100 * accepted / (drafts * depth)},
-            "sglang": {"speculative_num_draft_tokens": depth + 1, "accept_len": 1 + accepted / drafts,
-                       "accept_rate": accepted / (drafts * depth)}}
+                     "avg_draft_acceptance_rate": 100 * accepted / (drafts * depth)}, "sglang": sglang}
 
 
 def by_context(sums_per_prompt):
@@ -5643,41 +5574,37 @@ def measure_costs(model, drafters, settings, items):
     timings = [(costs["target"], "1", lambda: timed_pass(model, cache, ids[L:L + 1])),   # (where, key, a timed run)
                *((costs["target"], str(n), lambda n=n: timed_pass(model, cache, ids[L:L + n], layers)) for n in sizes)]
     for d in drafters:
+        where, keys = costs["draft"].setdefault(d.name, {}), [d.block_size - 1, *served_depths(d, settings)]
         if d.model:   # a draft model, as vLLM runs it: the k + 1 new rows in one pass, then k - 1 single steps
             _, _, own = target_pass(d.model, ids[:L], [], rewindable_cache(d.model))
-            timings += [(costs["draft"].setdefault(d.name, {}), str(k), lambda k=k, m=d.model, c=own: timed_pass(
-                m, c, ids[L:L + k + 1]) + sum(timed_pass(m, c, ids[L:L + 1]) for _ in range(k - 1)))
-                for k in [d.block_size - 1, *served_depths(d, settings)]]
-            continue
-        if family(d).text:   # a lookup in the text: nothing beside the target's passes
-            timings += [(costs["draft"].setdefault(d.name, {}), str(k), lambda: 0.0)
-                        for k in [d.block_size - 1, *served_depths(d, settings)]]
-            continue
-        d, g = d if d.weights is not None else replace(d, **d.reload()), torch.Generator().manual_seed(0)
-        feats = torch.randn(L + sizes[-1], len(d.layers) * d.cfg["hidden_size"], generator=g).to(embed.weight)
-        first, causal = torch.tensor([ids[L]], device=embed.weight.device), family(d).causal
-        context = causal_pass(d, feats, ids[:L], embed.weight) if causal else drafter_context(d, feats[:L])
 
-        def draft(k, d=d, feats=feats, context=context, first=first, causal=causal):
-            start = time.perf_counter()
-            if causal:   # the window's k + 1 new rows through the layer, then K steps
-                grown = causal_pass(d, feats, ids[:L + k + 1], embed.weight, context)
-            else:
-                grown = [(torch.cat([kc, kn], 1), torch.cat([vc, vn], 1))
-                         for (kc, vc), (kn, vn) in zip(context, drafter_context(d, feats[L:L + k + 1], L))]
-            at = torch.tensor([L + k if causal else L], device=first.device)
-            draft_all_anchors(replace(d, block_size=k + 1), grown, at, first, embed.weight, head)
-            return seconds_since(start)
+            def draft(k, m=d.model, c=own):
+                return timed_pass(m, c, ids[L:L + k + 1]) + sum(timed_pass(m, c, ids[L:L + 1]) for _ in range(k - 1))
+        elif family(d).text:   # a lookup in the text: nothing beside the target's passes
+            def draft(k):
+                return 0.0
+        else:
+            d, g = d if d.weights is not None else replace(d, **d.reload()), torch.Generator().manual_seed(0)
+            feats = torch.randn(L + sizes[-1], len(d.layers) * d.cfg["hidden_size"], generator=g).to(embed.weight)
+            first, causal = torch.tensor([ids[L]], device=embed.weight.device), family(d).causal
+            context = causal_pass(d, feats, ids[:L], embed.weight) if causal else drafter_context(d, feats[:L])
 
-        def draft_tree(d=d, feats=feats, context=context):   # the deepest path's window, then SGLang's tree
-            start = time.perf_counter()
-            grown = causal_pass(d, feats, ids[:L + d.tree["steps"] + 1], embed.weight, context)
-            eagle_trees(d, grown, torch.tensor([L + d.tree["steps"]], device=first.device), None, embed.weight, head,
-                        "cost")
-            return seconds_since(start)
-        timings += [(costs["draft"].setdefault(d.name, {}), str(k), lambda k=k, draft=draft: draft(k))
-                    for k in [d.block_size - 1, *served_depths(d, settings)]]
-        timings += [(costs["draft"][d.name], "tree", draft_tree)] if d.tree else []
+            def draft(k, d=d, feats=feats, context=context, first=first, causal=causal):
+                start = time.perf_counter()
+                if k == "tree":   # the deepest path's window, then SGLang's tree
+                    grown = causal_pass(d, feats, ids[:L + d.tree["steps"] + 1], embed.weight, context)
+                    eagle_trees(d, grown, torch.tensor([L + d.tree["steps"]], device=first.device), None,
+                                embed.weight, head, "cost")
+                    return seconds_since(start)
+                if causal:   # the window's k + 1 new rows through the layer, then K steps
+                    grown = causal_pass(d, feats, ids[:L + k + 1], embed.weight, context)
+                else:
+                    grown = [tuple(torch.cat(kv, 1) for kv in zip(*layer))
+                             for layer in zip(context, drafter_context(d, feats[L:L + k + 1], L))]
+                at = torch.tensor([L + k if causal else L], device=first.device)
+                draft_all_anchors(replace(d, block_size=k + 1), grown, at, first, embed.weight, head)
+                return seconds_since(start)
+        timings += [(where, str(k), lambda k=k, draft=draft: draft(k)) for k in keys + ["tree"] * bool(d.tree)]
     # Rounds of every pass in turn: a slow moment of a busy box falls on a whole round, and a round's ratios (plain
     # step against verify + draft) keep it out of the speedup (predicted_speedups pairs them by round)
     with progress(settings, COST_ROUNDS[0] + 1, "costs", unit="rounds of timed passes (at least)") as bar:
@@ -5802,20 +5729,6 @@ def speedup(tau, tau_ci, t, draft, n, k):
             "ratio_ci95": [min(lo, ratio), max(hi, ratio)]}
 
 
-def row_units(d, results, items):
-    """{row: {prompt: (committed, rounds)}} of one drafter's rows as predicted_speedups names them."""
-    K, picks = d["drafts_per_round"], {}
-    picks.update({f"K={k}": lambda r, k=int(k): r if k == K else r["depths"][k] for k in d.get("depths") or {K: 0}})
-    picks.update({f"DDTree {b}": lambda r, b=int(b): {"rounds": r["ddtree_rounds"][b]} for b in d["ddtree"] or {}})
-    picks.update({f"K={K} {rule}": lambda r, rule=rule: r["verify"][rule] for rule in d.get("verify") or {}})
-    tree = d.get("eagle_tree")
-    if tree and "tau" in tree:
-        picks[f"SGLang tree {tree['steps']},{tree['topk']},{tree['tokens']}"] = lambda r: r["tree"]
-    fly = {f"K={K} fly": prompt_totals([(it.get("fly") or {}).get(d["name"], {"rounds": []}) for it in items], items)}
-    return {**{name: prompt_totals([pick(r) for r in results], items) for name, pick in picks.items()},
-            **(fly if d.get("fly") else {})}
-
-
 def paired_speedup(a, b, units):
     """speedup(a) - speedup(b) over the same prompts with its 95% interval: the prompts' paired delta-method terms
     of tau, each weighed by its row's cost ratio, widened by the ratios' own intervals (timing, not prompts)."""
@@ -5838,19 +5751,26 @@ def predicted_speedups(report, costs, results, items):
     table = report["config"].get("k_by_batch_size")
     for d, res in zip(report["drafters"], results):
         depths = d.get("depths") or {str(d["drafts_per_round"]): d}
-        out, K, units = {}, str(d["drafts_per_round"]), row_units(d, res, items)
-        rows = {f"K={k}": (s, str(1 + int(k)), k) for k, s in depths.items()}
-        rows.update({f"DDTree {b}": (s, str(1 + int(b)), K) for b, s in (d["ddtree"] or {}).items()})
-        rows.update({f"K={K} {rule}": (s, str(1 + int(K)), K) for rule, s in (d.get("verify") or {}).items()})
+        out, K = {}, str(d["drafts_per_round"])
+        # row: (its figures, the tokens it verifies, its draft's key, its per-prompt results for the paired units)
+        rows = {f"K={k}": (s, str(1 + int(k)), k, [r if k == K else r["depths"][int(k)] for r in res])
+                for k, s in depths.items()}
+        rows.update({f"DDTree {b}": (s, str(1 + int(b)), K, [{"rounds": r["ddtree_rounds"][int(b)]} for r in res])
+                     for b, s in (d["ddtree"] or {}).items()})
+        rows.update({f"K={K} {rule}": (s, str(1 + int(K)), K, [r["verify"][rule] for r in res])
+                     for rule, s in (d.get("verify") or {}).items()})
         if d.get("fly"):   # FLy's own texts, verified by the same passes: its loss is reported beside it
-            rows[f"K={K} fly"] = (d["fly"], str(1 + int(K)), K)
+            rows[f"K={K} fly"] = (d["fly"], str(1 + int(K)), K,
+                                  [(it.get("fly") or {}).get(d["name"], {"rounds": []}) for it in items])
         tree = d.get("eagle_tree")
         if tree and "tau" in tree:   # SGLang verifies its draft tokens, the anchor's included
-            rows[f"SGLang tree {tree['steps']},{tree['topk']},{tree['tokens']}"] = (tree, str(tree["tokens"]), "tree")
+            rows[f"SGLang tree {tree['steps']},{tree['topk']},{tree['tokens']}"] = (tree, str(tree["tokens"]), "tree",
+                                                                                  [r["tree"] for r in res])
+        units = {name: prompt_totals(picked, items) for name, (*_, picked) in rows.items()}   # {prompt: (c, rounds)}
         for batch, t in costs.get("batch_sizes", {"1": costs}).items():
             draft = t["draft"].get(d["name"], t["draft"])
             priced = {name: speedup(s["tau"], s.get("tau_ci95"), t, {**draft, "name": d["name"]}, n, k)
-                      for name, (s, n, k) in rows.items()}
+                      for name, (s, n, k, _) in rows.items()}
             ranked = sorted((n for n, r in priced.items() if r["speedup"]), key=lambda n: -priced[n]["speedup"])
             for n in ranked[1:]:
                 priced[n]["below_top"] = paired_speedup(ranked[0], n, {m: (units[m], priced[m]) for m in (ranked[0], n)})
@@ -5875,10 +5795,10 @@ def adaptive_verification(report, costs, results, items):
     for d, res in zip(report["drafters"], results):
         if not res or "confidence" not in res[0]:
             continue
-        K, sizes = d["drafts_per_round"], capture_sizes(d["drafts_per_round"])
-        draft_s, missing = t.get("draft", {}).get(d["name"], {}).get(str(K)), [n for n in sizes if
-                                                                              str(n) not in t.get("target", {})]
-        if draft_s is None or missing or "1" not in t.get("target", {}):
+        K = d["drafts_per_round"]
+        sizes, draft_s = capture_sizes(K), t.get("draft", {}).get(d["name"], {}).get(str(K))
+        missing = [n for n in sizes if str(n) not in t.get("target", {})]   # 1 among them: the plain step
+        if draft_s is None or missing:
             d["adaptive_verification"] = {"note": f"the costs lack {d['name']}'s round at K={K} or the verify pass "
                                                   f"of {(missing or [1])[0]} tokens: no budget to replay"}
             continue
@@ -6071,15 +5991,13 @@ def served_causes(held, compared, ks, evaluated, z, impossible):
         causes.append(f"this run's target takes the served text's token as its argmax at {min(agreement):.0%} of its "
                       "positions on the worst request: the engine's target computes otherwise (a quantized or bf16 "
                       "target, other numerics)")
-    found = {}
-    for name in (x for h in hard for x in h.get("suspects") or []):
-        found[name] = found.get(name, 0) + 1
+    suspects = [name for h in hard for name in h.get("suspects") or []]
+    found = {name: suspects.count(name) for name in dict.fromkeys(suspects)}
     along = [paired_delta({i: h["halves"][0][x] for i, h in enumerate(hard) if "halves" in h},
                           {i: h["halves"][1][x] for i, h in enumerate(hard) if "halves" in h}) for x in (0, 1)]
     if len(hard) >= CONTEXT_MIN_REQUESTS and not found and along[0][1] and along[1][1] and \
             along[1][1][1] < along[0][1][0]:
-        middle = sorted(h["context_half"] for h in hard if "halves" in h)
-        middle = middle[len(middle) // 2]
+        middle = statistics.median_high(h["context_half"] for h in hard if "halves" in h)
         causes.append(f"the gap grows along the replies: {along[0][0]:+.2f} in their first halves, {along[1][0]:+.2f} "
                       f"in their second (contexts past about {middle} tokens) over {len(hard)} requests, intervals "
                       "apart: the engine serves the drafter contexts it handles worse than this run's (a context cap, "
@@ -6214,9 +6132,9 @@ def acceptance_warning(s, check):
 
 def drafter_report(d, results, items):
     B = d["drafts_per_round"] + 1   # the longest round: every draft and the target's own token
-    note = FAMILIES[d["generation"]].ddtree_note
+    note, first = FAMILIES[d["generation"]].ddtree_note, results[0] if results else {}
     no_trees = {"ddtree": None, "ddtree_note": note} if note else {}
-    sampled = bool(results) and "expected" in results[0]
+    sampled = "expected" in first
 
     def section(keep=lambda it: True, depth=None, pick=None):   # the kept prompts' figures, at the trained depth,
         pick = pick or (lambda res: res if depth is None else res["depths"][depth])   # `depth`, or what pick picks
@@ -6229,30 +6147,29 @@ def drafter_report(d, results, items):
             t["tau_ci95"] = ratio_ci95([c for c, _ in units], [r for _, r in units])
         return {**summary, "tau_ci95": ratio_ci95([c for c, _ in totals], [r for _, r in totals]),
                 **reference_fit([it for _, it in chosen], sampled)[0], **(no_trees if depth is None else {})}
+
+    def depth_figures(s, k, tokens=None):   # a depth's figures, with the engines' at it
+        return {**{key: s[key] for key in DEPTH_KEYS}, "engine_metrics": engine_metrics(s, k, tokens)}
     whole, check = section(), feature_check_summary([res["feature_check"] for res in results if "feature_check" in res])
     overridden = override_summary(d["overrides"], [r.get("override_check") for r in results]) \
         if d.get("overrides") else None
     splits = {split: section(lambda it: it["split"] == split) for split in sorted({it["split"] for it in items})}
     numbers = sorted({it.get("turn") for it in items} - {None})   # rows per turn where there are several
     turns = {str(t): section(lambda it: it.get("turn") == t) for t in numbers} if len(numbers) > 1 else {}
-    depths = {B - 1: whole, **{k: section(depth=k) for k in (results[0].get("depths", {}) if results else {})}}
-    verify = {rule: section(pick=lambda res, rule=rule: res["verify"][rule])
-              for rule in (results[0].get("verify", {}) if results else {})}
+    depths = {B - 1: whole, **{k: section(depth=k) for k in first.get("depths", {})}}
+    verify = {rule: section(pick=lambda res, rule=rule: res["verify"][rule]) for rule in first.get("verify", {})}
     prompts = [prompt_report(it, res, B) for it, res in zip(items, results)]
     adaptive = adaptive_summary(results, items, B) if FAMILIES[d["generation"]].adaptive and results and all(
         k in depths for k in ADAPTIVE["candidates"]) else None
     runs = [(it["id"], it["fly"][d["name"]]) for it in items if d["name"] in (it.get("fly") or {})]
     held, tree = [p["served"] for p in prompts if "served" in p], d.get("eagle_tree")
-    if tree and results and "tree" in results[0]:   # SGLang's token tree: its walk, its rounds of up to steps + 1
+    if tree and "tree" in first:   # SGLang's token tree: its walk, its rounds of up to steps + 1
         s = section(depth=tree["steps"], pick=lambda res: res["tree"])
-        tree = {**tree, **{key: s[key] for key in DEPTH_KEYS}, "engine_metrics": engine_metrics(s, tree["steps"],
-                                                                                                 tree["tokens"])}
+        tree = {**tree, **depth_figures(s, tree["steps"], tree["tokens"])}
     return {**{k: v for k, v in d.items() if k != "mask_modes"}, **whole, **({"eagle_tree": tree} if tree else {}),
-            **({"verify": {rule: {**{key: s[key] for key in DEPTH_KEYS}, "engine_metrics": engine_metrics(s, B - 1)}
-                           for rule, s in verify.items()}} if verify else {}),
+            **({"verify": {rule: depth_figures(s, B - 1) for rule, s in verify.items()}} if verify else {}),
             "engine_metrics": engine_metrics(whole, B - 1),
-            **({"depths": {str(k): {**{key: s[key] for key in DEPTH_KEYS}, "engine_metrics": engine_metrics(s, k)}
-                           for k, s in sorted(depths.items())}} if len(depths) > 1 else {}),
+            **({"depths": {str(k): depth_figures(s, k) for k, s in sorted(depths.items())}} if len(depths) > 1 else {}),
             "by_context": by_context([res["by_context"] for res in results]),
             "feature_check": check, "warnings": d["warnings"] + acceptance_warning(whole, check) +
             ([overridden[1]] if overridden else []), "splits": splits,
@@ -6298,13 +6215,10 @@ def side_by_side(drafters, results, items):
     a round (MTP's 3, DFlash's 15) pair only at a shared depth: "at_depth": {K: rows} at each --depths K of them all."""
     trained, splits = [d["drafts_per_round"] for d in drafters], list(dict.fromkeys(it["split"] for it in items))
 
-    def split_taus(d, res, K):   # tau by split at depth K, for the bars
-        out = {}
-        for split in splits:
-            kept = [(at_depth(r, d, K), it) for r, it in zip(res, items) if it["split"] == split]
-            c, r = map(sum, zip(*prompt_totals(*zip(*kept)).values()))
-            out[split] = c / r if r else None
-        return out
+    def split_tau(d, res, K, split):   # at depth K, for the bars
+        kept = [(at_depth(r, d, K), it) for r, it in zip(res, items) if it["split"] == split]
+        c, r = map(sum, zip(*prompt_totals(*zip(*kept)).values()))
+        return c / r if r else None
 
     def paired(rows, K=None):   # each row with its tau's difference from the first's, paired on the prompts
         totals = [prompt_totals([at_depth(r, d, K) for r in res], items) for d, res in zip(drafters, results)]
@@ -6326,15 +6240,14 @@ def side_by_side(drafters, results, items):
         shared = set.intersection(*({k, *res[0].get("depths", {})} for k, res in zip(trained, results)))
         comparison.update(drafts_per_round=dict(zip((d["name"] for d in drafters), trained)), at_depth={
             str(K): paired([{"name": d["name"], "tau": (d.get("depths") or {}).get(str(K), d)["tau"],
-                             **({"splits": split_taus(d, res, K)} if len(splits) > 1 else {})}
+                             **({"splits": {s: split_tau(d, res, K, s) for s in splits}} if len(splits) > 1 else {})}
                             for d, res in zip(drafters, results)], K) for K in sorted(shared)})
     return comparison
 
 
 def published_beside(name, rows, drafter, config):
     """The published row NAME for the benchmarks run, and where its recipe differs from this run's."""
-    pub = PUBLISHED[name]
-    ours = sampling_of(config) or 0
+    pub, ours = PUBLISHED[name], sampling_of(config) or 0
     differs = [f"{what}: {theirs} there, {here} here" for what, theirs, here, same in (
         ("sampling", describe_sampling(pub.sampling) if pub.sampling is not None else "not stated",
          describe_sampling(ours), pub.sampling is not None and tuple(pub.sampling or ()) == tuple(ours or ())),
@@ -6356,8 +6269,7 @@ def bench_table(drafters, results, items, config):
     def figures(keep):
         idx = [i for i, it in enumerate(items) if keep(it["split"])]
         picked = [[at_depth(res[i], d, K) for i in idx] for d, res in zip(drafters, results)]
-        totals = [prompt_totals(res, [items[i] for i in idx]) for res in picked]
-        out = []
+        totals, out = [prompt_totals(res, [items[i] for i in idx]) for res in picked], []
         for t, res in zip(totals, picked):   # a request's own tau: each turn and sample on its own
             means = [c / r for x, i in zip(res, idx) for c, r in prompt_totals([x], [items[i]]).values() if r]
             mean = sum(means) / len(means) if means else None
@@ -6388,8 +6300,7 @@ def bench_table(drafters, results, items, config):
             half = math.sqrt(sum(h * h for h in halves)) / len(got) if got and len(halves) == len(got) else None
             row[key + "_ci95"] = None if half is None else [row[key] - half, row[key] + half]
         average.append(row)
-    source, _, seed, tokens, reported = RECIPES[config["bench_recipe"]]
-    sampling = sampling_of(config)
+    (source, _, seed, tokens, reported), sampling = RECIPES[config["bench_recipe"]], sampling_of(config)
     departs = ([f"references of up to {config['max_new_tokens']} new tokens (the recipe's: {tokens})"]
                if config["max_new_tokens"] != tokens else []) + \
         ([f"sampled at {describe_sampling(sampling)} (the recipe decodes greedily)"] if sampling else []) + \
@@ -6472,29 +6383,25 @@ def serving_lines(d, source=None):
                f"Avg Draft acceptance rate {v['avg_draft_acceptance_rate']:.1f}%")
         yield (f"     SGLang (--speculative-num-draft-tokens {g['speculative_num_draft_tokens']}): accept len "
                f"{g['accept_len']:.2f}, accept rate {g['accept_rate']:.3f}")
-    a = d.get("adaptive")
-    if a:
+    if a := d.get("adaptive"):
         yield (f"   adaptive steps ({a['controller']}: steps {', '.join(map(str, a['candidates']))}, from "
                f"{a['start']}): tau {fmt(a['tau'])} {interval(a['tau_ci95'])}, {a['rounds']} rounds; verify steps "
                "at " + ", ".join(f"{k}: {n}" for k, n in a["steps"].items()))
-    v = d.get("adaptive_verification")
-    if v:
+    if v := d.get("adaptive_verification"):
         yield "   adaptive verification: " + (v["note"] if "note" in v else (
             f"({v['rule']}; verify sizes {', '.join(map(str, v['capture_sizes']))}): tau {fmt(v['tau'])} "
             f"{interval(v['tau_ci95'])}, {v['rounds']} rounds, {fmt(v['verified_per_round'])} of "
             f"{d['drafts_per_round']} drafts verified a round (by slot " + " ".join(
                 fmt(x, 2) for x in v["verified_by_slot"]) + f"); speedup {fmt(v['speedup'], 2)}x "
             f"{interval(v['speedup_ci95'])} against {fmt(v['fixed_speedup'], 2)}x verifying all"))
-    f = d.get("fly")
-    if f:
+    if f := d.get("fly"):
         departs = [p["first_departure"] for p in f["prompts"] if p["first_departure"] is not None]
         yield (f"   FLy ({f['rule']}, window {f['window']}; lossy, each prompt the drafter's own text): tau "
                f"{fmt(f['tau'])} {interval(f['tau_ci95'])}, {f['rounds']} rounds; {f['deferred']} of {f['tokens']} "
                f"tokens committed against the target's greedy choice; the text departs from the reference in "
                f"{len(departs)} of {len(f['prompts'])} prompts" +
                (f" (first at token {min(departs)})" if departs else ""))
-    served = d.get("served")
-    if served:
+    if served := d.get("served"):
         yield (f"   served by {served['engine']} (K={', '.join(map(str, served['k']))}, {served['requests']} requests, "
                f"{served['steps']} verify steps): tau {fmt(served['tau_served'])}, {fmt(served['tau_served_scored'])} "
                f"over {'whole replies' if 'scope' in served else 'the steps this run scores'}, against the exact "
@@ -6522,9 +6429,8 @@ def serving_lines(d, source=None):
             yield (f"     {name:<{width}} tau {fmt(r['tau'])}  round {cost:<20} speedup {speed}"
                    + ("  <- best" if name == p["best"] else "  <- a leader" if name in p["leaders"][1:] or
                       p["leaders"][:1] == [name] and not p["best"] else ""))
-        against = dict(sorted(((n, r["below_top"]) for n, r in p["rows"].items() if r.get("below_top")),
-                              key=lambda x: x[1][0]))
-        if against:
+        if against := dict(sorted(((n, r["below_top"]) for n, r in p["rows"].items() if r.get("below_top")),
+                                  key=lambda x: x[1][0])):
             yield (f"     paired speedup differences over the same prompts, {p['leaders'][0]} minus: " + ", ".join(
                 f"{n} {v[0]:+.3f}x [{v[1]:+.3f}, {v[2]:+.3f}]" for n, v in against.items()))
         if len(p["leaders"]) > 1:
@@ -6690,16 +6596,14 @@ def report_lines(report):
             if tree and "tau" in tree:
                 yield beside_chain(f"SGLang tree ({tree['steps']} steps, top-{tree['topk']}, {tree['tokens']} draft "
                                    f"tokens; {tree['source']})", tree, f"chain {fmt(s['tau'])}")
-                g = (tree["engine_metrics"] or {}).get("sglang")
-                if g:
+                if g := (tree["engine_metrics"] or {}).get("sglang"):
                     yield (f"     SGLang (--speculative-num-steps {tree['steps']} --speculative-eagle-topk "
                            f"{tree['topk']} --speculative-num-draft-tokens {tree['tokens']}): accept len "
                            f"{g['accept_len']:.2f}, accept rate {g['accept_rate']:.3f}")
             for budget, t in (s["ddtree"] or {}).items():
                 yield beside_chain(f"DDTree budget {budget:>4}", t, f"chain {fmt(s['tau'])}")
-            below = [b for b, t in (s["ddtree"] or {}).items()   # as printed: 7.149 against 7.149 is no fall
-                     if None not in (t["tau"], s["tau"]) and round(t["tau"], 3) < round(s["tau"], 3)]
-            if below:
+            if below := [b for b, t in (s["ddtree"] or {}).items()   # as printed: 7.149 against 7.149 is no fall
+                         if None not in (t["tau"], s["tau"]) and round(t["tau"], 3) < round(s["tau"], 3)]:
                 yield (f"   (budget {', '.join(below)} below the chain: a tree spends its nodes on the likeliest "
                        f"paths, so it need not hold the chain's whole depth-{drafts} path; a bigger "
                        "budget's tree holds every smaller one's: see docs/report.md, DDTree rows)")
@@ -7037,9 +6941,8 @@ def resume_records(settings, learned, facts):
     rows = partial_rows(path)
     if not rows:
         fail(f"{path} is not a partial-results file of this tool; remove it or drop --resume")
-    differ = differences(rows[0]["fingerprint"], fingerprint(run_config(settings, learned), facts),
-                         RESUME_KEYS + SLICE_KEYS)
-    if differ:
+    if differ := differences(rows[0]["fingerprint"], fingerprint(run_config(settings, learned), facts),
+                             RESUME_KEYS + SLICE_KEYS):
         fail(f"--resume: {path} was written with other settings ({', '.join(differ)} differ): a resume may change "
              "only flags that leave the numbers alone (--threads, --quiet, --plot, --tensorboard, ...); to run with "
              "these settings, give --overwrite instead of --resume: it starts over, keeps the file as a backup and "
@@ -7162,8 +7065,7 @@ def output_claimed(settings):
     if not output or settings.get("output_streamed"):
         yield None
         return
-    clash = replaced_input(settings)
-    if clash:
+    if clash := replaced_input(settings):
         fail(f"--output {output} is {clash[0]} ({clash[1]}): the report would replace it; pick another --output")
     path = None if settings.get("merge") or settings.get("compare_hidden") or settings.get("watch") else \
         partial_path(settings)   # a watch's series is its own record: it is appended, a line a step
@@ -7269,9 +7171,8 @@ def merge_shards(settings):
         shards.append((path, report))
     (first_path, first), facts = shards[0], shards[0][1]["shard"]["facts"]
     for path, report in shards[1:]:
-        differ = differences({**report["config"], "drafters": report["shard"]["facts"]},
-                             {**first["config"], "drafters": facts})
-        if differ:
+        if differ := differences({**report["config"], "drafters": report["shard"]["facts"]},
+                                 {**first["config"], "drafters": facts}):
             fail(f"--merge: {path} and {first_path} were run with other settings ({', '.join(differ)} differ)")
         for a, b in zip(report["shard"]["facts"], facts):
             if (a["name"], a["checkpoint"]) != (b["name"], b["checkpoint"]):
@@ -7287,9 +7188,8 @@ def merge_shards(settings):
                      "once")
             records[index], owner[index] = record, path
     skipped = [s for _, report in shards for s in report["skipped"]]
-    missing = [entry[1] for entry in first["shard"]["items"]
-               if entry[0] not in records and entry[1] not in {s["id"] for s in skipped}]
-    if missing:
+    if missing := [entry[1] for entry in first["shard"]["items"]
+                   if entry[0] not in records and entry[1] not in {s["id"] for s in skipped}]:
         fail(f"--merge: no shard holds prompt{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing[:5]))}"
              f"{' ...' if len(missing) > 5 else ''}: merge every shard of the run (1/N to N/N)")
     TIMING.clear()
@@ -7329,9 +7229,8 @@ def resume_features(settings, learned, facts, items, records):
                                     default=str).encode()).hexdigest()
     files, found = part_files(prefix), {}
     for path in files if settings["resume"] else []:
-        with contextlib.suppress(Exception):   # cut by a kill, a temporary, foreign or unreadable: done again
-            with safe_open(path, "pt") as f:
-                meta = json.loads(f.metadata()["eval_drafter_part"])
+        with contextlib.suppress(Exception), safe_open(path, "pt") as f:   # cut by a kill, a temporary, foreign
+            meta = json.loads(f.metadata()["eval_drafter_part"])               # or unreadable: done again
             if meta["run"] == this:   # parts of a run with other settings are no use
                 found[meta["position"]] = (path, meta["row"])
     parts = []
@@ -7422,8 +7321,7 @@ def open_hidden(paths, settings, learned, target_cfg, layer_union, skip=lambda i
         if meta["target_hash"] != (learned.target_hash if version == 3 else target_hash(settings["target"], version)):
             fail(f"{path} was extracted from another target than {settings['target']} (the hash of its config and "
                  "weights differs); pass the target it was made with, or extract again")
-        missing = sorted(set(layer_union) - set(meta["layers"]))   # `wanted` ones are there
-        if missing:
+        if missing := sorted(set(layer_union) - set(meta["layers"])):   # `wanted` ones are there
             fail(f"{path} holds layers {meta['layers']} but the drafters need {layer_union} (missing {missing}); "
                  "extract again with drafters that need them all")
         if sampling and list(sampling) != list(meta.get("sampling") or []):
@@ -7434,8 +7332,7 @@ def open_hidden(paths, settings, learned, target_cfg, layer_union, skip=lambda i
             fail(f"{path} and {paths[0]} come from different prompts files or sampling settings: one run's caches only")
     entries = sorted(((row.get("index", i), j, i, row) for j, meta in enumerate(metas)
                       for i, row in enumerate(meta["prompts"])), key=lambda e: e[0])
-    twice = [row["id"] for (a, _, _, row), (b, _, _, _) in zip(entries, entries[1:]) if a == b]
-    if twice:
+    if twice := [row["id"] for (a, _, _, row), (b, _, _, _) in zip(entries, entries[1:]) if a == b]:
         fail(f"prompt {twice[0]} is in more than one of the --load-hidden files: give each shard's cache once")
     entries, items = entries[:settings["limit"]] if settings["limit"] else entries, []
 
@@ -7492,8 +7389,7 @@ def prompt_groups(stream, size, budget=0):
         yield group
 
 
-def extract_from_target(items, settings, learned, target_cfg, layer_union, done, drafter, keep, features=None,
-                        fly=()):
+def extract_from_target(items, settings, learned, target_cfg, layer_union, done, drafter, keep, features=None, fly=()):
     """Load the target; then a stream of (item, features, argmax) per prompt not in `done`: tokenized, its reference
     generated if missing (to keep(item) at once), one teacher-forced pass; features to --save-hidden (`features`)."""
     if settings["device"] == "cpu" and settings["dtype"] != "float32" and is_hybrid(target_cfg):
@@ -7795,10 +7691,9 @@ def compare_hidden(settings, shown):
                 fail(f"prompt {row['id']}: the two files hold different token ids")
             agree = get_a(f"{i}.argmax") == get_b(f"{i}.argmax")
             same_argmax, total_argmax = same_argmax + int(agree.sum()), total_argmax + agree.numel()
-            try:   # files written before near-ties were kept have none
+            ties = None
+            with contextlib.suppress(KeyError):   # files written before near-ties were kept have none
                 ties = get_a(f"{i}.ties") | get_b(f"{i}.ties")
-            except KeyError:
-                ties = None
             tied = None if ties is None or tied is None else tied + int((~agree & ties).sum())
             for L in layers:
                 a, b = get_a(f"{i}.layer{L}").double(), get_b(f"{i}.layer{L}").double()
@@ -8001,8 +7896,7 @@ def watch(settings, shown):
                     break
             named = {s for s, v in seen.items() if v["fails"] >= WATCH_TRIES}
             if until is not None and any(s >= until for s in set(lines) | named):
-                pending = sorted(s for s in steps if s < until and s not in lines and s not in named)
-                if pending:
+                if pending := sorted(s for s in steps if s < until and s not in lines and s not in named):
                     log(settings, f"note: steps {', '.join(map(str, pending))} were still being written when step "
                                   f">= {until} was done: the same command without --watch-until evaluates them")
                 break
@@ -8119,8 +8013,7 @@ class Features:
 def api_settings(target, paths, options):
     """The settings of a --load-hidden run with these keyword options (flag names with _), never a torchrun rank."""
     argv = ["--target", target, "--load-hidden", *paths, "--ckpt", "(in memory)", "--quiet"]
-    unknown = sorted(set(options) - set(flag_names("")))
-    if unknown:
+    if unknown := sorted(set(options) - set(flag_names(""))):
         raise UsageError(f"measure() / load_features(): {unknown[0]} is none of the tool's flags (a keyword is a flag's "
                          "name with _ for -, such as depths or ddtree_budgets)")
     for key, value in options.items():
