@@ -9,6 +9,8 @@ DFlash drafter trained on that target's greedy output. Deterministic; about two 
                                                         # on) drafters for the demo target, one layer each
     python tests/make_demo.py --lilicorr [OUT_DIR]      # a LiLiCorr drafter (the demo drafter's backbone, a
                                                         # trained correlator) in the engines' layout
+    python tests/make_demo.py --confidence [OUT_DIR]    # the DSpark fixture with a fitted confidence head
+                                                        # (vLLM 0.34's adaptive verification), seconds
     python tests/make_demo.py --mtp [TARGET_DIR]        # a trained MTP layer written into the hybrid demo
                                                         # target's checkpoint (mtp.*), as Qwen3.5 ships one
     python tests/make_demo.py --served-pair [OUT_DIR]   # a pair vLLM's CPU build serves (tests/fixtures/demo_vllm):
@@ -548,10 +550,59 @@ def make_families(out=None, only=None):
     if only == "lilicorr":
         train_lilicorr(os.path.join(out, "lilicorr"), target, data)
         return
+    if only == "confidence":
+        train_confidence(os.path.join(out, "dspark_confidence"), target, data)
+        return
     for name in FAMILIES:
         train_drafter(os.path.join(out, name), target, lang, steps=600, family=name, data=data, num_hidden_layers=1,
                       layer_types=["full_attention"])
         print(f"wrote {os.path.join(out, name)}", flush=True)
+
+
+def train_confidence(out, target, data, steps=200):
+    """tests/fixtures/families/dspark_confidence: the DSpark fixture with a confidence head as vLLM 0.34 builds it (one
+    linear over each slot's final-normed row, to a logit), fitted by logistic regression to P(slot i accepted | the
+    slots before it accepted) on the training texts' anchors (L2 1e-3, L-BFGS); seconds."""
+    import shutil
+    import torch.nn.functional as F
+    from safetensors.torch import load_file
+    src = os.path.join(FIXTURES, "families", "dspark_vanilla")
+    d = ed.load_drafter(src, target.config, {"layers": None, "block_size": None, "block_mask": "auto",
+                                             "sliding_window": "train", "dtype": "float32", "device": "cpu",
+                                             "quiet": True, "max_memory_gb": 0.5})
+    embed_w, lm_head = target.get_input_embeddings().weight, target.get_output_embeddings()
+    rows, labels = [], []
+    with torch.no_grad():
+        for ids, n_prompt, feats in data:
+            anchors = ed.fitting_anchors(n_prompt, len(ids), d.block_size)
+            ids_t = torch.tensor(ids)
+            context = ed.drafter_context(d, feats)
+            drafts, _ = ed.draft_all_anchors(d, context, anchors, ids_t[anchors], embed_w, lm_head)
+            hidden = ed.proposal_rows(d, ed.drafter_forward(d, context, anchors, ed.mask_block(d, ids_t[anchors]),
+                                                            embed_w))
+            hit = drafts == ids_t[anchors[:, None] + 1 + torch.arange(drafts.shape[1])]
+            reached = torch.cat([torch.ones(len(anchors), 1, dtype=torch.bool), hit[:, :-1].cumprod(1).bool()], 1)
+            rows.append(hidden[reached].float())
+            labels.append(hit[reached].float())
+    x, y = torch.cat(rows), torch.cat(labels)
+    w, b = torch.zeros(x.shape[1], requires_grad=True), torch.zeros(1, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], max_iter=steps, line_search_fn="strong_wolfe")
+
+    def loss():
+        opt.zero_grad()
+        value = F.binary_cross_entropy_with_logits(x @ w + b, y) + 1e-3 * w.square().sum()
+        value.backward()
+        return value
+    opt.step(loss)
+    print(f"confidence head: {len(y)} slots, {y.mean():.3f} accepted, loss {loss().item():.4f}", flush=True)
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(enable_confidence_head=True, confidence_head_with_markov=False)
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    weights.update({"confidence_head.proj.weight": w.detach()[None].clone(), "confidence_head.proj.bias": b.detach()})
+    save_drafter(out, cfg, weights)
+    print(f"wrote {out}", flush=True)
 
 
 # vLLM's CPU attention takes head sizes 32-512 and its runner one in-block mask kind for every drafter layer: the demo
@@ -1030,8 +1081,8 @@ if __name__ == "__main__":
         make_llama(*[a for a in args if not a.startswith("--")])
     elif "--mtp" in args:
         train_mtp(next((a for a in args if not a.startswith("--")), os.path.join(FIXTURES, "demo_hybrid", "target")))
-    elif "--families" in args or "--eagle3" in args or "--lilicorr" in args:
+    elif any(f in args for f in ("--families", "--eagle3", "--lilicorr", "--confidence")):
         make_families(*[a for a in args if not a.startswith("--")],
-                      only=next((k for k in ("eagle3", "lilicorr") if "--" + k in args), None))
+                      only=next((k for k in ("eagle3", "lilicorr", "confidence") if "--" + k in args), None))
     else:
         main(*[a for a in args if not a.startswith("--")], hybrid="--hybrid" in args, from_anchor="--from-anchor" in args)
