@@ -4021,15 +4021,17 @@ def model_drafts(d, ids):
     committed text, so while its drafts match the text, draft i is its argmax after ids[:a + i + 1], one
     teacher-forced pass for all (a draft after a miss is never verified). Sampling (probabilistic): the chance of the
     text's token under softmax(logits / T), as vLLM draws it (the temperature alone). (drafts (len, K), chances)."""
-    k, T = d.block_size - 1, d.head["temperature"]
-    logits = d.model(torch.tensor([ids], device=d.model.device)).logits[0].float()
-    best = torch.cat([logits.argmax(-1), logits.new_full((k,), -1, dtype=torch.long)]).cpu()
+    k, T, n = d.block_size - 1, d.head["temperature"], LOGIT_ROWS_PER_CHUNK
+    last, head = target_pass(d.model, ids, [])[1], target_parts(d.model)[3]   # its logits a chunk at a time, as ours
+    after = torch.tensor(ids[1:] + [0], device=last.device)
+    best, chance = torch.full((len(ids) + k,), -1), torch.zeros(len(ids) + k, dtype=torch.float64)
+    for lo in range(0, len(ids), n):
+        logits, part = head(last[lo:lo + n]).float(), slice(lo, min(lo + n, len(ids)))
+        best[part] = logits.argmax(-1).cpu()
+        if T:
+            chance[part] = sampled_prob(logits, after[part], (T, 1.0, 0)).double().cpu()
     at = torch.arange(len(ids))[:, None] + torch.arange(k)
-    if not T:
-        return best[at], None
-    nxt = torch.tensor(ids[1:] + [0], device=logits.device)
-    chance = torch.cat([sampled_prob(logits, nxt, (T, 1.0, 0)).double().cpu(), torch.zeros(k, dtype=torch.float64)])
-    return best[at], chance[at]
+    return best[at], chance[at] if T else None
 
 
 def lookup_drafts(ids, k, low, high):

@@ -13,7 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from conftest import interrupted_then_resumed, refused_in_one_line
+import eval_drafter as ed
+from conftest import drafter_settings, interrupted_then_resumed, refused_in_one_line
 from drafters import DEMO, DEMO_DRAFTER, demo_pair, on_texts, online_rounds, run_tool, speculative_sampling_runs
 from test_sampled import mc_check
 
@@ -144,3 +145,16 @@ def test_refusals_are_one_line(tmp_path, small, capsys):
     refused_in_one_line(capsys, [*argv("--ckpt", f"draft_model:{tmp_path}/wide:k=3")],
                         "has a vocabulary of 80 tokens, the target 64")
     refused_in_one_line(capsys, [*argv("--ckpt", f"draft_model:{small[0]}")], "give its drafts a round as k=")
+
+
+def test_chunked_logits_give_the_same_drafts_and_chances(small, demo, monkeypatch):
+    """model_drafts reads the draft model's logits a chunk of rows at a time: 7 rows a chunk, the same as 256."""
+    target, _, prompts = demo
+    settings = drafter_settings(temperature=0.8, draft_policy="sample")
+    d = ed.load_drafter(f"dm=draft_model:{small[0]}:k=4", target.config, settings)
+    ids = prompts[0] + prompts[1] + prompts[2]
+    whole = ed.model_drafts(d, ids)
+    monkeypatch.setattr(ed, "LOGIT_ROWS_PER_CHUNK", 7)
+    chunked = ed.model_drafts(d, ids)
+    assert torch.equal(whole[0], chunked[0]) and torch.allclose(whole[1], chunked[1], rtol=1e-6, atol=0)
+    assert (whole[0][:-4] >= 0).all() and (whole[1] > 0).any()
