@@ -3992,16 +3992,16 @@ def load_text(name, path, target_cfg, settings):
     loads in the run's dtype and device; a sampling run's draft_sample_method follows --draft-policy."""
     kind, knobs = text_spec(path)
     head = {"rule": f"vLLM 0.34's {kind}", **{k: v for k, v in knobs.items() if k != "k"}}
-    if kind != "draft_model":
+    model = load_draft_model(knobs["dir"], target_cfg, settings, name) if kind == "draft_model" else None
+    if model is None:
         head["lookup"] = [knobs["min"], knobs["max"]] if kind == "ngram" else [1, knobs["depth"]]
-    model = kind == "draft_model" and load_draft_model(knobs["dir"], target_cfg, settings, name)
-    if model:
+    else:
         sample = settings["temperature"] > 0 and settings["draft_policy"] == "sample"
         head.update(draft_sample_method="probabilistic" if sample else "greedy", temperature=sample and
                     settings["temperature"], parameters=sum(t.numel() for t in model.parameters()))
     return Drafter(name=name, checkpoint=path, cfg={}, weights={}, layers=[], block_size=knobs.get("k", 0) + 1,
                    mask_token_id=-1, rules=[], rope=None, logit_rows=0, generation=kind, layout="vLLM 0.34", head=head,
-                   warnings=[], defaults={}, model=model or None)
+                   warnings=[], defaults={}, model=model)
 
 
 def load_draft_model(where, target_cfg, settings, name):
@@ -5079,8 +5079,8 @@ def served_depths(d, settings):
     wanted = [*(range(1, trained) if asked == "all" else asked or []), *[d.common_depth] * bool(d.common_depth),
               *(ADAPTIVE["candidates"] if settings.get("adaptive_steps") and family(d).adaptive else ()),
               *(batch_k(settings["k_by_batch_size"], b, trained) for b in settings["batch_sizes"]
-                if settings.get("k_by_batch_size") and batch_k(settings["k_by_batch_size"], b, trained))]
-    return [k for k in dict.fromkeys(wanted) if k != trained]
+                if settings.get("k_by_batch_size"))]
+    return [k for k in dict.fromkeys(wanted) if k not in (trained, 0)]   # K 0: plain decoding, no depth row
 
 
 def check_depths(drafters, settings):
