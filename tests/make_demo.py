@@ -291,7 +291,7 @@ def train_drafter(out_dir, target, lang, steps=1500, anchors_per_step=48, n_sequ
         weights.update(head_weights(generation, head, dflash, cfg["hidden_size"], cfg["vocab_size"],
                                     torch.Generator().manual_seed(2)))
     weights = {k: v.requires_grad_() for k, v in weights.items()}
-    settings = {"sliding_window": "train", "block_mask": "auto"}
+    settings = ed.Settings()
     drafter = ed.Drafter(name="training", checkpoint=out_dir, cfg=cfg, weights=weights, layers=layer_ids,
                          block_size=cfg["block_size"] + from_anchor, mask_token_id=MASK_ID,
                          rules=ed.layer_rules(cfg, settings), rope=ed.build_rope(cfg, "cpu"),
@@ -490,7 +490,7 @@ def train_lilicorr(out_dir, target, data, steps=600, anchors_per_step=48):
     drafter = ed.Drafter(name="training", checkpoint=out_dir, cfg=cfg, layers=cfg["dflash_config"]["target_layer_ids"],
                          weights={**backbone, **{"lilicorr." + k: v for k, v in correlator.items()}},
                          block_size=cfg["block_size"], mask_token_id=MASK_ID,
-                         rules=ed.layer_rules(cfg, {"sliding_window": "train", "block_mask": "auto"}),
+                         rules=ed.layer_rules(cfg, ed.Settings()),
                          rope=ed.build_rope(cfg, "cpu"), logit_rows=ed.LOGIT_ROWS_PER_CHUNK, generation="LiLiCorr",
                          head=head)
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
@@ -567,9 +567,7 @@ def train_confidence(out, target, data, steps=200):
     import torch.nn.functional as F
     from safetensors.torch import load_file
     src = os.path.join(FIXTURES, "families", "dspark_vanilla")
-    d = ed.load_drafter(src, target.config, {"layers": None, "block_size": None, "block_mask": "auto",
-                                             "sliding_window": "train", "dtype": "float32", "device": "cpu",
-                                             "quiet": True, "max_memory_gb": 0.5})
+    d = ed.load_drafter(src, target.config, ed.Settings(dtype="float32", device="cpu", quiet=True))
     embed_w, lm_head = target.get_input_embeddings().weight, target.get_output_embeddings()
     rows, labels = [], []
     with torch.no_grad():
@@ -996,8 +994,7 @@ def make_real(out=None, n_prompts=512, max_new_tokens=128, steps=850, seqs_per_s
         init_w = random_drafter_weights(cfg, len(layer_ids), scale=0.02)
     weights = {k: v.requires_grad_() for k, v in init_w.items()}
     drafter = ed.Drafter(name="training", checkpoint=out, cfg=cfg, weights=weights, layers=layer_ids, block_size=B,
-                         mask_token_id=REAL_MASK_ID, rules=ed.layer_rules(cfg, {"sliding_window": "train",
-                                                                                "block_mask": "auto"}),
+                         mask_token_id=REAL_MASK_ID, rules=ed.layer_rules(cfg, ed.Settings()),
                          rope=ed.build_rope(cfg, "cpu"), logit_rows=ed.LOGIT_ROWS_PER_CHUNK)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     for p in target.parameters():

@@ -36,8 +36,7 @@ from conftest import online_draft_hidden
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEMO = os.path.join(HERE, "fixtures", "demo")
 TARGET, DRAFTER = os.path.join(DEMO, "target"), os.path.join(DEMO, "drafter")
-DRAFTER_SETTINGS = {"layers": None, "block_size": None, "block_mask": "auto", "sliding_window": "train",
-                    "dtype": "float32", "device": "cpu", "max_memory_gb": 0.5}
+DRAFTER_SETTINGS = ed.Settings(dtype="float32", device="cpu")
 
 
 def load_demo():

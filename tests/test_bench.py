@@ -79,9 +79,9 @@ def test_the_chat_template_is_dflash(tmp_path, qwen_target, thinking):
         bd.write(name, "jsonl", tmp_path)
     argv = ["--target", qwen_target["path"], "--ckpt", DEMO, "--bench", "gsm8k,mt-bench", "--bench-dir",
             str(tmp_path), "--max-samples", "2", "--quiet", *(["--enable-thinking"] if thinking else [])]
-    settings = ed.resolve_settings(ed.parse_args(argv))
-    assert settings["enable_thinking"] is thinking and settings["no_chat_template"] is False
-    items = ed.expand(ed.read_prompts(settings["prompts"]), settings)
+    settings = ed.prepare(ed.resolve_settings(ed.parse_args(argv)), ranks=False)
+    assert settings.enable_thinking is thinking and settings.no_chat_template is False
+    items = ed.expand(ed.read_prompts(settings.prompts), settings)
     turns = [("gsm8k", None)] * 2 + [("mt-bench", 1), ("mt-bench", 2)] * 2
     assert [(it["split"], it.get("turn")) for it in items] == turns
     tok, reasoning = qwen_target["tokenizer"], "on" if thinking else "off"

@@ -128,8 +128,8 @@ def test_the_recipe_sets_the_length_unless_given(tmp_path):
                 str(tmp_path), *recipe]
         settings = ed.resolve_settings(ed.parse_args(argv))
         own = recipe[1] if recipe else "specbench" if bench == "specbench" else "dflash"
-        assert (settings["max_new_tokens"], settings["bench_recipe"]) == (tokens, own)
-        assert ed.resolve_settings(ed.parse_args([*argv, "--max-new-tokens", "7"]))["max_new_tokens"] == 7
+        assert (settings.max_new_tokens, settings.bench_recipe) == (tokens, own)
+        assert ed.resolve_settings(ed.parse_args([*argv, "--max-new-tokens", "7"])).max_new_tokens == 7
 
 
 def demo_suite(texts):

@@ -188,10 +188,10 @@ def _pt_that_runs_code(t):
 def _resume_with_other_settings(t):
     argv = FAST + ["--output", str(t.out), "--resume"]
     other = [x if x != "24" else "16" for x in argv]  # --max-new-tokens 24 -> 16
-    settings = ed.resolve_settings(ed.parse_args(other))
-    cfg = ed.read_target_config(settings["target"])
-    facts = [ed.drafter_facts(ed.load_drafter(spec, cfg, settings)) for spec in settings["ckpt"]]
-    header = {"fingerprint": ed.fingerprint({**settings, "target_hash": ed.target_hash(settings["target"])}, facts)}
+    settings = ed.prepare(ed.resolve_settings(ed.parse_args(other)), ranks=False)
+    cfg = ed.read_target_config(settings.target)
+    facts = [ed.drafter_facts(ed.load_drafter(spec, cfg, settings)) for spec in settings.ckpt]
+    header = {"fingerprint": ed.fingerprint({**settings.json(), "target_hash": ed.target_hash(settings.target)}, facts)}
     write_lines(partial_of(t.out), [header])
     return {"argv": argv, "own_argv": True, "fragment": "was written with other settings (--max-new-tokens differ)"}
 

@@ -338,7 +338,7 @@ EMPTY_THINK = "<think>\n\n</think>\n\n"
 def encode(qwen_target, messages, **settings):
     s = {"no_chat_template": False, "enable_thinking": False, "quiet": True, **settings}
     items = [{"id": "x", "messages": messages, "completion": None, "completion_ids": None}]
-    s["chat_template"] = ed.encode_prompts(qwen_target["tokenizer"], items, s)
+    s["chat_template"] = ed.encode_prompts(qwen_target["tokenizer"], items, ed.Settings(**s))
     return items[0]["prompt_ids"], s
 
 

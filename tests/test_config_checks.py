@@ -224,7 +224,7 @@ def test_truncated_target_safetensors_is_one_line(tmp_path, capsys):
 def test_truncated_target_is_refused_wherever_first_read(tmp_path):
     """Each reader of the target's tensors names the file: the hash, the embedding/head read, the model load."""
     target, weights = truncated_target(tmp_path)
-    settings = {"target": target, "dtype": "float32", "device": "cpu", "quiet": True}
+    settings = ed.Settings(target=target, dtype="float32", device="cpu", quiet=True)
     for read in (lambda: ed.target_hash(target), lambda: ed.read_embed_head(target, None, settings),
                  lambda: ed.target_tensors({"lm_head.weight": weights}, ["lm_head.weight"]),
                  lambda: ed.load_target(settings)):

@@ -195,9 +195,7 @@ def test_auto_goes_on_by_plain_decoding_inside_the_first_reference(monkeypatch):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
     target_cfg = ed.read_target_config(TARGET)
-    drafter = ed.load_drafter(DRAFTER, target_cfg, ed.quietly({"layers": None, "block_size": None, "block_mask": "auto",
-                                                              "sliding_window": "train", "dtype": "float32",
-                                                              "device": "cpu", "max_memory_gb": 0.5}))
+    drafter = ed.load_drafter(DRAFTER, target_cfg, ed.quietly(ed.Settings(dtype="float32", device="cpu")))
     asked, prompt = [], [5, 9, 13, 20, 21]
 
     def choose(timed, plain_step):   # plain after the third round

@@ -6,6 +6,7 @@ import io
 import json
 import os
 import re
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -177,10 +178,10 @@ def test_check_mask_is_noted_as_ignored_for_a_drafter_without_an_in_block_mask(t
 def test_block_mask_flags_are_noted_as_ignored_for_an_mtp_layer_too(capsys):
     mtp, dflash = (SimpleNamespace(name=n, generation=g, rules=r) for n, g, r in (("mtp", "MTP", []),
                                                                                   ("d", "DFlash", ["causal"])))
-    settings = {"check_mask": False, "block_mask": "causal", "sliding_window": "ignore", "quiet": False}
+    settings = ed.Settings(check_mask=False, block_mask="causal", sliding_window="ignore", quiet=False)
     ed.note_maskless([dflash, mtp], settings)
     assert capsys.readouterr().err.splitlines() == [
         "note: --block-mask, --sliding-window ignored for drafter mtp (MTP): a causal chain has no in-block mask"]
-    ed.note_maskless([dflash, mtp], {**settings, "block_mask": "auto", "sliding_window": "train"})
-    ed.note_maskless([dflash], {**settings, "check_mask": True})
+    ed.note_maskless([dflash, mtp], replace(settings, block_mask="auto", sliding_window="train"))
+    ed.note_maskless([dflash], replace(settings, check_mask=True))
     assert capsys.readouterr().err == ""

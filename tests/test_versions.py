@@ -188,7 +188,7 @@ def test_target_rope_forms(tmp_path, form):
     ids = torch.tensor([list(range(4, 60)) * 3])   # past the original 64 positions: YaRN matters
     with torch.no_grad():
         want = model(ids).logits
-        loaded, _ = ed.load_target({"target": str(tmp_path), "dtype": "float32", "device": "cpu", "quiet": True})
+        loaded, _ = ed.load_target(ed.Settings(target=str(tmp_path), dtype="float32", device="cpu", quiet=True))
         got = loaded(ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     text = ed.read_target_config(str(tmp_path))   # what an inferred drafter config takes its theta from
