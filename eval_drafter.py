@@ -658,7 +658,8 @@ def bench_places(name):
     repo, config, split, _, _, _, more = BENCHMARKS[name]
     org, short = repo.split("/")
     snake = re.sub(r"([a-z\d])([A-Z])", r"\1_\2", re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1_\2", short)).lower()
-    hub = [f"{top}/{config + '/' if config else ''}**/{leaf}"
+    folder = config + "/" if config else ""
+    hub = [f"{top}/{folder}**/{leaf}"
            for top in (short, f"datasets--{org}--{short}/snapshots/*")
            for leaf in (f"*{split}*.parquet", f"{split}/*.parquet", f"*{split}*.jsonl")]
     return [f"{name}.jsonl", f"{name}.json", f"{snake}-{split}.jsonl", f"{snake}-{split}.json", f"{name}/data-*.arrow",
@@ -702,11 +703,14 @@ def bench_rows(name, where, notes):
                      pyarrow.ipc.open_stream(path).read_all()).to_pylist()
         return rows, paths
     repo, config, split = BENCHMARKS[name][:3]
-    fail(f"--bench {name}: no local copy in {where} (looked for {', '.join(bench_places(name)[:6])}, the hub repo's "
-         f"files under {repo.split('/')[1]}/ and the datasets cache); save one there, e.g. " +
-         (HOW_TO_GET[name].format(where=where) if name in HOW_TO_GET else "python -c \"import datasets; datasets."
-          f"load_dataset('{repo}'{f', {config!r}' if config else ''}, split='{split}').to_json("
-          f"'{os.path.join(where, name + '.jsonl')}')\""))
+    how = HOW_TO_GET.get(name, "").format(where=where)
+    if not how:
+        named = f", {config!r}" if config else ""
+        how = (f"python -c \"import datasets; datasets.load_dataset('{repo}'{named}, split='{split}').to_json("
+               f"'{os.path.join(where, name + '.jsonl')}')\"")
+    places = ", ".join(bench_places(name)[:6])
+    fail(f"--bench {name}: no local copy in {where} (looked for {places}, the hub repo's files under "
+         f"{repo.split('/')[1]}/ and the datasets cache); save one there, e.g. {how}")
 
 
 def bench_prompts(names, where, samples, notes, recipe=None):
@@ -1047,8 +1051,10 @@ def options_markdown():
            "rule is refused in one line naming the flag, the value and the rule (exit 2).", ""]
     for group, title in GROUPS.items():
         out += [f"## {title[0].upper()}{title[1:]}", "", "| flag | meaning | rule | modes |", "|---|---|---|---|"]
-        out += [f"| `{cell(form(flag, kw))}` | {cell(kw.get('help', ''))} | {cell(rule[0]) if rule else ''} | "
-                f"{modes} |" for g, flag, modes, rule, kw in FLAGS if g == group]
+        for g, flag, modes, rule, kw in FLAGS:
+            if g == group:
+                must = cell(rule[0]) if rule else ""
+                out.append(f"| `{cell(form(flag, kw))}` | {cell(kw.get('help', ''))} | {must} | {modes} |")
         out.append("")
     return "\n".join(out + ["## Modes", "", "| letter | meaning |", "|---|---|",
                              *(f"| {k} | {cell(v)} |" for k, v in MODES.items())]) + "\n"
@@ -1227,7 +1233,7 @@ def check_flags(args):
         if chosen:
             unused = given - set(flag_names(mode)) if mode in "MF" else given & set(flag_names(mode))
             if unused:
-                fail(f"{why}; drop {', '.join(sorted('--' + k.replace('_', '-') for k in unused))}")
+                fail(f"{why}; drop " + ", ".join(sorted("--" + k.replace("_", "-") for k in unused)))
             if mode not in "WV":   # W and V leave the later modes their checks (a watch from saved features is H too)
                 break
     notes = []
@@ -1485,7 +1491,7 @@ def check_modes(args, from_file, output_streamed):
             "--output there is none; drop --overwrite"),
            (output_streamed and (args.resume or args.overwrite), f"--output {args.output} is not a regular file (a "
             "device, FIFO or terminal): no partial file is kept beside it, so there is nothing to "
-            f"{'resume' if args.resume else 'overwrite'}; give --output a file"),
+            + ("resume" if args.resume else "overwrite") + "; give --output a file"),
            (args.drafter_config and not os.path.isfile(args.drafter_config),
             f"--drafter-config file not found: {args.drafter_config}"))
     costs_file = bool(args.costs) and args.costs != "measure" and not args.costs.startswith("gpu:")
@@ -1595,9 +1601,9 @@ def resolve_settings(args):
         k_by_batch_size=k_by_batch(args.k_by_batch_size), shard=shard, output_streamed=output_streamed,
         torch_version=torch.__version__)
     if output_streamed:
+        where = " (the report is printed on stderr)" if names_stdout(args.output) else ""
         notes.append(f"--output {args.output} is not a regular file: the JSON is written to it straight at the end"
-                     f"{' (the report is printed on stderr)' if names_stdout(args.output) else ''}, with no partial "
-                     "file or lock beside it, so an interrupted run cannot be resumed")
+                     f"{where}, with no partial file or lock beside it, so an interrupted run cannot be resumed")
     for note in notes:
         log(settings, f"note: {note}")
     return settings
