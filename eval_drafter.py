@@ -1675,6 +1675,65 @@ def run_config(settings, learned):
 # Prompts and saved references
 
 
+@dataclass
+class Prompt:
+    """One scored item: a prompt line's sample or turn, from reading to scoring. Each stage fills its fields: read
+    (read_prompts), expand, encode (encode_prompts), reference (saved, served or generated), target pass, scoring."""
+    id: str                         # the line's id (its first ID_KEYS key), else its number; a string (read)
+    split: str = None               # the line's "split", "all" without one (read)
+    row: dict = None                # the line's JSON object as read: a saved reference must match it (read)
+    messages: list = None           # the chat turns to tokenize (read; a later turn's conversation: target pass)
+    turns: list = None              # a "turns" line's user turns (read)
+    turn_references: list = None    # a "turns" line's reference per turn, texts or token ids (read)
+    completion: str = None          # the reference as text (read; this turn's: expand)
+    completion_ids: list = None     # the reference's token ids (read; encode, reference)
+    source: str = None              # where the reference comes from: "file", "server" or "target" (read, reference)
+    served: dict = None             # an engine's own figures for this prompt (read, reference)
+    ignored: list = field(default_factory=list)   # FOREIGN_ANSWERS keys the line has, not used (read)
+    skip: str = None                # why it is not scored: empty (read); turn before skipped, too long (target pass)
+    index: int = None               # its place in the run's list of items (read; expand renumbers)
+    line: int = None                # its line's place: shards and ranks split by it, keeping turns together (read)
+    sample: int = None              # the sample's number at temperature > 0 (expand)
+    turn: int = None                # its turn of a conversation, from 1 (expand)
+    previous: int = None            # the index of the turn before, whose reply is in this one's context (expand)
+    prompt_ids: list = None         # the prompt's token ids, chat template applied (encode)
+    prepared: bool = False          # tokenized, checked and a saved reference looked for, once (target pass)
+    room: int = None                # the new tokens a generated reference may take (target pass)
+    finish_reason: str = None       # why the server's reply ended (reference)
+    cache: tuple = None             # --load-hidden: (file, position) of its tensors (read from the cache)
+    fly: dict = None                # --verify fly: {drafter name: its own text's rounds under FLy} (target pass)
+    reply: str = None               # the reference's first words, for the per-prompt rows (target pass)
+    gaps: dict = None               # {completion position: logit gap} where the argmax differs (target pass)
+    p: torch.Tensor = None          # sampled: each reference token's probability under the sampling (target pass)
+    ties: list = None               # completion positions where the target's choice is a near-tie (target pass)
+    agree: tuple = None             # (reference tokens that are the target's argmax, tokens) (scoring)
+    support: tuple = None           # sampled: (tokens in support, tokens, their log-prob sum, first outside) (scoring)
+    first_divergence: int = None    # the first completion position whose argmax is not the reference's (scoring)
+    divergence: dict = None         # there: the reference's token, the argmax and the logit gap (scoring)
+
+
+# What a finished prompt's record keeps of it, in this order: the partial file's, a shard's and a rank's JSON.
+FINISHED_FIELDS = ("index", "id", "split", "prompt_ids", "completion_ids", "agree", "source", "sample", "support",
+                   "turn", "reply", "served", "ties", "fly", "first_divergence", "divergence")
+
+
+def prompt_json(it, fields):
+    """The JSON view of `it` a record keeps: `fields` in their order, None for one not set."""
+    return {k: getattr(it, k) for k in fields}
+
+
+def kept_prompt(it, fields):
+    """A copy of `it` with only `fields` (the rest at their defaults): a record holds no features or texts."""
+    return Prompt(**prompt_json(it, fields))
+
+
+def finished_prompt(row):
+    """A finished prompt from its record's JSON; agree back to the tuple scoring made."""
+    it = Prompt(**{k: row.get(k) for k in FINISHED_FIELDS})
+    it.agree = tuple(it.agree)
+    return it
+
+
 # What a saved reference line adds to its prompt line (and what reading it back as a prompt line drops).
 SAVED_REFERENCE_KEYS = ("completion_ids", "reference_source", "server", "server_api", "finish_reason", "sample",
                         "sampling", "turn", "max_new_tokens", "ignore_eos", "reference_generation", "device", "dtype",
@@ -1696,13 +1755,13 @@ def join_turn(items, conversations, key, item, turn, limit, where):
     if first is None:
         if limit and len(items) >= limit:
             return
-        first = conversations[key] = {**item, "index": len(items), "line": len(items),
-                                      "turn_references": [None] * len(item["turns"])}
+        first = conversations[key] = replace(item, index=len(items), line=len(items),
+                                             turn_references=[None] * len(item.turns))
         items.append(first)
     number, ids = turn
-    if first["turn_references"][number - 1] is not None or first["row"] != item["row"]:
-        fail(f"{where}: turn {number} of id {item['id']!r} is given twice, or with another conversation")
-    first["turn_references"][number - 1] = ids
+    if first.turn_references[number - 1] is not None or first.row != item.row:
+        fail(f"{where}: turn {number} of id {item.id!r} is given twice, or with another conversation")
+    first.turn_references[number - 1] = ids
 
 
 def turn_text(content, where):
@@ -1750,16 +1809,16 @@ def parse_prompt_row(row, where, number):
     """One prompt line (or array element) `number` into an item; an empty prompt is marked skip, not refused."""
     # A file's reference is the file's, even one this tool made: the self-check is for this run's own references.
     name = next((k for k in ID_KEYS if row.get(k) is not None), None)
-    item = {"id": str(row[name] if name else number), "split": str(row.get("split", "all")), "row": row,
-            "completion": row.get("completion"), "completion_ids": row.get("completion_ids"),
-            "source": "server" if row.get("reference_source") == "server" else "file",
-            **({"served": row["served"]} if isinstance(row.get("served"), dict) else {})}
+    item = Prompt(id=str(row[name] if name else number), split=str(row.get("split", "all")), row=row,
+                  completion=row.get("completion"), completion_ids=row.get("completion_ids"),
+                  source="server" if row.get("reference_source") == "server" else "file",
+                  served=row["served"] if isinstance(row.get("served"), dict) else None)
     if isinstance(row.get("prompt"), str):
-        item["messages"] = [{"role": "user", "content": row["prompt"]}]
+        item.messages = [{"role": "user", "content": row["prompt"]}]
     elif isinstance(row.get("messages"), list) and row["messages"]:
-        item["messages"] = [chat_turn(m, where) for m in row["messages"]]
+        item.messages = [chat_turn(m, where) for m in row["messages"]]
     elif isinstance(row.get("turns"), list) and row["turns"] and all(isinstance(t, str) for t in row["turns"]):
-        item.update(messages=[{"role": "user", "content": row["turns"][0]}], turns=row["turns"])
+        item.messages, item.turns = [{"role": "user", "content": row["turns"][0]}], row["turns"]
         given = row.get("completions", row.get("completion_ids") if len(row["turns"]) > 1 else None)
         if len(row["turns"]) > 1 and given is not None:   # a reference for every turn
             if not (isinstance(given, list) and len(given) == len(row["turns"]) and
@@ -1767,23 +1826,23 @@ def parse_prompt_row(row, where, number):
                         for g in given)):
                 fail(f"{where}: a line of {len(row['turns'])} turns takes a reference for every turn: \"completions\" "
                      "(texts) or \"completion_ids\" (lists of token ids), one per turn")
-            item["turn_references"] = given
-            item["completion"], item["completion_ids"] = \
+            item.turn_references = given
+            item.completion, item.completion_ids = \
                 (given[0], None) if isinstance(given[0], str) else (None, given[0])
     elif isinstance(row.get("conversations"), list) and row["conversations"]:
         turns = [chat_turn(t, where) for t in row["conversations"]]
         last = max((i for i, t in enumerate(turns) if t["role"] == "assistant"), default=None)
-        item["messages"] = turns if last is None else turns[:last]
-        if last is not None and item["completion"] is None and item["completion_ids"] is None:
-            item["completion"] = turns[last]["content"]
-        if not item["messages"]:
+        item.messages = turns if last is None else turns[:last]
+        if last is not None and item.completion is None and item.completion_ids is None:
+            item.completion = turns[last]["content"]
+        if not item.messages:
             fail(f"{where}: the conversation has nothing before its last assistant turn")
     elif isinstance(row.get("question"), str):   # GSM8K
-        item["messages"] = [{"role": "user", "content": row["question"]}]
+        item.messages = [{"role": "user", "content": row["question"]}]
     elif isinstance(row.get("instruction"), str) and isinstance(row.get("input") or "", str):   # Alpaca
         # Alpaca's template sets the input below the instruction, a blank line apart; the chat template wraps both
         text = "\n\n".join(t for t in (row["instruction"], row.get("input") or "") if t.strip())
-        item["messages"] = [{"role": "user", "content": text}]
+        item.messages = [{"role": "user", "content": text}]
     elif any(k in row for k in PROMPT_FIELDS):   # there, but not as it must be
         key = next(k for k in PROMPT_FIELDS if k in row)
         key = "input" if isinstance(row.get("instruction"), str) else key   # Alpaca's input is what is wrong
@@ -1791,13 +1850,13 @@ def parse_prompt_row(row, where, number):
                                                                 lambda v: False, None)))
     else:
         fail(f"{where}: no prompt field; give one of " + ", ".join(f'"{k}"' for k in PROMPT_FIELDS))
-    item["ignored"] = [k for k in FOREIGN_ANSWERS if k in row]
-    ids = item["completion_ids"]
+    item.ignored = [k for k in FOREIGN_ANSWERS if k in row]
+    ids = item.completion_ids
     if ids is not None and not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
         fail(f"{where}: \"completion_ids\" must be a list of integer token ids")
-    blank = [n for n, t in enumerate(item.get("turns", []), 1) if not t.strip()]
-    if blank or not any(m["content"].strip() for m in item["messages"]):
-        item["skip"] = f"the prompt{f' (turn {blank[0]})' if blank else ''} is empty ({where})"
+    blank = [n for n, t in enumerate(item.turns or [], 1) if not t.strip()]
+    if blank or not any(m["content"].strip() for m in item.messages):
+        item.skip = f"the prompt{f' (turn {blank[0]})' if blank else ''} is empty ({where})"
     return item
 
 
@@ -1836,19 +1895,19 @@ def read_prompts(path, limit=None):
             row = {k: v for k, v in row.items() if k not in SAVED_REFERENCE_KEYS or k in ("sample", "sampling")}
         item = parse_prompt_row(row, where, lineno)
         # saved sampled references: one line per (id, sample, seed)
-        key = (item["id"], row.get("sample"), (row.get("sampling") or {}).get("seed"))
+        key = (item.id, row.get("sample"), (row.get("sampling") or {}).get("seed"))
         if turn:
             join_turn(items, turns_of, key, item, turn, limit, where)
             continue
         if key in lines_of:
-            fail(f"{where}: id {item['id']!r} was already used on {lines_of[key]}; ids must be unique")
+            fail(f"{where}: id {item.id!r} was already used on {lines_of[key]}; ids must be unique")
         lines_of[key] = label
-        empty += [label] if item.get("skip") else []
-        items.append({**item, "index": len(items), "line": len(items)})
+        empty += [label] if item.skip else []
+        items.append(replace(item, index=len(items), line=len(items)))
         if limit and len(items) >= limit:
             break
     refuse((not items, f"{name} holds no prompts"),
-           (all(it.get("skip") for it in items),
+           (all(it.skip for it in items),
             f"every prompt of {name} is empty ({', '.join(empty[:10])}{', ...' if len(empty) > 10 else ''}): "
             "nothing to evaluate; give each line its text"))
     return items
@@ -1858,48 +1917,49 @@ def expand(items, settings):
     """One scored item per (prompt line, sample, turn), in that order. At temperature > 0 a line without a reference
     is --samples-per-prompt samples (a given one is one); a "turns" line (--turns all) is one item per turn."""
     sampling, recorded, out = sampling_of(settings), sampling_record(settings), []
-    ignored = [k for k in FOREIGN_ANSWERS if any(k in it.get("ignored", ()) and it["completion"] is None and
-                                                 it["completion_ids"] is None for it in items)]
+    ignored = [k for k in FOREIGN_ANSWERS if any(k in it.ignored and it.completion is None and
+                                                 it.completion_ids is None for it in items)]
     if ignored:
         log(settings, f"note: {'; '.join(FOREIGN_ANSWERS[k] for k in ignored)}: not the target's own, so not used as "
                       "the reference; the target generates its own, as tau needs (to score such a text, name it "
                       "\"completion\")")
     for it in items:
-        if it.get("skip"):
-            log(settings, f"note: skipping prompt {it['id']}: {it['skip']}; the report lists it under \"skipped\"")
-        turns = (it.get("turns") or [None])[:1 if settings.turns == "first" else None]
-        given = it["completion"] is not None or it["completion_ids"] is not None or any(it.get("turn_references") or [])
-        if sampling and given and it["row"].get("sampling") not in (None, recorded):
-            log(settings, f"note: prompt {it['id']}'s reference records other sampling settings "
-                          f"({it['row']['sampling']}) than this run's ({recorded})")
+        if it.skip:
+            log(settings, f"note: skipping prompt {it.id}: {it.skip}; the report lists it under \"skipped\"")
+        turns = (it.turns or [None])[:1 if settings.turns == "first" else None]
+        given = it.completion is not None or it.completion_ids is not None or any(it.turn_references or [])
+        if sampling and given and it.row.get("sampling") not in (None, recorded):
+            log(settings, f"note: prompt {it.id}'s reference records other sampling settings "
+                          f"({it.row['sampling']}) than this run's ({recorded})")
         for k in range(settings.samples_per_prompt if sampling and not given else 1):
             previous = None
             for turn in range(1, len(turns) + 1):
-                item = {**it, "index": len(out)}
+                item = replace(it, index=len(out))
                 if sampling:
-                    item["sample"] = it["row"].get("sample", k) if given else k
+                    item.sample = it.row.get("sample", k) if given else k
                 if len(turns) > 1:
-                    ref = (it.get("turn_references") or [None] * len(turns))[turn - 1]
-                    item.update(turn=turn, previous=previous, completion=ref if isinstance(ref, str) else None,
-                                completion_ids=ref if isinstance(ref, list) else None)
-                    previous = item["index"]
-                elif it.get("turns") and settings.turns == "all":   # a one-turn line (MT-Bench's) is turn 1 too
-                    item["turn"] = 1
+                    ref = (it.turn_references or [None] * len(turns))[turn - 1]
+                    item.turn, item.previous = turn, previous
+                    item.completion = ref if isinstance(ref, str) else None
+                    item.completion_ids = ref if isinstance(ref, list) else None
+                    previous = item.index
+                elif it.turns and settings.turns == "all":   # a one-turn line (MT-Bench's) is turn 1 too
+                    item.turn = 1
                 out.append(item)
-    if sampling and settings.samples_per_prompt > 1 and all(it["completion"] is not None or
-                                                              it["completion_ids"] is not None for it in items):
+    if sampling and settings.samples_per_prompt > 1 and all(it.completion is not None or
+                                                              it.completion_ids is not None for it in items):
         log(settings, "note: every prompt carries its reference: one sample each")
     return out
 
 
 def conversation(it, by_index, tokenizer):
     """A later turn's messages: each earlier user turn, the target's reply to it (as MT-bench runs), then this one."""
-    messages, cur = [{"role": "user", "content": it["turns"][it["turn"] - 1]}], it
-    while cur.get("previous") is not None:
-        cur = by_index[cur["previous"]]
-        reply = cur["completion"] if isinstance(cur["completion"], str) else \
-            tokenizer.decode(cur["completion_ids"], skip_special_tokens=True)
-        messages = [{"role": "user", "content": cur["turns"][cur["turn"] - 1]},
+    messages, cur = [{"role": "user", "content": it.turns[it.turn - 1]}], it
+    while cur.previous is not None:
+        cur = by_index[cur.previous]
+        reply = cur.completion if isinstance(cur.completion, str) else \
+            tokenizer.decode(cur.completion_ids, skip_special_tokens=True)
+        messages = [{"role": "user", "content": cur.turns[cur.turn - 1]},
                     {"role": "assistant", "content": reply}] + messages
     return messages
 
@@ -1920,15 +1980,15 @@ def encode_prompts(tokenizer, items, settings, noted=False):
         log(settings, "note: the target's tokenizer has no chat template; prompts are tokenized as plain text")
     vocab = len(tokenizer)
     for item in items:
-        text = "\n".join(m["content"] for m in item["messages"]) if not use_template else \
-            tokenizer.apply_chat_template(item["messages"], tokenize=False, add_generation_prompt=True,
+        text = "\n".join(m["content"] for m in item.messages) if not use_template else \
+            tokenizer.apply_chat_template(item.messages, tokenize=False, add_generation_prompt=True,
                                           enable_thinking=settings.enable_thinking)
-        item["prompt_ids"] = tokenizer(text, add_special_tokens=not use_template)["input_ids"]
-        if item["completion_ids"] is None and item["completion"] is not None:
-            item["completion_ids"] = tokenizer(item["completion"], add_special_tokens=False)["input_ids"]
-        refuse((item["completion_ids"] is not None and any(not 0 <= t < vocab for t in item["completion_ids"]),
-                f"prompt {item['id']}: completion_ids hold ids outside the tokenizer's vocab ({vocab})"),
-               (not item["prompt_ids"], f"prompt {item['id']}: the prompt tokenizes to nothing"))
+        item.prompt_ids = tokenizer(text, add_special_tokens=not use_template)["input_ids"]
+        if item.completion_ids is None and item.completion is not None:
+            item.completion_ids = tokenizer(item.completion, add_special_tokens=False)["input_ids"]
+        refuse((item.completion_ids is not None and any(not 0 <= t < vocab for t in item.completion_ids),
+                f"prompt {item.id}: completion_ids hold ids outside the tokenizer's vocab ({vocab})"),
+               (not item.prompt_ids, f"prompt {item.id}: the prompt tokenizes to nothing"))
     return "applied" if use_template else "off" if settings.no_chat_template else "none in the tokenizer: plain text"
 
 
@@ -1938,7 +1998,7 @@ def prompt_line(row):
 
 def reference_origin(it, settings):
     """What a saved reference must agree on besides its prompt line to be reused (a key an older line lacks agrees)."""
-    origin = {"reference_source": "server" if settings.server else "target", "max_new_tokens": it["room"],
+    origin = {"reference_source": "server" if settings.server else "target", "max_new_tokens": it.room,
               "ignore_eos": settings.ignore_eos, "sampling": sampling_record(settings)}
     if not settings.server:   # the self-check holds this tool's own references to its numerics
         origin.update(device=settings.device.split(":")[0], dtype=settings.dtype)
@@ -1960,12 +2020,12 @@ def saved_references(settings):
 
 def take_saved(it, saved, settings):
     """Give `it` its reference from a saved line of the same prompt line, sample, turn and origin, if any."""
-    row = saved.get((it["id"], it.get("sample"), it.get("turn")))
-    if row is None or prompt_line(row) != {**prompt_line(it["row"]), "id": it["id"], "split": it["split"]} or \
+    row = saved.get((it.id, it.sample, it.turn))
+    if row is None or prompt_line(row) != {**prompt_line(it.row), "id": it.id, "split": it.split} or \
             any(row.get(k, v) != v for k, v in reference_origin(it, settings).items()):
         return False
-    it.update(completion_ids=row["completion_ids"], source=row.get("reference_source", "server"),
-              finish_reason=row.get("finish_reason"), **({"served": row["served"]} if row.get("served") else {}))
+    it.completion_ids, it.source = row["completion_ids"], row.get("reference_source", "server")
+    it.finish_reason, it.served = row.get("finish_reason"), row.get("served") or it.served
     return True
 
 
@@ -1973,11 +2033,11 @@ def saved_line(it, settings, learned):
     """A reference as --save-references keeps it: its prompt line, the reference and its origin (a --prompts line)."""
     origin = {k: v for k, v in reference_origin(it, settings).items() if v is not None}
     origin.update({"server": settings.server, "server_api": settings.server_api,
-                   "finish_reason": it.get("finish_reason")} if settings.server else
+                   "finish_reason": it.finish_reason} if settings.server else
                   {"reference_generation": learned.reference_method})
-    return {**prompt_line(it["row"]), "id": it["id"], "split": it["split"],
-            **{k: it[k] for k in ("turn", "sample") if it.get(k) is not None},
-            "completion_ids": it["completion_ids"], **origin, **({"served": it["served"]} if it.get("served") else {})}
+    return {**prompt_line(it.row), "id": it.id, "split": it.split,
+            **{k: v for k, v in (("turn", it.turn), ("sample", it.sample)) if v is not None},
+            "completion_ids": it.completion_ids, **origin, **({"served": it.served} if it.served else {})}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -4532,7 +4592,7 @@ def generate_reference(model, it, settings, learned, drafter, stops):
     under --reference-generation auto the first greedy reference's first rounds decide (learned.reference_choice)."""
     sampling, generator = sampling_of(settings), None
     if sampling:
-        generator = torch.Generator(device=model.device).manual_seed(sample_seed(settings, it["id"], it["sample"]))
+        generator = torch.Generator(device=model.device).manual_seed(sample_seed(settings, it.id, it.sample))
     if learned.choosing and sampling and learned.reference_method == "speculative":
         learned.choosing = False
         learned.reference_choice = ("sampled references are drawn by speculative decoding: a seed's samples depend on "
@@ -4556,21 +4616,21 @@ def generate_reference(model, it, settings, learned, drafter, stops):
         log(settings, f"references: {learned.reference_choice}")
         return learned.reference_method
     with timed("generate_s"):
-        ids = plain_generate(model, it["prompt_ids"], it["room"], stops, sampling, generator) \
+        ids = plain_generate(model, it.prompt_ids, it.room, stops, sampling, generator) \
             if learned.reference_method == "plain" else \
-            speculative_generate(model, drafter, it["prompt_ids"], it["room"], stops, it["id"], sampling, generator,
+            speculative_generate(model, drafter, it.prompt_ids, it.room, stops, it.id, sampling, generator,
                                  choose if learned.choosing else None)
-    it.update(completion_ids=ids, source="target")
+    it.completion_ids, it.source = ids, "target"
 
 
 def fly_run(model, d, it, settings, stops):
     """d's own text under FLy (--verify fly), by the online loop: its rounds, how many of its tokens are deferred
     mismatches (committed against the target's greedy choice), where it departs from the reference."""
     rounds, W = [], settings.fly["window"] or min(6, d.block_size - 2)
-    text = speculative_generate(model, d, it["prompt_ids"], it.get("room") or len(it["completion_ids"]), stops,
-                                it["id"], fly=settings.fly, rounds=rounds)
+    text = speculative_generate(model, d, it.prompt_ids, it.room or len(it.completion_ids), stops,
+                                it.id, fly=settings.fly, rounds=rounds)
     return {"window": W, "rounds": [n for n, _ in rounds], "deferred": sum(x for _, x in rounds), "tokens": len(text),
-            "first_departure": first_difference(text, it["completion_ids"])}
+            "first_departure": first_difference(text, it.completion_ids)}
 
 
 SERVER_BATCH = 8  # prompts per request
@@ -4606,7 +4666,7 @@ def post_json(url, body, settings, longest, what):
         except urllib.error.HTTPError as e:
             words = server_words(e)
             refuse((e.code == 400 and ("context" in words.lower() or "too long" in words.lower()),
-                    f"prompt {longest['id']} ({len(longest['prompt_ids'])} prompt tokens, the longest in its request) "
+                    f"prompt {longest.id} ({len(longest.prompt_ids)} prompt tokens, the longest in its request) "
                     f"does not fit the server's context: {words}"),
                    (e.code < 500 or last, f"{what}: the server at {url} answered HTTP {e.code}: {words}"))
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
@@ -4672,34 +4732,34 @@ def served_figures(entry, reply, api):
 
 def server_batch(batch, settings, learned, what=None):
     """One request for a batch of prompts: [(completion ids, finish reason)] in the batch's order."""
-    api, url, room = settings.server_api, settings.server.rstrip("/"), min(it["room"] for it in batch)
+    api, url, room = settings.server_api, settings.server.rstrip("/"), min(it.room for it in batch)
     # Every knob explicit: engines fill in the model's generation_config defaults otherwise.
     neutral = {"temperature": 0, "repetition_penalty": 1.0, "frequency_penalty": 0, "presence_penalty": 0}
     sampling = sampling_of(settings)
     if sampling:
         neutral.update(temperature=sampling[0], top_p=sampling[1], top_k=sampling[2] or -1, min_p=0.0)
-    what = what or "prompt " + ", ".join(it["id"] for it in batch[:3]) + (" ..." if len(batch) > 3 else "")
-    longest = max(batch, key=lambda it: len(it["prompt_ids"]))
+    what = what or "prompt " + ", ".join(it.id for it in batch[:3]) + (" ..." if len(batch) > 3 else "")
+    longest = max(batch, key=lambda it: len(it.prompt_ids))
     if api == "llamacpp":   # one prompt a request: its timings are the request's
         learned.served_one_by_one = True
         entries = [post_json(url + "/completion", {
-            **neutral, "prompt": it["prompt_ids"], "n_predict": room, "ignore_eos": settings.ignore_eos,
+            **neutral, "prompt": it.prompt_ids, "n_predict": room, "ignore_eos": settings.ignore_eos,
             "return_tokens": True, "cache_prompt": False, "repeat_penalty": 1.0, "dry_multiplier": 0.0,
-            **({"seed": sample_seed(settings, it["id"], it["sample"]) % 2**31} if sampling else {})},
+            **({"seed": sample_seed(settings, it.id, it.sample) % 2**31} if sampling else {})},
             settings, it, what) for it in batch]
         reply = {}
     elif api == "sglang":
         params = {**neutral, "max_new_tokens": room, "ignore_eos": settings.ignore_eos}
-        body = {"input_ids": [it["prompt_ids"] for it in batch],
-                "sampling_params": [{**params, "sampling_seed": sample_seed(settings, it["id"], it["sample"]) % 2**31}
+        body = {"input_ids": [it.prompt_ids for it in batch],
+                "sampling_params": [{**params, "sampling_seed": sample_seed(settings, it.id, it.sample) % 2**31}
                                     for it in batch] if sampling else params}
         reply = post_json(url + "/generate", body, settings, longest, what)
         entries = reply if isinstance(reply, list) else [reply]
     else:
-        body = {"model": settings.server_model, "prompt": [it["prompt_ids"] for it in batch], "max_tokens": room,
+        body = {"model": settings.server_model, "prompt": [it.prompt_ids for it in batch], "max_tokens": room,
                 "ignore_eos": settings.ignore_eos, "skip_special_tokens": False, **neutral,
-                **({"seed": sample_seed(settings, batch[0]["id"] if len(batch) == 1 else "request",
-                                          batch[0]["sample"]) % 2**31} if sampling else {})}
+                **({"seed": sample_seed(settings, batch[0].id if len(batch) == 1 else "request",
+                                          batch[0].sample) % 2**31} if sampling else {})}
         body.update({"logprobs": 0, "return_tokens_as_token_ids": True} if learned.server_ids == "logprobs"
                     else {"return_token_ids": True})
         reply = post_json(url + "/v1/completions", body, settings, longest, what)
@@ -4740,24 +4800,24 @@ def read_served(path):
 
 def take_served(it, lines):
     """Give `it` its reference and served figures from the --served line of its prompt ids, else of its id."""
-    line = next((x for x in lines if x[1] is not None and list(x[1]) == it["prompt_ids"]), None) or \
-        next((x for x in lines if x[0] == it["id"]), None)
+    line = next((x for x in lines if x[1] is not None and list(x[1]) == it.prompt_ids), None) or \
+        next((x for x in lines if x[0] == it.id), None)
     if line:
-        it.update(completion_ids=line[2], source="server", finish_reason=line[3],
-                  **({"served": line[4]} if line[4] else {}))
+        it.completion_ids, it.source, it.finish_reason = line[2], "server", line[3]
+        it.served = line[4] or it.served   # a line without figures leaves the prompt line's
 
 
 def check_served(lines, items, tokenizer, settings):
     """--served before any model loads: a file none of whose lines is for a prompt of this run (by the prompt ids
     it carries, else by its id) would leave every reference to the target, silently: refused."""
-    names, theirs = {it["id"] for it in items}, {tuple(line[1]) for line in lines if line[1] is not None}
+    names, theirs = {it.id for it in items}, {tuple(line[1]) for line in lines if line[1] is not None}
     if any(line[0] in names for line in lines):
         return
     for it in items if theirs else []:
-        if it.get("previous") is None and it.get("messages") and not it.get("skip"):
-            trial = {"messages": it["messages"], "completion": None, "completion_ids": None, "id": it["id"]}
+        if it.previous is None and it.messages and not it.skip:
+            trial = Prompt(id=it.id, messages=it.messages)
             encode_prompts(tokenizer, [trial], settings, True)
-            if tuple(trial["prompt_ids"]) in theirs:
+            if tuple(trial.prompt_ids) in theirs:
                 return
     fail(f"--served {settings.served}: none of its {len(lines)} replies is for a prompt of this run (by the prompt "
          "ids a reply carries, else by its id): serve this run's prompts file, or give each line its prompt's \"id\"")
@@ -4765,22 +4825,22 @@ def check_served(lines, items, tokenizer, settings):
 
 def served_prompt(tokenizer, it, settings):
     """Where the engine's prompt (a --served line's ids) leaves this run's, and the flag that, flipped, gives it."""
-    theirs, ours = it["served"].get("prompt_ids"), it["prompt_ids"]
+    theirs, ours = it.served.get("prompt_ids"), it.prompt_ids
     if theirs is None or list(theirs) == ours:
         return
-    it["served"]["prompt_differs_at"] = first_difference(theirs, ours, min(len(theirs), len(ours)))
+    it.served["prompt_differs_at"] = first_difference(theirs, ours, min(len(theirs), len(ours)))
     for flag, key in (("--enable-thinking", "enable_thinking"), ("--no-chat-template", "no_chat_template")):
-        trial = {"messages": it["messages"], "completion": None, "completion_ids": None, "id": it["id"]}
+        trial = Prompt(id=it.id, messages=it.messages)
         encode_prompts(tokenizer, [trial], replace(settings, **{key: not getattr(settings, key)}), True)
-        if trial["prompt_ids"] == list(theirs):
-            it["served"]["prompt_flag"] = f"{'drop ' * getattr(settings, key)}{flag}"
+        if trial.prompt_ids == list(theirs):
+            it.served["prompt_flag"] = f"{'drop ' * getattr(settings, key)}{flag}"
 
 
 def check_server(settings, learned, target_cfg):
     """--server before any model loads (minutes): a one-token request whose answer must hold token ids, else exit 2."""
     token = next((t for t in (getattr(target_cfg, "bos_token_id", None), getattr(target_cfg, "eos_token_id", None))
                   if isinstance(t, int)), 0)
-    probe = {"id": "probe", "prompt_ids": [token], "room": 1, "sample": 0 if sampling_of(settings) else None}
+    probe = Prompt(id="probe", prompt_ids=[token], room=1, sample=0 if sampling_of(settings) else None)
     server_batch([probe], replace(settings, server_timeout=min(settings.server_timeout, 60)), learned,
                  f"checking --server with a one-token request before anything loads (--server-api "
                  f"{settings.server_api}{', --server-model ' + settings.server_model if settings.server_model else ''})")
@@ -4791,7 +4851,7 @@ def fetch_references(items, settings, learned, keep):
     from concurrent.futures import ThreadPoolExecutor, as_completed
     by_room = {}
     for it in items:  # one max_new_tokens (and one sample index: one seed) per request
-        by_room.setdefault((it["room"], it.get("sample")), []).append(it)
+        by_room.setdefault((it.room, it.sample), []).append(it)
     size = 1 if learned.served_one_by_one else SERVER_BATCH
     batches, error = [group[i:i + size] for group in by_room.values() for i in range(0, len(group), size)], None
     with ThreadPoolExecutor(settings.server_concurrency) as pool, progress(settings, len(items), "server") as bar:
@@ -4803,8 +4863,8 @@ def fetch_references(items, settings, learned, keep):
                 error = error or e
                 continue
             for it, (ids, finish, served) in zip(futures[future], replies):
-                it.update(completion_ids=ids, source="server", finish_reason=finish, **({"served": served} if served
-                                                                                         else {}))
+                it.completion_ids, it.source, it.finish_reason = ids, "server", finish
+                it.served = served or it.served   # a reply without figures leaves the prompt line's
                 keep(it)
             bar.update(len(futures[future]))
     if error:
@@ -5092,15 +5152,15 @@ def score_drafter(d, prompts, group, embed_w, head, settings, budgets, rules):
             res = score_prompt(drafts, ids, n_prompt, d.block_size, top, budgets, ties)
             if confidence:
                 res["confidence"] = confidence
-        tie_slots(res, n_prompt, len(ids), group[i][0].get("ties"))
+        tie_slots(res, n_prompt, len(ids), group[i][0].ties)
         with timed("metrics_s"):
             if q is None:   # one walk, the argmax drafts': round i starts at n_prompt + the rounds before it
                 rounds = res["rounds"]
                 res["by_context"] = context_sums(res["anchors"], res["matched"] >= 1,
                                                  [n_prompt + sum(rounds[:i]) for i in range(len(rounds))], rounds)
             if sampling:
-                add_expectations(res, d.block_size, n_prompt, len(ids), group[i][0]["p"], q, rules,
-                                 group[i][0].get("served"))
+                add_expectations(res, d.block_size, n_prompt, len(ids), group[i][0].p, q, rules,
+                                 group[i][0].served)
             elif rules[1:]:   # greedy: every rule is the argmax comparison, the engines' greedy path
                 res["verify"] = {rule: {**{k: res[k] for k in ("anchors", "matched", "equal", "rounds")},
                                         "ddtree_rounds": {}, "by_context": {}} for rule in rules[1:]}
@@ -5338,7 +5398,7 @@ def hard_steps(walked, s):
 def served_suspects(d, prompt, item, walked, embed_w, head, settings):
     """Which of d.suspects draws the engine's verify steps on this text (greedy) where this run's rounds differ from
     them at steps no near-tie decides: with it, every step is the engine's but where its own near-ties decide."""
-    s = item["served"]
+    s = item.served
     if not (d.suspects and walked and hard_steps(walked, s)):
         return None
     found = []
@@ -5464,14 +5524,14 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
     """Every drafter on prompts [(item, features, target argmax)]: scores, walks, other depths, mask/feature checks."""
     prompts, sampling, device = [], sampling_of(settings), settings.device
     for it, features, argmax in group:
-        check_finite(features, it["id"])
-        it["agree"] = (sum(a == b for a, b in zip(argmax, it["completion_ids"])), len(argmax))
+        check_finite(features, it.id)
+        it.agree = (sum(a == b for a, b in zip(argmax, it.completion_ids)), len(argmax))
         if sampling:   # (reference tokens in the sampling support, tokens, their log-prob sum, the first outside)
-            p, inside = it["p"], it["p"] > 0
+            p, inside = it.p, it.p > 0
             outside = (~inside).nonzero()[:, 0]
-            it["support"] = (int(inside.sum()), p.numel(), float(p[inside].log().sum()),
+            it.support = (int(inside.sum()), p.numel(), float(p[inside].log().sum()),
                              int(outside[0]) if outside.numel() else None)
-        prompts.append((features, it["prompt_ids"] + it["completion_ids"], len(it["prompt_ids"]), it["id"]))
+        prompts.append((features, it.prompt_ids + it.completion_ids, len(it.prompt_ids), it.id))
     results = [[] for _ in group]
     for stub in drafters:
         d = stub if stub.weights is not None else replace(stub, **stub.reload())   # a step: for this group
@@ -5489,7 +5549,7 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
             with timed("feature_check_s"):
                 if d.layers:   # a baseline reads no features
                     res["feature_check"] = feature_check_prompt(d, res, features, ids, embed_w, head, device)
-            s = it.get("served")
+            s = it.served
             if s and not sampling:   # greedy: the engine's steps against this run's rounds at the engine's K
                 k, prompt = s["k"] or d.block_size - 1, (features, ids, n_prompt, prompt_id)
                 at = res if k == d.block_size - 1 else res.get("depths", {}).get(k)
@@ -5500,14 +5560,12 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
                     res["suspects"] = served_suspects(d, prompt, it, res["served_steps"], embed_w, head, settings)
             kept.append(res)
     records = []
-    keep = ("index", "id", "split", "prompt_ids", "completion_ids", "agree", "source", "sample", "support", "turn",
-            "reply", "served", "ties", "fly")
     for (it, _, argmax), res in zip(group, results):
-        diverge = first_difference(argmax, it["completion_ids"])
-        detail = None if diverge is None else {"reference": it["completion_ids"][diverge], "argmax": argmax[diverge],
-                                               "logit_gap": it.get("gaps", {}).get(diverge)}
-        records.append({"item": {**{k: it.get(k) for k in keep}, "first_divergence": diverge,
-                                 "divergence": detail}, "results": res})
+        diverge = it.first_divergence = first_difference(argmax, it.completion_ids)
+        it.divergence = None if diverge is None else {"reference": it.completion_ids[diverge],
+                                                      "argmax": argmax[diverge],
+                                                      "logit_gap": (it.gaps or {}).get(diverge)}
+        records.append({"item": kept_prompt(it, FINISHED_FIELDS), "results": res})
     return records
 
 
@@ -5549,8 +5607,8 @@ def prompt_totals(results, items):
     for res, it in zip(results, items):
         e = res.get("expected")
         c, r = (e["committed"], e["rounds"]) if e else (sum(res["rounds"]), len(res["rounds"]))
-        before = totals.get(it["id"], (0, 0))
-        totals[it["id"]] = (before[0] + c, before[1] + r)
+        before = totals.get(it.id, (0, 0))
+        totals[it.id] = (before[0] + c, before[1] + r)
     return totals
 
 
@@ -5649,7 +5707,7 @@ def median_ci95(values):
 
 def typical_context(items):
     """The context a round's costs are taken at: the prompts' median prompt + half their reference (64 without)."""
-    return sorted(len(it["prompt_ids"]) + len(it["completion_ids"]) // 2 for it in items)[len(items) // 2] if items \
+    return sorted(len(it.prompt_ids) + len(it.completion_ids) // 2 for it in items)[len(items) // 2] if items \
         else 64
 
 
@@ -5668,7 +5726,7 @@ def measure_costs(model, drafters, settings, items):
     """Seconds of a plain step, verify sizes, drafters' rounds at the median context L (prompt + half the reference)."""
     _, _, embed, head = target_parts(model)
     sizes, L = cost_sizes(drafters, settings)[0], typical_context(items)
-    ids = [t for it in items for t in it["prompt_ids"] + it["completion_ids"]] or [0]
+    ids = [t for it in items for t in it.prompt_ids + it.completion_ids] or [0]
     ids = (ids * ((L + sizes[-1]) // len(ids) + 1))[:L + sizes[-1]]   # real tokens, repeated as far as needed
     cache, layers = rewindable_cache(model), sorted({L for d in drafters for L in d.layers})
     if cache is None:
@@ -5869,7 +5927,7 @@ def predicted_speedups(report, costs, results, items):
                      for rule, s in (d.get("verify") or {}).items()})
         if d.get("fly"):   # FLy's own texts, verified by the same passes: its loss is reported beside it
             rows[f"K={K} fly"] = (d["fly"], str(1 + int(K)), K,
-                                  [(it.get("fly") or {}).get(d["name"], {"rounds": []}) for it in items])
+                                  [(it.fly or {}).get(d["name"], {"rounds": []}) for it in items])
         tree = d.get("eagle_tree")
         if tree and "tau" in tree:   # SGLang verifies its draft tokens, the anchor's included
             rows[f"SGLang tree {tree['steps']},{tree['topk']},{tree['tokens']}"] = (tree, str(tree["tokens"]), "tree",
@@ -5913,8 +5971,8 @@ def adaptive_verification(report, costs, results, items):
         padded = dict(zip(sizes, itertools.accumulate((t["target"][str(n)] for n in sizes), max)))
         verify_s = {n: padded[next(g for g in sizes if g >= n)] for n in range(1, K + 2)}
         walks = [budget_rounds(dict(zip(r["anchors"].tolist(), r["matched"].tolist())), dict(zip(
-            r["anchors"].tolist(), r["confidence"])), len(it["prompt_ids"]), len(it["prompt_ids"]) +
-            len(it["completion_ids"]), K, draft_s, verify_s) for r, it in zip(res, items)]
+            r["anchors"].tolist(), r["confidence"])), len(it.prompt_ids), len(it.prompt_ids) +
+            len(it.completion_ids), K, draft_s, verify_s) for r, it in zip(res, items)]
         budgets = [m for _, ms in walks for m in ms]
         gained = [sum(rounds) * t["target"]["1"] for rounds, _ in walks]
         spent = [sum(draft_s + verify_s[1 + m] for m in ms) for _, ms in walks]
@@ -5958,7 +6016,7 @@ def export_vllm_synthetic(report, path, depth):
 def reference_fit(items, sampled=None, key="target_agreement"):
     """The references against the target, pooled; a token fits as its argmax given the reference prefix (greedy) or in
     its sampling support (sampled). Gives the report's figures, the tokens that fit, all, and [(item, first misfit)]."""
-    fits = [it.get("support") or (*it["agree"], 0.0, it["first_divergence"]) for it in items]
+    fits = [it.support or (*it.agree, 0.0, it.first_divergence) for it in items]
     fit, total, logp = (sum(f[i] for f in fits) for i in range(3))
     share = fit / total if total else None
     figures = {"reference_support": share, "reference_mean_logprob": logp / fit if fit else None} if sampled \
@@ -5972,11 +6030,11 @@ SELF_CHECK_TOLERANCE = 0.01   # share of its own reference tokens that may flip 
 def self_check(items, config):
     """The references generated here against this tool's own teacher-forced pass (argmax, or sampling support):
     exact on CPU in float32, else within SELF_CHECK_TOLERANCE; None when none was generated here."""
-    own = [it for it in items if it["source"] == "target"]
+    own = [it for it in items if it.source == "target"]
     _, fit, tokens, misses = reference_fit(own)
     if not tokens:
         return None
-    sampled, agreement = own[0].get("support") is not None, fit / tokens
+    sampled, agreement = own[0].support is not None, fit / tokens
     where = config.get("hidden_cache") or config   # where the references were generated and extracted
     strict = where["device"] == "cpu" and where["dtype"] == "float32"
     tolerance = 0.0 if strict else SELF_CHECK_TOLERANCE
@@ -5985,15 +6043,15 @@ def self_check(items, config):
     if not misses:
         return check
     first, position = misses[0]
-    detail = check["first_divergence"] = {"prompt": first["id"], "position": position, **(
-        {"reference": first["completion_ids"][position]} if sampled else first.get("divergence") or {})}
-    facts = f"prompt {first['id']}, completion position {position}: generated token {detail.get('reference')}"
+    detail = check["first_divergence"] = {"prompt": first.id, "position": position, **(
+        {"reference": first.completion_ids[position]} if sampled else first.divergence or {})}
+    facts = f"prompt {first.id}, completion position {position}: generated token {detail.get('reference')}"
     if sampled:
         facts += (f" has probability 0 under its own teacher-forced sampling distribution; {agreement:.4f} of "
                   f"{tokens} generated tokens inside the support")
     else:
         gap = "" if detail.get("logit_gap") is None else f", logit gap {detail['logit_gap']:.3g}"
-        tied = sum(f in (it.get("ties") or ()) for it, f in misses)   # the misses a near-tie decides: numerics
+        tied = sum(f in (it.ties or ()) for it, f in misses)   # the misses a near-tie decides: numerics
         facts += (f", teacher-forced argmax {detail.get('argmax')}{gap}; agreement {agreement:.4f} over {tokens} "
                   "generated tokens" + (f"; {tied} of the {len(misses)} prompts' first misses are near-ties of the "
                                         "target's (within its dtype's precision)" if tied else ""))
@@ -6022,14 +6080,14 @@ def held_served(it, res, B):
     """One request's served figures (an engine's own) against the exact ones on its text at the served K, in the
     engine's units: greedy, its steps over the whole reply (the tail's too) beside this run's rounds there; sampled
     drafts, the expectation over the steps the engine took. units: the (committed, steps) of each, for the paired gap."""
-    s, depths = it["served"], res.get("depths") or {}
+    s, depths = it.served, res.get("depths") or {}
     k = s["k"] or B - 1
     at = res if k == B - 1 else depths.get(k) or depths.get(str(k)) or {}
     moments, walked = (at.get("expected") or {}).get("served"), res.get("served_steps")
     held = {"engine": s["engine"], "k": k, "steps": s["steps"], "accepted": s["accepted"],
             "tau_served": 1 + s["accepted"] / s["steps"] if s["steps"] else None, "tau_exact": None, "equal": None,
             "histogram": s.get("histogram"),
-            "agreement": it["agree"][0] / it["agree"][1] if it.get("agree") and it["agree"][1] else None,
+            "agreement": it.agree[0] / it.agree[1] if it.agree and it.agree[1] else None,
             **{key: s[key] for key in ("prompt_differs_at", "prompt_flag") if key in s},
             **({"suspects": res["suspects"]} if res.get("suspects") is not None else {})}
     if moments:   # [accepted, its expectation, variance, steps, impossible steps]
@@ -6046,9 +6104,9 @@ def held_served(it, res, B):
             held.update(equal=not differ and len(steps) == len(exact), first_difference=differ[0] if differ else None,
                         tie_steps=sum(t for *_, t in steps), units=[[sum(a for a, *_ in steps), len(steps)],
                                                                    [sum(exact), len(exact)]])
-            half = len(it["completion_ids"]) // 2   # the gap along the reply, for a gap that grows with the context
+            half = len(it.completion_ids) // 2   # the gap along the reply, for a gap that grows with the context
             held["halves"] = [halves([a for a, *_ in steps], half), halves(exact, half)]
-            held["context_half"] = len(it["prompt_ids"]) + half
+            held["context_half"] = len(it.prompt_ids) + half
         else:   # counts alone: a difference no larger than the rounds near-ties decide may be numerics
             held.update(within_ties=held["hard_steps"] <= walked["near_ties"], first_difference=None)
             n = len(exact)
@@ -6180,27 +6238,27 @@ def served_summary(held, B, depths):
 
 def prompt_report(it, res, B):
     sampled = "expected" in res
-    committed, rounds = prompt_totals([res], [it])[it["id"]]   # exact or expected
-    entry = {"id": it["id"], **{k: it[k] for k in ("sample", "turn") if it.get(k) is not None}, "split": it["split"],
-             "prompt_tokens": len(it["prompt_ids"]), "completion_tokens": len(it["completion_ids"]),
-             "reference_generated": it["source"] != "file", "reference_source": it["source"],
-             "first_divergence": it["first_divergence"], "divergence": it.get("divergence"),
-             **reference_fit([it], sampled)[0], **({"first_outside_support": it["support"][3]} if sampled else {}),
+    committed, rounds = prompt_totals([res], [it])[it.id]   # exact or expected
+    entry = {"id": it.id, **{k: v for k, v in (("sample", it.sample), ("turn", it.turn)) if v is not None},
+             "split": it.split, "prompt_tokens": len(it.prompt_ids), "completion_tokens": len(it.completion_ids),
+             "reference_generated": it.source != "file", "reference_source": it.source,
+             "first_divergence": it.first_divergence, "divergence": it.divergence,
+             **reference_fit([it], sampled)[0], **({"first_outside_support": it.support[3]} if sampled else {}),
              "tau": committed / rounds if rounds else None,
              **({"expected_rounds": rounds, "expected_committed": committed} if sampled else {}),
              **({"rounds": res["rounds"]} if res["rounds"] is not None else {}),
-             "ddtree_rounds": {str(b): r for b, r in res["ddtree_rounds"].items()}, "reply": it.get("reply")}
+             "ddtree_rounds": {str(b): r for b, r in res["ddtree_rounds"].items()}, "reply": it.reply}
     if "tree" in res:
         entry["eagle_tree_rounds"] = res["tree"]["rounds"]
     for rule, v in res.get("verify", {}).items():   # each other rule's tau on this reference (exact or expected)
-        c, r = prompt_totals([v], [it])[it["id"]]
+        c, r = prompt_totals([v], [it])[it.id]
         entry.setdefault("verify_tau", {})[rule] = c / r if r else None
     if "depths" in res:
         entry["depth_rounds"] = {str(k): other["rounds"] for k, other in sorted(res["depths"].items())}
-    if it.get("served"):
+    if it.served:
         entry["served"] = held_served(it, res, B)
     if not (res["rounds"] or res.get("expected", {}).get("rounds")):
-        entry["note"] = (f"completion of {len(it['completion_ids'])} tokens is shorter than one block ({B} tokens: "
+        entry["note"] = (f"completion of {len(it.completion_ids)} tokens is shorter than one block ({B} tokens: "
                          f"the anchor and {B - 1} drafts): nothing to score")
     return entry
 
@@ -6261,15 +6319,15 @@ def drafter_report(d, results, items):
     whole, check = section(), feature_check_summary([res["feature_check"] for res in results if "feature_check" in res])
     overridden = override_summary(d["overrides"], [r.get("override_check") for r in results]) \
         if d.get("overrides") else None
-    splits = {split: section(lambda it: it["split"] == split) for split in sorted({it["split"] for it in items})}
-    numbers = sorted({it.get("turn") for it in items} - {None})   # rows per turn where there are several
-    turns = {str(t): section(lambda it: it.get("turn") == t) for t in numbers} if len(numbers) > 1 else {}
+    splits = {split: section(lambda it: it.split == split) for split in sorted({it.split for it in items})}
+    numbers = sorted({it.turn for it in items} - {None})   # rows per turn where there are several
+    turns = {str(t): section(lambda it: it.turn == t) for t in numbers} if len(numbers) > 1 else {}
     depths = {B - 1: whole, **{k: section(depth=k) for k in first.get("depths", {})}}
     verify = {rule: section(pick=lambda res, rule=rule: res["verify"][rule]) for rule in first.get("verify", {})}
     prompts = [prompt_report(it, res, B) for it, res in zip(items, results)]
     adaptive = adaptive_summary(results, items, B) if FAMILIES[d["generation"]].adaptive and results and all(
         k in depths for k in ADAPTIVE["candidates"]) else None
-    runs = [(it["id"], it["fly"][d["name"]]) for it in items if d["name"] in (it.get("fly") or {})]
+    runs = [(it.id, it.fly[d["name"]]) for it in items if d["name"] in (it.fly or {})]
     held, tree = [p["served"] for p in prompts if "served" in p], d.get("eagle_tree")
     if tree and "tree" in first:   # SGLang's token tree: its walk, its rounds of up to steps + 1
         s = section(depth=tree["steps"], pick=lambda res: res["tree"])
@@ -6301,8 +6359,8 @@ def adaptive_summary(results, items, B):
     """--adaptive-steps: SGLang's controller over the prompts in order, each step's rounds from its depth's walk."""
     at = [{k: dict(zip(r["anchors"].tolist(), r["matched"].tolist())) for k, r in
            ((k, res if k == B - 1 else res["depths"][k]) for k in ADAPTIVE["candidates"])} for res in results]
-    rounds, used = adaptive_rounds(lambda p, k: at[p][k], [(len(it["prompt_ids"]), len(it["prompt_ids"]) + len(
-        it["completion_ids"])) for it in items])
+    rounds, used = adaptive_rounds(lambda p, k: at[p][k], [(len(it.prompt_ids), len(it.prompt_ids) + len(
+        it.completion_ids)) for it in items])
     return {"controller": "SGLang 0.5.23 --speculative-adaptive, batch size 1", **{k: ADAPTIVE[k] for k in (
         "candidates", "start")}, **walked_summary(rounds, max(ADAPTIVE["candidates"]) + 1),
             "steps": {str(k): n for k, n in sorted(used.items())}, "prompt_rounds": rounds}
@@ -6321,10 +6379,10 @@ def at_depth(res, d, K):
 def side_by_side(drafters, results, items):
     """Several drafters over the same prompts, each paired against the first's tau; drafters drafting different numbers
     a round (MTP's 3, DFlash's 15) pair only at a shared depth: "at_depth": {K: rows} at each --depths K of them all."""
-    trained, splits = [d["drafts_per_round"] for d in drafters], list(dict.fromkeys(it["split"] for it in items))
+    trained, splits = [d["drafts_per_round"] for d in drafters], list(dict.fromkeys(it.split for it in items))
 
     def split_tau(d, res, K, split):   # at depth K, for the bars
-        kept = [(at_depth(r, d, K), it) for r, it in zip(res, items) if it["split"] == split]
+        kept = [(at_depth(r, d, K), it) for r, it in zip(res, items) if it.split == split]
         c, r = map(sum, zip(*prompt_totals(*zip(*kept)).values()))
         return c / r if r else None
 
@@ -6342,7 +6400,7 @@ def side_by_side(drafters, results, items):
     for row in rows:
         if "series" in row and row["tau"] is not None and row["tau"] > series.setdefault(row["series"], row)["tau"]:
             series[row["series"]] = row
-    comparison = {"reference": drafters[0]["name"], "prompts": len({it["id"] for it in items}), "drafters": rows,
+    comparison = {"reference": drafters[0]["name"], "prompts": len({it.id for it in items}), "drafters": rows,
                   "best_steps": {name: row["step"] for name, row in series.items()}}
     if len(set(trained)) > 1:
         shared = set.intersection(*({k, *res[0].get("depths", {})} for k, res in zip(trained, results)))
@@ -6375,7 +6433,7 @@ def bench_table(drafters, results, items, config):
     K = common_depth(drafters)   # drafters drafting different numbers: the table at the fewest, where all draft
 
     def figures(keep):
-        idx = [i for i, it in enumerate(items) if keep(it["split"])]
+        idx = [i for i, it in enumerate(items) if keep(it.split)]
         picked = [[at_depth(res[i], d, K) for i in idx] for d, res in zip(drafters, results)]
         totals, out = [prompt_totals(res, [items[i] for i in idx]) for res in picked], []
         for t, res in zip(totals, picked):   # a request's own tau: each turn and sample on its own
@@ -6394,7 +6452,7 @@ def bench_table(drafters, results, items, config):
                         "accepted_per_step": None if tau is None else tau - 1, "delta_tau": delta,
                         "delta_tau_ci95": ci})
         return out
-    splits, rows = list(dict.fromkeys(it["split"] for it in items)), {}
+    splits, rows = list(dict.fromkeys(it.split for it in items)), {}
     for suite in dict.fromkeys(s.split("/")[0] for s in splits):
         for name in [s for s in splits if s.split("/")[0] == suite and s != suite] + [suite]:
             rows[name] = figures(lambda split, name=name: split == name or split.split("/")[0] == name)
@@ -6425,10 +6483,10 @@ def make_report(config, facts, done, skipped, seconds, interrupted, warn=True):
     finished, sampling = [r["item"] for r in done], sampling_of(Settings.from_json(config))
     shout = (lambda line: print(line, file=sys.stderr)) if warn else (lambda line: None)
     check = self_check(finished, config)
-    _, fit, total, misses = reference_fit([it for it in finished if it["source"] != "target"])
+    _, fit, total, misses = reference_fit([it for it in finished if it.source != "target"])
     if sampling and misses:
         shout(f"warning: {total - fit} reference tokens of {len(misses)} prompts lie outside the target's sampling "
-              f"support at {describe_sampling(sampling)} (first: prompt {misses[0][0]['id']}, completion position "
+              f"support at {describe_sampling(sampling)} (first: prompt {misses[0][0].id}, completion position "
               f"{misses[0][1]}): those references were not sampled at these settings; their rounds there count as "
               "rejected")
     if not sampling and total and fit / total < AGREEMENT_WARN:
@@ -6448,7 +6506,7 @@ def make_report(config, facts, done, skipped, seconds, interrupted, warn=True):
               **({"gguf": {k: config["target_gguf"][k] for k in ("file", "type", "sha256")}}
                  if config.get("target_gguf") else {}),
               **reference_fit(finished, sampling, "agreement")[0], "self_check": check}
-    argmax = [sum(x) for x in zip(*(it["agree"] for it in finished))]
+    argmax = [sum(x) for x in zip(*(it.agree for it in finished))]
     if sampling and argmax and argmax[0] == argmax[1]:   # the sampled texts are the greedy text
         target["sampling_note"] = (f"every token of the {len(finished)} sampled references is the target's argmax: at "
                                    f"{describe_sampling(sampling)} sampling changed nothing here, so tau is greedy "
@@ -6971,7 +7029,8 @@ def result_json(r):
 
 def record_json(record):
     """A finished prompt as one JSON line: enough to rebuild every statistic without recomputing."""
-    return {"item": record["item"], "results": [result_json(r) for r in record["results"]]}
+    return {"item": prompt_json(record["item"], FINISHED_FIELDS),
+            "results": [result_json(r) for r in record["results"]]}
 
 
 def result_from_json(r, drafts, tree_drafts=None):
@@ -6990,7 +7049,7 @@ def result_from_json(r, drafts, tree_drafts=None):
 
 def collect(rows, facts):
     """{index: record} of record lines (a partial file's, a shard's, a rank's)."""
-    return {row["item"]["index"]: {"item": {**row["item"], "agree": tuple(row["item"]["agree"])},
+    return {row["item"]["index"]: {"item": finished_prompt(row["item"]),
                                    "results": [result_from_json(r, d["drafts_per_round"],
                                                                 (d.get("eagle_tree") or {}).get("steps"))
                                                for r, d in zip(row["results"], facts)]} for row in rows}
@@ -7236,7 +7295,7 @@ def interrupt_message(settings, finished, references, during="", features=None):
 def mine(it, settings):
     """Is this prompt line in this process's slice (round-robin over --shard K/N or the ranks, turns together)?"""
     k, n = settings.shard or (settings.rank + 1, settings.ranks)
-    return it.get("line", it["index"]) % n == k - 1
+    return (it.index if it.line is None else it.line) % n == k - 1
 
 
 def add_timing(timing):
@@ -7292,7 +7351,7 @@ def merge_shards(settings):
     for path, report in shards:
         for index, record in collect(report["shard"]["records"], facts).items():
             if index in owner:
-                fail(f"--merge: prompt {record['item']['id']} is in both {owner[index]} and {path}: merge each shard "
+                fail(f"--merge: prompt {record['item'].id} is in both {owner[index]} and {path}: merge each shard "
                      "once")
             records[index], owner[index] = record, path
     skipped = [s for _, report in shards for s in report["skipped"]]
@@ -7379,10 +7438,10 @@ def keep_hidden(saved, it, ids, x, layer_union):
     tensors = {f"{i}.ids": torch.tensor(ids), f"{i}.argmax": torch.tensor(x.argmax), f"{i}.gaps": gap,
                f"{i}.ties": ties, **({f"{i}.p": x.p} if x.p is not None else {}),
                **{f"{i}.layer{L}": x.features[L].contiguous() for L in layer_union}}
-    row = {"id": it["id"], "index": it["index"], "line": it.get("line", it["index"]), "split": it["split"],
-           "prompt_tokens": len(it["prompt_ids"]), "completion_tokens": len(it["completion_ids"]),
-           "source": it["source"], "reply": it.get("reply"),
-           **{k: it[k] for k in ("sample", "turn", "served") if it.get(k) is not None}}
+    row = {"id": it.id, "index": it.index, "line": it.index if it.line is None else it.line, "split": it.split,
+           "prompt_tokens": len(it.prompt_ids), "completion_tokens": len(it.completion_ids),
+           "source": it.source, "reply": it.reply,
+           **{k: v for k, v in (("sample", it.sample), ("turn", it.turn), ("served", it.served)) if v is not None}}
     path = f"{saved['prefix']}{i}.safetensors"
     write_part(saved, path, tensors, {"eval_drafter_part": json.dumps({"run": saved["run"], "position": i,
                                                                        "row": row})})
@@ -7452,25 +7511,25 @@ def open_hidden(paths, settings, learned, target_cfg, layer_union, skip=lambda i
             for it in items:
                 if skip(it):
                     continue
-                get, i = getters[it["cache"][0]], it["cache"][1]
+                get, i = getters[it.cache[0]], it.cache[1]
                 argmax = get(f"{i}.argmax").tolist()
                 with contextlib.suppress(KeyError):   # files written before the gaps were kept have none
                     gap = get(f"{i}.gaps").tolist()
-                    it["gaps"] = {k: gap[k] for k, (a, b) in enumerate(zip(argmax, it["completion_ids"])) if a != b}
+                    it.gaps = {k: gap[k] for k, (a, b) in enumerate(zip(argmax, it.completion_ids)) if a != b}
                 with contextlib.suppress(KeyError):   # and before the target's near-ties were
-                    it["ties"] = get(f"{i}.ties").nonzero()[:, 0].tolist()
+                    it.ties = get(f"{i}.ties").nonzero()[:, 0].tolist()
                 if sampling:
-                    it["p"] = get(f"{i}.p").double().cpu()
+                    it.p = get(f"{i}.p").double().cpu()
                 yield it, {L: get(f"{i}.layer{L}").to(dtype) for L in layer_union}, argmax
     with contextlib.ExitStack() as stack:
         getters = [stack.enter_context(hidden_tensors(path, meta)) for path, meta in zip(paths, metas)]
         for index, j, i, row in entries:
             ids = getters[j](f"{i}.ids").tolist()
-            items.append({"index": index, "line": row.get("line", index), "id": row["id"], "split": row["split"],
-                          "prompt_ids": ids[:row["prompt_tokens"]], "completion_ids": ids[row["prompt_tokens"]:],
-                          "sample": row.get("sample"), "turn": row.get("turn"), "cache": (j, i),
-                          "source": row.get("source", "target" if row.get("generated") else "file"),
-                          "reply": row.get("reply"), **({"served": row["served"]} if row.get("served") else {})})
+            items.append(Prompt(index=index, line=row.get("line", index), id=row["id"], split=row["split"],
+                                prompt_ids=ids[:row["prompt_tokens"]], completion_ids=ids[row["prompt_tokens"]:],
+                                sample=row.get("sample"), turn=row.get("turn"), cache=(j, i),
+                                source=row.get("source", "target" if row.get("generated") else "file"),
+                                reply=row.get("reply"), served=row.get("served") or None))
     learned.chat_template = "applied" if metas[0].get("chat_template") else "not applied"   # at extraction
     learned.hidden_cache = {k: metas[0].get(k) for k in ("format", "dtype", "device", "torch_version",
                                                              "transformers_version", "prompts_file", "layers")}
@@ -7521,40 +7580,41 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
         learned.reference_method = "plain"
         log(settings, f"note: references are generated by plain decoding (the speculative loop drafts with "
                       f"DFlash-family drafters; {drafter.name} is {drafter.generation})")
-    by_index, saved = {it["index"]: it for it in items}, saved_references(settings)
+    by_index, saved = {it.index: it for it in items}, saved_references(settings)
     served = read_served(settings.served) if settings.served else []
-    todo = [it for it in items if it["index"] not in done]
+    todo = [it for it in items if it.index not in done]
     capped = []   # the note on --max-new-tokens past the target's positions is made once
 
     def prepare(it):   # tokens, length check, a saved reference; True when the reference is still to make
-        if not it.get("prepared") and not it.get("skip"):   # an empty prompt is skipped as its line is read
-            it["prepared"] = True
-            if by_index.get(it.get("previous"), {}).get("skip"):   # no context without the turn before
-                it["skip"] = f"turn {it['turn'] - 1} of this conversation was skipped"
+        if not it.prepared and not it.skip:   # an empty prompt is skipped as its line is read
+            it.prepared = True
+            before = by_index.get(it.previous)
+            if before is not None and before.skip:   # no context without the turn before
+                it.skip = f"turn {it.turn - 1} of this conversation was skipped"
                 return False
-            if it.get("previous") is not None:
-                it["messages"] = conversation(it, by_index, tokenizer)
+            if it.previous is not None:
+                it.messages = conversation(it, by_index, tokenizer)
             learned.chat_template = encode_prompts(tokenizer, [it], settings, learned.chat_template is not None)
-            if served and it["completion_ids"] is None:
+            if served and it.completion_ids is None:
                 take_served(it, served)
-            if it.get("served"):
+            if it.served:
                 served_prompt(tokenizer, it, settings)
-            total = len(it["prompt_ids"]) + len(it["completion_ids"] or [])
-            if len(it["prompt_ids"]) >= limit or total > limit:
-                it["skip"] = f"prompt + completion ({total} tokens) exceed the target's {limit} positions"
-            elif it["completion_ids"] is None:
-                it["room"] = min(settings.max_new_tokens, limit - len(it["prompt_ids"]))
-                if it["room"] < settings.max_new_tokens and not capped:
-                    capped.append(it["index"])   # once a run, not once a prompt
+            total = len(it.prompt_ids) + len(it.completion_ids or [])
+            if len(it.prompt_ids) >= limit or total > limit:
+                it.skip = f"prompt + completion ({total} tokens) exceed the target's {limit} positions"
+            elif it.completion_ids is None:
+                it.room = min(settings.max_new_tokens, limit - len(it.prompt_ids))
+                if it.room < settings.max_new_tokens and not capped:
+                    capped.append(it.index)   # once a run, not once a prompt
                     log(settings, f"note: --max-new-tokens {settings.max_new_tokens} runs past the target's "
                                   f"{limit} positions (max_position_embeddings): a reference stops where prompt + "
                                   f"completion reach {limit} tokens")
                 take_saved(it, saved, settings)
-        return it["completion_ids"] is None and not it.get("skip")
+        return it.completion_ids is None and not it.skip
     if settings.server:
-        for turn in sorted({it.get("turn", 1) for it in todo}):   # a turn's context holds the replies before it
+        for turn in sorted({it.turn or 1 for it in todo}):   # a turn's context holds the replies before it
             with timed("generate_s"):
-                fetch_references([it for it in todo if it.get("turn", 1) == turn and prepare(it)], settings, learned,
+                fetch_references([it for it in todo if (it.turn or 1) == turn and prepare(it)], settings, learned,
                                  keep)
 
     def stream():
@@ -7564,16 +7624,16 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
                     generate_reference(model, it, settings, learned, drafter, stops)
                     keep(it)
                 bar.update()
-                if it.get("skip"):
+                if it.skip:
                     continue
                 if fly:   # --verify fly: each drafter's own text, the target deciding under FLy's rule
                     with timed("fly_s"):
-                        it["fly"] = {d.name: fly_run(model, d, it, settings, stops) for d in fly}
-                ids = it["prompt_ids"] + it["completion_ids"]
-                it["reply"] = reply_start(tokenizer, it["completion_ids"])
+                        it.fly = {d.name: fly_run(model, d, it, settings, stops) for d in fly}
+                ids = it.prompt_ids + it.completion_ids
+                it.reply = reply_start(tokenizer, it.completion_ids)
                 with timed("target_s"):
-                    x = extract_hidden(model, ids, layer_union, len(it["prompt_ids"]), sampling_of(settings))
-                it.update(gaps=x.gaps, p=x.p, ties=x.ties)
+                    x = extract_hidden(model, ids, layer_union, len(it.prompt_ids), sampling_of(settings))
+                it.gaps, it.p, it.ties = x.gaps, x.p, x.ties
                 if features is not None:
                     keep_hidden(features, it, ids, x, layer_union)
                 yield it, x.features, x.argmax
@@ -7649,7 +7709,7 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
     """This slice's prompts through the target (or saved features) and every drafter, each new reference and record
     written to the partial file at once (Ctrl-C or SIGTERM keeps them). Returns (items, {index: record}, start)."""
     layer_union = sorted({L for d in drafters for L in d.layers})
-    served = settings.server or settings.served or settings.load_hidden or any(it.get("served") for it in
+    served = settings.server or settings.served or settings.load_hidden or any(it.served for it in
                                                                                          items or [])
     checked = sorted({L for d in drafters for L in (d.own.layers if d.own else []) + [
         L for change in (d.suspects if served else {}).values() for L in change.get("layers", [])]} - set(layer_union))
@@ -7657,18 +7717,20 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
         ({}, earlier_references(settings, learned, learned.earlier) if learned.earlier else {})
     saved = resume_features(settings, learned, facts, items, records) if settings.save_hidden else None
     for it in items or []:   # a finished turn's reply is the next turn's context
-        if it["index"] in records:
-            it.update({k: records[it["index"]]["item"][k] for k in ("prompt_ids", "completion_ids")})
-        elif references.get(it["index"], {}).get("id") == it["id"]:
-            it.update({k: references[it["index"]].get(k) for k in ("completion_ids", "source", "finish_reason",
-                                                                      "served")})
+        if it.index in records:
+            finished = records[it.index]["item"]
+            it.prompt_ids, it.completion_ids = finished.prompt_ids, finished.completion_ids
+        elif references.get(it.index, {}).get("id") == it.id:
+            ref = references[it.index]   # a reference row's JSON, as keep wrote it
+            it.completion_ids, it.source, it.finish_reason, it.served = \
+                ref.get("completion_ids"), ref.get("source"), ref.get("finish_reason"), ref.get("served")
     TIMING.clear()
     partial = open_partial(settings, learned, facts, records, references)
     save, made = open(settings.save_references, "ab", buffering=0) if settings.save_references else None, []
 
     def keep(it):   # a reference the moment it exists: to the partial file (for --resume) and --save-references
-        made.append(it["index"])
-        write_row(partial, {"reference": {k: it.get(k) for k in REFERENCE_KEYS}})
+        made.append(it.index)
+        write_row(partial, {"reference": prompt_json(it, REFERENCE_KEYS)})
         if save:   # one write per line: torchrun ranks may share the file
             save.write((json.dumps(saved_line(it, settings, learned)) + "\n").encode())
     started = time.time()
@@ -7676,7 +7738,7 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
     try:
         if settings.load_hidden:
             items, stream = open_hidden(settings.load_hidden, settings, learned, target_cfg, layer_union,
-                                        lambda it: not mine(it, settings) or it["index"] in records, checked)
+                                        lambda it: not mine(it, settings) or it.index in records, checked)
             embed_w, head = read_embed_head(settings.target, target_cfg, settings)
         else:
             stream, embed_w, head = extract_from_target([it for it in items if mine(it, settings)], settings, learned,
@@ -7687,7 +7749,7 @@ def draft_prompts(settings, learned, items, target_cfg, drafters, facts):
         records = {i: r for i, r in records.items() if i < len(items)}  # resumed with a smaller --limit
         with progress(settings, sum(mine(it, settings) for it in items) - len(records), "draft", 1) as bar:
             for record in scored_records(stream, drafters, embed_w, head, settings):
-                records[record["item"]["index"]] = record
+                records[record["item"].index] = record
                 write_row(partial, record_json(record))
                 bar.update()
     except (KeyboardInterrupt, RuntimeError) as e:
@@ -7726,7 +7788,7 @@ def price(settings, learned, drafters, items):
 
 
 def finish_run(settings, learned, items, records, drafters, facts, started):
-    skipped = [{"id": it["id"], "reason": it["skip"]} for it in items if it.get("skip") and mine(it, settings)]
+    skipped = [{"id": it.id, "reason": it.skip} for it in items if it.skip and mine(it, settings)]
     if settings.costs == "measure" and not learned.interrupted:
         try:
             with timed("costs_s"):
@@ -7745,8 +7807,8 @@ def finish_run(settings, learned, items, records, drafters, facts, started):
     report = make_report(run_config(settings, learned), facts, [records[i] for i in sorted(records)], skipped,
                          time.time() - started, learned.interrupted)
     if settings.shard:   # what --merge needs: every prompt's records, and the run's whole item list
-        report["shard"] = {"slice": settings.shard, "items": [(it["index"], it["id"], it.get("sample"),
-                                                                  it.get("turn")) for it in items],
+        report["shard"] = {"slice": settings.shard, "items": [(it.index, it.id, it.sample, it.turn)
+                                                                 for it in items],
                            "facts": facts, "records": [record_json(records[i]) for i in sorted(records)]}
     return report
 

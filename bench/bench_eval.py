@@ -269,7 +269,7 @@ def write_references(args, model, paths):
             for i in range(args.prompts)]
     write_jsonl(paths["bare"], rows)
     for row, item in zip(rows, tool_prompts(paths["bare"], paths["target"])):
-        row["completion_ids"] = ed.plain_generate(model, item["prompt_ids"], args.ref_tokens, set())
+        row["completion_ids"] = ed.plain_generate(model, item.prompt_ids, args.ref_tokens, set())
     write_jsonl(paths["prompts"], rows)
 
 
@@ -491,11 +491,11 @@ def time_per_anchor(paths, args, model, variants, span):
     """Each drafter's time per anchor on the longest prompt's features, at the anchors where a round of `span`
     tokens fits: its context (DFlash's projected K/V; EAGLE-3's causal pass over the text) and draft_all_anchors
     (best of --repeats after a warm-up)."""
-    item = max(tool_prompts(paths["prompts"], paths["target"]), key=lambda it: len(it["prompt_ids"]))
-    ids = item["prompt_ids"] + item["completion_ids"]
+    item = max(tool_prompts(paths["prompts"], paths["target"]), key=lambda it: len(it.prompt_ids))
+    ids = item.prompt_ids + item.completion_ids
     layers = sorted({L for d in variants.values() for L in d.layers})
-    features = ed.extract_hidden(model, ids, layers, len(item["prompt_ids"])).features
-    anchors = ed.fitting_anchors(len(item["prompt_ids"]), len(ids), span).to(args.device)
+    features = ed.extract_hidden(model, ids, layers, len(item.prompt_ids)).features
+    anchors = ed.fitting_anchors(len(item.prompt_ids), len(ids), span).to(args.device)
     ids_t = torch.tensor(ids, device=args.device)
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings()
     times = {name: [] for name in variants}
@@ -698,8 +698,8 @@ def load_for_loop(paths, args):
 
 def check_context_rows(model, drafter, item):
     """context_rows in pieces must equal the tool's drafter_context over the whole prompt."""
-    ids = item["prompt_ids"] + item["completion_ids"]
-    feats = ed.extract_hidden(model, ids, drafter.layers, len(item["prompt_ids"])).features
+    ids = item.prompt_ids + item.completion_ids
+    feats = ed.extract_hidden(model, ids, drafter.layers, len(item.prompt_ids)).features
     whole = ed.drafter_context(drafter, torch.cat([feats[L] for L in drafter.layers], -1))
     cut = len(ids) // 3
     f = torch.cat([feats[L] for L in drafter.layers], -1)
@@ -715,21 +715,21 @@ def measure_c(paths, args, b_report):
     model, drafter = load_for_loop(paths, args)
     items = tool_prompts(paths["prompts"], paths["target"])
     check_context_rows(model, drafter, items[0])
-    speculative_loop(model, drafter, items[0]["prompt_ids"], 2 * args.block)  # warm-up: a few rounds
+    speculative_loop(model, drafter, items[0].prompt_ids, 2 * args.block)  # warm-up: a few rounds
     runs, results = [], None
     for _ in range(args.repeats):
         per_prompt, results = [], []
         for it in items:
             sync(args.device)
             start = time.perf_counter()
-            results.append(speculative_loop(model, drafter, it["prompt_ids"], len(it["completion_ids"])))
+            results.append(speculative_loop(model, drafter, it.prompt_ids, len(it.completion_ids)))
             sync(args.device)
             per_prompt.append(time.perf_counter() - start)
         runs.append(per_prompt)
     b_prompts = b_report["drafters"][0]["prompts"]
     rounds = [r for _, r in results]
-    differ = [(it["id"], first_difference(t, it["completion_ids"]), p["first_divergence"])
-              for (t, _), it, p in zip(results, items, b_prompts) if t != it["completion_ids"][:len(t)]]
+    differ = [(it.id, first_difference(t, it.completion_ids), p["first_divergence"])
+              for (t, _), it, p in zip(results, items, b_prompts) if t != it.completion_ids[:len(t)]]
     return {"s": best([sum(r) for r in runs]), "per_prompt": [best(p) for p in zip(*runs)], "n": len(items),
             "rounds": rounds, "same_rounds": sum(r == p["rounds"] for r, p in zip(rounds, b_prompts)),
             "differ": differ, "tokens": [len(t) for t, _ in results],
@@ -750,7 +750,7 @@ def profile_generation(model, drafter, item, n_tokens=GEN_TOKENS):
     prof = cProfile.Profile()
     start = time.perf_counter()
     prof.enable()
-    tokens = ed.speculative_generate(model, drafter, item["prompt_ids"], n_tokens, set())
+    tokens = ed.speculative_generate(model, drafter, item.prompt_ids, n_tokens, set())
     prof.disable()
     wall = time.perf_counter() - start
     cum = {name: ct for (file, _, name), (_, _, _, ct, _) in pstats.Stats(prof).stats.items()
@@ -1463,7 +1463,7 @@ def measure_speedup(args, work):
     settings = {"layers": None, "block_size": None, "block_mask": "auto", "sliding_window": "train",
                 "dtype": "float32", "device": args.device, "quiet": True, "max_memory_gb": 0.5}
     drafter = ed.load_drafter(os.path.join(demo, "drafter"), target.config, settings)
-    prompts = [it["prompt_ids"] for it in tool_prompts(os.path.join(demo, "prompts.jsonl"), os.path.join(demo, "target"))]
+    prompts = [it.prompt_ids for it in tool_prompts(os.path.join(demo, "prompts.jsonl"), os.path.join(demo, "target"))]
 
     runs = {"plain": lambda: [ed.plain_generate(target, p, 128, set()) for p in prompts],
             **{k: lambda k=k: [ed.speculative_generate(target, ed.replace(drafter, block_size=k + 1), p, 128, set())
@@ -1567,7 +1567,7 @@ def main(argv=None):
         os.makedirs(work, exist_ok=True)
         paths, tcfg, dcfg = build_pair(args, work)
         items = tool_prompts(paths["prompts"], paths["target"])
-        lengths = [(len(it["prompt_ids"]), len(it["completion_ids"])) for it in items]
+        lengths = [(len(it.prompt_ids), len(it.completion_ids)) for it in items]
         f["mem"] = mem = memory_needed(paths, tcfg, dcfg, lengths, args.device)
         describe_pair(mem, tcfg, dcfg, lengths)
 

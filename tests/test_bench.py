@@ -83,23 +83,23 @@ def test_the_chat_template_is_dflash(tmp_path, qwen_target, thinking):
     assert settings.enable_thinking is thinking and settings.no_chat_template is False
     items = ed.expand(ed.read_prompts(settings.prompts), settings)
     turns = [("gsm8k", None)] * 2 + [("mt-bench", 1), ("mt-bench", 2)] * 2
-    assert [(it["split"], it.get("turn")) for it in items] == turns
+    assert [(it.split, it.turn) for it in items] == turns
     tok, reasoning = qwen_target["tokenizer"], "on" if thinking else "off"
 
     def dflash_ids(messages):
         return tok.encode(dflash_bench.apply_chat_template(tok, messages, reasoning), add_special_tokens=False)
 
-    by_index, reply = {it["index"]: it for it in items}, "Sure: a short note, then {braces} and a \\ backslash."
+    by_index, reply = {it.index: it for it in items}, "Sure: a short note, then {braces} and a \\ backslash."
     for it in items:
-        if it.get("turn") == 2:
-            it["messages"] = ed.conversation(it, by_index, tok)
+        if it.turn == 2:
+            it.messages = ed.conversation(it, by_index, tok)
         assert ed.encode_prompts(tok, [it], settings) == "applied"
-        user = [{"role": "user", "content": t} for t in (it.get("turns") or [it["row"]["prompt"]])]
-        messages = user[:1] if it.get("turn") != 2 else [user[0], {"role": "assistant", "content": reply}, user[1]]
-        assert it["prompt_ids"] == dflash_ids(messages), (it["id"], it.get("turn"))
-        it["completion"] = reply   # turn 2's context: this reply
+        user = [{"role": "user", "content": t} for t in (it.turns or [it.row["prompt"]])]
+        messages = user[:1] if it.turn != 2 else [user[0], {"role": "assistant", "content": reply}, user[1]]
+        assert it.prompt_ids == dflash_ids(messages), (it.id, it.turn)
+        it.completion = reply   # turn 2's context: this reply
     think = tok.convert_tokens_to_ids("<think>")
-    assert (think in items[0]["prompt_ids"]) is not thinking, "thinking off closes an empty <think> block"
+    assert (think in items[0].prompt_ids) is not thinking, "thinking off closes an empty <think> block"
 
 
 def demo_rows(texts):

@@ -637,7 +637,7 @@ def resume_and_check(many, out, finished, monkeypatch, capsys):
     evaluate_prompts = ed.evaluate_prompts
 
     def counting(group, *args, **kwargs):
-        called.extend(it["id"] for it, _, _ in group)
+        called.extend(it.id for it, _, _ in group)
         return evaluate_prompts(group, *args, **kwargs)
 
     monkeypatch.setattr(ed, "evaluate_prompts", counting)
@@ -711,7 +711,7 @@ def test_sigterm_keeps_finished_prompts_and_resume_completes(many, tmp_path, mon
     evaluate_prompts = ed.evaluate_prompts
 
     def signalling(group, *args, **kwargs):
-        started.extend(it["id"] for it, _, _ in group)
+        started.extend(it.id for it, _, _ in group)
         if len(started) == 4:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)  # the tool's handler raises here

@@ -337,9 +337,9 @@ EMPTY_THINK = "<think>\n\n</think>\n\n"
 
 def encode(qwen_target, messages, **settings):
     s = {"no_chat_template": False, "enable_thinking": False, "quiet": True, **settings}
-    items = [{"id": "x", "messages": messages, "completion": None, "completion_ids": None}]
+    items = [ed.Prompt(id="x", messages=messages)]
     s["chat_template"] = ed.encode_prompts(qwen_target["tokenizer"], items, ed.Settings(**s))
-    return items[0]["prompt_ids"], s
+    return items[0].prompt_ids, s
 
 
 def test_qwen_template_without_thinking(qwen_target):

@@ -63,7 +63,7 @@ def seen_prompts(monkeypatch):
     real, seen = ed.encode_prompts, []
 
     def spy(tokenizer, items, *args, **kwargs):
-        seen.extend(m["content"] for it in items for m in it["messages"])
+        seen.extend(m["content"] for it in items for m in it.messages)
         return real(tokenizer, items, *args, **kwargs)
 
     monkeypatch.setattr(ed, "encode_prompts", spy)
@@ -78,14 +78,14 @@ def seen_prompts(monkeypatch):
 def test_each_id_key_names_the_prompt(tmp_path, key):
     items = ed.read_prompts(write_jsonl(tmp_path / "p.jsonl", [{key: 81, "prompt": "w1"}, {key: "x/2", "prompt": "w2"},
                                                                {"prompt": "w3"}]))
-    assert [it["id"] for it in items] == ["81", "x/2", "3"]   # numbers made strings; none: the line number
+    assert [it.id for it in items] == ["81", "x/2", "3"]   # numbers made strings; none: the line number
 
 
 def test_the_first_id_key_present_wins(tmp_path):
     rows = [{"sample_id": "s", "idx": 4, "question_id": "q", "task_id": "t", "prompt": "w1"},
             {"sample_id": "s", "idx": 4, "question_id": "q", "prompt": "w1"},
             {"sample_id": "s", "idx": 4, "prompt": "w1"}, {"sample_id": "s", "task_id": None, "prompt": "w1"}]
-    assert [it["id"] for it in ed.read_prompts(write_jsonl(tmp_path / "p.jsonl", rows))] == ["t", "q", "4", "s"]
+    assert [it.id for it in ed.read_prompts(write_jsonl(tmp_path / "p.jsonl", rows))] == ["t", "q", "4", "s"]
 
 
 def test_gsm8k_and_alpaca_lines_run_as_their_questions(tmp_path, monkeypatch, capsys):
@@ -115,8 +115,8 @@ def test_content_parts_are_joined(tmp_path):
     rows = [{"messages": [{"role": "system", "content": text("w1")}, {"role": "user", "content": text("w2 w3", "w4")}]},
             {"conversations": [{"from": "human", "value": text("w5")}, {"from": "gpt", "value": text("w6", "w7")}]}]
     first, second = ed.read_prompts(write_jsonl(tmp_path / "p.jsonl", rows))
-    assert first["messages"] == [{"role": "system", "content": "w1"}, {"role": "user", "content": "w2 w3\nw4"}]
-    assert second["messages"] == [{"role": "user", "content": "w5"}] and second["completion"] == "w6\nw7"
+    assert first.messages == [{"role": "system", "content": "w1"}, {"role": "user", "content": "w2 w3\nw4"}]
+    assert second.messages == [{"role": "user", "content": "w5"}] and second.completion == "w6\nw7"
 
 
 @pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
@@ -217,7 +217,7 @@ def test_each_empty_prompt_is_named(tmp_path):
     rows = [{"prompt": "w1"}, {"turns": ["w1", " "]}, {"instruction": " ", "input": ""}, {"question": "\n"},
             {"messages": [{"role": "system", "content": "w1"}, {"role": "user", "content": ""}]}]
     path = write_jsonl(tmp_path / "p.jsonl", rows)
-    assert [it.get("skip") for it in ed.read_prompts(path)] == [
+    assert [it.skip for it in ed.read_prompts(path)] == [
         None, f"the prompt (turn 2) is empty ({path} line 2)", f"the prompt is empty ({path} line 3)",
         f"the prompt is empty ({path} line 4)", None]   # a system message is text the target reads
 

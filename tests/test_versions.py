@@ -81,8 +81,8 @@ def test_self_check_passes_and_fires_on_a_broken_rollback(tmp_path, capsys, monk
 
 
 def item(source, hits, total, diverge=None, pid="p"):
-    return {"id": pid, "source": source, "agree": (hits, total), "first_divergence": diverge,
-            "divergence": None if diverge is None else {"reference": 5, "argmax": 6, "logit_gap": 1e-3}}
+    return ed.Prompt(id=pid, source=source, agree=(hits, total), first_divergence=diverge,
+                     divergence=None if diverge is None else {"reference": 5, "argmax": 6, "logit_gap": 1e-3})
 
 
 @pytest.mark.parametrize("device,dtype,hits,passed", [
