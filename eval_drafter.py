@@ -4939,6 +4939,88 @@ def tree_acceptance(entry, reference, budget, largest):
     return 1 + sum(j < budget for j in entry[1])
 
 
+def slot_bits(rows):
+    """Each row of an (n, slots) boolean tensor as the bits of one int: how records keep per-slot marks."""
+    return [int(sum(1 << k for k, x in enumerate(row) if x)) for row in rows.tolist()]
+
+
+def bit_slots(bits, slots):
+    """slot_bits undone: an (n, slots) boolean tensor."""
+    return (torch.tensor(bits, dtype=torch.long).view(-1, 1) >> torch.arange(slots)) & 1 == 1
+
+
+# How a Result field is kept in JSON: write(value) gives the JSON, read(JSON, drafts, tree_drafts) the value back;
+# drafts is the result's drafts a round (the width of its slot bits), tree_drafts its SGLang tree's.
+Codec = namedtuple("Codec", "write read")
+AS_IS = Codec(lambda v: v, lambda v, drafts, tree_drafts: v)
+LONGS = Codec(lambda v: v.tolist(), lambda v, drafts, tree_drafts: torch.tensor(v, dtype=torch.long))
+SLOTS = Codec(slot_bits, lambda v, drafts, tree_drafts: bit_slots(v, drafts))
+INT_KEYS = Codec(lambda v: {str(k): x for k, x in v.items()},   # JSON keys are strings
+                 lambda v, drafts, tree_drafts: {int(k): x for k, x in v.items()})
+# Results inside a Result, by result_json and result_from_json below: at another depth (its drafts: the key), on
+# SGLang's tree, under another verification rule (the same drafts)
+BY_DEPTH = Codec(lambda v: {str(k): result_json(x) for k, x in v.items()},
+                 lambda v, drafts, tree_drafts: {int(k): result_from_json(x, int(k)) for k, x in v.items()})
+TREE = Codec(lambda v: result_json(v), lambda v, drafts, tree_drafts: result_from_json(v, tree_drafts))
+BY_RULE = Codec(lambda v: {rule: result_json(x) for rule, x in v.items()},
+                lambda v, drafts, tree_drafts: {rule: result_from_json(x, drafts) for rule, x in v.items()})
+
+
+def always(res):
+    """A None written as null all the same."""
+    return True
+
+
+def json_field(codec, null=None, required=False):
+    """A Result field kept in JSON by `codec`. A required one is always written; an optional one defaults to None,
+    and a None is left out unless null(res) holds: then it is written as null (keys the records always wrote)."""
+    if required:
+        return field(metadata={"codec": codec, "null": always})
+    return field(default=None, metadata={"codec": codec, "null": null})
+
+
+@dataclass
+class Result:
+    """One drafter's figures on one prompt: what scoring makes and the report reads. Partial files, shard outputs and
+    torchrun's gathering keep it as JSON (result_json, result_from_json), each field by the codec declared with it and
+    in this order: a field added here is written and read back by all of them."""
+    rounds: list = json_field(AS_IS, required=True)            # the chain walk's round lengths; None: sampled drafts
+    ddtree_rounds: dict = json_field(INT_KEYS, required=True)  # {DDTree budget: its walk's round lengths}
+    anchors: torch.Tensor = json_field(LONGS, required=True)   # the anchors scored (positions in the text), in order
+    matched: torch.Tensor = json_field(LONGS, required=True)   # per anchor: how many leading drafts match the text
+    equal: torch.Tensor = json_field(SLOTS, required=True)     # per anchor and slot: whether the draft is the text's
+    ties: torch.Tensor = json_field(SLOTS)          # per anchor and slot: a near-tie (the drafter's or the target's)
+    mask_check: dict = json_field(AS_IS, always)    # --check-mask: {mask: variant_counts}; None: not checked
+    override_check: dict = json_field(AS_IS, always)   # overridden flags: {as given, own values: variant_counts}
+    by_context: dict = json_field(AS_IS, always)    # {context bucket: context_sums' counts}
+    expected: dict = json_field(AS_IS)              # temperature > 0: the expected walk's sums (add_expectations)
+    feature_check: list = json_field(AS_IS)         # feature_check_prompt's counts, the features real and shuffled
+    suspects: list = json_field(AS_IS, lambda res: res.served_steps is not None)   # served_suspects'; null: not run
+    served_steps: dict = json_field(AS_IS)          # an engine's steps beside this run's rounds (served_walk)
+    confidence: list = json_field(AS_IS)            # DSpark's confidence head: per anchor, each slot's
+    depths: dict = json_field(BY_DEPTH)             # {served depth K: its Result, blocks of 1 + K slots}
+    tree: Result = json_field(TREE)                 # SGLang's token-tree walk (score_tree)
+    verify: dict = json_field(BY_RULE)              # {other verification rule: its Result}
+
+
+def result_json(res):
+    """res as a JSON object: its fields in their order, each by its codec, a None left out or null as declared."""
+    out = {}
+    for f in fields(res):
+        value, null = getattr(res, f.name), f.metadata["null"]
+        if value is not None:
+            out[f.name] = f.metadata["codec"].write(value)
+        elif null and null(res):
+            out[f.name] = None
+    return out
+
+
+def result_from_json(r, drafts, tree_drafts=None):
+    """result_json undone; drafts: the result's drafts a round, tree_drafts: its SGLang tree's (its steps)."""
+    return Result(**{f.name: None if r.get(f.name) is None else f.metadata["codec"].read(r[f.name], drafts, tree_drafts)
+                     for f in fields(Result)})
+
+
 def score_prompt(drafts, ids, n_prompt, block_size, top=None, budgets=(), ties=None):
     """Per anchor: matched drafts m (acceptance 1 + m), equal drafts, near-ties; the chain and DDTree walks."""
     with timed("metrics_s"):
@@ -4951,26 +5033,26 @@ def score_prompt(drafts, ids, n_prompt, block_size, top=None, budgets=(), ties=N
     trees = [[(top[0][i], top[1][i]), None] for i in range(len(anchors))] if budgets else []
     walks = {b: walk(lambda a: tree_acceptance(trees[a - n_prompt], reference[a - n_prompt], b, largest), n_prompt,
                      len(ids), block_size)[0] for b in budgets}
-    return {"anchors": anchors, "matched": matched, "equal": equal, "rounds": rounds, "ddtree_rounds": walks,
-            "ties": ties if ties is not None else torch.zeros_like(equal)}
+    return Result(rounds=rounds, ddtree_rounds=walks, anchors=anchors, matched=matched, equal=equal,
+                  ties=ties if ties is not None else torch.zeros_like(equal))
 
 
 def tie_slots(res, n_prompt, total_len, target_ties):
     """res's near-ties per anchor and slot: the drafter's own, or the target's choice at the slot's position."""
-    where = torch.zeros(total_len + res["ties"].shape[1] + 1, dtype=torch.bool)
+    where = torch.zeros(total_len + res.ties.shape[1] + 1, dtype=torch.bool)
     where[[n_prompt + t for t in target_ties or []]] = True
-    res["ties"] = res["ties"].cpu() | where[res["anchors"][:, None] + torch.arange(1, res["ties"].shape[1] + 1)]
+    res.ties = res.ties.cpu() | where[res.anchors[:, None] + torch.arange(1, res.ties.shape[1] + 1)]
 
 
 def tied_rounds(res):
     """How many of res's rounds a near-tie decided: one among the slots it verified (its accepted drafts and the one
     that failed; the walk starts at the first anchor). None under sampling (no one walk)."""
-    if res["rounds"] is None or "ties" not in res:
+    if res.rounds is None or res.ties is None:
         return None
-    row, n = {a: i for i, a in enumerate(res["anchors"].tolist())}, 0
-    anchor = res["anchors"][0].item() if res["rounds"] else 0
-    for length in res["rounds"]:
-        n += bool(res["ties"][row[anchor], :length].any())
+    row, n = {a: i for i, a in enumerate(res.anchors.tolist())}, 0
+    anchor = res.anchors[0].item() if res.rounds else 0
+    for length in res.rounds:
+        n += bool(res.ties[row[anchor], :length].any())
         anchor += length
     return n
 
@@ -5020,9 +5102,8 @@ def score_walks_only(d, prompts, embed_w, head, budgets):
         drafts, ties = (torch.stack([seen[p][a][x] for a in sorted(seen[p])]) if seen[p] else
                         torch.zeros(0, B - 1, dtype=dtype) for x, dtype in ((0, torch.long), (2, torch.bool)))
         equal = drafts == ids_t[p][anchors[:, None] + torch.arange(1, B)]
-        results.append({"anchors": anchors, "matched": equal.long().cumprod(dim=1).sum(dim=1), "equal": equal,
-                        "rounds": walks[p, None][0], "ddtree_rounds": {b: walks[p, b][0] for b in budgets},
-                        "ties": ties})
+        results.append(Result(rounds=walks[p, None][0], ddtree_rounds={b: walks[p, b][0] for b in budgets},
+                              anchors=anchors, matched=equal.long().cumprod(dim=1).sum(dim=1), equal=equal, ties=ties))
     return results
 
 
@@ -5080,9 +5161,9 @@ def served_moments(accept, per_step):
 def add_expectations(res, block_size, n_prompt, total_len, p, q=None, rules=("standard",), served=None):
     """Temperature > 0, under each verification rule: each drafted slot's acceptance probability, the expected walk and
     the per-position sums (sampled: by context). The first rule's figures are res's own, the others' go to
-    res["verify"]; an engine's per-step figures (served, at this depth) meet the first rule's chances."""
-    p_at, sampled = p[res["anchors"][:, None] + torch.arange(1, block_size) - n_prompt], q is not None
-    q = q if sampled else res["equal"].double()
+    res.verify; an engine's per-step figures (served, at this depth) meet the first rule's chances."""
+    p_at, sampled = p[res.anchors[:, None] + torch.arange(1, block_size) - n_prompt], q is not None
+    q = q if sampled else res.equal.double()
     accepts = {"standard": torch.where(p_at > 0, (q / p_at.clamp_min(1e-300)).clamp(max=1.0), torch.zeros_like(q)),
                "block": block_accept(q, p_at)}
     for rule in rules:
@@ -5093,19 +5174,19 @@ def add_expectations(res, block_size, n_prompt, total_len, p, q=None, rules=("st
             if rule == rules[0] and (served or {}).get("per_step") is not None and served["k"] == block_size - 1:
                 expected["served"] = served_moments(accept, served["per_step"])
         else:
-            expected = round_sums(res["rounds"], block_size, float)
+            expected = round_sums(res.rounds, block_size, float)
         reach = torch.cat([torch.ones(accept.shape[0], 1, dtype=torch.float64), accept.cumprod(1)], dim=1)
         expected = {**expected, "reach": reach.sum(0).tolist(), "hits": accepts["standard"].sum(0).tolist(),
                     "anchors": accept.shape[0]}   # hits: each slot's own chance, a figure of the drafter alone
         if rule != rules[0]:
-            res.setdefault("verify", {})[rule] = {**{k: res[k] for k in ("anchors", "matched", "equal")},
-                                                  "rounds": None if sampled else res["rounds"], "ddtree_rounds": {},
-                                                  "by_context": {}, "expected": expected}
+            other = Result(rounds=None if sampled else res.rounds, ddtree_rounds={}, anchors=res.anchors,
+                           matched=res.matched, equal=res.equal, by_context={}, expected=expected)
+            res.verify = {**(res.verify or {}), rule: other}
             continue
         if sampled:
-            res["rounds"] = None   # sampled proposals: no one walk, its expectation
-            res["by_context"] = context_sums(res["anchors"], accept[:, 0], res["anchors"].tolist(), length, start)
-        res["expected"] = expected
+            res.rounds = None   # sampled proposals: no one walk, its expectation
+            res.by_context = context_sums(res.anchors, accept[:, 0], res.anchors.tolist(), length, start)
+        res.expected = expected
 
 
 def score_tree(d, features, ids, n_prompt, prompt_id, embed_w, head, device):
@@ -5120,8 +5201,8 @@ def score_tree(d, features, ids, n_prompt, prompt_id, embed_w, head, device):
                for lo, part in zip(range(0, len(anchors), per_call), anchors.split(per_call))]
     matched = torch.cat(reached) if reached else torch.zeros(0, dtype=torch.long)
     rounds = walk(lambda a: 1 + int(matched[a - n_prompt]), n_prompt, len(ids), E)[0]
-    return {"anchors": anchors, "matched": matched, "equal": matched[:, None] > torch.arange(E - 1), "rounds": rounds,
-            "ddtree_rounds": {}, "by_context": {}}
+    return Result(rounds=rounds, ddtree_rounds={}, anchors=anchors, matched=matched,
+                  equal=matched[:, None] > torch.arange(E - 1), by_context={})
 
 
 def score_drafter(d, prompts, group, embed_w, head, settings, budgets, rules):
@@ -5151,22 +5232,22 @@ def score_drafter(d, prompts, group, embed_w, head, settings, budgets, rules):
                     dspark_confidence(d, context, anchors, ids_t[anchors], drafts, embed_w).tolist()
             res = score_prompt(drafts, ids, n_prompt, d.block_size, top, budgets, ties)
             if confidence:
-                res["confidence"] = confidence
+                res.confidence = confidence
         tie_slots(res, n_prompt, len(ids), group[i][0].ties)
         with timed("metrics_s"):
             if q is None:   # one walk, the argmax drafts': round i starts at n_prompt + the rounds before it
-                rounds = res["rounds"]
-                res["by_context"] = context_sums(res["anchors"], res["matched"] >= 1,
-                                                 [n_prompt + sum(rounds[:i]) for i in range(len(rounds))], rounds)
+                rounds = res.rounds
+                res.by_context = context_sums(res.anchors, res.matched >= 1,
+                                              [n_prompt + sum(rounds[:i]) for i in range(len(rounds))], rounds)
             if sampling:
                 add_expectations(res, d.block_size, n_prompt, len(ids), group[i][0].p, q, rules,
                                  group[i][0].served)
             elif rules[1:]:   # greedy: every rule is the argmax comparison, the engines' greedy path
-                res["verify"] = {rule: {**{k: res[k] for k in ("anchors", "matched", "equal", "rounds")},
-                                        "ddtree_rounds": {}, "by_context": {}} for rule in rules[1:]}
+                res.verify = {rule: Result(rounds=res.rounds, ddtree_rounds={}, anchors=res.anchors,
+                                           matched=res.matched, equal=res.equal, by_context={}) for rule in rules[1:]}
         if d.tree:
             with timed("drafter_s"):
-                res["tree"] = score_tree(d, features, ids, n_prompt, prompt_id, embed_w, head, settings.device)
+                res.tree = score_tree(d, features, ids, n_prompt, prompt_id, embed_w, head, settings.device)
         out.append(res)
     return out
 
@@ -5308,7 +5389,8 @@ def mask_variants(drafter, settings):
 
 
 def check_variants(d):
-    """{check: {name: drafter}} drafted beside d on sampled anchors (--check-mask's masks; d.own), own first."""
+    """{check (its Result field): {name: drafter}} drafted beside d on sampled anchors (--check-mask's masks; d.own),
+    own first."""
     return {"mask_check": {name: replace(d, rules=rules) for name, rules in (d.mask_variants or {}).items()},
             "override_check": {"as given": d, "checkpoint's own values": d.own} if d.own else {}}
 
@@ -5336,16 +5418,6 @@ def suspect_inputs(d, target_cfg, tokenizer=None):
     return out
 
 
-def slot_bits(rows):
-    """Each row of an (n, slots) boolean tensor as the bits of one int: how records keep per-slot marks."""
-    return [int(sum(1 << k for k, x in enumerate(row) if x)) for row in rows.tolist()]
-
-
-def bit_slots(bits, slots):
-    """slot_bits undone: an (n, slots) boolean tensor."""
-    return (torch.tensor(bits, dtype=torch.long).view(-1, 1) >> torch.arange(slots)) & 1 == 1
-
-
 def reply_tail(v, prompt, res, embed_w, head, device):
     """{anchor: (drafts matched inside the reply, near-tie bits)} at the anchors past the last whose block fits: an
     engine drafts them too, and its steps there count in its figures (the drafts past the reply's end it drops)."""
@@ -5366,8 +5438,8 @@ def served_walk(s, at, tail, n_prompt, total_len):
     min(K, n_predict - generated - 1) a step, none for the last token) and, with an engine's steps one by one
     (s["per_step"]), each beside this run's round at the step's own anchor: [served length, exact length, 1 where the
     two differ at a near-tie], the engine's lengths cut at the reply's end."""
-    ours = {**dict(zip(at["anchors"].tolist(), zip(at["matched"].tolist(), slot_bits(at["ties"])))), **tail}
-    rounds, drafted, tied, anchor, K = [], 0, 0, n_prompt, at["ties"].shape[1]
+    ours = {**dict(zip(at.anchors.tolist(), zip(at.matched.tolist(), slot_bits(at.ties)))), **tail}
+    rounds, drafted, tied, anchor, K = [], 0, 0, n_prompt, at.ties.shape[1]
     while anchor < total_len - 1 and anchor in ours:
         depth = K if s.get("n_predict") is None else min(K, s["n_predict"] - (anchor - n_prompt + 1) - 1)
         if depth <= 0:
@@ -5495,15 +5567,15 @@ def shuffled_features(features, layers):
 def feature_check_prompt(drafter, res, features, ids, embed_w, head, device):
     """[anchors, first drafts right with the target's features, shuffled, drafts matched with them, shuffled, sum of
     squared paired differences of matched drafts] on a sample of `res`'s anchors: only the shuffled drafts are new."""
-    n = res["anchors"].numel()
+    n = res.anchors.numel()
     if n == 0:
         return [0] * 6
     pick = torch.linspace(0, n - 1, min(FEATURE_CHECK_ANCHORS, n)).long()
-    sample, ids_t = res["anchors"][pick], torch.tensor(ids)
+    sample, ids_t = res.anchors[pick], torch.tensor(ids)
     reference = ids_t[sample[:, None] + torch.arange(1, drafter.block_size)]
     context_kv = prompt_context(drafter, shuffled_features(features, drafter.layers), ids, embed_w)
     drafts, _ = draft_all_anchors(drafter, context_kv, sample.to(device), ids_t[sample].to(device), embed_w, head)
-    matched = [res["equal"][pick].long().cumprod(1).sum(1), (drafts == reference).long().cumprod(1).sum(1)]
+    matched = [res.equal[pick].long().cumprod(1).sum(1), (drafts == reference).long().cumprod(1).sum(1)]
     return [sample.numel(), *(int((m > 0).sum()) for m in matched), *(int(m.sum()) for m in matched),
             int(((matched[0] - matched[1]) ** 2).sum())]
 
@@ -5540,24 +5612,24 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
         for depth in served_depths(d, settings):   # the engines' shorter blocks: 1 + K slots, chain only
             for res, other in zip(scored, score_drafter(replace(d, block_size=depth + 1, tree=None), prompts, group,
                                                         embed_w, head, settings, [], settings.verify[:1])):
-                res.setdefault("depths", {})[depth] = other
+                res.depths = {**(res.depths or {}), depth: other}
         for (it, _, _), (features, ids, n_prompt, prompt_id), res, kept in zip(group, prompts, scored, results):
             for check, variants in check_variants(d).items():
                 if variants:
                     with timed(f"{check}_s"):
-                        res[check] = variant_counts(variants, features, ids, n_prompt, embed_w, head, device)
+                        setattr(res, check, variant_counts(variants, features, ids, n_prompt, embed_w, head, device))
             with timed("feature_check_s"):
                 if d.layers:   # a baseline reads no features
-                    res["feature_check"] = feature_check_prompt(d, res, features, ids, embed_w, head, device)
+                    res.feature_check = feature_check_prompt(d, res, features, ids, embed_w, head, device)
             s = it.served
             if s and not sampling:   # greedy: the engine's steps against this run's rounds at the engine's K
                 k, prompt = s["k"] or d.block_size - 1, (features, ids, n_prompt, prompt_id)
-                at = res if k == d.block_size - 1 else res.get("depths", {}).get(k)
-                if at is not None and at["rounds"] is not None:
+                at = res if k == d.block_size - 1 else (res.depths or {}).get(k)
+                if at is not None and at.rounds is not None:
                     v = d if k == d.block_size - 1 else replace(d, block_size=k + 1, tree=None)
                     tail = reply_tail(v, prompt, at, embed_w, head, device)
-                    res["served_steps"] = served_walk(s, at, tail, n_prompt, len(ids))
-                    res["suspects"] = served_suspects(d, prompt, it, res["served_steps"], embed_w, head, settings)
+                    res.served_steps = served_walk(s, at, tail, n_prompt, len(ids))
+                    res.suspects = served_suspects(d, prompt, it, res.served_steps, embed_w, head, settings)
             kept.append(res)
     records = []
     for (it, _, argmax), res in zip(group, results):
@@ -5601,12 +5673,22 @@ def walked_summary(rounds, longest):
             "rounds": len(flat), "histogram": [flat.count(n) for n in range(1, longest + 1)]}
 
 
-def prompt_totals(results, items):
-    """{prompt: (committed, rounds)}, exact or expected; a prompt's samples and turns are one unit, not independent."""
+def walk_totals(rounds):
+    """(committed, rounds) of one walk's round lengths."""
+    return sum(rounds), len(rounds)
+
+
+def result_totals(res):
+    """(committed, rounds) of one result: its walk's, or their expectation under sampling."""
+    e = res.expected
+    return (e["committed"], e["rounds"]) if e else walk_totals(res.rounds)
+
+
+def prompt_totals(units, items):
+    """{prompt: (committed, rounds)} of units [(committed, rounds)], one per item; a prompt's samples and turns are one
+    unit, not independent."""
     totals = {}
-    for res, it in zip(results, items):
-        e = res.get("expected")
-        c, r = (e["committed"], e["rounds"]) if e else (sum(res["rounds"]), len(res["rounds"]))
+    for (c, r), it in zip(units, items):
         before = totals.get(it.id, (0, 0))
         totals[it.id] = (before[0] + c, before[1] + r)
     return totals
@@ -5634,12 +5716,12 @@ def pooled(e, block_size):
 
 def sums(res, block_size):
     """One result's counts (T > 0: expected ones); reach[j]: anchors whose drafts reach slot j (reach[0]: all)."""
-    if "expected" in res:
-        return res["expected"]
-    matched = res["matched"]
-    return {**round_sums(res["rounds"], block_size), "near_ties": tied_rounds(res),
+    if res.expected is not None:
+        return res.expected
+    matched = res.matched
+    return {**round_sums(res.rounds, block_size), "near_ties": tied_rounds(res),
             "reach": [int((matched >= j).sum()) for j in range(block_size)],
-            "hits": [int(h) for h in res["equal"].sum(0)] if matched.numel() else [0] * (block_size - 1),
+            "hits": [int(h) for h in res.equal.sum(0)] if matched.numel() else [0] * (block_size - 1),
             "anchors": matched.numel()}
 
 
@@ -5655,8 +5737,8 @@ def summarize(results, block_size):
             "anchors": anchors, "per_position": {"acceptance": [reach[j + 1] / reach[j] if reach[j] else None
                                                                 for j in range(block_size - 1)],
                                                  "accuracy": [h / anchors if anchors else None for h in hits]},
-            "ddtree": {str(b): pooled([round_sums(res["ddtree_rounds"][b], block_size) for res in results], block_size)
-                       for b in (results[0].get("ddtree_rounds", {}) if results else {})}}
+            "ddtree": {str(b): pooled([round_sums(res.ddtree_rounds[b], block_size) for res in results], block_size)
+                       for b in (results[0].ddtree_rounds if results else {})}}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -5918,20 +6000,20 @@ def predicted_speedups(report, costs, results, items):
     for d, res in zip(report["drafters"], results):
         depths = d.get("depths") or {str(d["drafts_per_round"]): d}
         out, K = {}, str(d["drafts_per_round"])
-        # row: (its figures, the tokens it verifies, its draft's key, its per-prompt results for the paired units)
-        rows = {f"K={k}": (s, str(1 + int(k)), k, [r if k == K else r["depths"][int(k)] for r in res])
+        # row: (its figures, the tokens it verifies, its draft's key, per prompt its (committed, rounds): paired units)
+        rows = {f"K={k}": (s, str(1 + int(k)), k, [result_totals(r if k == K else r.depths[int(k)]) for r in res])
                 for k, s in depths.items()}
-        rows.update({f"DDTree {b}": (s, str(1 + int(b)), K, [{"rounds": r["ddtree_rounds"][int(b)]} for r in res])
+        rows.update({f"DDTree {b}": (s, str(1 + int(b)), K, [walk_totals(r.ddtree_rounds[int(b)]) for r in res])
                      for b, s in (d["ddtree"] or {}).items()})
-        rows.update({f"K={K} {rule}": (s, str(1 + int(K)), K, [r["verify"][rule] for r in res])
+        rows.update({f"K={K} {rule}": (s, str(1 + int(K)), K, [result_totals(r.verify[rule]) for r in res])
                      for rule, s in (d.get("verify") or {}).items()})
         if d.get("fly"):   # FLy's own texts, verified by the same passes: its loss is reported beside it
-            rows[f"K={K} fly"] = (d["fly"], str(1 + int(K)), K,
-                                  [(it.fly or {}).get(d["name"], {"rounds": []}) for it in items])
+            fly = [(it.fly or {}).get(d["name"], {"rounds": []})["rounds"] for it in items]
+            rows[f"K={K} fly"] = (d["fly"], str(1 + int(K)), K, [walk_totals(rounds) for rounds in fly])
         tree = d.get("eagle_tree")
         if tree and "tau" in tree:   # SGLang verifies its draft tokens, the anchor's included
             rows[f"SGLang tree {tree['steps']},{tree['topk']},{tree['tokens']}"] = (tree, str(tree["tokens"]), "tree",
-                                                                                  [r["tree"] for r in res])
+                                                                                  [result_totals(r.tree) for r in res])
         units = {name: prompt_totals(picked, items) for name, (*_, picked) in rows.items()}   # {prompt: (c, rounds)}
         for batch, t in costs.get("batch_sizes", {"1": costs}).items():
             draft = t["draft"].get(d["name"], t["draft"])
@@ -5959,7 +6041,7 @@ def adaptive_verification(report, costs, results, items):
     profiled curve is); tau, which slots were verified, and the speedup its smaller verify passes give."""
     t = costs.get("batch_sizes", {"1": costs}).get("1", {})
     for d, res in zip(report["drafters"], results):
-        if not res or "confidence" not in res[0]:
+        if not res or res[0].confidence is None:
             continue
         K = d["drafts_per_round"]
         sizes, draft_s = capture_sizes(K), t.get("draft", {}).get(d["name"], {}).get(str(K))
@@ -5970,8 +6052,8 @@ def adaptive_verification(report, costs, results, items):
             continue
         padded = dict(zip(sizes, itertools.accumulate((t["target"][str(n)] for n in sizes), max)))
         verify_s = {n: padded[next(g for g in sizes if g >= n)] for n in range(1, K + 2)}
-        walks = [budget_rounds(dict(zip(r["anchors"].tolist(), r["matched"].tolist())), dict(zip(
-            r["anchors"].tolist(), r["confidence"])), len(it.prompt_ids), len(it.prompt_ids) +
+        walks = [budget_rounds(dict(zip(r.anchors.tolist(), r.matched.tolist())), dict(zip(
+            r.anchors.tolist(), r.confidence)), len(it.prompt_ids), len(it.prompt_ids) +
             len(it.completion_ids), K, draft_s, verify_s) for r, it in zip(res, items)]
         budgets = [m for _, ms in walks for m in ms]
         gained = [sum(rounds) * t["target"]["1"] for rounds, _ in walks]
@@ -6080,16 +6162,16 @@ def held_served(it, res, B):
     """One request's served figures (an engine's own) against the exact ones on its text at the served K, in the
     engine's units: greedy, its steps over the whole reply (the tail's too) beside this run's rounds there; sampled
     drafts, the expectation over the steps the engine took. units: the (committed, steps) of each, for the paired gap."""
-    s, depths = it.served, res.get("depths") or {}
+    s, depths = it.served, res.depths or {}
     k = s["k"] or B - 1
-    at = res if k == B - 1 else depths.get(k) or depths.get(str(k)) or {}
-    moments, walked = (at.get("expected") or {}).get("served"), res.get("served_steps")
+    at = res if k == B - 1 else depths.get(k) or depths.get(str(k))
+    moments, walked = ((at and at.expected) or {}).get("served"), res.served_steps
     held = {"engine": s["engine"], "k": k, "steps": s["steps"], "accepted": s["accepted"],
             "tau_served": 1 + s["accepted"] / s["steps"] if s["steps"] else None, "tau_exact": None, "equal": None,
             "histogram": s.get("histogram"),
             "agreement": it.agree[0] / it.agree[1] if it.agree and it.agree[1] else None,
             **{key: s[key] for key in ("prompt_differs_at", "prompt_flag") if key in s},
-            **({"suspects": res["suspects"]} if res.get("suspects") is not None else {})}
+            **({"suspects": res.suspects} if res.suspects is not None else {})}
     if moments:   # [accepted, its expectation, variance, steps, impossible steps]
         obs, mean, var, n, _ = moments
         held.update(tau_exact=1 + mean / n if n else None, moments=moments, units=[[obs + n, n], [mean + n, n]],
@@ -6237,27 +6319,27 @@ def served_summary(held, B, depths):
 
 
 def prompt_report(it, res, B):
-    sampled = "expected" in res
-    committed, rounds = prompt_totals([res], [it])[it.id]   # exact or expected
-    entry = {"id": it.id, **{k: v for k, v in (("sample", it.sample), ("turn", it.turn)) if v is not None},
-             "split": it.split, "prompt_tokens": len(it.prompt_ids), "completion_tokens": len(it.completion_ids),
+    sampled = res.expected is not None
+    committed, rounds = result_totals(res)   # exact or expected
+    entry = {"id": it.id, **{k: v for k, v in (("sample", it.sample), ("turn", it.turn)) if v is not None}, "split": it.split,
+             "prompt_tokens": len(it.prompt_ids), "completion_tokens": len(it.completion_ids),
              "reference_generated": it.source != "file", "reference_source": it.source,
              "first_divergence": it.first_divergence, "divergence": it.divergence,
              **reference_fit([it], sampled)[0], **({"first_outside_support": it.support[3]} if sampled else {}),
              "tau": committed / rounds if rounds else None,
              **({"expected_rounds": rounds, "expected_committed": committed} if sampled else {}),
-             **({"rounds": res["rounds"]} if res["rounds"] is not None else {}),
-             "ddtree_rounds": {str(b): r for b, r in res["ddtree_rounds"].items()}, "reply": it.reply}
-    if "tree" in res:
-        entry["eagle_tree_rounds"] = res["tree"]["rounds"]
-    for rule, v in res.get("verify", {}).items():   # each other rule's tau on this reference (exact or expected)
-        c, r = prompt_totals([v], [it])[it.id]
+             **({"rounds": res.rounds} if res.rounds is not None else {}),
+             "ddtree_rounds": {str(b): r for b, r in res.ddtree_rounds.items()}, "reply": it.reply}
+    if res.tree is not None:
+        entry["eagle_tree_rounds"] = res.tree.rounds
+    for rule, v in (res.verify or {}).items():   # each other rule's tau on this reference (exact or expected)
+        c, r = result_totals(v)
         entry.setdefault("verify_tau", {})[rule] = c / r if r else None
-    if "depths" in res:
-        entry["depth_rounds"] = {str(k): other["rounds"] for k, other in sorted(res["depths"].items())}
+    if res.depths is not None:
+        entry["depth_rounds"] = {str(k): other.rounds for k, other in sorted(res.depths.items())}
     if it.served:
         entry["served"] = held_served(it, res, B)
-    if not (res["rounds"] or res.get("expected", {}).get("rounds")):
+    if not (res.rounds or (res.expected or {}).get("rounds")):
         entry["note"] = (f"completion of {len(it.completion_ids)} tokens is shorter than one block ({B} tokens: "
                          f"the anchor and {B - 1} drafts): nothing to score")
     return entry
@@ -6298,49 +6380,51 @@ def acceptance_warning(s, check):
 
 def drafter_report(d, results, items):
     B = d["drafts_per_round"] + 1   # the longest round: every draft and the target's own token
-    note, first = FAMILIES[d["generation"]].ddtree_note, results[0] if results else {}
+    note, first = FAMILIES[d["generation"]].ddtree_note, results[0] if results else None
     no_trees = {"ddtree": None, "ddtree_note": note} if note else {}
-    sampled = "expected" in first
+    sampled = first is not None and first.expected is not None
 
     def section(keep=lambda it: True, depth=None, pick=None):   # the kept prompts' figures, at the trained depth,
-        pick = pick or (lambda res: res if depth is None else res["depths"][depth])   # `depth`, or what pick picks
+        pick = pick or (lambda res: res if depth is None else res.depths[depth])   # `depth`, or what pick picks
         chosen = [(pick(res), it) for res, it in zip(results, items) if keep(it)]
-        totals, size = list(prompt_totals(*zip(*chosen)).values()) if chosen else [], B if depth is None else depth + 1
+        kept = [it for _, it in chosen]
+        totals = list(prompt_totals([result_totals(res) for res, _ in chosen], kept).values())
+        size = B if depth is None else depth + 1
         summary = summarize([res for res, _ in chosen], size)
         for b, t in (summary["ddtree"] or {}).items():   # a tree's interval over prompts, as the chain's
-            units = prompt_totals([{"rounds": res["ddtree_rounds"][int(b)]} for res, _ in chosen],
-                                  [it for _, it in chosen]).values()
+            units = prompt_totals([walk_totals(res.ddtree_rounds[int(b)]) for res, _ in chosen], kept).values()
             t["tau_ci95"] = ratio_ci95([c for c, _ in units], [r for _, r in units])
         return {**summary, "tau_ci95": ratio_ci95([c for c, _ in totals], [r for _, r in totals]),
                 **reference_fit([it for _, it in chosen], sampled)[0], **(no_trees if depth is None else {})}
 
     def depth_figures(s, k, tokens=None):   # a depth's figures, with the engines' at it
         return {**{key: s[key] for key in DEPTH_KEYS}, "engine_metrics": engine_metrics(s, k, tokens)}
-    whole, check = section(), feature_check_summary([res["feature_check"] for res in results if "feature_check" in res])
-    overridden = override_summary(d["overrides"], [r.get("override_check") for r in results]) \
+    whole, check = section(), feature_check_summary([res.feature_check for res in results
+                                                     if res.feature_check is not None])
+    overridden = override_summary(d["overrides"], [r.override_check for r in results]) \
         if d.get("overrides") else None
     splits = {split: section(lambda it: it.split == split) for split in sorted({it.split for it in items})}
     numbers = sorted({it.turn for it in items} - {None})   # rows per turn where there are several
     turns = {str(t): section(lambda it: it.turn == t) for t in numbers} if len(numbers) > 1 else {}
-    depths = {B - 1: whole, **{k: section(depth=k) for k in first.get("depths", {})}}
-    verify = {rule: section(pick=lambda res, rule=rule: res["verify"][rule]) for rule in first.get("verify", {})}
+    depths = {B - 1: whole, **{k: section(depth=k) for k in (first and first.depths) or {}}}
+    verify = {rule: section(pick=lambda res, rule=rule: res.verify[rule]) for rule in (first and first.verify) or {}}
     prompts = [prompt_report(it, res, B) for it, res in zip(items, results)]
     adaptive = adaptive_summary(results, items, B) if FAMILIES[d["generation"]].adaptive and results and all(
         k in depths for k in ADAPTIVE["candidates"]) else None
     runs = [(it.id, it.fly[d["name"]]) for it in items if d["name"] in (it.fly or {})]
     held, tree = [p["served"] for p in prompts if "served" in p], d.get("eagle_tree")
-    if tree and "tree" in first:   # SGLang's token tree: its walk, its rounds of up to steps + 1
-        s = section(depth=tree["steps"], pick=lambda res: res["tree"])
+    if tree and (first and first.tree):   # SGLang's token tree: its walk, its rounds of up to steps + 1
+        s = section(depth=tree["steps"], pick=lambda res: res.tree)
         tree = {**tree, **depth_figures(s, tree["steps"], tree["tokens"])}
     return {**{k: v for k, v in d.items() if k != "mask_modes"}, **whole, **({"eagle_tree": tree} if tree else {}),
             **({"verify": {rule: depth_figures(s, B - 1) for rule, s in verify.items()}} if verify else {}),
             "engine_metrics": engine_metrics(whole, B - 1),
             **({"depths": {str(k): depth_figures(s, k) for k, s in sorted(depths.items())}} if len(depths) > 1 else {}),
-            "by_context": by_context([res["by_context"] for res in results]),
+            "by_context": by_context([res.by_context for res in results]),
             "feature_check": check, "warnings": d["warnings"] + acceptance_warning(whole, check) +
             ([overridden[1]] if overridden else []), "splits": splits,
-            **({"turns": turns} if turns else {}), **({"mask_check": mask_check_summary(
-                d["mask_modes"], [r["mask_check"] for r in results if "mask_check" in r])} if d["mask_modes"] else {}),
+            **({"turns": turns} if turns else {}), **({"mask_check": mask_check_summary(d["mask_modes"], [
+                r.mask_check for r in results if r.mask_check is not None])} if d["mask_modes"] else {}),
             **({"override_check": overridden[0]} if overridden and overridden[0] else {}),
             "prompts": prompts, **({"served": served_summary(held, B, depths)} if held else {}),
             **({"adaptive": adaptive} if adaptive else {}), **({"fly": fly_summary(runs, B)} if runs else {})}
@@ -6357,8 +6441,8 @@ def fly_summary(runs, B):
 
 def adaptive_summary(results, items, B):
     """--adaptive-steps: SGLang's controller over the prompts in order, each step's rounds from its depth's walk."""
-    at = [{k: dict(zip(r["anchors"].tolist(), r["matched"].tolist())) for k, r in
-           ((k, res if k == B - 1 else res["depths"][k]) for k in ADAPTIVE["candidates"])} for res in results]
+    at = [{k: dict(zip(r.anchors.tolist(), r.matched.tolist())) for k, r in
+           ((k, res if k == B - 1 else res.depths[k]) for k in ADAPTIVE["candidates"])} for res in results]
     rounds, used = adaptive_rounds(lambda p, k: at[p][k], [(len(it.prompt_ids), len(it.prompt_ids) + len(
         it.completion_ids)) for it in items])
     return {"controller": "SGLang 0.5.23 --speculative-adaptive, batch size 1", **{k: ADAPTIVE[k] for k in (
@@ -6373,7 +6457,7 @@ def common_depth(drafters):
 
 
 def at_depth(res, d, K):
-    return res if K in (None, d["drafts_per_round"]) else res["depths"][K]
+    return res if K in (None, d["drafts_per_round"]) else res.depths[K]
 
 
 def side_by_side(drafters, results, items):
@@ -6382,12 +6466,13 @@ def side_by_side(drafters, results, items):
     trained, splits = [d["drafts_per_round"] for d in drafters], list(dict.fromkeys(it.split for it in items))
 
     def split_tau(d, res, K, split):   # at depth K, for the bars
-        kept = [(at_depth(r, d, K), it) for r, it in zip(res, items) if it.split == split]
+        kept = [(result_totals(at_depth(r, d, K)), it) for r, it in zip(res, items) if it.split == split]
         c, r = map(sum, zip(*prompt_totals(*zip(*kept)).values()))
         return c / r if r else None
 
     def paired(rows, K=None):   # each row with its tau's difference from the first's, paired on the prompts
-        totals = [prompt_totals([at_depth(r, d, K) for r in res], items) for d, res in zip(drafters, results)]
+        totals = [prompt_totals([result_totals(at_depth(r, d, K)) for r in res], items)
+                  for d, res in zip(drafters, results)]
         deltas = [(None, None), *(paired_delta(t, totals[0]) for t in totals[1:])]
         return [{**row, "delta_tau": delta, "delta_tau_ci95": ci} for row, (delta, ci) in zip(rows, deltas)]
     rows = paired([{"name": d["name"], **{k: d[k] for k in ("series", "step") if k in d}, "tau": d["tau"],
@@ -6403,7 +6488,7 @@ def side_by_side(drafters, results, items):
     comparison = {"reference": drafters[0]["name"], "prompts": len({it.id for it in items}), "drafters": rows,
                   "best_steps": {name: row["step"] for name, row in series.items()}}
     if len(set(trained)) > 1:
-        shared = set.intersection(*({k, *res[0].get("depths", {})} for k, res in zip(trained, results)))
+        shared = set.intersection(*({k, *(res[0].depths or {})} for k, res in zip(trained, results)))
         comparison.update(drafts_per_round=dict(zip((d["name"] for d in drafters), trained)), at_depth={
             str(K): paired([{"name": d["name"], "tau": (d.get("depths") or {}).get(str(K), d)["tau"],
                              **({"splits": {s: split_tau(d, res, K, s) for s in splits}} if len(splits) > 1 else {})}
@@ -6434,10 +6519,10 @@ def bench_table(drafters, results, items, config):
 
     def figures(keep):
         idx = [i for i, it in enumerate(items) if keep(it.split)]
-        picked = [[at_depth(res[i], d, K) for i in idx] for d, res in zip(drafters, results)]
-        totals, out = [prompt_totals(res, [items[i] for i in idx]) for res in picked], []
-        for t, res in zip(totals, picked):   # a request's own tau: each turn and sample on its own
-            means = [c / r for x, i in zip(res, idx) for c, r in prompt_totals([x], [items[i]]).values() if r]
+        picked = [[result_totals(at_depth(res[i], d, K)) for i in idx] for d, res in zip(drafters, results)]
+        totals, out = [prompt_totals(units, [items[i] for i in idx]) for units in picked], []
+        for t, units in zip(totals, picked):   # a request's own tau: each turn and sample on its own
+            means = [c / r for c, r in units if r]
             mean = sum(means) / len(means) if means else None
             half = 1.96 * statistics.stdev(means) / math.sqrt(len(means)) if len(means) > 1 else None
             committed, rounds = [c for c, _ in t.values()], [r for _, r in t.values()]
@@ -7016,35 +7101,10 @@ def fingerprint(config, facts):
     return {**{k: config.get(k) for k in dict.fromkeys(RESUME_KEYS + SLICE_KEYS + ORIGIN_KEYS)}, "drafters": facts}
 
 
-def result_json(r):
-    return {"rounds": r["rounds"], "ddtree_rounds": {str(b): v for b, v in r["ddtree_rounds"].items()},
-            "anchors": r["anchors"].tolist(), "matched": r["matched"].tolist(),
-            "equal": slot_bits(r["equal"]), **({"ties": slot_bits(r["ties"])} if "ties" in r else {}),
-            "mask_check": r.get("mask_check"), "override_check": r.get("override_check"), "by_context": r["by_context"],
-            **{k: r[k] for k in ("expected", "feature_check", "suspects", "served_steps", "confidence") if k in r},
-            **({"depths": {str(k): result_json(v) for k, v in r["depths"].items()}} if "depths" in r else {}),
-            **({"tree": result_json(r["tree"])} if "tree" in r else {}),
-            **({"verify": {rule: result_json(v) for rule, v in r["verify"].items()}} if "verify" in r else {})}
-
-
 def record_json(record):
     """A finished prompt as one JSON line: enough to rebuild every statistic without recomputing."""
     return {"item": prompt_json(record["item"], FINISHED_FIELDS),
             "results": [result_json(r) for r in record["results"]]}
-
-
-def result_from_json(r, drafts, tree_drafts=None):
-    return {"rounds": r["rounds"], "ddtree_rounds": {int(b): v for b, v in r["ddtree_rounds"].items()},
-            "anchors": torch.tensor(r["anchors"], dtype=torch.long),
-            "matched": torch.tensor(r["matched"], dtype=torch.long), "equal": bit_slots(r["equal"], drafts),
-            "by_context": r["by_context"], **({"ties": bit_slots(r["ties"], drafts)} if "ties" in r else {}),
-            **{k: r[k] for k in ("mask_check", "override_check", "expected", "feature_check", "suspects",
-                                 "served_steps", "confidence") if r.get(k) is not None},
-            **({"depths": {int(k): result_from_json(v, int(k)) for k, v in r["depths"].items()}}
-               if "depths" in r else {}),
-            **({"tree": result_from_json(r["tree"], tree_drafts)} if "tree" in r else {}),
-            **({"verify": {rule: result_from_json(v, drafts) for rule, v in r["verify"].items()}} if "verify" in r
-               else {})}
 
 
 def collect(rows, facts):

@@ -150,8 +150,8 @@ def test_ddtree_walk_by_hand():
     drafts = top[1][..., 0]                          # the chain's greedy drafts are the rank-0 tokens
     res = ed.score_prompt(drafts, ids, n_prompt, B, top, budgets=(1, 2, 3, 4, 5, 6))
     # chain: acceptance per anchor 1, 2, 4, 1, 2 -> anchors 2, 3, 5, 6
-    assert res["rounds"] == [1, 2, 1, 2]
-    assert res["ddtree_rounds"] == {
+    assert res.rounds == [1, 2, 1, 2]
+    assert res.ddtree_rounds == {
         1: [1, 2, 1, 2],   # acceptance 1,2,2,1,2: anchors 2, 3, 5, 6
         2: [2, 3],         # anchors 2 (acc 2), 4 (acc 3); next anchor 7 does not fit
         3: [2, 4],         # anchors 2, 4 (acc 4 from budget 3)
@@ -160,8 +160,8 @@ def test_ddtree_walk_by_hand():
         6: [3, 1, 4],      # anchors 2 (acc 3), 5 (acc 1), 6 (acc 4 from budget 5)
     }
     # a subset of the budgets gives the same walks, and no budgets -> no DDTree
-    assert ed.score_prompt(drafts, ids, n_prompt, B, top, [4, 6])["ddtree_rounds"] == {4: [2, 4], 6: [3, 1, 4]}
-    assert ed.score_prompt(drafts, ids, n_prompt, B, None, [])["ddtree_rounds"] == {}
+    assert ed.score_prompt(drafts, ids, n_prompt, B, top, [4, 6]).ddtree_rounds == {4: [2, 4], 6: [3, 1, 4]}
+    assert ed.score_prompt(drafts, ids, n_prompt, B, None, []).ddtree_rounds == {}
 
 
 def test_walk_rule():
@@ -382,4 +382,4 @@ def test_top_k_skipped_only_where_no_tree_can_hold_the_reference(tiny_target, dr
     budgets = [1, 2, k]
     one = ed.score_prompt(full[0], ids, n_prompt, B, full[1], budgets)
     two = ed.score_prompt(short[0], ids, n_prompt, B, short[1], budgets)
-    assert one["ddtree_rounds"] == two["ddtree_rounds"] and one["rounds"] == two["rounds"]
+    assert one.ddtree_rounds == two.ddtree_rounds and one.rounds == two.rounds

@@ -379,12 +379,12 @@ PATTERN = [[T, T, F],   # anchor 3: matched 2
 
 def test_score_prompt_by_hand():
     res = ed.score_prompt(drafts_from(PATTERN), IDS, N_PROMPT, B)
-    assert res["anchors"].tolist() == [3, 4, 5, 6, 7, 8]
-    assert res["matched"].tolist() == [2, 0, 3, 1, 0, 3]
-    assert res["equal"].tolist() == PATTERN
+    assert res.anchors.tolist() == [3, 4, 5, 6, 7, 8]
+    assert res.matched.tolist() == [2, 0, 3, 1, 0, 3]
+    assert res.equal.tolist() == PATTERN
     # Walk: anchor 3 accepts 3 -> anchor 6 accepts 2 -> anchor 8 accepts 4 (8 + 3 = 11 is the last
     # position) -> anchor 12 is past the end.
-    assert res["rounds"] == [3, 2, 4]
+    assert res.rounds == [3, 2, 4]
 
 
 def test_walk_stop_rule():
@@ -406,7 +406,7 @@ def test_score_prompt_too_short(total_len):
     # after its anchor), so there are no anchors and no rounds. A reference that stops early on EOS, or a
     # small --max-new-tokens, produces exactly this.
     res = ed.score_prompt(torch.zeros(0, 3, dtype=torch.long), IDS[:total_len], 3, 4)
-    assert res["rounds"] == [] and res["matched"].numel() == 0 and res["anchors"].numel() == 0
+    assert res.rounds == [] and res.matched.numel() == 0 and res.anchors.numel() == 0
 
 
 def test_summarize_by_hand():
@@ -426,7 +426,7 @@ def test_summarize_by_hand():
 def test_summarize_pooled_vs_prompt_mean():
     good = ed.score_prompt(drafts_from(PATTERN), IDS, N_PROMPT, B)              # rounds [3, 2, 4]
     bad = ed.score_prompt(drafts_from([[F, T, T]] * 6), IDS, N_PROMPT, B)       # rounds [1] * 6
-    assert bad["rounds"] == [1] * 6
+    assert bad.rounds == [1] * 6
     s = ed.summarize([good, bad], B)
     assert s["tau"] == pytest.approx((9 + 6) / (3 + 6))       # pooled: all tokens / all rounds = 1.667
     assert s["tau_prompt_mean"] == pytest.approx((3 + 1) / 2)  # mean of per-prompt means = 2.0

@@ -244,7 +244,7 @@ def test_statistics_are_exact_fractions():
     equal[:2, 0] = False
     equal[5:9, 2] = False
     matched = equal.long().cumprod(1).sum(1)
-    res = {"matched": matched, "equal": equal, "rounds": [4, 1], "ddtree_rounds": {}}
+    res = ed.Result(rounds=[4, 1], ddtree_rounds={}, anchors=torch.arange(121), matched=matched, equal=equal)
     s = ed.summarize([res], 4)
     assert s["per_position"]["accuracy"] == [119 / 121, 1.0, 117 / 121]
     assert s["tau_all_anchors"] == 1 + int(matched.sum()) / 121
