@@ -11,6 +11,7 @@ tokens (README, Verification rules). Three independent checks:
 - greedy, and argmax drafts at any temperature: block verification is the standard rule, round by round.
 """
 import itertools
+import dataclasses
 import json
 import os
 
@@ -306,5 +307,5 @@ def test_a_p_eagle_block_row_is_named_as_no_vllms(demo, capsys):
     ed.load_drafter(PEAGLE, demo[0].config, settings)
     assert "vLLM serves it on its V1 runner, which has no block verification: its --verify block row is what no " \
            "vLLM serves yet" in capsys.readouterr().err
-    ed.load_drafter(PEAGLE, demo[0].config, {**settings, "verify": ["standard"]})
+    ed.load_drafter(PEAGLE, demo[0].config, dataclasses.replace(settings, verify=["standard"]))
     assert "block" not in capsys.readouterr().err

@@ -8,6 +8,7 @@
 - --resume and --merge compare the target, the drafters and the prompts by content: the same drafter at another
   path (relative, absolute, a copy elsewhere) is the same run; other weights are refused, naming the drafter.
 """
+import dataclasses
 import json
 import os
 import shutil
@@ -256,7 +257,7 @@ def test_content_hashes(tmp_path, copies):
     here, there = (ed.load_drafter(p, cfg, settings) for p in (os.path.join(DEMO, "drafter"), str(copies / "run7-drafter")))
     assert here.hash == there.hash and len(here.hash) == 64
     # a resolved setting is part of the identity: the same weights at another block size are another drafter
-    assert ed.load_drafter(os.path.join(DEMO, "drafter"), cfg, {**settings, "block_size": 4}).hash != here.hash
+    assert ed.load_drafter(os.path.join(DEMO, "drafter"), cfg, dataclasses.replace(settings, block_size=4)).hash != here.hash
     # a tensor stored in another dtype is another file
     w = load_file(str(copies / "run7-drafter" / "model.safetensors"))
     save_file({k: v.to(torch.bfloat16) for k, v in w.items()}, str(copies / "run7-drafter" / "model.safetensors"))
