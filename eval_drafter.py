@@ -28,7 +28,8 @@ The sections, in the order data flows (each definition stands under its banner, 
     References: the target's own (speculative or plain decoding) and a serving engine's
     Scoring: walks, expectations under sampling, DDTree, the mask check, intervals
     Serving: the engines' figures, costs and the predicted speedup
-    Report: built from the records, then printed, drawn (--plot) and logged (--tensorboard)
+    Report: built from the records
+    Report printed: line by line from tables of its fields, then drawn (--plot) and logged (--tensorboard)
     Records, caches and resume: nothing lost
     Run: one evaluation (loading, drafting, finishing), the sibling modes (--watch), the Python entry point, main
         (load_features and measure: `import eval_drafter` in a training loop)
@@ -6092,7 +6093,7 @@ def export_vllm_synthetic(report, path, depth):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Report: built from the records, then printed, drawn (--plot) and logged (--tensorboard)
+# Report: built from the records
 
 
 def reference_fit(items, sampled=None, key="target_agreement"):
@@ -6608,15 +6609,131 @@ def make_report(config, facts, done, skipped, seconds, interrupted, warn=True):
     return report
 
 
+# ----------------------------------------------------------------------------------------------------
+# Report printed: line by line from tables of its fields, then drawn (--plot) and logged (--tensorboard)
+
+
 def interval(ci):
-    return f"[{fmt(ci[0])}, {fmt(ci[1])}]" if ci else "n/a"
+    if not ci:
+        return "n/a"
+    return f"[{fmt(ci[0])}, {fmt(ci[1])}]"
+
+
+# The printed report is drawn from tables of its fields, as the JSON is from the records: a field is (label, key,
+# format), its key a JSON key or a path of them (() the whole record), its format a function of the value (a
+# pattern's .format); a column adds its layout, a pattern placing the text (the gap before it, its width), so that a
+# header and its rows line up by construction. A sentence that needs logic is built by plain statements.
+def field_text(record, key, form):
+    for step in key if isinstance(key, tuple) else (key,):
+        record = (record or {}).get(step)
+    return form(record)
+
+
+def field_list(table, record, sep=", "):
+    """'label value' for each field of a table, joined by sep."""
+    return sep.join(f"{label} {field_text(record, key, form)}" for label, key, form in table)
+
+
+def table_row(table, record=None):
+    """A row of a column table, (label, key, format, layout) each: the record's fields, or the labels (its header)."""
+    if record is None:
+        return "".join(layout.format(label) for label, _, _, layout in table)
+    return "".join(layout.format(field_text(record, key, form)) for _, key, form, layout in table)
+
+
+def tau_rounds(r):   # a walk's figures: "tau 3.100 [2.900, 3.300], 40 rounds"
+    return f"tau {fmt(r['tau'])} {interval(r['tau_ci95'])}, {r['rounds']} rounds"
+
+
+def spaced_interval(s):   # " [6.900, 7.300]" after a tau, or nothing where it has no interval
+    if not s.get("tau_ci95"):
+        return ""
+    return f" {interval(s['tau_ci95'])}"
+
+
+def round_lengths(histogram, sampled, sep):
+    """Rounds by acceptance length, 'length:rounds' for each length some round has (expected rounds if sampled)."""
+    form = "{}:{:.4g}" if sampled else "{}:{}"
+    return sep.join(form.format(n, c) for n, c in enumerate(histogram, 1) if c)
+
+
+REFERENCE_FIT = (("reference support", "reference_support", lambda x: fmt(x, 4)),
+                 ("mean log-prob", "reference_mean_logprob", fmt))
 
 
 def reference_line(stats):
     if "reference_support" in stats:
-        return (f"reference support {fmt(stats['reference_support'], 4)}, mean log-prob "
-                f"{fmt(stats['reference_mean_logprob'])}")
+        return field_list(REFERENCE_FIT, stats)
     return f"target agreement {fmt(stats.get('target_agreement', stats.get('agreement')), 4)}"
+
+
+# The engines' figures under their own names, as vLLM's and SGLang's logs print them
+VLLM_FIGURES = (("Mean acceptance length", "mean_acceptance_length", "{:.2f}".format),
+                ("Per-position acceptance rate", "per_position_acceptance_rate",
+                 lambda rates: ", ".join(f"{x:.3f}" for x in rates)),
+                ("Avg Draft acceptance rate", "avg_draft_acceptance_rate", "{:.1f}%".format))
+SGLANG_FIGURES = (("accept len", "accept_len", "{:.2f}".format), ("accept rate", "accept_rate", "{:.3f}".format))
+
+
+def served_lines(served):
+    """An engine's served figures against the exact ones on the same text, per position, and the gap's causes."""
+    scope = "the steps this run scores"
+    if "scope" in served:
+        scope = "whole replies"
+    line = (f"   served by {served['engine']} (K={', '.join(map(str, served['k']))}, {served['requests']} requests, "
+            f"{served['steps']} verify steps): tau {fmt(served['tau_served'])}, {fmt(served['tau_served_scored'])} "
+            f"over {scope}, against the exact {fmt(served['tau_exact'])} on the same text: gap {fmt(served['gap'])} "
+            f"{interval(served['gap_ci95'])}; ")
+    if "z" in served:   # sampled drafts: the expectation's standard errors
+        line += (f"z = {served['z']:.2f} pooled, {served['beyond_3se']} of {served['compared']} requests past 3 "
+                 "standard errors")
+    else:
+        line += f"equal round for round in {served['equal']} of {served['compared']} requests"
+        if served.get("numerics_only"):
+            line += f", {served['numerics_only']} more differ only at {served['near_tie_steps']} near-tie steps"
+    yield line
+    if "per_position" in served:
+        pairs = zip(*served["per_position"].values())
+        yield "     per position, served / exact: " + " ".join(f"{fmt(a, 2)}/{fmt(b, 2)}" for a, b in pairs)
+    for cause in served["causes"]:
+        yield f"     cause: {cause}"
+
+
+def speedup_lines(batch, p, source):
+    """--costs: the predicted speedup at a batch size, a row each (a depth, a tree's budget), the best marked."""
+    at = ""
+    if batch != "1":
+        at = f" at batch size {batch}"
+    yield (f"   predicted speedup{at} = tau x plain decoding's {1e3 * p['plain_s']:.3g} ms a token / a round's cost "
+           "(the target verifying 1 + K tokens, or a tree's nodes + 1, plus the drafter's round), 95% intervals; "
+           f"costs: {source or 'given'}:")
+    width, leaders = max([12, *map(len, p["rows"])]), p["leaders"]
+    for name, r in p["rows"].items():
+        cost, speed, mark = "n/a", "n/a", ""
+        if None not in (r["target_s"], r["draft_s"]):
+            cost = f"{1e3 * r['target_s']:.3g} + {1e3 * r['draft_s']:.3g} ms"
+        if r["speedup"] is not None:
+            speed = f"{r['speedup']:.2f}x [{r['speedup_ci95'][0]:.2f}, {r['speedup_ci95'][1]:.2f}]"
+        if name == p["best"]:
+            mark = "  <- best"
+        elif name in leaders[1:] or leaders[:1] == [name] and not p["best"]:   # no best: those tied at the top
+            mark = "  <- a leader"
+        yield f"     {name:<{width}} tau {fmt(r['tau'])}  round {cost:<20} speedup {speed}{mark}"
+    against = sorted(((n, r["below_top"]) for n, r in p["rows"].items() if r.get("below_top")), key=lambda x: x[1][0])
+    if against:
+        yield (f"     paired speedup differences over the same prompts, {leaders[0]} minus: "
+               + ", ".join(f"{n} {v[0]:+.3f}x [{v[1]:+.3f}, {v[2]:+.3f}]" for n, v in against))
+    if len(leaders) > 1:
+        yield (f"     no best at this precision: {', '.join(leaders[1:])} cannot be told from {leaders[0]} (their "
+               "paired intervals reach 0)")
+    if "vllm_k" in p:
+        v = p["vllm_k"]
+        said = f"the {v['row']} row (no cost)"
+        if not v["row"]:
+            said = "plain decoding, speedup 1.00x"
+        elif v["speedup"]:
+            said = f"the {v['row']} row, speedup {v['speedup']:.2f}x"
+        yield f"     vLLM's K at this batch size (--k-by-batch-size): {v['k']}, {said}"
 
 
 def serving_lines(d, source=None):
@@ -6625,135 +6742,149 @@ def serving_lines(d, source=None):
     for k, s in depths.items():
         if not s.get("engine_metrics"):
             continue
-        v, g = s["engine_metrics"]["vllm"], s["engine_metrics"]["sglang"]
         if len(depths) > 1:
-            ci = f" {interval(s.get('tau_ci95'))}" if s.get("tau_ci95") else ""
-            yield f"   depth {k}: tau {fmt(s['tau'])}{ci}, {s['rounds']:.0f} rounds"
-        yield (f"     vLLM (num_speculative_tokens {k}): Mean acceptance length {v['mean_acceptance_length']:.2f}, "
-               f"Per-position acceptance rate {', '.join(f'{x:.3f}' for x in v['per_position_acceptance_rate'])}, "
-               f"Avg Draft acceptance rate {v['avg_draft_acceptance_rate']:.1f}%")
-        yield (f"     SGLang (--speculative-num-draft-tokens {g['speculative_num_draft_tokens']}): accept len "
-               f"{g['accept_len']:.2f}, accept rate {g['accept_rate']:.3f}")
+            yield f"   depth {k}: tau {fmt(s['tau'])}{spaced_interval(s)}, {s['rounds']:.0f} rounds"
+        g = s["engine_metrics"]["sglang"]
+        yield f"     vLLM (num_speculative_tokens {k}): {field_list(VLLM_FIGURES, s['engine_metrics']['vllm'])}"
+        yield (f"     SGLang (--speculative-num-draft-tokens {g['speculative_num_draft_tokens']}): "
+               f"{field_list(SGLANG_FIGURES, g)}")
     if a := d.get("adaptive"):
+        steps = ", ".join(f"{k}: {n}" for k, n in a["steps"].items())
         yield (f"   adaptive steps ({a['controller']}: steps {', '.join(map(str, a['candidates']))}, from "
-               f"{a['start']}): tau {fmt(a['tau'])} {interval(a['tau_ci95'])}, {a['rounds']} rounds; verify steps "
-               "at " + ", ".join(f"{k}: {n}" for k, n in a["steps"].items()))
-    if v := d.get("adaptive_verification"):
-        yield "   adaptive verification: " + (v["note"] if "note" in v else (
-            f"({v['rule']}; verify sizes {', '.join(map(str, v['capture_sizes']))}): tau {fmt(v['tau'])} "
-            f"{interval(v['tau_ci95'])}, {v['rounds']} rounds, {fmt(v['verified_per_round'])} of "
-            f"{d['drafts_per_round']} drafts verified a round (by slot " + " ".join(
-                fmt(x, 2) for x in v["verified_by_slot"]) + f"); speedup {fmt(v['speedup'], 2)}x "
-            f"{interval(v['speedup_ci95'])} against {fmt(v['fixed_speedup'], 2)}x verifying all"))
+               f"{a['start']}): {tau_rounds(a)}; verify steps at {steps}")
+    v = d.get("adaptive_verification")
+    if v and "note" in v:
+        yield f"   adaptive verification: {v['note']}"
+    elif v:
+        slots = " ".join(fmt(x, 2) for x in v["verified_by_slot"])
+        yield (f"   adaptive verification: ({v['rule']}; verify sizes {', '.join(map(str, v['capture_sizes']))}): "
+               f"{tau_rounds(v)}, {fmt(v['verified_per_round'])} of {d['drafts_per_round']} drafts verified a round "
+               f"(by slot {slots}); speedup {fmt(v['speedup'], 2)}x {interval(v['speedup_ci95'])} against "
+               f"{fmt(v['fixed_speedup'], 2)}x verifying all")
     if f := d.get("fly"):
         departs = [p["first_departure"] for p in f["prompts"] if p["first_departure"] is not None]
-        yield (f"   FLy ({f['rule']}, window {f['window']}; lossy, each prompt the drafter's own text): tau "
-               f"{fmt(f['tau'])} {interval(f['tau_ci95'])}, {f['rounds']} rounds; {f['deferred']} of {f['tokens']} "
-               f"tokens committed against the target's greedy choice; the text departs from the reference in "
-               f"{len(departs)} of {len(f['prompts'])} prompts" +
-               (f" (first at token {min(departs)})" if departs else ""))
-    if served := d.get("served"):
-        yield (f"   served by {served['engine']} (K={', '.join(map(str, served['k']))}, {served['requests']} requests, "
-               f"{served['steps']} verify steps): tau {fmt(served['tau_served'])}, {fmt(served['tau_served_scored'])} "
-               f"over {'whole replies' if 'scope' in served else 'the steps this run scores'}, against the exact "
-               f"{fmt(served['tau_exact'])} on the same text: gap {fmt(served['gap'])} {interval(served['gap_ci95'])}; "
-               + (f"z = {served['z']:.2f} pooled, {served['beyond_3se']} of {served['compared']} requests past 3 "
-                  "standard errors" if "z" in served else
-                  f"equal round for round in {served['equal']} of {served['compared']} requests" +
-                  (f", {served['numerics_only']} more differ only at {served['near_tie_steps']} near-tie steps"
-                   if served.get("numerics_only") else "")))
-        if "per_position" in served:
-            yield "     per position, served / exact: " + " ".join(
-                f"{fmt(a, 2)}/{fmt(b, 2)}" for a, b in zip(*served["per_position"].values()))
-        for cause in served["causes"]:
-            yield f"     cause: {cause}"
+        line = (f"   FLy ({f['rule']}, window {f['window']}; lossy, each prompt the drafter's own text): "
+                f"{tau_rounds(f)}; {f['deferred']} of {f['tokens']} tokens committed against the target's greedy "
+                f"choice; the text departs from the reference in {len(departs)} of {len(f['prompts'])} prompts")
+        if departs:
+            line += f" (first at token {min(departs)})"
+        yield line
+    if d.get("served"):
+        yield from served_lines(d["served"])
     for batch, p in (d.get("predicted_speedup") or {}).items():
-        yield (f"   predicted speedup{'' if batch == '1' else f' at batch size {batch}'} = tau x plain decoding's "
-               f"{1e3 * p['plain_s']:.3g} ms a token / a round's cost (the target verifying 1 + K tokens, or a tree's "
-               f"nodes + 1, plus the drafter's round), 95% intervals; costs: {source or 'given'}:")
-        width = max([12, *map(len, p["rows"])])
-        for name, r in p["rows"].items():
-            cost = "n/a" if None in (r["target_s"], r["draft_s"]) else \
-                f"{1e3 * r['target_s']:.3g} + {1e3 * r['draft_s']:.3g} ms"
-            speed = "n/a" if r["speedup"] is None else \
-                f"{r['speedup']:.2f}x [{r['speedup_ci95'][0]:.2f}, {r['speedup_ci95'][1]:.2f}]"
-            yield (f"     {name:<{width}} tau {fmt(r['tau'])}  round {cost:<20} speedup {speed}"
-                   + ("  <- best" if name == p["best"] else "  <- a leader" if name in p["leaders"][1:] or
-                      p["leaders"][:1] == [name] and not p["best"] else ""))
-        if against := dict(sorted(((n, r["below_top"]) for n, r in p["rows"].items() if r.get("below_top")),
-                                  key=lambda x: x[1][0])):
-            yield (f"     paired speedup differences over the same prompts, {p['leaders'][0]} minus: " + ", ".join(
-                f"{n} {v[0]:+.3f}x [{v[1]:+.3f}, {v[2]:+.3f}]" for n, v in against.items()))
-        if len(p["leaders"]) > 1:
-            yield (f"     no best at this precision: {', '.join(p['leaders'][1:])} cannot be told from "
-                   f"{p['leaders'][0]} (their paired intervals reach 0)")
-        if "vllm_k" in p:
-            v = p["vllm_k"]
-            yield (f"     vLLM's K at this batch size (--k-by-batch-size): {v['k']}, " +
-                   (f"the {v['row']} row, speedup {v['speedup']:.2f}x" if v["row"] and v["speedup"] else
-                    "plain decoding, speedup 1.00x" if not v["row"] else f"the {v['row']} row (no cost)"))
+        yield from speedup_lines(batch, p, source)
+
+
+# The side-by-side table's columns after the drafter's name; DDTree budgets', SGLang's tree's and other verify rules'
+# columns follow where some drafter has them
+SIDE_BY_SIDE = (("tau", "tau", fmt, "  {:>5}"), ("95% interval", "tau_ci95", interval, "  {:<16}"),
+                ("accept@1", "first_position_acceptance", fmt, "  {:>8}"))
+
+
+def side_by_side_columns(rows):
+    table = list(SIDE_BY_SIDE)
+    for b in sorted({b for row in rows for b in row["ddtree"]}, key=int):
+        table.append((f"DDTree {b:>4}", ("ddtree", b), fmt, "  {:>11}"))
+    if any("eagle_tree" in row for row in rows):
+        table.append(("SGLang tree", "eagle_tree", fmt, "  {:>11}"))
+    for rule in dict.fromkeys(rule for row in rows for rule in row.get("verify", {})):
+        table.append((rule, ("verify", rule), fmt, "  {:>11}"))
+    return table
+
+
+def delta_lines(rows, reference, where=""):
+    """Each row's tau minus the first's, paired on the same prompts, with its 95% interval."""
+    for row in rows[1:]:
+        ci, line = row["delta_tau_ci95"], f"   {row['name']} − {reference}{where}: Δτ "
+        if row["delta_tau"] is None:
+            line += "n/a"
+        else:
+            line += f"{row['delta_tau']:+.2f}"
+        if ci:
+            line += f" [{ci[0]:+.2f}, {ci[1]:+.2f}]"
+        yield line
 
 
 def comparison_lines(c):
-    budgets = sorted({b for row in c["drafters"] for b in row["ddtree"]}, key=int)
-    width = max(len("drafter"), *(len(row["name"]) for row in c["drafters"]))
+    """Drafters side by side: a row each, their taus' paired differences, and at a depth they share."""
+    rows, batch, header = c["drafters"], None, ""
+    table, width = side_by_side_columns(rows), max(len("drafter"), *(len(row["name"]) for row in rows))
     yield (f"\n== side by side over {c['prompts']} prompts (95% intervals over prompts; differences paired on the "
            "same prompts)")
-    predicted = [row["predicted_speedup"] for row in c["drafters"] if row.get("predicted_speedup")]
-    batch = ("1" if "1" in predicted[0] else min(predicted[0], key=int)) if predicted else None
-    trees = any("eagle_tree" in row for row in c["drafters"])
-    rules = list(dict.fromkeys(rule for row in c["drafters"] for rule in row.get("verify", {})))
-    yield (f"   {'drafter':<{width}}    tau  95% interval      accept@1" + "".join(f"  DDTree {b:>4}" for b in budgets)
-           + ("  SGLang tree" if trees else "") + "".join(f"  {rule:>11}" for rule in rules)
-           + (f"  predicted speedup{'' if batch == '1' else f' (batch {batch})'}" if batch else ""))
-    for row in c["drafters"]:
-        best = "  <- best of " + row["series"] if "series" in row and c["best_steps"].get(row["series"]) == \
-            row["step"] and sum(r.get("series") == row["series"] for r in c["drafters"]) > 1 else ""
-        p = (row.get("predicted_speedup") or {}).get(batch) or {}   # the best speedup and where (a depth, a budget)
-        speed = "" if not batch else "  n/a" if p.get("speedup") is None else \
-            f"  {p['speedup']:>5.2f}x at {p['best'] or ' ~ '.join(p['leaders'])}"
-        yield (f"   {row['name']:<{width}}  {fmt(row['tau']):>5}  {interval(row['tau_ci95']):<16}  "
-               f"{fmt(row['first_position_acceptance']):>8}"
-               + "".join(f"  {fmt(row['ddtree'].get(b)):>11}" for b in budgets)
-               + (f"  {fmt(row.get('eagle_tree')):>11}" if trees else "")
-               + "".join(f"  {fmt(row.get('verify', {}).get(rule)):>11}" for rule in rules) + speed + best)
-
-    def deltas(rows, where=""):
-        for row in rows[1:]:
-            ci, delta = row["delta_tau_ci95"], "n/a" if row["delta_tau"] is None else f"{row['delta_tau']:+.2f}"
-            yield f"   {row['name']} − {c['reference']}{where}: Δτ {delta}" + \
-                (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "")
-    yield from deltas(c["drafters"])
+    if predicted := [row["predicted_speedup"] for row in rows if row.get("predicted_speedup")]:
+        batch, header = "1", "  predicted speedup"   # at batch size 1 where it was priced, else the least
+        if "1" not in predicted[0]:
+            batch = min(predicted[0], key=int)
+            header += f" (batch {batch})"
+    yield f"   {'drafter':<{width}}{table_row(table)}{header}"
+    for row in rows:
+        p, speed, best = (row.get("predicted_speedup") or {}).get(batch) or {}, "", ""
+        if batch and p.get("speedup") is None:
+            speed = "  n/a"
+        elif batch:   # the best speedup and where (a depth, a budget; the leaders where none is best)
+            speed = f"  {p['speedup']:>5.2f}x at {p['best'] or ' ~ '.join(p['leaders'])}"
+        if "series" in row and c["best_steps"].get(row["series"]) == row["step"] and \
+                sum(r.get("series") == row["series"] for r in rows) > 1:
+            best = "  <- best of " + row["series"]
+        yield f"   {row['name']:<{width}}{table_row(table, row)}{speed}{best}"
+    yield from delta_lines(rows, c["reference"])
     if "at_depth" in c:
-        hint = "" if c["at_depth"] else f"; add it to --depths (e.g. --depths {min(c['drafts_per_round'].values())})"
-        yield ("   the drafters draft different numbers of tokens a round ("
-               + ", ".join(f"{n} {k}" for n, k in c["drafts_per_round"].items())
-               + f"): their taus compare only at the same depth{hint}")
-        for K, rows in c["at_depth"].items():
-            yield f"   at depth {K}: " + ", ".join(f"{r['name']} {fmt(r['tau'])}" for r in rows)
-            yield from deltas(rows, f" at depth {K}")
+        line = ("   the drafters draft different numbers of tokens a round ("
+                + ", ".join(f"{n} {k}" for n, k in c["drafts_per_round"].items())
+                + "): their taus compare only at the same depth")
+        if not c["at_depth"]:
+            line += f"; add it to --depths (e.g. --depths {min(c['drafts_per_round'].values())})"
+        yield line
+        for K, at in c["at_depth"].items():
+            yield f"   at depth {K}: " + ", ".join(f"{r['name']} {fmt(r['tau'])}" for r in at)
+            yield from delta_lines(at, c["reference"], f" at depth {K}")
 
 
 PROMPT_ROWS = 16   # a run over at most this many prompts prints a row for each (the JSON always holds them)
+PROMPT_COLUMNS = (("split", "split", str, "  {:<8}"), ("tau", "tau", fmt, "  {:>5}"),
+                  ("rounds", "rounds", lambda rounds: str(len(rounds or [])), "  {:>6}"),
+                  ("tokens", "completion_tokens", str, "  {:>6}"), ("reply", "reply", lambda r: r or "", "  {}"))
+SAMPLED_ROUNDS = ("rounds", "expected_rounds", "{:.1f}".format, "  {:>6}")   # sampled: the expected rounds instead
 
 
 def prompt_lines(entries, sampling):
+    table = list(PROMPT_COLUMNS)
+    if sampling:
+        table[2] = SAMPLED_ROUNDS
     label = [e["id"] + "".join(f" {k} {e[k]}" for k in ("sample", "turn") if k in e) for e in entries]
     width = max(len("prompt"), *map(len, label))
-    yield f"   {'prompt':<{width}}  {'split':<8}    tau  rounds  tokens  reply"
+    yield f"   {'prompt':<{width}}{table_row(table)}"
     for name, e in zip(label, entries):
-        rounds = f"{e['expected_rounds']:.1f}" if sampling else f"{len(e.get('rounds') or [])}"
-        yield (f"   {name:<{width}}  {e['split']:<8}  {fmt(e['tau']):>5}  {rounds:>6}  {e['completion_tokens']:>6}  "
-               + (e.get("reply") or ""))
+        yield f"   {name:<{width}}{table_row(table, e)}"
+
+
+def bench_delta(r):
+    if r.get("delta_tau") is None:
+        return ""
+    return f"{r['delta_tau']:+.3f} {interval(r['delta_tau_ci95'])}"
+
+
+# The --bench table's columns after the benchmark's name; the labels' {tau} and {tau_request_mean} star the average
+# the recipe's tables report
+BENCH_COLUMNS = (("drafter", "drafter", str, "{:<14}"),
+                 ("prompts", "prompts", lambda n: "" if n is None else str(n), "{:>8}  "),   # the average's: none
+                 ("tau pooled{tau} [95%]", (), lambda r: f"{fmt(r['tau'])} {interval(r['tau_ci95'])}", "{:<26}"),
+                 ("mean of requests{tau_request_mean} [95%]", (),
+                  lambda r: f"{fmt(r['tau_request_mean'])} {interval(r['tau_request_mean_ci95'])}", "{:<28}"),
+                 ("p10/p50/p90", "tau_request_p10_p50_p90", lambda q: "/".join(f"{x:.2f}" for x in q or []), "{:<18}"),
+                 ("delta tau [95%]", (), bench_delta, "{}"))
 
 
 def bench_lines(bench, config):
     """The --bench table: a row per benchmark (or category, then its suite) per drafter, then the average."""
-    recipe = bench["recipe"]
-    order = f"seed-{recipe['seed']} order" if recipe["seed"] is not None else "the file's order"
+    recipe, order, thinking = bench["recipe"], "the file's order", "off"
+    if recipe["seed"] is not None:
+        order = f"seed-{recipe['seed']} order"
+    if config["enable_thinking"]:
+        thinking = "on"
     yield (f"benchmarks, as {recipe['source']} runs them (--bench-recipe {recipe['name']}: its templates, {order}, up "
            f"to {recipe['max_new_tokens']} new tokens, greedy, every turn; its tables report "
-           f"{AVERAGINGS[recipe['reported']]}, marked *); thinking {'on' if config['enable_thinking'] else 'off'} "
+           f"{AVERAGINGS[recipe['reported']]}, marked *); thinking {thinking} "
            "(dflash's --reasoning on|off; without it, the chat template's default):")
     if bench["departures"]:
         yield f"   not the recipe, so not its tables' numbers: {'; '.join(bench['departures'])}"
@@ -6761,43 +6892,37 @@ def bench_lines(bench, config):
         yield (f"   every row at depth {bench['depth']}, the fewest drafts a round of the drafters compared (each "
                "drafter's own depth: its splits in the JSON)")
     for name, where in (config.get("bench_files") or {}).items():
-        yield f"   {name}: {where[0]}{f' (+{len(where) - 1} more)' if len(where) > 1 else ''}"
-    star = {key: "*" if key == recipe["reported"] else "" for key in AVERAGINGS}
+        line = f"   {name}: {where[0]}"
+        if len(where) > 1:
+            line += f" (+{len(where) - 1} more)"
+        yield line
+    star = dict.fromkeys(AVERAGINGS, "") | {recipe["reported"]: "*"}
+    header = [(label.format(**star), *rest) for label, *rest in BENCH_COLUMNS]
     width = max(len("benchmark"), *map(len, bench["benchmarks"])) + 2
-    yield (f"   {'benchmark':<{width}}{'drafter':<14}{'prompts':>8}  {'tau pooled' + star['tau'] + ' [95%]':<26}"
-           f"{'mean of requests' + star['tau_request_mean'] + ' [95%]':<28}{'p10/p50/p90':<18}delta tau [95%]")
+    yield f"   {'benchmark':<{width}}{table_row(header)}"
     pub = bench.get("published") or {"figures": {}}
     for name, rows in [*bench["benchmarks"].items(), ("average", bench["average"])]:
         for r in rows:
-            spread = "/".join(f"{x:.2f}" for x in r.get("tau_request_p10_p50_p90") or [])
-            yield (f"   {name:<{width}}{r['drafter']:<14}{r.get('prompts', ''):>8}  "
-                   f"{fmt(r['tau']) + ' ' + interval(r['tau_ci95']):<26}"
-                   f"{fmt(r['tau_request_mean']) + ' ' + interval(r['tau_request_mean_ci95']):<28}{spread:<18}"
-                   + (f"{r['delta_tau']:+.3f} {interval(r['delta_tau_ci95'])}" if r.get("delta_tau") is not None
-                      else ""))
+            yield f"   {name:<{width}}{table_row(BENCH_COLUMNS, r)}"
         if name in pub["figures"]:
-            yield f"   {name:<{width}}{'published':<14}{'':>8}  {fmt(pub['figures'][name])} (pooled, as its source reports)"
+            yield f"   {name:<{width}}{'published':<24}{fmt(pub['figures'][name])} (pooled, as its source reports)"
     if "name" in pub:
-        yield (f"   published: {pub['name']}, {pub['source']} (read {pub['read']}), on {pub['engine']}; "
-               + (f"its recipe differs from this run's in {'; '.join(pub['differences'])}" if pub["differences"]
-                  else "measured as this run is"))
+        line = f"   published: {pub['name']}, {pub['source']} (read {pub['read']}), on {pub['engine']}; "
+        if pub["differences"]:
+            yield line + f"its recipe differs from this run's in {'; '.join(pub['differences'])}"
+        else:
+            yield line + "measured as this run is"
 
 
-def report_lines(report):
-    """The printed report, line by line (a mask check's warning also goes to stderr, as it is reached)."""
-    if not any(d["prompts"] for d in report["drafters"]):
-        skipped, stopped = report["skipped"], report.get("interrupted")
-        yield (f"tau n/a: every prompt was skipped ({len(skipped)}, listed under \"skipped\"; the first: "
-               f"{skipped[0]['reason']}): nothing to report" if skipped and not stopped else
-               f"no prompt {'finished before the interruption' if stopped else 'was scored'}"
-               f"{' (' + str(len(skipped)) + ' skipped)' if skipped else ''}: nothing to report")
-        return
+def header_lines(report, sampling):
+    """The target, where the features came from, how the references were decoded and whether they check."""
     config, target = report["config"], report["target"]
-    cache, sampling = config.get("hidden_cache"), sampling_of(Settings.from_json(config))
-    extracted = f"; features extracted in {cache['dtype']} on {cache['device']}" if cache else ""
-    gguf = f"; dequantized from GGUF {target['gguf']['type']}, {target['gguf']['file']}" if target.get("gguf") else ""
-    yield (f"target: {target['path']} ({target['device']}, {target['dtype']}{extracted}{gguf}); "
-           f"{reference_line(target)}")
+    cache, where = config.get("hidden_cache"), f"{target['device']}, {target['dtype']}"
+    if cache:
+        where += f"; features extracted in {cache['dtype']} on {cache['device']}"
+    if target.get("gguf"):
+        where += f"; dequantized from GGUF {target['gguf']['type']}, {target['gguf']['file']}"
+    yield f"target: {target['path']} ({where}); {reference_line(target)}"
     if sampling:
         yield (f"sampled decoding at {describe_sampling(sampling)}, {config['draft_policy']} proposals: tau is the "
                "expected acceptance given each sampled reference, pooled, with a 95% interval over prompts")
@@ -6809,84 +6934,172 @@ def report_lines(report):
         yield (f"features: from {config['load_hidden']} (torch {cache['torch_version']}, transformers "
                f"{cache['transformers_version']})")
 
-    def beside_chain(label, t, chain, sampled=None, sep=" "):   # a row scored beside the chain's: tau, rounds by length
-        return (f"   {label}: tau {fmt(t['tau'])} ({chain})  tau_prompt_mean {fmt(t['tau_prompt_mean'])}  "
-                f"{'expected ' if sampled else ''}rounds by length: "
-                + sep.join(f"{n}:{c:.4g}" if sampled else f"{n}:{c}" for n, c in enumerate(t["histogram"], 1) if c))
+
+def drafter_heading(d):
+    """A drafter's heading (its family and layout, its block or steps, the layers it reads), its mask, warnings."""
+    generation, drafts = d.get("generation", "DFlash"), d["drafts_per_round"]
+    family = FAMILIES[generation]
+    line = f"\n== drafter {d['name']}: {generation} ({d.get('layout', 'public')} layout), "
+    if family.causal:
+        line += f"{drafts} steps a round"
+    else:
+        line += f"block {d['block_size']}"
+    if drafts == d["block_size"]:
+        line += f" ({drafts} drafts a round: the anchor's slot drafts too)"
+    if family.text:
+        line += f", {d['head']['rule']} rule, from the text alone"
+    else:
+        line += f", layers {d['layers']}"
+    if d.get("step") is not None:
+        line += f", step {d['step']}"
+    yield line
+    if not family.causal:
+        yield "   in-block mask per layer: " + "; ".join(f"{i}: {r}" for i, r in enumerate(d["block_mask"]))
+    for warning in d.get("warnings", []):
+        yield f"   WARNING: {warning}"
+
+
+def beside_chain(label, t, chain, sampled=None, sep=" "):   # a row scored beside the chain's: tau, rounds by length
+    expected = ""
+    if sampled:
+        expected = "expected "
+    return (f"   {label}: tau {fmt(t['tau'])} ({chain})  tau_prompt_mean {fmt(t['tau_prompt_mean'])}  "
+            f"{expected}rounds by length: {round_lengths(t['histogram'], sampled, sep)}")
+
+
+SECTION_FIGURES = (("tau_prompt_mean", "tau_prompt_mean", fmt), ("tau_all_anchors", "tau_all_anchors", fmt))
+
+
+def section_lines(d, name, s, sampling):
+    """A row of a drafter's report (all prompts, a split, a turn): tau, its other figures, its rounds by length."""
+    rounds, expected, drafts = f"{s['rounds']}", "", d["drafts_per_round"]
+    if sampling:
+        rounds, expected = f"{s['rounds']:.1f} expected", "expected "
+    tau = fmt(s["tau"])
+    if s["tau"] is None:   # why: what its completions lack
+        longest = max((e["completion_tokens"] for e in d["prompts"]
+                       if name in ("all", e["split"], f"turn {e.get('turn')}")), default=0)
+        tau = f"n/a (no rounds: every completion is shorter than one block of {drafts + 1} tokens)"
+        if not longest:
+            tau = "n/a (no anchors: every completion is empty)"
+        elif longest > drafts:
+            tau = "n/a (no rounds scored)"
+    yield (f"-- {name}: tau {tau}{spaced_interval(s)} (pooled, {rounds} rounds)  "
+           f"{field_list(SECTION_FIGURES, s, '  ')}  {reference_line(s)}")
+    line = f"   {expected}rounds by acceptance length: {round_lengths(s['histogram'], sampling, '  ')}"
+    if s.get("near_ties") and name == "all":
+        line += f"   ({s['near_ties']} decided by a near-tie)"
+    yield line
+
+
+def tree_lines(d, s, config, sampling):
+    """Under all prompts' row: why no DDTree rows, each other verify rule's tau, and SGLang's token tree's."""
+    if s.get("ddtree_note"):
+        yield f"   no DDTree rows: {s['ddtree_note']}"
+    for rule, t in (d.get("verify") or {}).items():
+        first_rule = config.get("verify", ["standard"])[0]
+        yield beside_chain(f"{rule} verification", t, f"{first_rule} {fmt(s['tau'])}", sampling, "  ")
+    tree = d.get("eagle_tree") or {}
+    if "tau" not in tree:
+        return
+    yield beside_chain(f"SGLang tree ({tree['steps']} steps, top-{tree['topk']}, {tree['tokens']} draft tokens; "
+                       f"{tree['source']})", tree, f"chain {fmt(s['tau'])}")
+    g = (tree["engine_metrics"] or {}).get("sglang")
+    if g:
+        yield (f"     SGLang (--speculative-num-steps {tree['steps']} --speculative-eagle-topk {tree['topk']} "
+               f"--speculative-num-draft-tokens {tree['tokens']}): {field_list(SGLANG_FIGURES, g)}")
+
+
+def ddtree_lines(s, drafts):
+    """A row's DDTree budgets beside its chain, and a note where a budget falls below the chain."""
+    for budget, t in (s["ddtree"] or {}).items():
+        yield beside_chain(f"DDTree budget {budget:>4}", t, f"chain {fmt(s['tau'])}")
+    if below := [b for b, t in (s["ddtree"] or {}).items()   # as printed: 7.149 against 7.149 is no fall
+                 if None not in (t["tau"], s["tau"]) and round(t["tau"], 3) < round(s["tau"], 3)]:
+        yield (f"   (budget {', '.join(below)} below the chain: a tree spends its nodes on the likeliest "
+               f"paths, so it need not hold the chain's whole depth-{drafts} path; a bigger "
+               "budget's tree holds every smaller one's: see docs/report.md, DDTree rows)")
+
+
+def mask_check_lines(check):
+    """--check-mask: each mask mode's accuracy, tau and paired wins against the configured one, and the warning."""
+    yield "   mask check on sampled anchors:  accuracy  tau_all_anchors  wins/losses  in-block mask per layer"
+    for name, t in check["modes"].items():
+        yield (f"   {name:>29}:  {fmt(t['accuracy']):>8}  {fmt(t['tau_all_anchors']):>15}  "
+               f"{t['wins']:>5}/{t['losses']:<5}  " + "; ".join(t["block_mask"]))
+    if check["warning"]:   # stderr shows it too: print_report
+        yield f"   WARNING: {check['warning']}"
+
+
+def position_lines(d, sections, config):
+    """Tau by context length, then each position's acceptance per row and the accuracy, all prompts' as a bar."""
+    if d.get("by_context") and len(d["by_context"]) > 1:
+        yield "   by context length (the anchor's position): " + "; ".join(
+            f"{label}: tau {fmt(s['tau'])} over {s['rounds']:.0f} rounds, first-position acceptance "
+            f"{fmt(s['first_position_acceptance'])}" for label, s in d["by_context"].items())
+    if config.get("anchors") == "walk":
+        yield ("   per-position rows and tau_all_anchors cover the anchors the walks visited (--anchors walk), not "
+               "every anchor")
+    yield "   pos  " + "  ".join(f"{'accept ' + n:>14}" for n, _ in sections) + "  accuracy(all)"
+    for k in range(d["drafts_per_round"]):
+        accepts, bar = [s["per_position"]["acceptance"][k] for _, s in sections], ""
+        if accepts[0] is not None:
+            bar = "#" * round(40 * accepts[0])
+        yield (f"   {k + 1:>3}  " + "  ".join(f"{fmt(a):>14}" for a in accepts)
+               + f"  {fmt(d['per_position']['accuracy'][k]):>13}  |{bar}")
+
+
+def drafter_lines(d, config, sampling):
+    """A drafter's block: its heading, a row each (all, splits, turns) with its trees and rules, the mask check,
+    the engines' figures, the per-position table, its prompts."""
+    yield from drafter_heading(d)
+    sections = [("all", d)]
+    if len(d["splits"]) > 1:
+        sections += sorted(d["splits"].items())
+    sections += [(f"turn {t}", s) for t, s in d.get("turns", {}).items()]
+    for name, s in sections:
+        yield from section_lines(d, name, s, sampling)
+        if name == "all":
+            yield from tree_lines(d, s, config, sampling)
+        yield from ddtree_lines(s, d["drafts_per_round"])
+    if "mask_check" in d:
+        yield from mask_check_lines(d["mask_check"])
+    served = list(serving_lines(d, (config.get("costs_used") or {}).get("source")))
+    if served and len(sections) > 1:   # labelled: else they would read as the last split's or turn's
+        over = [w for w, many in (("split", len(d["splits"]) > 1), ("turn", d.get("turns"))) if many]
+        line = f"-- all, pooled over every {' and '.join(over)}: the engines' figures"
+        if d.get("predicted_speedup"):
+            line += " and the predicted speedup"
+        yield line
+    yield from served
+    yield from position_lines(d, sections, config)
+    if len(d["prompts"]) <= PROMPT_ROWS:
+        yield from prompt_lines(d["prompts"], sampling)
+
+
+def nothing_scored(report):
+    """The report's one line where no prompt was scored: why."""
+    skipped, line = report["skipped"], "no prompt was scored"
+    if skipped and not report.get("interrupted"):
+        return (f"tau n/a: every prompt was skipped ({len(skipped)}, listed under \"skipped\"; the first: "
+                f"{skipped[0]['reason']}): nothing to report")
+    if report.get("interrupted"):
+        line = "no prompt finished before the interruption"
+    if skipped:
+        line += f" ({len(skipped)} skipped)"
+    return line + ": nothing to report"
+
+
+def report_lines(report):
+    """The printed report, line by line (print_report prints it)."""
+    if not any(d["prompts"] for d in report["drafters"]):
+        yield nothing_scored(report)
+        return
+    config = report["config"]
+    sampling = sampling_of(Settings.from_json(config))
+    yield from header_lines(report, sampling)
     for d in report["drafters"]:
-        drafts, chain = d["drafts_per_round"], FAMILIES[d.get("generation", "DFlash")].causal
-        yield (f"\n== drafter {d['name']}: {d.get('generation', 'DFlash')} ({d.get('layout', 'public')} layout), "
-               + (f"{drafts} steps a round" if chain else f"block {d['block_size']}")
-               + (f" ({drafts} drafts a round: the anchor's slot drafts too)" if drafts == d["block_size"] else "")
-               + (f", {d['head']['rule']} rule, from the text alone" if FAMILIES[d.get("generation", "DFlash")].text
-                  else f", layers {d['layers']}") + (f", step {d['step']}" if d.get("step") is not None else ""))
-        if not chain:
-            yield "   in-block mask per layer: " + "; ".join(f"{i}: {r}" for i, r in enumerate(d["block_mask"]))
-        yield from (f"   WARNING: {warning}" for warning in d.get("warnings", []))
-        sections = [("all", d)] + (sorted(d["splits"].items()) if len(d["splits"]) > 1 else []) + \
-            [(f"turn {t}", s) for t, s in d.get("turns", {}).items()]
-        for name, s in sections:
-            ci = f" {interval(s.get('tau_ci95'))}" if s.get("tau_ci95") else ""
-            rounds = f"{s['rounds']:.1f} expected" if sampling else f"{s['rounds']}"
-            longest = max((e["completion_tokens"] for e in d["prompts"]
-                           if name in ("all", e["split"], f"turn {e.get('turn')}")), default=0)
-            why = "no anchors: every completion is empty" if not longest else "no rounds scored" if longest > drafts \
-                else f"no rounds: every completion is shorter than one block of {drafts + 1} tokens"
-            tau = fmt(s["tau"]) if s["tau"] is not None else f"n/a ({why})"   # why: what its completions lack
-            yield (f"-- {name}: tau {tau}{ci} (pooled, {rounds} rounds)  tau_prompt_mean "
-                   f"{fmt(s['tau_prompt_mean'])}  tau_all_anchors {fmt(s['tau_all_anchors'])}  {reference_line(s)}")
-            yield f"   {'expected ' if sampling else ''}rounds by acceptance length: " + "  ".join(
-                f"{n}:{c:.4g}" if sampling else f"{n}:{c}" for n, c in enumerate(s["histogram"], 1) if c) + (
-                f"   ({s['near_ties']} decided by a near-tie)" if s.get("near_ties") and name == "all" else "")
-            if s.get("ddtree_note") and name == "all":
-                yield f"   no DDTree rows: {s['ddtree_note']}"
-            for rule, t in (d.get("verify") or {}).items() if name == "all" else ():
-                first_rule = config.get("verify", ["standard"])[0]
-                yield beside_chain(f"{rule} verification", t, f"{first_rule} {fmt(s['tau'])}", sampling, "  ")
-            tree = d.get("eagle_tree") if name == "all" else None
-            if tree and "tau" in tree:
-                yield beside_chain(f"SGLang tree ({tree['steps']} steps, top-{tree['topk']}, {tree['tokens']} draft "
-                                   f"tokens; {tree['source']})", tree, f"chain {fmt(s['tau'])}")
-                if g := (tree["engine_metrics"] or {}).get("sglang"):
-                    yield (f"     SGLang (--speculative-num-steps {tree['steps']} --speculative-eagle-topk "
-                           f"{tree['topk']} --speculative-num-draft-tokens {tree['tokens']}): accept len "
-                           f"{g['accept_len']:.2f}, accept rate {g['accept_rate']:.3f}")
-            for budget, t in (s["ddtree"] or {}).items():
-                yield beside_chain(f"DDTree budget {budget:>4}", t, f"chain {fmt(s['tau'])}")
-            if below := [b for b, t in (s["ddtree"] or {}).items()   # as printed: 7.149 against 7.149 is no fall
-                         if None not in (t["tau"], s["tau"]) and round(t["tau"], 3) < round(s["tau"], 3)]:
-                yield (f"   (budget {', '.join(below)} below the chain: a tree spends its nodes on the likeliest "
-                       f"paths, so it need not hold the chain's whole depth-{drafts} path; a bigger "
-                       "budget's tree holds every smaller one's: see docs/report.md, DDTree rows)")
-        if "mask_check" in d:
-            yield "   mask check on sampled anchors:  accuracy  tau_all_anchors  wins/losses  in-block mask per layer"
-            for name, t in d["mask_check"]["modes"].items():
-                yield (f"   {name:>29}:  {fmt(t['accuracy']):>8}  {fmt(t['tau_all_anchors']):>15}  "
-                       f"{t['wins']:>5}/{t['losses']:<5}  " + "; ".join(t["block_mask"]))
-            if d["mask_check"]["warning"]:
-                yield f"   WARNING: {d['mask_check']['warning']}"
-                print(f"warning: drafter {d['name']}: {d['mask_check']['warning']}", file=sys.stderr)
-        served = list(serving_lines(d, (config.get("costs_used") or {}).get("source")))
-        if served and len(sections) > 1:   # labelled: else they would read as the last split's or turn's
-            over = " and ".join(w for w, many in (("split", len(d["splits"]) > 1), ("turn", d.get("turns"))) if many)
-            yield (f"-- all, pooled over every {over}: the engines' figures"
-                   + (" and the predicted speedup" if d.get("predicted_speedup") else ""))
-        yield from served
-        if d.get("by_context") and len(d["by_context"]) > 1:
-            yield "   by context length (the anchor's position): " + "; ".join(
-                f"{label}: tau {fmt(s['tau'])} over {s['rounds']:.0f} rounds, first-position acceptance "
-                f"{fmt(s['first_position_acceptance'])}" for label, s in d["by_context"].items())
-        if config.get("anchors") == "walk":
-            yield ("   per-position rows and tau_all_anchors cover the anchors the walks visited (--anchors walk), not "
-                   "every anchor")
-        yield "   pos  " + "  ".join(f"{'accept ' + n:>14}" for n, _ in sections) + "  accuracy(all)"
-        for k in range(drafts):
-            accepts = [s["per_position"]["acceptance"][k] for _, s in sections]
-            bar = "#" * round(40 * accepts[0]) if accepts[0] is not None else ""
-            yield (f"   {k + 1:>3}  " + "  ".join(f"{fmt(a):>14}" for a in accepts)
-                   + f"  {fmt(d['per_position']['accuracy'][k]):>13}  |{bar}")
-        if len(d["prompts"]) <= PROMPT_ROWS:
-            yield from prompt_lines(d["prompts"], sampling)
+        yield from drafter_lines(d, config, sampling)
     if report.get("comparison"):
         yield from comparison_lines(report["comparison"])
     if report.get("bench"):
@@ -6894,28 +7107,45 @@ def report_lines(report):
 
 
 def print_report(report, out=None):
+    """The report's lines on `out`. A mask check's warning goes to stderr as well, just after its line: stdout may
+    be the JSON or a file (the drafters' other warnings reached stderr as the report was made)."""
+    alarms = []   # (a mask check's warning line, the line stderr shows), in the report's order
+    for d in report["drafters"]:
+        if (d.get("mask_check") or {}).get("warning"):
+            w = d["mask_check"]["warning"]
+            alarms.append((f"   WARNING: {w}", f"warning: drafter {d['name']}: {w}"))
     for line in report_lines(report):
         print(line, file=out)
+        if alarms and line == alarms[0][0]:
+            print(alarms.pop(0)[1], file=sys.stderr)
+
+
+def compare_hidden_lines(report):
+    """--compare-hidden's report: the two files, the target's argmax agreement, each layer's error, each drafter."""
+    a, b = report["files"]
+    yield f"A: {a['path']} ({a['dtype']}, {a['device']})\nB: {b['path']} ({b['dtype']}, {b['device']})"
+    differ, tied = report.get("argmax_differ"), report.get("argmax_near_ties")
+    line = f"target argmax agreement A vs B: {fmt(report['argmax_agreement'], 4)}"
+    if differ and tied is not None:
+        line += (f" ({tied} of the {differ} positions that differ are near-ties in A or B, within the dtype's "
+                 "precision: numerics)")
+    yield line
+    yield "layer  rel.err |A-B|/|B|  cos mean  cos min   max |A-B|  worst (prompt, position)"
+    for L, st in report["layers"].items():
+        worst = st["worst"] or {}
+        yield (f"{L:>5}  {fmt(st['relative_error'], 6):>17}  {fmt(st['cosine_mean'], 6)}  {fmt(st['cosine_min'], 6)}"
+               f"  {st['max_abs_diff']:10.4g}  {worst.get('prompt')}, {worst.get('position')}")
+    for da, db in zip(*report.get("drafters", [[], []])):
+        yield (f"\n== drafter {da['name']}: tau A {fmt(da['tau'])}  B {fmt(db['tau'])}   tau_all_anchors A "
+               f"{fmt(da['tau_all_anchors'])}  B {fmt(db['tau_all_anchors'])}")
+        yield "   pos  accept A  accept B"
+        for k, (x, y) in enumerate(zip(da["per_position"]["acceptance"], db["per_position"]["acceptance"]), 1):
+            yield f"   {k:>3}  {fmt(x):>8}  {fmt(y):>8}"
 
 
 def print_comparison(report, out=None):
-    a, b = report["files"]
-    print(f"A: {a['path']} ({a['dtype']}, {a['device']})\nB: {b['path']} ({b['dtype']}, {b['device']})", file=out)
-    differ, tied = report.get("argmax_differ"), report.get("argmax_near_ties")
-    print(f"target argmax agreement A vs B: {fmt(report['argmax_agreement'], 4)}" + (
-        f" ({tied} of the {differ} positions that differ are near-ties in A or B, within the dtype's precision: "
-        "numerics)" if differ and tied is not None else ""), file=out)
-    print("layer  rel.err |A-B|/|B|  cos mean  cos min   max |A-B|  worst (prompt, position)", file=out)
-    for L, st in report["layers"].items():
-        worst = st["worst"] or {}
-        print(f"{L:>5}  {fmt(st['relative_error'], 6):>17}  {fmt(st['cosine_mean'], 6)}  {fmt(st['cosine_min'], 6)}"
-              f"  {st['max_abs_diff']:10.4g}  {worst.get('prompt')}, {worst.get('position')}", file=out)
-    for da, db in zip(*report.get("drafters", [[], []])):
-        print(f"\n== drafter {da['name']}: tau A {fmt(da['tau'])}  B {fmt(db['tau'])}   tau_all_anchors A "
-              f"{fmt(da['tau_all_anchors'])}  B {fmt(db['tau_all_anchors'])}", file=out)
-        print("   pos  accept A  accept B", file=out)
-        for k, (x, y) in enumerate(zip(da["per_position"]["acceptance"], db["per_position"]["acceptance"]), 1):
-            print(f"   {k:>3}  {fmt(x):>8}  {fmt(y):>8}", file=out)
+    for line in compare_hidden_lines(report):
+        print(line, file=out)
 
 
 def plotted_drafters(source):
