@@ -10,8 +10,8 @@ tokens (README, Verification rules). Three independent checks:
   run's text are within 3 standard errors of the runs' own;
 - greedy, and argmax drafts at any temperature: block verification is the standard rule, round by round.
 """
-import itertools
 import dataclasses
+import itertools
 import json
 import os
 
