@@ -1856,8 +1856,10 @@ def parse_prompt_row(row, where, number):
     if ids is not None and not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
         fail(f"{where}: \"completion_ids\" must be a list of integer token ids")
     blank = [n for n, t in enumerate(item.turns or [], 1) if not t.strip()]
-    if blank or not any(m["content"].strip() for m in item.messages):
-        item.skip = f"the prompt{f' (turn {blank[0]})' if blank else ''} is empty ({where})"
+    if blank:
+        item.skip = f"the prompt (turn {blank[0]}) is empty ({where})"
+    elif not any(m["content"].strip() for m in item.messages):
+        item.skip = f"the prompt is empty ({where})"
     return item
 
 
@@ -1870,8 +1872,8 @@ def prompt_rows(path, name):
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            fail(f"{name}{'' if array else f' line {lineno}'}: not valid UTF-8 (byte {e.start}); save the file as "
-                 "UTF-8")
+            where = name if array else f"{name} line {lineno}"
+            fail(f"{where}: not valid UTF-8 (byte {e.start}); save the file as UTF-8")
         if not line.strip():
             continue
         try:
@@ -1909,7 +1911,7 @@ def read_prompts(path, limit=None):
             break
     refuse((not items, f"{name} holds no prompts"),
            (all(it.skip for it in items),
-            f"every prompt of {name} is empty ({', '.join(empty[:10])}{', ...' if len(empty) > 10 else ''}): "
+            f"every prompt of {name} is empty ({', '.join(empty[:10] + ['...'] * (len(empty) > 10))}): "
             "nothing to evaluate; give each line its text"))
     return items
 
@@ -1921,9 +1923,9 @@ def expand(items, settings):
     ignored = [k for k in FOREIGN_ANSWERS if any(k in it.ignored and it.completion is None and
                                                  it.completion_ids is None for it in items)]
     if ignored:
-        log(settings, f"note: {'; '.join(FOREIGN_ANSWERS[k] for k in ignored)}: not the target's own, so not used as "
-                      "the reference; the target generates its own, as tau needs (to score such a text, name it "
-                      "\"completion\")")
+        whose = "; ".join(FOREIGN_ANSWERS[k] for k in ignored)
+        log(settings, f"note: {whose}: not the target's own, so not used as the reference; the target generates its "
+                      "own, as tau needs (to score such a text, name it \"completion\")")
     for it in items:
         if it.skip:
             log(settings, f"note: skipping prompt {it.id}: {it.skip}; the report lists it under \"skipped\"")
@@ -4842,9 +4844,10 @@ def check_server(settings, learned, target_cfg):
     token = next((t for t in (getattr(target_cfg, "bos_token_id", None), getattr(target_cfg, "eos_token_id", None))
                   if isinstance(t, int)), 0)
     probe = Prompt(id="probe", prompt_ids=[token], room=1, sample=0 if sampling_of(settings) else None)
+    model = f", --server-model {settings.server_model}" if settings.server_model else ""
     server_batch([probe], replace(settings, server_timeout=min(settings.server_timeout, 60)), learned,
                  f"checking --server with a one-token request before anything loads (--server-api "
-                 f"{settings.server_api}{', --server-model ' + settings.server_model if settings.server_model else ''})")
+                 f"{settings.server_api}{model})")
 
 
 def fetch_references(items, settings, learned, keep):
@@ -6143,10 +6146,10 @@ def self_check(items, config):
     if check["passed"]:
         log(Settings.from_json(config), f"note: self-check within tolerance ({rule}): {facts}")
     else:
+        made = "samples" if sampled else "greedy output"
         check["message"] = (f"the tool's own generation and evaluation disagree ({facts}; tolerance: {rule}). It "
-                            "generated these references itself as the target's "
-                            f"{'samples' if sampled else 'greedy output'}, so a bug in the tool or numerics is at "
-                            "fault, not the references: tau is not exact")
+                            f"generated these references itself as the target's {made}, so a bug in the tool or "
+                            "numerics is at fault, not the references: tau is not exact")
     return check
 
 
@@ -7574,11 +7577,13 @@ def interrupt_message(settings, finished, references, during="", features=None):
     kept = f" and {references} references not yet scored" if references and kept_file else ""
     saved = f" (their features kept in {features}*)" if features and kept_file else ""
     nor = " (nor the features)" if features else ""
-    how = (f"to finish, run the same {'torchrun ' if settings.ranks > 1 else ''}command with --resume"
-           if kept_file else
-           f"--output {settings.output} is not a regular file, so nothing is kept for later{nor}: give --output a "
-           "file, and --resume goes on from there" if settings.output else
-           f"without --output nothing is kept for later{nor}: give --output, and --resume goes on from there")
+    if kept_file:
+        how = "to finish, run the same " + "torchrun " * (settings.ranks > 1) + "command with --resume"
+    elif settings.output:
+        how = (f"--output {settings.output} is not a regular file, so nothing is kept for later{nor}: give --output a "
+               "file, and --resume goes on from there")
+    else:
+        how = f"without --output nothing is kept for later{nor}: give --output, and --resume goes on from there"
     return f"interrupted{during}: reporting the {finished} prompts finished so far{saved}{kept}; {how}"
 
 
@@ -7647,8 +7652,9 @@ def merge_shards(settings):
     skipped = [s for _, report in shards for s in report["skipped"]]
     if missing := [entry[1] for entry in first["shard"]["items"]
                    if entry[0] not in records and entry[1] not in {s["id"] for s in skipped}]:
-        fail(f"--merge: no shard holds prompt{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing[:5]))}"
-             f"{' ...' if len(missing) > 5 else ''}: merge every shard of the run (1/N to N/N)")
+        named = " ".join([", ".join(map(str, missing[:5]))] + ["..."] * (len(missing) > 5))
+        fail(f"--merge: no shard holds prompt{'s' * (len(missing) > 1)} {named}: merge every shard of the run (1/N to "
+             "N/N)")
     TIMING.clear()
     for _, report in shards:
         add_timing(report["timing"])
@@ -7846,9 +7852,8 @@ def prompt_groups(stream, size, budget=0):
         yield group
 
 
-def extract_from_target(items, settings, learned, target_cfg, layer_union, done, drafter, keep, features=None, fly=()):
-    """Load the target; then a stream of (item, features, argmax) per prompt not in `done`: tokenized, its reference
-    generated if missing (to keep(item) at once), one teacher-forced pass; features to --save-hidden (`features`)."""
+def load_for_references(settings, learned, target_cfg, drafter):
+    """The target, its tokenizer and stop ids, and how its missing references are generated (learned)."""
     if settings.device == "cpu" and settings.dtype != "float32" and is_hybrid(target_cfg):
         say(f"warning: {settings.dtype} on CPU with a hybrid (linear-attention) target: the CPU fallback of "
             "those layers drifts from the GPU kernels enough to garble drafts; use --dtype float32 on CPU, or "
@@ -7858,7 +7863,7 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
         model, tokenizer = load_target(settings)
     threads = torch.get_num_threads()
     log(settings, f"target loaded in {TIMING['load_s']:.1f} s, {threads} CPU thread{'s' * (threads > 1)}")
-    limit, stops = target_cfg.max_position_embeddings, set() if settings.ignore_eos else eos_ids(model, tokenizer)
+    stops = set() if settings.ignore_eos else eos_ids(model, tokenizer)
     how = settings.reference_generation   # plain, speculative or auto (the first rounds decide)
     learned.reference_method = "plain" if how == "plain" else "speculative"
     learned.choosing = how == "auto"
@@ -7870,6 +7875,14 @@ def extract_from_target(items, settings, learned, target_cfg, layer_union, done,
         learned.reference_method = "plain"
         log(settings, f"note: references are generated by plain decoding (the speculative loop drafts with "
                       f"DFlash-family drafters; {drafter.name} is {drafter.generation})")
+    return model, tokenizer, stops
+
+
+def extract_from_target(items, settings, learned, target_cfg, layer_union, done, drafter, keep, features=None, fly=()):
+    """Load the target; then a stream of (item, features, argmax) per prompt not in `done`: tokenized, its reference
+    generated if missing (to keep(item) at once), one teacher-forced pass; features to --save-hidden (`features`)."""
+    model, tokenizer, stops = load_for_references(settings, learned, target_cfg, drafter)
+    limit = target_cfg.max_position_embeddings
     by_index, saved = {it.index: it for it in items}, saved_references(settings)
     served = read_served(settings.served) if settings.served else []
     todo = [it for it in items if it.index not in done]
