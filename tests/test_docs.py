@@ -2,7 +2,8 @@
 
 - docs/options.md is what `eval_drafter.py --help-markdown` writes from the flag table, byte for byte; every flag is
   on it, with its number rule.
-- docs/code.md has a row for every section banner of the script (and its docstring lists them).
+- docs/code.md is written from the script (tests/code_page.py): a row for every section banner (which its docstring
+  lists), the declared records, every family class and every verification rule.
 - The README's support table is what support_markdown() writes from the family table; --help lists every family,
   where its checkpoints come from and who serves it, and the target kinds.
 - Every heading of the README as it stood before the manual (1,496 lines) has a home in docs/, and every link and
@@ -61,15 +62,19 @@ def test_the_support_table_and_help_are_the_family_table(capsys):
     assert " ".join(ed.TARGET_KINDS.split()) in shown
 
 
-def test_the_code_page_has_a_row_for_every_section():
+def test_the_code_page_is_written_from_the_code():
+    """docs/code.md is tests/code_page.py's page: the banners, the records, the family classes and the rules."""
+    import code_page
+    assert page("docs/code.md") == code_page.page(), "run: python tests/code_page.py > docs/code.md"
     source = page("eval_drafter.py")
     banners = re.findall(r"^# -{20,}\n# ([^:\n]+)", source, re.M)
-    rows = [line.split("|")[1].strip() for line in page("docs/code.md").splitlines() if re.match(r"\| [A-Z]", line)]
-    assert len(banners) >= 16 and [b for b in banners if b not in rows and re.split(r"[ ,]", b)[0] not in rows] == []
+    assert len(banners) >= 16 and all(f"| **{b.split(': ')[0]}**" in page("docs/code.md") for b in banners)
     start = source.index('"""') + 3
     listed = source[start:source.index('"""', start)]
     for title in banners:   # and the top docstring lists them
         assert f"\n    {title}" in listed, title
+    for name, fam in ed.FAMILIES.items():   # every family, with its class and its parent
+        assert f"| {name} | `{type(fam).__name__}` | `{type(fam).__bases__[0].__name__}` |" in page("docs/code.md")
 
 
 # The README's headings before the manual took its body (git show a5179fa:README.md).
