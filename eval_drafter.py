@@ -1154,14 +1154,14 @@ def parse_eagle_tree(text):
     return values
 
 
-VERIFY_RULES = ("standard", "block", "fly")
+VERIFY_RULES = {}   # --verify's rules by name: what each computes and costs ("Target" registers them, by their math)
 
 
 def parse_verify(text):
     """--verify: the distinct rules, in the order given (the first is the main row)."""
     rules = list(dict.fromkeys(r.strip().lower() for r in text.split(",") if r.strip()))
     if not rules or any(r not in VERIFY_RULES for r in rules):
-        fail(f"--verify takes standard, block, fly (comma-separated, e.g. standard,block); got {text!r}")
+        fail(f"--verify takes {', '.join(VERIFY_RULES)} (comma-separated, e.g. standard,block); got {text!r}")
     return rules
 
 
@@ -1579,7 +1579,7 @@ def resolve_settings(args):
         # what happened, once the tokenizer is read: applied / off (--no-chat-template) / none in the tokenizer
         chat_template="off" if args.no_chat_template else None,
         ddtree_budgets=parse_budgets(args.ddtree_budgets), depths=parse_depths(args.depths),
-        eagle_tree=parse_eagle_tree(args.eagle_tree), verify=[r for r in rules if r != "fly"] or ["standard"],
+        eagle_tree=parse_eagle_tree(args.eagle_tree), verify=[r for r in rules if VERIFY_RULES[r].accept] or ["standard"],
         fly=fly, costs_used=read_costs(args.costs) if costs_file else None,
         gpu=gpu_spec(args.costs) if args.costs and args.costs.startswith("gpu:") else None,
         batch_sizes=int_list(args.batch_sizes, f"--batch-sizes takes batch sizes >= 1 like 1,8,32; got "
@@ -2349,6 +2349,46 @@ def fly_verify(block, logits, fly):
     return accepted, greedy[accepted], deferred
 
 
+def standard_accept(q, p_at):
+    """The standard rule given the text: each slot's chance min(1, q / p) at the text's tokens (0 where p is 0), once
+    the slot before it is reached."""
+    return torch.where(p_at > 0, (q / p_at.clamp_min(1e-300)).clamp(max=1.0), torch.zeros_like(q))
+
+
+def block_accept(q, p_at):
+    """Block verification (Sun et al. 2024, arXiv 2403.10444) given the text, drafts marginalised: a round reaches
+    slot j with P(tau >= j | text) = min(1, P_1, ..., P_j), P_j = prod_{i <= j} q_i / p_i at the text's tokens
+    (docs/sampling.md, Verification rules), returned as each slot's chance once the slot before it is reached, as the
+    standard rule's min(1, q / p) is. In log space: the products of many ratios overflow."""
+    ok = (p_at > 0) & (q > 0)
+    logs = torch.where(ok, q.clamp_min(1e-300).log() - p_at.clamp_min(1e-300).log(), -math.inf).cumsum(1)
+    reach = torch.cat([torch.zeros_like(logs[:, :1]), logs], 1).cummin(1).values
+    return torch.where(reach[:, :-1] > -math.inf, (reach[:, 1:] - reach[:, :-1]).exp(), torch.zeros_like(q))
+
+
+@dataclass(frozen=True)
+class VerifyRule:
+    """A verification rule --verify names: what it computes and, for a lossy rule, what it costs."""
+    name: str
+    computes: str
+    accept: object = None   # (q, p) at the text's tokens -> each slot's chance once the slot before it is reached (from
+    #                         the drafts every such rule shares); None: an online loop of its own (FLy's own texts)
+    cost: str = None        # what a lossy rule gives up (None: lossless, the target's distribution kept)
+
+
+# accept is looked up when called (a lambda), so the math can be replaced after the table is built (the tests do)
+VERIFY_RULES.update((rule.name, rule) for rule in (
+    VerifyRule("standard", "token by token: each draft accepted with min(1, q / p), the first rejection ending the "
+               "round (verify, online)", lambda q, p: standard_accept(q, p)),
+    VerifyRule("block", "block verification (Sun et al. 2024; vLLM's rejection_sample_method block, SGLang's "
+               "--speculative-use-block-verification): a round reaches slot j with min(1, P_1, ..., P_j), P_j the "
+               "product of q / p up to j", lambda q, p: block_accept(q, p)),
+    VerifyRule("fly", "vLLM 0.34's FLy at temperature 0: a mismatch where the target's top-k entropy reaches the "
+               "threshold is deferred, and kept once the next W drafts match (fly_verify, in an online loop)",
+               cost="the text committed is each drafter's own, not the target's: it is reported with what it departs "
+                    "from the target's")))
+
+
 def timed_pass(model, cache, ids, layers=None):
     """Seconds of one target pass over `ids` after what `cache` holds, the cache then as it was: a plain decoding step
     (layers None: the forward and its next token), or a verify pass (`layers`' features and the block's verdict)."""
@@ -3114,21 +3154,11 @@ def layer_features(drafter, features):
     return torch.cat([features[L] for L in drafter.layers], dim=-1)
 
 
-@dataclass
-class Round:
-    """What a family's proposal step reads at a call's anchors: the prompt's context (per-layer K/V, a causal pass over
-    the text, or a baseline's drafts), each anchor's token (first), where each anchor's prompt starts in a context of
-    several prompts (starts; None: one prompt), the target's embedding and head; with `given` tokens (and `sampling`),
-    the step also returns the chance a sampling drafter drafts each."""
-    context: object
-    anchors: torch.Tensor
-    first: torch.Tensor
-    starts: object
-    embed_w: torch.Tensor
-    head: object
-    prompt_id: object
-    given: object = None
-    sampling: object = None
+# What a family's proposal step reads at a call's anchors: the prompt's context (per-layer K/V, a causal pass over the
+# text, or a baseline's drafts), each anchor's token (first), where each anchor's prompt starts in a context of several
+# prompts (starts; None: one prompt), the target's embedding and head; with `given` tokens (and `sampling`), the step
+# also returns the chance a sampling drafter drafts each.
+Round = namedtuple("Round", "context anchors first starts embed_w head prompt_id given sampling", defaults=(None, None))
 
 
 # The drafter families: one class each, a subclass of its nearest relative, registered under its name. A family's own
@@ -5304,17 +5334,6 @@ def round_sums(rounds, block_size, number=int):
             "histogram": [number(rounds.count(n)) for n in range(1, block_size + 1)]}
 
 
-def block_accept(q, p_at):
-    """Block verification (Sun et al. 2024, arXiv 2403.10444) given the text, drafts marginalised: a round reaches
-    slot j with P(tau >= j | text) = min(1, P_1, ..., P_j), P_j = prod_{i <= j} q_i / p_i at the text's tokens
-    (docs/sampling.md, Verification rules), returned as each slot's chance once the slot before it is reached, as the
-    standard rule's min(1, q / p) is. In log space: the products of many ratios overflow."""
-    ok = (p_at > 0) & (q > 0)
-    logs = torch.where(ok, q.clamp_min(1e-300).log() - p_at.clamp_min(1e-300).log(), -math.inf).cumsum(1)
-    reach = torch.cat([torch.zeros_like(logs[:, :1]), logs], 1).cummin(1).values
-    return torch.where(reach[:, :-1] > -math.inf, (reach[:, 1:] - reach[:, :-1]).exp(), torch.zeros_like(q))
-
-
 def served_moments(accept, per_step):
     """An engine's verify steps (drafts accepted each) on a text whose anchors' slot chances are the rows of `accept`:
     [accepted, its expectation, variance, steps, steps of probability 0] over the steps at those anchors. Given the
@@ -5338,8 +5357,7 @@ def add_expectations(res, block_size, n_prompt, total_len, p, q=None, rules=("st
     res["verify"]; an engine's per-step figures (served, at this depth) meet the first rule's chances."""
     p_at, sampled = p[res["anchors"][:, None] + torch.arange(1, block_size) - n_prompt], q is not None
     q = q if sampled else res["equal"].double()
-    accepts = {"standard": torch.where(p_at > 0, (q / p_at.clamp_min(1e-300)).clamp(max=1.0), torch.zeros_like(q)),
-               "block": block_accept(q, p_at)}
+    accepts = {name: rule.accept(q, p_at) for name, rule in VERIFY_RULES.items() if rule.accept}
     for rule in rules:
         accept = accepts[rule]
         if sampled:
