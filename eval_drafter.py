@@ -1579,7 +1579,8 @@ def resolve_settings(args):
         # what happened, once the tokenizer is read: applied / off (--no-chat-template) / none in the tokenizer
         chat_template="off" if args.no_chat_template else None,
         ddtree_budgets=parse_budgets(args.ddtree_budgets), depths=parse_depths(args.depths),
-        eagle_tree=parse_eagle_tree(args.eagle_tree), verify=[r for r in rules if VERIFY_RULES[r].accept] or ["standard"],
+        eagle_tree=parse_eagle_tree(args.eagle_tree),
+        verify=[r for r in rules if VERIFY_RULES[r].accept] or ["standard"],   # fly apart: an online loop of its own
         fly=fly, costs_used=read_costs(args.costs) if costs_file else None,
         gpu=gpu_spec(args.costs) if args.costs and args.costs.startswith("gpu:") else None,
         batch_sizes=int_list(args.batch_sizes, f"--batch-sizes takes batch sizes >= 1 like 1,8,32; got "
@@ -4106,8 +4107,8 @@ def causal_chain(d, context, anchors, starts, embed_w, head, prompt_id, given=No
 
 class Causal(Family):
     """One causal pass over the text, then K chained steps of one decoder layer (EAGLE-3, MTP): no block, no mask.
-    Its layer reads each row's embedding and hidden through the family's own input (layer_input), the hidden fed on
-    being the target's features as the family takes them in (take)."""
+    Each family says how its layer reads a row's embedding and hidden (layer_input) and how it takes in the target's
+    features (take)."""
     causal, rounds = True, "chain"
 
     def context(self, d, features, ids, embed_w):
@@ -4562,7 +4563,7 @@ class TextBaseline(Family):
                        layout="vLLM 0.34", head={**head, **more}, warnings=[], defaults={}, model=model)
 
     def setup(self, knobs, target_cfg, settings, name):
-        """(what its head adds: the lookup's gram lengths [n_min, n_max], its model: None)."""
+        """(what its head adds, its draft model): prompt lookup's gram lengths [min, max], no model."""
         return {"lookup": [knobs["min"], knobs["max"]]}, None
 
     def context(self, d, features, ids, embed_w):
