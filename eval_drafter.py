@@ -23,7 +23,7 @@ The sections, in the order data flows (each definition stands under its banner, 
     Drafter families, block: DFlash, DFlash 2, DSpark, Domino, XPress, LiLiCorr (their loading and proposal code)
     Drafter families, causal: EAGLE-3, P-EAGLE and the MTP layer (their loading and proposal code)
     Drafter families, baselines: n-gram prompt lookup, suffix decoding and a small draft model, from the text alone
-    Drafter families: recognition and the family table, the one place a family is dispatched from
+    Drafter families: recognition, a checkpoint's family named from its config or tensors
     Drafting: a drafter loaded by its family, every anchor drafted
     References: the target's own (speculative or plain decoding) and a serving engine's
     Scoring: walks, expectations under sampling, DDTree, the mask check, intervals
@@ -234,6 +234,7 @@ def is_number(v):
 # What a config value must be, by key, wherever it stands (top level or a nest of CONFIG_NESTS): (what it must be,
 # its type test, its range test). null means "not set": the code reading the key takes its default or refuses.
 # A wrong type must stop here: "64" would read as another hidden size, "1e4" break the RoPE, "1,3,4" three digits.
+# A drafter family's own keys join the table as the family registers (its `kinds`).
 SIZE = ("an integer >= 1", is_int, lambda v: v >= 1)
 COUNT = ("an integer >= 0", is_int, lambda v: v >= 0)
 POSITIVE = ("a number > 0", is_number, lambda v: v > 0)
@@ -244,23 +245,14 @@ CONFIG_KINDS = {
     **dict.fromkeys(("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "head_dim", "max_position_embeddings", "block_size", "vocab_size",
                      "num_target_layers", "target_hidden_size", "sliding_window", "swa_window_size", "draft_vocab_size",
-                     "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "num_experts_per_tok",
-                     "moe_intermediate_size", "shared_expert_intermediate_size", "emb_dim", "gru_hidden_dim",
-                     "xpress_rank", "xpress_mlp_hidden", "xpress_block_size", "lilicorr_candidate_topk",
-                     "lilicorr_num_layers", "lilicorr_num_heads", "lilicorr_factor_dim"), SIZE),
-    **dict.fromkeys(("mask_token_id", "max_window_layers", "markov_rank", "pure_draft_prefix_len", "num_experts",
-                     "num_jacobi_passes", "xpress_num_passes", "xpress_topc", "pard_token", "lilicorr_hidden_size"),
-                    COUNT),
-    **dict.fromkeys(("rms_norm_eps", "rope_theta", "xpress_mlp_ratio", "lilicorr_mlp_ratio", "lilicorr_vector_eps"),
-                    POSITIVE),
+                     "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"), SIZE),
+    **dict.fromkeys(("mask_token_id", "max_window_layers", "num_experts"), COUNT),
+    **dict.fromkeys(("rms_norm_eps", "rope_theta"), POSITIVE),
     **dict.fromkeys(("input_embedding_scale", "output_multiplier", "final_logit_softcapping",
-                     "partial_rotary_factor", "lilicorr_logit_scale"), NUMBER),
+                     "partial_rotary_factor"), NUMBER),
     **dict.fromkeys(("attention_bias", "use_sliding_window", "is_causal", "causal", "sliding_window_non_causal",
-                     "sample_from_anchor", "tie_word_embeddings", "norm_before_residual", "norm_before_fc", "fc_norm",
-                     "norm_output", "shift_label", "attn_output_gate", "norm_topk_prob", "lilicorr_enabled",
-                     "has_own_lm_head"), SWITCH),
-    **dict.fromkeys(("target_layer_ids", "aux_hidden_state_layer_ids", "eagle_aux_hidden_state_layer_ids",
-                     "no_rope_layers"), IDS)}
+                     "sample_from_anchor", "tie_word_embeddings", "attn_output_gate", "norm_topk_prob"), SWITCH),
+    **dict.fromkeys(("target_layer_ids", "aux_hidden_state_layer_ids"), IDS)}
 CONFIG_NESTS = ("dflash_config", "transformer_layer_config", "eagle_config", "text_config", "rope_parameters",
                 "rope_scaling")
 # The target config's keys the tool itself reads (its own, and its MTP layer's); transformers checks the rest
@@ -1169,14 +1161,14 @@ def parse_eagle_tree(text):
     return values
 
 
-VERIFY_RULES = ("standard", "block", "fly")
+VERIFY_RULES = {}   # --verify's rules by name: what each computes and costs ("Target" registers them, by their math)
 
 
 def parse_verify(text):
     """--verify: the distinct rules, in the order given (the first is the main row)."""
     rules = list(dict.fromkeys(r.strip().lower() for r in text.split(",") if r.strip()))
     if not rules or any(r not in VERIFY_RULES for r in rules):
-        fail(f"--verify takes standard, block, fly (comma-separated, e.g. standard,block); got {text!r}")
+        fail(f"--verify takes {', '.join(VERIFY_RULES)} (comma-separated, e.g. standard,block); got {text!r}")
     return rules
 
 
@@ -1594,7 +1586,8 @@ def resolve_settings(args):
         # what happened, once the tokenizer is read: applied / off (--no-chat-template) / none in the tokenizer
         chat_template="off" if args.no_chat_template else None,
         ddtree_budgets=parse_budgets(args.ddtree_budgets), depths=parse_depths(args.depths),
-        eagle_tree=parse_eagle_tree(args.eagle_tree), verify=[r for r in rules if r != "fly"] or ["standard"],
+        eagle_tree=parse_eagle_tree(args.eagle_tree),
+        verify=[r for r in rules if VERIFY_RULES[r].accept] or ["standard"],   # fly apart: an online loop of its own
         fly=fly, costs_used=read_costs(args.costs) if costs_file else None,
         gpu=gpu_spec(args.costs) if args.costs and args.costs.startswith("gpu:") else None,
         batch_sizes=int_list(args.batch_sizes, f"--batch-sizes takes batch sizes >= 1 like 1,8,32; got "
@@ -2426,6 +2419,46 @@ def fly_verify(block, logits, fly):
     return accepted, greedy[accepted], deferred
 
 
+def standard_accept(q, p_at):
+    """The standard rule given the text: each slot's chance min(1, q / p) at the text's tokens (0 where p is 0), once
+    the slot before it is reached."""
+    return torch.where(p_at > 0, (q / p_at.clamp_min(1e-300)).clamp(max=1.0), torch.zeros_like(q))
+
+
+def block_accept(q, p_at):
+    """Block verification (Sun et al. 2024, arXiv 2403.10444) given the text, drafts marginalised: a round reaches
+    slot j with P(tau >= j | text) = min(1, P_1, ..., P_j), P_j = prod_{i <= j} q_i / p_i at the text's tokens
+    (docs/sampling.md, Verification rules), returned as each slot's chance once the slot before it is reached, as the
+    standard rule's min(1, q / p) is. In log space: the products of many ratios overflow."""
+    ok = (p_at > 0) & (q > 0)
+    logs = torch.where(ok, q.clamp_min(1e-300).log() - p_at.clamp_min(1e-300).log(), -math.inf).cumsum(1)
+    reach = torch.cat([torch.zeros_like(logs[:, :1]), logs], 1).cummin(1).values
+    return torch.where(reach[:, :-1] > -math.inf, (reach[:, 1:] - reach[:, :-1]).exp(), torch.zeros_like(q))
+
+
+@dataclass(frozen=True)
+class VerifyRule:
+    """A verification rule --verify names: what it computes and, for a lossy rule, what it costs."""
+    name: str
+    computes: str
+    accept: object = None   # (q, p) at the text's tokens -> each slot's chance once the slot before it is reached (from
+    #                         the drafts every such rule shares); None: an online loop of its own (FLy's own texts)
+    cost: str = None        # what a lossy rule gives up (None: lossless, the target's distribution kept)
+
+
+# accept is looked up when called (a lambda), so the math can be replaced after the table is built (the tests do)
+VERIFY_RULES.update((rule.name, rule) for rule in (
+    VerifyRule("standard", "token by token: each draft accepted with min(1, q / p), the first rejection ending the "
+               "round (verify, online)", lambda q, p: standard_accept(q, p)),
+    VerifyRule("block", "block verification (Sun et al. 2024; vLLM's rejection_sample_method block, SGLang's "
+               "--speculative-use-block-verification): a round reaches slot j with min(1, P_1, ..., P_j), P_j the "
+               "product of q / p up to j", lambda q, p: block_accept(q, p)),
+    VerifyRule("fly", "vLLM 0.34's FLy at temperature 0: a mismatch where the target's top-k entropy reaches the "
+               "threshold is deferred, and kept once the next W drafts match (fly_verify, in an online loop)",
+               cost="the text committed is each drafter's own, not the target's: it is reported with what it departs "
+                    "from the target's")))
+
+
 def timed_pass(model, cache, ids, layers=None):
     """Seconds of one target pass over `ids` after what `cache` holds, the cache then as it was: a plain decoding step
     (layers None: the forward and its next token), or a verify pass (`layers`' features and the block's verdict)."""
@@ -3162,6 +3195,96 @@ def proposal_rows(drafter, hidden):
     return hidden[:, start:start + drafter.block_size - 1]
 
 
+def attention_tensors(cfg, state, width):
+    """{name: shape} of a drafter layer's norms, MLP and attention projections, its rows `width` wide."""
+    H, hd = cfg["hidden_size"], head_dim_of(cfg)
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    return {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+            **mlp_tensors(cfg, "layers.0.mlp.gate.weight" in state),
+            "self_attn.q_proj.weight": (q, width), "self_attn.k_proj.weight": (kv, width),
+            "self_attn.v_proj.weight": (kv, width), "self_attn.o_proj.weight": (H, q)}
+
+
+def layer_tensors(cfg, state, width, qk_norms=True, extra=()):
+    """attention_tensors, then the q/k norms (where `qk_norms`), `extra` (EAGLE-3's hidden_norm) and the attention
+    biases where the config has them."""
+    shapes, hd = attention_tensors(cfg, state, width), head_dim_of(cfg)
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    if qk_norms:
+        shapes.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+    shapes.update(extra)
+    if cfg.get("attention_bias"):
+        shapes.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                       "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.bias": (cfg["hidden_size"],)})
+    return shapes
+
+
+def layer_features(drafter, features):
+    """The target features a drafter reads: its layers' rows side by side, (T, n_layers * H)."""
+    return torch.cat([features[L] for L in drafter.layers], dim=-1)
+
+
+# What a family's proposal step reads at a call's anchors: the prompt's context (per-layer K/V, a causal pass over the
+# text, or a baseline's drafts), each anchor's token (first), where each anchor's prompt starts in a context of several
+# prompts (starts; None: one prompt), the target's embedding and head; with `given` tokens (and `sampling`), the step
+# also returns the chance a sampling drafter drafts each.
+Round = namedtuple("Round", "context anchors first starts embed_w head prompt_id given sampling", defaults=(None, None))
+
+
+# The drafter families: one class each, a subclass of its nearest relative, registered under its name. A family's own
+# code stands in its class or just above it, in its section; shared code calls a family's hooks, never its name.
+FAMILIES = {}   # name: the family, in the order they are defined (recognition tries the last first)
+
+
+def register(name):
+    """Class decorator: the family, one instance, in FAMILIES under `name`; its config keys' kinds join CONFIG_KINDS."""
+    def add(cls):
+        cls.generation = name
+        CONFIG_KINDS.update(cls.kinds)
+        FAMILIES[name] = cls()
+        return cls
+    return add
+
+
+def family(d):
+    return FAMILIES[d.generation]
+
+
+class Family:
+    """What every drafter family has, overridden where a family differs. The attributes are what the rest of the tool
+    reads of a family (the report, serving, --help); the hooks, what loading and drafting call."""
+    generation = ""             # its name (register sets it): the Drafter's and the report's "generation"
+    causal = False              # one causal pass over the text, then K chained one-layer steps: no block, no mask
+    text = False                # drafts from the text alone (a baseline): no weights, no target features
+    adaptive = False            # SGLang adapts its step count (--speculative-adaptive: EAGLE, EAGLE-3, NEXTN)
+    from_target = False         # read from the target's own checkpoint (the MTP layer): --help lists it last
+    from_anchor = False         # its anchor's slot drafts too, unless its config says otherwise
+    full_vocabulary = ""        # what scores target-vocabulary tokens (a reduced draft vocabulary is refused)
+    greedy = ""                 # who drafts it greedily at every temperature (--draft-policy sample is refused)
+    ddtree_note = None          # why it has no DDTree rows (None: DDTree trees from the same drafter pass)
+    method = "dflash"           # vLLM's speculative method
+    vllm = None                 # what else vLLM's speculative config says of it
+    tree = False                # SGLang also serves it with token trees (--eagle-tree)
+    sources = ""                # the layouts its checkpoints come in (--help, the manual's support table)
+    engines = ""                # who serves it
+    rounds = "block"            # a round for the roofline: block, one pass; chain, K steps; parallel, + K - 1 masks
+    words = ()                  # what names it: a word of its architectures, or its speculators or projector type
+    tensors = ()                # or a part of its own tensors' names
+    kinds = {}                  # what its own config keys must be (CONFIG_KINDS' form)
+    speculators_keys = ()       # speculators 0.9.0's keys of its own settings, kept under dflash_config
+    flags = ()                  # the settings only it reads
+    overrides = ()              # OVERRIDES' rows of its own flags
+    propose = None              # its round, where it chains (propose(d, Round): drafts, their chances); None: argmax
+
+    def claims(self, path):
+        """Whether --ckpt's `path` is its own, no checkpoint read (a baseline's spec, a target's directory)."""
+        return False
+
+    def confidence(self, d, context, anchors, first, drafts, embed_w):
+        """Each slot's confidence at every anchor (a list) where a head of its own sizes the verifies; None: none."""
+        return None
+
+
 # ----------------------------------------------------------------------------------------------------
 # Drafter families, block: DFlash, DFlash 2, DSpark, Domino, XPress, LiLiCorr (their loading and proposal code)
 
@@ -3176,16 +3299,13 @@ XPRESS_NAMES = {"xpress_head." + v: XPRESS + k for k, v in {
     "mlp_gate.weight": "mlp.gate_proj.weight", "mlp_up.weight": "mlp.up_proj.weight",
     "mlp_down.weight": "mlp.down_proj.weight"}.items()}
 
-# speculators 0.9.0 (the layout vLLM loads): the keys of its DFlash, DFlash 2, DSpark and XPress configs
-FAMILY_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "markov_rank",
-               "markov_head_type", "xpress_rank", "xpress_mlp_ratio", "num_jacobi_passes")
-FAMILY_FLAGS = {"dspark_draft_topk": "DSpark", "domino_candidate_pool": "Domino", "xpress_passes": "XPress",
-                "xpress_topc": "XPress"}   # the settings only one family reads
+# speculators 0.9.0 (the layout vLLM loads): the keys of its DFlash configs; its DFlash 2, DSpark and XPress configs
+# add their family's speculators_keys
 SPECULATORS_KEYS = {"speculators_model_type", "architectures", "transformer_layer_config", "draft_vocab_size",
                     "block_size", "target_hidden_size", "aux_hidden_state_layer_ids", "mask_token_id",
                     "sliding_window_non_causal", "sample_from_anchor", "speculators_version", "speculators_config",
                     "transformers_version", "dtype", "torch_dtype", "tie_word_embeddings", "auto_map", "_name_or_path",
-                    "enable_confidence_head", "confidence_head_with_markov", *FAMILY_KEYS}
+                    "enable_confidence_head", "confidence_head_with_markov"}
 
 
 def speculators_config(cfg, name):
@@ -3194,7 +3314,8 @@ def speculators_config(cfg, name):
     it (speculators' own DSpark default is true; it saves the key, so only hand-written configs lack it)."""
     kind, layer = cfg.get("speculators_model_type"), cfg.get("transformer_layer_config")
     where = f"drafter {name}: its speculators config"
-    unknown, aux = min(set(cfg) - SPECULATORS_KEYS, default=None), cfg.get("aux_hidden_state_layer_ids")
+    own = tuple(dict.fromkeys(k for f in FAMILIES.values() for k in f.speculators_keys))   # its families' keys
+    unknown, aux = min(set(cfg) - SPECULATORS_KEYS - set(own), default=None), cfg.get("aux_hidden_state_layer_ids")
     refuse((kind == "mtp", f"{where} says speculators_model_type 'mtp': speculators 0.9.0 saves it, but neither vLLM "
             "0.33 nor 0.34 reads that type (0.34 reads eagle3, peagle, dflash, dflash2, dspark); evaluate the target's "
             "own MTP layer with --mtp, as vLLM serves it (method mtp)"),
@@ -3211,79 +3332,13 @@ def speculators_config(cfg, name):
     return {**layer, "architectures": cfg.get("architectures"), "block_size": cfg["block_size"],
             "target_hidden_size": cfg.get("target_hidden_size"),
             "dflash_config": {"mask_token_id": cfg["mask_token_id"], "target_layer_ids": [i - 1 for i in aux],
-                              **{k: cfg[k] for k in FAMILY_KEYS if k in cfg}},
+                              **{k: cfg[k] for k in own if k in cfg}},
             **{k: cfg[k] for k in ("enable_confidence_head", "confidence_head_with_markov") if k in cfg},
             "speculators": {"aux_hidden_state_layer_ids": aux, "draft_vocab_size": cfg.get("draft_vocab_size"),
                             "sample_from_anchor": bool(cfg.get("sample_from_anchor", False)),
                             **({"anchor_default": True} if "sample_from_anchor" not in cfg and kind == "dspark"
                                else {}),
                             "sliding_window_non_causal": bool(cfg.get("sliding_window_non_causal", kind == "dflash2"))}}
-
-
-def expected_tensors(cfg, conv, generation, state, vocab, head=None, draft_vocab=None):
-    """{name: shape} of every tensor a drafter of this config holds (None: a dimension checked elsewhere)."""
-    H, hd = cfg["hidden_size"], head_dim_of(cfg)
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    eagle = generation in ("EAGLE-3", "P-EAGLE")   # one layer, q/k/v over [embedding; features] (2H), maybe no q/k norm
-    width = 2 * H if eagle else H
-    per_layer = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
-                 **mlp_tensors(cfg, "layers.0.mlp.gate.weight" in state),
-                 "self_attn.q_proj.weight": (q, width), "self_attn.k_proj.weight": (kv, width),
-                 "self_attn.v_proj.weight": (kv, width), "self_attn.o_proj.weight": (H, q)}
-    if generation == "MTP":   # one layer over fc([embedding; hidden]); q_proj gives each head's query and gate
-        per_layer["self_attn.q_proj.weight"] = (2 * q if head["gate"] else q, H)
-        return {"fc.weight": (H, 2 * H), "norm.weight": (H,), "pre_fc_norm_embedding.weight": (H,),
-                "pre_fc_norm_hidden.weight": (H,), "layers.0.self_attn.q_norm.weight": (hd,),
-                "layers.0.self_attn.k_norm.weight": (hd,), **{"layers.0." + k: s for k, s in per_layer.items()}}
-    if not eagle or "layers.0.self_attn.q_norm.weight" in state:
-        per_layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
-    if eagle:
-        per_layer["hidden_norm.weight"] = (H,)
-    if cfg.get("attention_bias"):
-        per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-                          "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.bias": (H,)})
-    shapes = {"fc.weight": (H, None), "norm.weight": (H,), **({} if eagle else {"hidden_norm.weight": (H,)})}
-    if conv:   # DFlash 2's (and a LiLiCorr drafter's) convolutions around each sublayer
-        K, groups = conv[0], H // conv[1]
-        for sub in ("attention_conv", "mlp_conv"):
-            per_layer.update({f"{sub}.base_kernel": (2, K, H), f"{sub}.kernel_projection.weight": (2 * K * groups, H)})
-    if generation == "DFlash 2":
-        rank = dflash_value(cfg, "selector_rank")
-        if rank is None:   # from the tensor itself; the codebooks must agree with it
-            rank = getattr(state.get(SELECTOR + "hidden_projection.weight"), "shape", (None,))[0]
-        shapes.update({SELECTOR + "hidden_projection.weight": (rank, H),
-                       **{f"{SELECTOR}{k}_codebook": (vocab, rank) for k in ("predecessor", "successor")}})
-    if generation == "DSpark" and head["rank"]:   # W1 reads the previous token (target ids), W2 writes draft logits
-        r, m = head["rank"], "markov_head."
-        shapes.update({m + "markov_w1.weight": (vocab, r), m + "markov_w2.weight": (draft_vocab or vocab, r)})
-        if head["kind"] == "gated":
-            shapes.update({m + "gate_proj.weight": (r, H + r), m + "gate_proj.bias": (r,)})
-        if head["kind"] == "rnn":
-            shapes.update({m + "joint_proj.weight": (3 * r, 2 * r + H), m + "joint_proj.bias": (3 * r,)})
-    if generation == "DSpark" and (head or {}).get("confidence"):   # one fp32 logit a slot, with a bias
-        shapes.update({"confidence_head.proj.weight": (1, H + head["rank"] * (head["confidence"] == "markov")),
-                       "confidence_head.proj.bias": (1,)})
-    if generation == "XPress":   # token_embed reads the previous token (target ids), readout writes draft logits
-        r, m, B = head["rank"], head["mlp"], head["block"]
-        shapes.update({XPRESS + k: shape for k, shape in {
-            "token_embed.weight": (vocab, r), "down_h.weight": (r, H), "down_g.weight": (r, H),
-            "in_proj.weight": (r, 3 * r), "mix_l": (r, B, B), "mlp_gate.weight": (m, r), "mlp_up.weight": (m, r),
-            "mlp_down.weight": (r, m), "readout.weight": (draft_vocab or vocab, r)}.items()})
-    if generation == "LiLiCorr":
-        shapes.update({LILICORR + k: shape for k, shape in lilicorr_tensors(head, H).items()})
-    if generation == "Domino":
-        G, E = dflash_value(cfg, "gru_hidden_dim"), dflash_value(cfg, "emb_dim")
-        shapes.update({"prefix_gru.weight_ih_l0": (3 * G, H), "prefix_gru.weight_hh_l0": (3 * G, G),
-                       "embed_proj.0.weight": (E, H + G), "embed_proj.2.weight": (vocab, E)})
-    for i in range(1 if eagle else cfg.get("num_hidden_layers", 0)):
-        shapes.update({f"layers.{i}.{k}": shape for k, shape in per_layer.items()})
-    if eagle:   # fc over the n captured layers' features, after their norms where the config asks for them
-        n = state["fc.weight"].shape[1] // H
-        shapes.update({"fc.weight": (H, n * H), **({"input_norm.weight": (n * H,)} if head["norm_before_fc"] else {}),
-                       **{f"fc_norm.{i}.weight": (H,) for i in range(n if head["fc_norm"] else 0)},
-                       **({"mask_hidden": (1, 1, n * H)} if generation == "P-EAGLE" else {}),
-                       **({"embed_tokens.weight": (vocab, H)} if "embed_tokens.weight" in state else {})})
-    return shapes
 
 
 def conv_settings(cfg, state, name, settings, more=()):
@@ -3308,23 +3363,145 @@ def conv_settings(cfg, state, name, settings, more=()):
     return int(K), int(group)
 
 
-def dflash2_settings(cfg, state, name, settings):
-    """((conv taps K, channels per group), selector candidates per slot): its config's, else inferred (and logged)."""
-    top_k = dflash_value(cfg, "selector_top_k")
-    return conv_settings(cfg, state, name, settings, {} if top_k is not None else {"selector_top_k": 16}), \
-        int(16 if top_k is None else top_k)
+def block_mask_token(cfg, settings, target_cfg, name):
+    """A block drafter's mask token id: --mask-token-id, else its config's; within the target's vocabulary."""
+    mask_id = dflash_value(cfg, "mask_token_id") if settings.mask_token_id is None else settings.mask_token_id
+    if mask_id is None:
+        fail(f"drafter {name}: its config has no mask_token_id (dflash_config.mask_token_id); pass --mask-token-id")
+    if not 0 <= int(mask_id) < target_cfg.vocab_size:
+        fail(f"drafter {name}: mask_token_id {mask_id} is outside the target vocab ({target_cfg.vocab_size})")
+    return mask_id
 
 
-def nope_note(cfg, generation, name):
-    """The load line's word on no_rope_layers (DFlash 2's NoPE layers, by index), checked; '' without them."""
-    layers = dflash_value(cfg, "no_rope_layers") or []
-    if layers and generation != "DFlash 2":
-        fail(f"drafter {name}: its config lists no_rope_layers, which vLLM 0.34 reads for DFlash 2 drafters only (this "
-             f"is a {generation} drafter); remove the key, or save it as a DFlash2DraftModel if it was trained so")
-    if any(i >= cfg["num_hidden_layers"] for i in layers):
-        fail(f"drafter {name}: its no_rope_layers {layers} name a layer past its {cfg['num_hidden_layers']}")
-    return f", no RoPE in layers {sorted(set(layers))} (vLLM 0.34 serves it as DFlash2RicursiveDraftModel; " \
-        "vLLM 0.33 and SGLang 0.5.23 would rotate them)" if layers else ""
+def block_slots(cfg, settings, name, from_anchor):
+    """A block's slots: --block-size (within what it was trained for), its config's or 16; with the anchor's slot."""
+    trained = dflash_value(cfg, "block_size")
+    if settings.block_size and trained is not None and settings.block_size > trained:
+        fail(f"--block-size {settings.block_size}: drafter {name} was trained with block {trained}; a block "
+             "cannot exceed what it was trained for (--depths serves fewer drafts a round)")
+    B = (settings.block_size or trained or 16) + from_anchor   # with the anchor's slot
+    refuse((B < 2, f"drafter {name}: block size {B - from_anchor} is too small (needs at least {2 - from_anchor})"))
+    return B
+
+
+@register("DFlash")
+class DFlash(Family):
+    """[anchor, MASK, ...] in one pass over the target's context: each layer attends to the context's projected K/V and
+    the block. Its relatives add a head (read_head, note), DFlash 2's convolutions (read_conv), tensors of their own
+    (own_tensors), a selector (chooser) or a chained round (propose)."""
+    sources = "z-lab's, transformers' native assistant, speculators', SpecForge's exports and training states"
+    engines = "vLLM 0.33 and 0.34, SGLang 0.5.23"
+    no_rope = False             # vLLM 0.34 reads no_rope_layers (NoPE layers, by index) for it
+
+    def public(self, cfg, state, renamed, name, speculators, native):
+        """(layout, config, state) under the public DFlash keys and names (`renamed`: its tensors renamed so)."""
+        layout = "speculators" if speculators else "transformers-native assistant" if native else "public"
+        return layout, speculators_config(cfg, name) if speculators else cfg, renamed
+
+    def read_head(self, cfg, state, where, settings):
+        """What its proposal step reads beyond the block (from its config, tensors and flags); None: nothing."""
+        return None
+
+    def note(self, head):
+        """What its load line says of its head."""
+        return ""
+
+    def read_conv(self, cfg, state, name, settings):
+        """((conv taps K, channels per group), selector candidates per slot): DFlash 2's; none here."""
+        return (), 0
+
+    def own_tensors(self, cfg, state, vocab, head, draft_vocab):
+        """{name: shape} of its head's tensors, beside the DFlash layers'."""
+        return {}
+
+    def expected_tensors(self, cfg, conv, state, vocab, head, draft_vocab):
+        """{name: shape} of every tensor a drafter of this config holds (None: a dimension checked elsewhere)."""
+        H, per_layer = cfg["hidden_size"], layer_tensors(cfg, state, cfg["hidden_size"])
+        if conv:   # DFlash 2's (and a LiLiCorr drafter's) convolutions around each sublayer
+            K, groups = conv[0], H // conv[1]
+            for sub in ("attention_conv", "mlp_conv"):
+                per_layer.update({f"{sub}.base_kernel": (2, K, H),
+                                  f"{sub}.kernel_projection.weight": (2 * K * groups, H)})
+        shapes = {"fc.weight": (H, None), "norm.weight": (H,), "hidden_norm.weight": (H,),
+                  **self.own_tensors(cfg, state, vocab, head, draft_vocab)}
+        for i in range(cfg.get("num_hidden_layers", 0)):
+            shapes.update({f"layers.{i}.{k}": shape for k, shape in per_layer.items()})
+        return shapes
+
+    def nope_note(self, cfg, name):
+        """The load line's word on no_rope_layers (DFlash 2's NoPE layers, by index), checked; '' without them."""
+        layers = dflash_value(cfg, "no_rope_layers") or []
+        if layers and not self.no_rope:
+            fail(f"drafter {name}: its config lists no_rope_layers, which vLLM 0.34 reads for DFlash 2 drafters only "
+                 f"(this is a {self.generation} drafter); remove the key, or save it as a DFlash2DraftModel if it was "
+                 "trained so")
+        if any(i >= cfg["num_hidden_layers"] for i in layers):
+            fail(f"drafter {name}: its no_rope_layers {layers} name a layer past its {cfg['num_hidden_layers']}")
+        return f", no RoPE in layers {sorted(set(layers))} (vLLM 0.34 serves it as DFlash2RicursiveDraftModel; " \
+            "vLLM 0.33 and SGLang 0.5.23 would rotate them)" if layers else ""
+
+    def load(self, name, path, cfg, state, layout, raw, target_cfg, settings, identify):
+        """A drafter of the block family: its config read (or inferred) and checked, its head and tensors."""
+        if cfg is None:
+            cfg = infer_config(state, target_cfg, settings, name, raw)
+        if layout == "transformers-native assistant":
+            cfg = {**NATIVE_DEFAULTS, "layer_types": ["sliding_attention"] * cfg.get("num_hidden_layers", 0), **cfg}
+        refuse((dflash_value(cfg, "block_size") is None and not cfg.get("dflash_config"),
+                f"{path} is not a DFlash drafter: its config.json has neither block_size nor dflash_config"),
+               ("fc.weight" not in state or "hidden_norm.weight" not in state, f"{path} is not a DFlash drafter: "
+                "its weights have no fc.weight / hidden_norm.weight (nor encoder.fc.weight / "
+                "encoder.output_norm_enc.weight)"))
+        missing = [k for k in NEEDED_CONFIG if cfg.get(k) is None]
+        if missing:
+            fail(f"drafter {name}: its config has no {missing[0]}" +
+                 (" in transformer_layer_config" if layout == "speculators" else ""))
+        spec_cfg = cfg.get("speculators") or {}
+        # DSpark drafts from the anchor's slot too: SpecForge trains it so, speculators and the engines default to it
+        from_anchor = spec_cfg.get("sample_from_anchor", self.from_anchor and cfg.get("sample_from_anchor", True))
+        check_hidden(cfg, target_cfg, name)
+        layer_ids = drafter_layer_ids(cfg, state, target_cfg, settings, name)
+        mask_id, B = block_mask_token(cfg, settings, target_cfg, name), block_slots(cfg, settings, name, from_anchor)
+        carried = {k: state.pop(k) for k in CARRIED if k in state}
+        vocab = draft_vocabulary(carried, cfg, target_cfg, name)
+        refuse((vocab is not None and self.full_vocabulary, f"drafter {name}: a {self.generation} drafter with a "
+                f"reduced draft vocabulary (d2t, t2d): its {self.full_vocabulary} score target-vocabulary tokens, and "
+                "no trainer makes one with a reduced vocabulary"))
+        check_layer_types(cfg, name)
+        rules = layer_rules(cfg, settings, layout)
+        head = self.read_head(cfg, state, f"drafter {name}: a {self.generation} drafter", settings)
+        self.log_load(name, cfg, layout, spec_cfg, rules, vocab, head, settings)
+        for k in [k for k in state if k.startswith("confidence_head.") and not (head or {}).get("confidence")]:
+            state.pop(k)   # DSpark's confidence head sizes verify budgets only (--adaptive-verification), no draft
+        conv, top_k = self.read_conv(cfg, state, name, settings)
+        shapes = self.expected_tensors(cfg, conv, state, target_cfg.vocab_size, head, vocab and len(vocab[0]))
+        return drafter_record(state, shapes, carried, vocab, target_cfg, settings, identify,
+                              (cfg, layer_ids, B, int(mask_id), rules, self.generation, conv, top_k, head), name=name,
+                              checkpoint=os.path.abspath(path), cfg=cfg, layers=layer_ids, block_size=B,
+                              mask_token_id=int(mask_id), rules=rules, generation=self.generation, layout=layout,
+                              embed_scale=float(dflash_value(cfg, "input_embedding_scale", 1.0)),
+                              logit_multiplier=float(dflash_value(cfg, "output_multiplier", 1.0)),
+                              softcap=float(dflash_value(cfg, "final_logit_softcapping", 0.0)), conv=conv,
+                              selector_top_k=top_k, from_anchor=from_anchor, warnings=config_warnings(cfg, target_cfg),
+                              head=head, defaults=config_defaults(cfg, settings, layer_ids))
+
+    def log_load(self, name, cfg, layout, spec_cfg, rules, vocab, head, settings):
+        """Its load line, after the notes on flags meant for another family; its greedy drafting refused sampling."""
+        for fam in (f for f in FAMILIES.values() if f is not self):
+            for flag in (f for f in fam.flags if getattr(settings, f) is not None):
+                log(settings, f"drafter {name}: --{flag.replace('_', '-')} applies to {fam.generation} drafters only")
+        log(settings, f"drafter {name}: {self.generation}, {layout} layout"
+            + layout_note(layout, spec_cfg, rules, vocab) + self.note(head) + self.nope_note(cfg, name))
+        if self.greedy and settings.temperature and settings.draft_policy == "sample":
+            fail(f"drafter {name}: a {self.generation} drafter drafts greedily at every temperature ({self.greedy}); "
+                 "use --draft-policy argmax")
+
+    def context(self, d, features, ids, embed_w):
+        """What its blocks attend to: each layer's K/V of the projected target features."""
+        return drafter_context(d, layer_features(d, features))
+
+    def chooser(self, d, rows, device):
+        """What chooses each draft row's token after its logits (DFlash 2's selector); None: the argmax."""
+        return None
 
 
 def select_path(drafter, unary, candidates, projected, first):
@@ -3351,22 +3528,117 @@ def selector_prob(drafter, unary, candidates, projected, first, reference, tempe
     return (q * (candidates == reference.reshape(-1)[:, None])).sum(-1).double()
 
 
+class SelectorRows:
+    """DFlash 2's selector over a call's draft rows: each row's top-k logits, their ids and its hidden projected, held
+    as the rows' logits come (allocated up front, as draft_all_anchors' outputs are), then the path they give."""
+    def __init__(self, d, rows, device):
+        k, projection = d.selector_top_k, d.weights[SELECTOR + "hidden_projection.weight"]
+        self.d = d
+        self.picks = (torch.empty(rows, k, dtype=projection.dtype, device=device),
+                      torch.empty(rows, k, dtype=torch.long, device=device),
+                      torch.empty(rows, projection.shape[0], dtype=projection.dtype, device=device))
+
+    def take(self, at, logits, rows):
+        self.picks[0][at], self.picks[1][at] = logits.topk(self.d.selector_top_k, dim=-1, sorted=False)
+        self.picks[2][at] = F.linear(rows, self.d.weights[SELECTOR + "hidden_projection.weight"])
+
+    def drafts(self, first, reference, sampling, proposal):
+        """The selector's path (n * (B-1),); with `proposal`, filled with a sampling selector's chance of each."""
+        drafts = select_path(self.d, *self.picks, first)
+        if proposal is not None:
+            proposal.copy_(selector_prob(self.d, *self.picks, first, reference, sampling[0]).view(proposal.shape))
+        return drafts
+
+
+@register("DFlash 2")
+class DFlash2(DFlash):
+    """DFlash with a convolution around each sublayer and a selector that chains each slot's choice to the one before
+    it, among the slot's top-k candidates; NoPE layers where its config lists them."""
+    full_vocabulary, words, tensors, no_rope = "selector scores", ("dflash2",), (SELECTOR, "_conv."), True
+    sources, engines = "z-lab's, speculators'", "vLLM 0.33 and 0.34, SGLang 0.5.23"
+    ddtree_note = ("DFlash 2 drafts a chain: its selector couples each slot's choice to the previous one, and no "
+                   "public tree verifier exists for those paths, so no DDTree rows (a tree from the unary logits alone "
+                   "is not what any engine runs)")
+    speculators_keys = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    kinds = {**dict.fromkeys(speculators_keys, SIZE), "no_rope_layers": IDS}
+
+    def read_conv(self, cfg, state, name, settings):
+        """((conv taps K, channels per group), selector candidates per slot): its config's, else inferred (logged)."""
+        top_k = dflash_value(cfg, "selector_top_k")
+        return conv_settings(cfg, state, name, settings, {} if top_k is not None else {"selector_top_k": 16}), \
+            int(16 if top_k is None else top_k)
+
+    def own_tensors(self, cfg, state, vocab, head, draft_vocab):
+        rank = dflash_value(cfg, "selector_rank")
+        if rank is None:   # from the tensor itself; the codebooks must agree with it
+            rank = getattr(state.get(SELECTOR + "hidden_projection.weight"), "shape", (None,))[0]
+        return {SELECTOR + "hidden_projection.weight": (rank, cfg["hidden_size"]),
+                **{f"{SELECTOR}{k}_codebook": (vocab, rank) for k in ("predecessor", "successor")}}
+
+    def chooser(self, d, rows, device):
+        return SelectorRows(d, rows, device) if d.selector_top_k else None   # 0: each slot's argmax
+
+
+def chain_step(drafter, out, k, logits, drafted, given, sampling):
+    """Slot k of a chained proposal: out[:, k] = its draft, or with `given` tokens the probability of theirs under
+    softmax(logits / T) (engines sample drafts at the temperature alone). Returns the token the next slot follows."""
+    if given is None:
+        out[:, k] = drafted
+        return drafted
+    tokens = to_draft(drafter, given[:, k])
+    out[:, k] = sampled_prob(logits, tokens.clamp(min=0), (sampling[0], 1.0, 0)) * (tokens >= 0)
+    return given[:, k]
+
+
+def chain_drafts(drafter, head, hidden, first, embed_w, prompt_id, given=None, sampling=None):
+    """DSpark and Domino, as the engines draft: slot by slot, logits corrected by the drafts before it, then the argmax
+    among allowed tokens: (n, B-1) target ids; with `given`, the float64 chance a drafter sampling at T drafts each."""
+    (n, S, _), fam = hidden.shape, family(drafter)
+    out = torch.empty(n, S, dtype=torch.long if given is None else torch.float64, device=hidden.device)
+    prev, state = first, None
+    # The base logits in one lm_head call where they fit the logits budget: the sequential part is the heads alone
+    every = base_logits(drafter, head, hidden.flatten(0, 1)).view(n, S, -1) if n * S <= drafter.logit_rows else None
+
+    def base(k):
+        return every[:, k] if every is not None else base_logits(drafter, head, hidden[:, k])
+    pool = fam.pool(drafter, base, S)
+    for k in range(S):
+        rows, raw = hidden[:, k], base(k)
+        keep = fam.allowed(drafter, raw, pool, k)
+        raw, state = fam.correct(drafter, raw, rows, prev, state, k, embed_w)
+        logits, drafted = drafter_logits(drafter, head, rows, prompt_id, raw)
+        if keep is not None:
+            logits = logits.masked_fill(~keep, -math.inf)
+            drafted = to_target(drafter, logits.argmax(-1))
+        prev = chain_step(drafter, out, k, logits, drafted, given, sampling)
+    return out
+
+
+class Chained(DFlash):
+    """A block drafter whose drafts are chosen slot by slot (DSpark, Domino): each slot's base logits corrected by the
+    tokens before it (correct), then its argmax among the tokens it may draft (pool, allowed)."""
+    def correct(self, d, raw, rows, prev, state, k, embed_w):
+        """Slot k's raw logits with the family's correction, given the token before it `prev` (target ids) and the
+        chain's state: (logits, state). Training code calls this too, with the reference tokens as prev."""
+        return raw, state
+
+    def pool(self, d, base, S):
+        """The tokens every slot after the first may draft, from base(k), slot k's base logits; None: any."""
+        return None
+
+    def allowed(self, d, raw, pool, k):
+        """The tokens slot k may draft, given its base logits `raw`; None: any."""
+        return pool if k else None
+
+    def propose(self, d, r):
+        """DSpark's and Domino's round: (chained drafts, with `given` tokens a sampling drafter's chance of each)."""
+        hidden = proposal_rows(d, drafter_forward(d, r.context, r.anchors, mask_block(d, r.first), r.embed_w, r.starts))
+        return (chain_drafts(d, r.head, hidden, r.first, r.embed_w, r.prompt_id),
+                None if r.given is None else
+                chain_drafts(d, r.head, hidden, r.first, r.embed_w, r.prompt_id, r.given, r.sampling))
+
+
 MARKOV_HEADS = ("vanilla", "gated", "rnn")
-
-
-def dspark_head(cfg, state, where, settings):
-    """What DSpark's proposal step reads: its Markov head's kind and rank (0: no head, each slot's argmax), the topk."""
-    w1 = state.get("markov_head.markov_w1.weight")
-    # an integer >= 0: check_config refused any other markov_rank as the config was read (CONFIG_KINDS)
-    rank = dflash_value(cfg, "markov_rank", w1.shape[-1] if w1 is not None and w1.dim() == 2 else 0)
-    kind = dflash_value(cfg, "markov_head_type", "vanilla")
-    if kind not in MARKOV_HEADS:
-        fail(f"{where} with markov_head_type {kind!r}: DSpark's heads are {', '.join(MARKOV_HEADS)}")
-    head = {"kind": kind if rank else None, "rank": rank, "topk": settings.dspark_draft_topk or 0}
-    if settings.adaptive_verification and dflash_value(cfg, "enable_confidence_head") and \
-            "confidence_head.proj.weight" in state:   # vLLM 0.34 builds the head only where the config enables it
-        head["confidence"] = "markov" if dflash_value(cfg, "confidence_head_with_markov") else "plain"
-    return head
 
 
 def dspark_confidence(d, context_kv, anchors, first, drafts, embed_w):
@@ -3384,195 +3656,62 @@ def dspark_confidence(d, context_kv, anchors, first, drafts, embed_w):
     return torch.cat(out) if out else torch.zeros(0, d.block_size - 1)
 
 
-def domino_head(cfg, state, where, settings):
-    """What Domino's proposal step reads: the pure-draft prefix P, shift_label, --domino-candidate-pool."""
-    refuse(*((dflash_value(cfg, key) is None, f"{where} needs {key} in its dflash_config, where SpecForge writes "
-              "it; it is missing (pass the config it was trained with: --drafter-config FILE)")
-             for key in ("emb_dim", "gru_hidden_dim")))
-    # an integer >= 0 and true or false: check_config refused any other value as the config was read (CONFIG_KINDS)
-    prefix, shift = dflash_value(cfg, "pure_draft_prefix_len", 0), dflash_value(cfg, "shift_label", False)
-    return {"prefix": prefix, "shift": shift, "pool": settings.domino_candidate_pool or 0}
+@register("DSpark")
+class DSpark(Chained):
+    """A block drafter whose anchor's slot drafts too, each slot's logits corrected by a Markov head over the token
+    before it (vanilla, gated or rnn); a confidence head of its own may size the verifies (--adaptive-verification)."""
+    from_anchor, method, words, tensors = True, "dspark", ("dspark",), ("markov_head.markov_w1.weight",)
+    sources, engines = "SpecForge's, speculators'", "vLLM 0.33 and 0.34 (vanilla head), SGLang 0.5.23"
+    ddtree_note = ("DSpark drafts a chain: each slot's Markov bias depends on the token drafted before it, and neither "
+                   "vLLM nor SGLang verifies DSpark trees, so no DDTree rows")
+    speculators_keys, flags, kinds = ("markov_rank", "markov_head_type"), ("dspark_draft_topk",), {"markov_rank": COUNT}
 
+    def read_head(self, cfg, state, where, settings):
+        """What DSpark's proposal step reads: its Markov head's kind and rank (0: no head, each slot's argmax), the
+        topk."""
+        w1 = state.get("markov_head.markov_w1.weight")
+        # an integer >= 0: check_config refused any other markov_rank as the config was read (CONFIG_KINDS)
+        rank = dflash_value(cfg, "markov_rank", w1.shape[-1] if w1 is not None and w1.dim() == 2 else 0)
+        kind = dflash_value(cfg, "markov_head_type", "vanilla")
+        if kind not in MARKOV_HEADS:
+            fail(f"{where} with markov_head_type {kind!r}: DSpark's heads are {', '.join(MARKOV_HEADS)}")
+        head = {"kind": kind if rank else None, "rank": rank, "topk": settings.dspark_draft_topk or 0}
+        if settings.adaptive_verification and dflash_value(cfg, "enable_confidence_head") and \
+                "confidence_head.proj.weight" in state:   # vLLM 0.34 builds the head only where the config enables it
+            head["confidence"] = "markov" if dflash_value(cfg, "confidence_head_with_markov") else "plain"
+        return head
 
-def dspark_note(head):
-    if not head["rank"]:
-        return "; no Markov head (markov_rank 0): each slot's argmax; vLLM and SGLang need markov_rank > 0"
-    vllm = "vLLM 0.33 and 0.34 (greedy drafts by default)" if head["kind"] == "vanilla" else \
-        "not vLLM 0.33 or 0.34 (their Qwen3 DSpark has the vanilla head only)"
-    return (f"; {head['kind']} Markov head of rank {head['rank']}" +
-            (f", drafts among each slot's top {head['topk']} (vLLM's dspark_draft_topk)" if head["topk"] else "")
-            + f"; served by SGLang 0.5.23 (samples drafts at the request temperature by default) and {vllm}")
+    def note(self, head):
+        if not head["rank"]:
+            return "; no Markov head (markov_rank 0): each slot's argmax; vLLM and SGLang need markov_rank > 0"
+        vllm = "vLLM 0.33 and 0.34 (greedy drafts by default)" if head["kind"] == "vanilla" else \
+            "not vLLM 0.33 or 0.34 (their Qwen3 DSpark has the vanilla head only)"
+        return (f"; {head['kind']} Markov head of rank {head['rank']}" +
+                (f", drafts among each slot's top {head['topk']} (vLLM's dspark_draft_topk)" if head["topk"] else "")
+                + f"; served by SGLang 0.5.23 (samples drafts at the request temperature by default) and {vllm}")
 
+    def own_tensors(self, cfg, state, vocab, head, draft_vocab):
+        """Its Markov head (W1 reads the previous token, target ids; W2 writes draft logits) and its confidence head
+        (one fp32 logit a slot, with a bias)."""
+        H, r, m, shapes = cfg["hidden_size"], head["rank"], "markov_head.", {}
+        if r:
+            shapes.update({m + "markov_w1.weight": (vocab, r), m + "markov_w2.weight": (draft_vocab or vocab, r)})
+            if head["kind"] == "gated":
+                shapes.update({m + "gate_proj.weight": (r, H + r), m + "gate_proj.bias": (r,)})
+            if head["kind"] == "rnn":
+                shapes.update({m + "joint_proj.weight": (3 * r, 2 * r + H), m + "joint_proj.bias": (3 * r,)})
+        if head.get("confidence"):
+            shapes.update({"confidence_head.proj.weight": (1, H + r * (head["confidence"] == "markov")),
+                           "confidence_head.proj.bias": (1,)})
+        return shapes
 
-def domino_note(head):
-    return (f"; GRU over the drafted prefix, pure-draft prefix P = {head['prefix']}, shift_label "
-            f"{'on' if head['shift'] else 'off'}" +
-            (f", a candidate pool of {head['pool']}" if head["pool"] else ", exact argmax (no candidate pool)")
-            + "; served by SGLang 0.5.23 only, greedy, with P = 1" + ("" if head["prefix"] == 1 else
-            f" (it refuses P = {head['prefix']})") + " and a pool of 2048 by default")
-
-
-def xpress_head(cfg, state, where, settings):
-    """What XPress's proposal step reads: its refiner's rank, MLP width and trained block; the passes and top-c."""
-    if (cfg.get("speculators") or {}).get("sample_from_anchor", cfg.get("sample_from_anchor")):
-        fail(f"{where} with sample_from_anchor true: XPress drafts in the fill-in layout (slot 0 holds the anchor), "
-             "the only one vLLM serves; its config must say false")
-    down, gate = state.get(XPRESS + "down_h.weight"), state.get(XPRESS + "mlp_gate.weight")
-    rank = dflash_value(cfg, "xpress_rank") or (down.shape[0] if down is not None and down.dim() == 2 else None)
-    ratio = dflash_value(cfg, "xpress_mlp_ratio")   # speculators' knob; vLLM's is the width itself
-    width = dflash_value(cfg, "xpress_mlp_hidden") or (round(rank * ratio) if rank and ratio else None) \
-        or (gate.shape[0] if gate is not None and gate.dim() == 2 else None)
-    passes = next((v for v in (settings.xpress_passes, dflash_value(cfg, "xpress_num_passes"),
-                               dflash_value(cfg, "num_jacobi_passes")) if v is not None), 6)
-    topc = settings.xpress_topc
-    topc = dflash_value(cfg, "xpress_topc", 512) if topc is None else topc
-    block = dflash_value(cfg, "xpress_block_size") or dflash_value(cfg, "block_size")
-    readout = state.get(XPRESS + "readout.weight")
-    whole = readout is not None and topc >= readout.shape[0]   # top-c of the whole vocabulary: the exact argmax
-    return {"rank": rank, "mlp": width, "block": block, "passes": int(passes), "topc": 0 if whole else int(topc)}
-
-
-def xpress_note(head):
-    return (f"; refiner of rank {head['rank']}, {head['passes']} Jacobi passes over the block, each slot choosing "
-            + (f"among its top {head['topc']} base-logit tokens (xpress_topc)" if head["topc"] else
-               "by the exact argmax (xpress_topc 0)")
-            + "; slot 0 reads the anchor itself as the token before it, as vLLM 0.33 runs it (speculators trains it "
-              "with the token before the anchor); served by vLLM 0.33 only (method dflash), greedy drafts, with "
-              f"num_speculative_tokens = {head['block'] - 1} (its kernel reads the mixer at the block it runs)")
-
-
-LILICORR_KEYS = ("candidate_topk", "hidden_size", "num_layers", "num_heads", "mlp_ratio", "factor_dim", "vector_eps",
-                 "logit_scale")   # dflash_config's lilicorr_*: no defaults in either engine
-
-
-def lilicorr_head(cfg, state, where, settings):
-    missing = next((k for k in LILICORR_KEYS if dflash_value(cfg, "lilicorr_" + k) is None), None)
-    refuse((dflash_value(cfg, "lilicorr_enabled") is False, f"{where} with lilicorr_enabled false: no engine serves it "
-            "so (vLLM refuses it, SGLang then loads no correlator); set it true"),
-           (missing, f"{where} needs lilicorr_{missing} in its dflash_config (neither engine has a default); it is "
-            "missing"))
-    head = {k: dflash_value(cfg, "lilicorr_" + k) for k in LILICORR_KEYS}
-    top, width = head["candidate_topk"], head["hidden_size"] or cfg["hidden_size"]
-    refuse((top > 16 or top & (top - 1), f"{where}: lilicorr_candidate_topk {top} must be a power of two <= 16, as "
-            "both engines require"),
-           (width % head["num_heads"], f"{where}: lilicorr_num_heads {head['num_heads']} does not divide its width "
-            f"{width}"),
-           (dflash_value(cfg, "has_own_lm_head") and settings.engine == "vllm", f"{where} with "
-            "has_own_lm_head: vLLM takes its candidates from the checkpoint's lm_head, which this tool does not run; "
-            "--engine sglang takes them from the target's head, as SGLang does"))
-    return {**head, "width": width, "block": dflash_value(cfg, "block_size") or 16, "context_rows": True}
-
-
-def lilicorr_tensors(head, H):
-    """{name: shape} of LiLiCorr's correlator, under lilicorr., as both engines load it (every linear with a bias)."""
-    W, k, B, F_ = head["width"], head["candidate_topk"], head["block"], head["factor_dim"]
-    m, nh = int(W * head["mlp_ratio"]), head["num_heads"]
-
-    def lin(name, rows, cols):
-        return {name + ".weight": (rows, cols), name + ".bias": (rows,)}
-    shapes = {**lin("pass_hidden_proj", W, H), **lin("context_proj", W, H), **lin("factor_input_proj", W, 3 * W),
-              "feature_norm.weight": (5,), "feature_norm.bias": (5,), **lin("feature_mlp.up_proj", W, 5),
-              **lin("feature_mlp.down_proj", W, W), "slot_embedding": (1, 1, B - 1, 1, W),
-              "rank_embedding": (1, 1, 1, k, W), "relative_slot_bias": (nh, 2 * B - 1), "same_slot_bias": (nh,),
-              "output_norm.weight": (W,), "anchor_norm.weight": (W,),
-              **{n: s for h in ("out_head", "in_head", "anchor_out_head") for n, s in lin(h, F_, W).items()},
-              **(lin("token_proj", W, H) if W != H else {})}
-    for i in range(head["num_layers"]):
-        p = f"layers.{i}."
-        shapes.update({p + "attn_norm.weight": (W,), p + "attn.in_proj_weight": (3 * W, W),
-                       p + "attn.in_proj_bias": (3 * W,), **lin(p + "attn.out_proj", W, W), p + "mlp_norm.weight": (W,),
-                       **lin(p + "mlp.up_proj", m, W), **lin(p + "mlp.down_proj", W, m)})
-    return shapes
-
-
-def lilicorr_conv(cfg, state, name, settings):
-    """A LiLiCorr drafter's DFlash 2 convolutions, which both engines build from conv_kernel_size and conv_group_size
-    (both or neither; not inferred from the tensors, as both engines say); no DFlash 2 selector."""
-    keys = [k for k in ("conv_kernel_size", "conv_group_size") if dflash_value(cfg, k) is not None]
-    if len(keys) == 1 or (not keys and any("_conv." in k for k in state)):
-        missing = next(k for k in ("conv_kernel_size", "conv_group_size") if k not in keys)
-        fail(f"drafter {name}: a LiLiCorr drafter with DFlash 2's convolutions needs {missing} in its dflash_config "
-             "(vLLM and SGLang build them from conv_kernel_size and conv_group_size, both or neither); it is missing")
-    return (conv_settings(cfg, state, name, settings) if keys else ()), 0
-
-
-def lilicorr_note(head):
-    return (f"; correlator over each slot's top {head['candidate_topk']} candidates ({head['num_layers']} layers, "
-            f"width {head['width']}), drafts by a greedy walk of cosine scores x {head['logit_scale']} from the "
-            "anchor; "
-            "served by vLLM 0.33 (method dflash; sampled drafts with draft_sample_method probabilistic) and SGLang "
-            "0.5.23 (greedy unless SGLANG_ENABLE_LILICORR_SAMPLING=1), both with the target's head for candidates")
-
-
-def load_block(name, path, generation, fam, cfg, state, layout, raw, target_cfg, settings, identify):
-    """A drafter of the block family (its table entry `fam`): [anchor, MASK, ...] over the context."""
-    if cfg is None:
-        cfg = infer_config(state, target_cfg, settings, name, raw)
-    if layout == "transformers-native assistant":
-        cfg = {**NATIVE_DEFAULTS, "layer_types": ["sliding_attention"] * cfg.get("num_hidden_layers", 0), **cfg}
-    refuse((dflash_value(cfg, "block_size") is None and not cfg.get("dflash_config"),
-            f"{path} is not a DFlash drafter: its config.json has neither block_size nor dflash_config"),
-           ("fc.weight" not in state or "hidden_norm.weight" not in state, f"{path} is not a DFlash drafter: its "
-            "weights have no fc.weight / hidden_norm.weight (nor encoder.fc.weight / encoder.output_norm_enc.weight)"))
-    missing = [k for k in NEEDED_CONFIG if cfg.get(k) is None]
-    if missing:
-        fail(f"drafter {name}: its config has no {missing[0]}" +
-             (" in transformer_layer_config" if layout == "speculators" else ""))
-    spec_cfg = cfg.get("speculators") or {}
-    # DSpark drafts from the anchor's slot too: SpecForge trains it so, speculators and the engines default to it
-    from_anchor = spec_cfg.get("sample_from_anchor", fam.from_anchor and cfg.get("sample_from_anchor", True))
-    check_hidden(cfg, target_cfg, name)
-    layer_ids = drafter_layer_ids(cfg, state, target_cfg, settings, name)
-    mask_id = dflash_value(cfg, "mask_token_id") if settings.mask_token_id is None else settings.mask_token_id
-    if mask_id is None:
-        fail(f"drafter {name}: its config has no mask_token_id (dflash_config.mask_token_id); pass --mask-token-id")
-    if not 0 <= int(mask_id) < target_cfg.vocab_size:
-        fail(f"drafter {name}: mask_token_id {mask_id} is outside the target vocab ({target_cfg.vocab_size})")
-    trained = dflash_value(cfg, "block_size")
-    if settings.block_size and trained is not None and settings.block_size > trained:
-        fail(f"--block-size {settings.block_size}: drafter {name} was trained with block {trained}; a block "
-             "cannot exceed what it was trained for (--depths serves fewer drafts a round)")
-    B = (settings.block_size or trained or 16) + from_anchor   # with the anchor's slot
-    refuse((B < 2, f"drafter {name}: block size {B - from_anchor} is too small (needs at least {2 - from_anchor})"))
-    carried = {k: state.pop(k) for k in CARRIED if k in state}
-    vocab = draft_vocabulary(carried, cfg, target_cfg, name)
-    refuse((vocab is not None and fam.full_vocabulary, f"drafter {name}: a {generation} drafter with a reduced draft "
-            f"vocabulary (d2t, t2d): its {fam.full_vocabulary} score target-vocabulary tokens, and no trainer makes "
-            "one with a reduced vocabulary"))
-    check_layer_types(cfg, name)
-    rules = layer_rules(cfg, settings, layout)
-    head = fam.head(cfg, state, f"drafter {name}: a {generation} drafter", settings) if fam.head else None
-    for flag in (f for f, owner in FAMILY_FLAGS.items() if owner != generation and getattr(settings, f) is not None):
-        log(settings, f"drafter {name}: --{flag.replace('_', '-')} applies to {FAMILY_FLAGS[flag]} drafters only")
-    log(settings, f"drafter {name}: {generation}, {layout} layout" + layout_note(layout, spec_cfg, rules, vocab)
-        + (fam.note(head) if fam.note else "") + nope_note(cfg, generation, name))
-    if fam.greedy and settings.temperature and settings.draft_policy == "sample":
-        fail(f"drafter {name}: a {generation} drafter drafts greedily at every temperature ({fam.greedy}); "
-             "use --draft-policy argmax")
-    for k in [k for k in state if k.startswith("confidence_head.") and not (head or {}).get("confidence")]:
-        state.pop(k)   # DSpark's confidence head sizes verify budgets only (--adaptive-verification), no draft
-    conv, top_k = fam.conv(cfg, state, name, settings) if fam.conv else ((), 0)
-    shapes = expected_tensors(cfg, conv, generation, state, target_cfg.vocab_size, head, vocab and len(vocab[0]))
-    return drafter_record(state, shapes, carried, vocab, target_cfg, settings, identify,
-                          (cfg, layer_ids, B, int(mask_id), rules, generation, conv, top_k, head), name=name,
-                          checkpoint=os.path.abspath(path), cfg=cfg, layers=layer_ids, block_size=B,
-                          mask_token_id=int(mask_id), rules=rules, generation=generation, layout=layout,
-                          embed_scale=float(dflash_value(cfg, "input_embedding_scale", 1.0)),
-                          logit_multiplier=float(dflash_value(cfg, "output_multiplier", 1.0)),
-                          softcap=float(dflash_value(cfg, "final_logit_softcapping", 0.0)), conv=conv,
-                          selector_top_k=top_k, from_anchor=from_anchor, warnings=config_warnings(cfg, target_cfg),
-                          head=head, defaults=config_defaults(cfg, settings, layer_ids))
-
-
-def corrected(drafter, raw, rows, prev, state, k, embed_w):
-    """Slot k's raw logits with its family's correction, given the token before it `prev` (target ids) and the
-    chain's state: (logits, state). Training code calls this too, with the reference tokens as prev."""
-    h, w, m = drafter.head, drafter.weights, "markov_head."
-    if drafter.generation == "DSpark" and not h["rank"]:   # no Markov head (markov_rank 0): the raw logits
-        return raw, state
-    if drafter.generation == "DSpark":
-        # the Markov bias W2 e over the draft vocabulary for slot rows h, e = W1[prev]: gated by sigmoid(Wg [h; e] + b),
-        # or (rnn) tanh(o) for (a, c, o) = Wj [s; e; h] + b, updating the state s
+    def correct(self, d, raw, rows, prev, state, k, embed_w):
+        """The Markov bias W2 e over the draft vocabulary for slot rows h, e = W1[prev]: gated by sigmoid(Wg [h; e] +
+        b), or (rnn) tanh(o) for (a, c, o) = Wj [s; e; h] + b, updating the state s. No head (markov_rank 0): the raw
+        logits."""
+        h, w, m = d.head, d.weights, "markov_head."
+        if not h["rank"]:
+            return raw, state
         e = F.embedding(prev, w[m + "markov_w1.weight"])
         if h["kind"] == "gated":
             e = torch.sigmoid(F.linear(torch.cat([rows, e], -1), w[m + "gate_proj.weight"],
@@ -3584,65 +3723,70 @@ def corrected(drafter, raw, rows, prev, state, k, embed_w):
             keep = torch.sigmoid(a)
             state, e = keep * state + (1 - keep) * torch.tanh(c), torch.tanh(o)
         return raw + F.linear(e, w[m + "markov_w2.weight"]), state
-    # Domino: its bias-free GRU (PyTorch's gate order, zero before the anchor) reads the anchor and drafts up to prev
-    x = embed_w[prev]
-    g = x.new_zeros(x.shape[0], w["prefix_gru.weight_hh_l0"].shape[1]) if state is None else state
-    xr, xz, xn = F.linear(x, w["prefix_gru.weight_ih_l0"]).chunk(3, -1)
-    hr, hz, hn = F.linear(g, w["prefix_gru.weight_hh_l0"]).chunk(3, -1)
-    reset, update = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
-    state = (1 - update) * torch.tanh(xn + reset * hn) + update * g
-    if k + 1 <= h["prefix"]:
-        return raw, state
-    return raw + F.linear(F.silu(F.linear(torch.cat([rows, state], -1), w["embed_proj.0.weight"])),
-                          w["embed_proj.2.weight"]), state
+
+    def allowed(self, d, raw, pool, k):
+        """vLLM: the Markov bias for each slot's best base logits only (--dspark-draft-topk; none given: all)."""
+        top = d.head["topk"]
+        return torch.zeros_like(raw, dtype=torch.bool).scatter_(1, raw.topk(min(top, raw.shape[-1]), dim=-1).indices,
+                                                                True) if top else None
+
+    def confidence(self, d, context, anchors, first, drafts, embed_w):
+        return d.head.get("confidence") and dspark_confidence(d, context, anchors, first, drafts, embed_w).tolist()
 
 
-def chain_step(drafter, out, k, logits, drafted, given, sampling):
-    """Slot k of a chained proposal: out[:, k] = its draft, or with `given` tokens the probability of theirs under
-    softmax(logits / T) (engines sample drafts at the temperature alone). Returns the token the next slot follows."""
-    if given is None:
-        out[:, k] = drafted
-        return drafted
-    tokens = to_draft(drafter, given[:, k])
-    out[:, k] = sampled_prob(logits, tokens.clamp(min=0), (sampling[0], 1.0, 0)) * (tokens >= 0)
-    return given[:, k]
+@register("Domino")
+class Domino(Chained):
+    """A block drafter whose slots' logits are corrected by a GRU over the tokens drafted before them, past a
+    pure-draft prefix; its drafts chosen among a candidate pool per block where one is given."""
+    full_vocabulary, words, tensors = "correction scores", ("domino",), ("prefix_gru.weight_ih_l0",)
+    sources, engines, greedy = "SpecForge's", "SGLang 0.5.23", "SGLang serves it so"
+    ddtree_note = ("Domino drafts a chain: each proposal reads a GRU state over the tokens drafted before it, and "
+                   "SGLang serves it as a chain only, so no DDTree rows")
+    flags = ("domino_candidate_pool",)
+    kinds = {"emb_dim": SIZE, "gru_hidden_dim": SIZE, "pure_draft_prefix_len": COUNT, "shift_label": SWITCH}
 
+    def read_head(self, cfg, state, where, settings):
+        """What Domino's proposal step reads: the pure-draft prefix P, shift_label, --domino-candidate-pool."""
+        refuse(*((dflash_value(cfg, key) is None, f"{where} needs {key} in its dflash_config, where SpecForge writes "
+                  "it; it is missing (pass the config it was trained with: --drafter-config FILE)")
+                 for key in ("emb_dim", "gru_hidden_dim")))
+        # an integer >= 0 and true or false: check_config refused any other value as the config was read (CONFIG_KINDS)
+        prefix, shift = dflash_value(cfg, "pure_draft_prefix_len", 0), dflash_value(cfg, "shift_label", False)
+        return {"prefix": prefix, "shift": shift, "pool": settings.domino_candidate_pool or 0}
 
-def chain_drafts(drafter, head, hidden, first, embed_w, prompt_id, given=None, sampling=None):
-    """DSpark and Domino, as the engines draft: slot by slot, logits corrected by the drafts before it, then the argmax
-    among allowed tokens: (n, B-1) target ids; with `given`, the float64 chance a drafter sampling at T drafts each."""
-    (n, S, _), h = hidden.shape, drafter.head
-    out = torch.empty(n, S, dtype=torch.long if given is None else torch.float64, device=hidden.device)
-    prev, state, allowed = first, None, None
-    # The base logits in one lm_head call where they fit the logits budget: the sequential part is the heads alone
-    every = base_logits(drafter, head, hidden.flatten(0, 1)).view(n, S, -1) if n * S <= drafter.logit_rows else None
+    def note(self, head):
+        return (f"; GRU over the drafted prefix, pure-draft prefix P = {head['prefix']}, shift_label "
+                f"{'on' if head['shift'] else 'off'}" +
+                (f", a candidate pool of {head['pool']}" if head["pool"] else ", exact argmax (no candidate pool)")
+                + "; served by SGLang 0.5.23 only, greedy, with P = 1" + ("" if head["prefix"] == 1 else
+                f" (it refuses P = {head['prefix']})") + " and a pool of 2048 by default")
 
-    def base(k):
-        return every[:, k] if every is not None else base_logits(drafter, head, hidden[:, k])
-    if drafter.generation == "Domino" and h["pool"] and S > 1:   # one pool per block, ranked by the best base logit
+    def own_tensors(self, cfg, state, vocab, head, draft_vocab):
+        H, G, E = cfg["hidden_size"], dflash_value(cfg, "gru_hidden_dim"), dflash_value(cfg, "emb_dim")
+        return {"prefix_gru.weight_ih_l0": (3 * G, H), "prefix_gru.weight_hh_l0": (3 * G, G),
+                "embed_proj.0.weight": (E, H + G), "embed_proj.2.weight": (vocab, E)}
+
+    def correct(self, d, raw, rows, prev, state, k, embed_w):
+        """Its bias-free GRU (PyTorch's gate order, zero before the anchor) reads the anchor and the drafts up to prev;
+        past the pure-draft prefix, [rows; its state] gives slot k's correction."""
+        w, x = d.weights, embed_w[prev]
+        g = x.new_zeros(x.shape[0], w["prefix_gru.weight_hh_l0"].shape[1]) if state is None else state
+        xr, xz, xn = F.linear(x, w["prefix_gru.weight_ih_l0"]).chunk(3, -1)
+        hr, hz, hn = F.linear(g, w["prefix_gru.weight_hh_l0"]).chunk(3, -1)
+        reset, update = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
+        state = (1 - update) * torch.tanh(xn + reset * hn) + update * g
+        if k + 1 <= d.head["prefix"]:
+            return raw, state
+        return raw + F.linear(F.silu(F.linear(torch.cat([rows, state], -1), w["embed_proj.0.weight"])),
+                              w["embed_proj.2.weight"]), state
+
+    def pool(self, d, base, S):
+        """--domino-candidate-pool: one pool per block, its tokens ranked by their best base logit over the slots."""
+        if not (d.head["pool"] and S > 1):
+            return None
         best = torch.stack([base(k) for k in range(1, S)]).amax(0)
-        pool = best.topk(min(h["pool"], best.shape[-1]), dim=-1).indices
-        allowed = torch.zeros_like(best, dtype=torch.bool).scatter_(1, pool, True)
-    for k in range(S):
-        rows, keep = hidden[:, k], allowed if k else None
-        raw = base(k)
-        if drafter.generation == "DSpark" and h["topk"]:   # vLLM: the Markov bias for each slot's best base logits only
-            keep = torch.zeros_like(raw, dtype=torch.bool).scatter_(1, raw.topk(min(h["topk"], raw.shape[-1]),
-                                                                                 dim=-1).indices, True)
-        raw, state = corrected(drafter, raw, rows, prev, state, k, embed_w)
-        logits, drafted = drafter_logits(drafter, head, rows, prompt_id, raw)
-        if keep is not None:
-            logits = logits.masked_fill(~keep, -math.inf)
-            drafted = to_target(drafter, logits.argmax(-1))
-        prev = chain_step(drafter, out, k, logits, drafted, given, sampling)
-    return out
-
-
-def chained_round(d, context_kv, anchors, first, starts, embed_w, head, prompt_id, given=None, sampling=None):
-    """DSpark's and Domino's round: (chained drafts, with `given` tokens a sampling drafter's chance of each)."""
-    hidden = proposal_rows(d, drafter_forward(d, context_kv, anchors, mask_block(d, first), embed_w, starts))
-    return (chain_drafts(d, head, hidden, first, embed_w, prompt_id),
-            None if given is None else chain_drafts(d, head, hidden, first, embed_w, prompt_id, given, sampling))
+        pool = best.topk(min(d.head["pool"], best.shape[-1]), dim=-1).indices
+        return torch.zeros_like(best, dtype=torch.bool).scatter_(1, pool, True)
 
 
 def xpress_drafts(drafter, hidden, base, first):
@@ -3672,12 +3816,93 @@ def xpress_drafts(drafter, hidden, base, first):
     return block[:, 1:]
 
 
-def xpress_round(d, context_kv, anchors, first, starts, embed_w, head, prompt_id, given=None, sampling=None):
-    """XPress's round: the block's drafts after its refiner's passes (greedy at every temperature, as vLLM drafts)."""
-    hidden = drafter_forward(d, context_kv, anchors, mask_block(d, first), embed_w, starts)
-    rows, per = proposal_rows(d, hidden), max(1, d.logit_rows // (d.block_size - 1))   # the logits budget
-    return torch.cat([xpress_drafts(d, hidden[i:i + per], drafter_logits(d, head, rows[i:i + per], prompt_id)[0],
-                                    first[i:i + per]) for i in range(0, anchors.shape[0], per)]), None
+@register("XPress")
+class XPress(DFlash):
+    """A block drafter whose refiner passes over the block (Jacobi), each slot's logits biased by the token before it;
+    vLLM drafts it greedily."""
+    greedy, words, tensors = "vLLM serves it so", ("xpress",), (XPRESS + "readout.weight",)
+    sources, engines = "speculators', vLLM's", "vLLM 0.33 and 0.34"
+    ddtree_note = ("XPress drafts a chain: its refiner reads the token drafted before each slot, and vLLM, the one "
+                   "engine serving it, verifies a chain, so no DDTree rows")
+    speculators_keys, flags = ("xpress_rank", "xpress_mlp_ratio", "num_jacobi_passes"), ("xpress_passes", "xpress_topc")
+    kinds = {**dict.fromkeys(("xpress_rank", "xpress_mlp_hidden", "xpress_block_size"), SIZE),
+             **dict.fromkeys(("num_jacobi_passes", "xpress_num_passes", "xpress_topc"), COUNT),
+             "xpress_mlp_ratio": POSITIVE}
+    overrides = ((("--xpress-passes",), None, lambda d: (d.head or {}).get("passes"),
+                  lambda d: any(dflash_value(d.cfg, k) is not None
+                                for k in ("xpress_num_passes", "num_jacobi_passes"))),
+                 (("--xpress-topc",), None, lambda d: (d.head or {}).get("topc"),
+                  lambda d: dflash_value(d.cfg, "xpress_topc") is not None))
+
+    def read_head(self, cfg, state, where, settings):
+        """What XPress's proposal step reads: its refiner's rank, MLP width and trained block; the passes and top-c."""
+        if (cfg.get("speculators") or {}).get("sample_from_anchor", cfg.get("sample_from_anchor")):
+            fail(f"{where} with sample_from_anchor true: XPress drafts in the fill-in layout (slot 0 holds the "
+                 "anchor), the only one vLLM serves; its config must say false")
+        down, gate = state.get(XPRESS + "down_h.weight"), state.get(XPRESS + "mlp_gate.weight")
+        rank = dflash_value(cfg, "xpress_rank") or (down.shape[0] if down is not None and down.dim() == 2 else None)
+        ratio = dflash_value(cfg, "xpress_mlp_ratio")   # speculators' knob; vLLM's is the width itself
+        width = dflash_value(cfg, "xpress_mlp_hidden") or (round(rank * ratio) if rank and ratio else None) \
+            or (gate.shape[0] if gate is not None and gate.dim() == 2 else None)
+        passes = next((v for v in (settings.xpress_passes, dflash_value(cfg, "xpress_num_passes"),
+                                   dflash_value(cfg, "num_jacobi_passes")) if v is not None), 6)
+        topc = settings.xpress_topc
+        topc = dflash_value(cfg, "xpress_topc", 512) if topc is None else topc
+        block = dflash_value(cfg, "xpress_block_size") or dflash_value(cfg, "block_size")
+        readout = state.get(XPRESS + "readout.weight")
+        whole = readout is not None and topc >= readout.shape[0]   # top-c of the whole vocabulary: the exact argmax
+        return {"rank": rank, "mlp": width, "block": block, "passes": int(passes), "topc": 0 if whole else int(topc)}
+
+    def note(self, head):
+        return (f"; refiner of rank {head['rank']}, {head['passes']} Jacobi passes over the block, each slot choosing "
+                + (f"among its top {head['topc']} base-logit tokens (xpress_topc)" if head["topc"] else
+                   "by the exact argmax (xpress_topc 0)")
+                + "; slot 0 reads the anchor itself as the token before it, as vLLM 0.33 runs it (speculators trains "
+                  "it with the token before the anchor); served by vLLM 0.33 only (method dflash), greedy drafts, with "
+                  f"num_speculative_tokens = {head['block'] - 1} (its kernel reads the mixer at the block it runs)")
+
+    def own_tensors(self, cfg, state, vocab, head, draft_vocab):
+        """Its refiner: token_embed reads the previous token (target ids), readout writes draft logits."""
+        H, r, m, B = cfg["hidden_size"], head["rank"], head["mlp"], head["block"]
+        return {XPRESS + k: shape for k, shape in {
+            "token_embed.weight": (vocab, r), "down_h.weight": (r, H), "down_g.weight": (r, H),
+            "in_proj.weight": (r, 3 * r), "mix_l": (r, B, B), "mlp_gate.weight": (m, r), "mlp_up.weight": (m, r),
+            "mlp_down.weight": (r, m), "readout.weight": (draft_vocab or vocab, r)}.items()}
+
+    def propose(self, d, r):
+        """XPress's round: the block's drafts after its refiner's passes (greedy at every temperature, as vLLM
+        drafts)."""
+        hidden = drafter_forward(d, r.context, r.anchors, mask_block(d, r.first), r.embed_w, r.starts)
+        rows, per = proposal_rows(d, hidden), max(1, d.logit_rows // (d.block_size - 1))   # the logits budget
+        return torch.cat([xpress_drafts(d, hidden[i:i + per],
+                                        drafter_logits(d, r.head, rows[i:i + per], r.prompt_id)[0], r.first[i:i + per])
+                          for i in range(0, r.anchors.shape[0], per)]), None
+
+
+LILICORR_KEYS = ("candidate_topk", "hidden_size", "num_layers", "num_heads", "mlp_ratio", "factor_dim", "vector_eps",
+                 "logit_scale")   # dflash_config's lilicorr_*: no defaults in either engine
+
+
+def lilicorr_tensors(head, H):
+    """{name: shape} of LiLiCorr's correlator, under lilicorr., as both engines load it (every linear with a bias)."""
+    W, k, B, F_ = head["width"], head["candidate_topk"], head["block"], head["factor_dim"]
+    m, nh = int(W * head["mlp_ratio"]), head["num_heads"]
+
+    def lin(name, rows, cols):
+        return {name + ".weight": (rows, cols), name + ".bias": (rows,)}
+    shapes = {**lin("pass_hidden_proj", W, H), **lin("context_proj", W, H), **lin("factor_input_proj", W, 3 * W),
+              "feature_norm.weight": (5,), "feature_norm.bias": (5,), **lin("feature_mlp.up_proj", W, 5),
+              **lin("feature_mlp.down_proj", W, W), "slot_embedding": (1, 1, B - 1, 1, W),
+              "rank_embedding": (1, 1, 1, k, W), "relative_slot_bias": (nh, 2 * B - 1), "same_slot_bias": (nh,),
+              "output_norm.weight": (W,), "anchor_norm.weight": (W,),
+              **{n: s for h in ("out_head", "in_head", "anchor_out_head") for n, s in lin(h, F_, W).items()},
+              **(lin("token_proj", W, H) if W != H else {})}
+    for i in range(head["num_layers"]):
+        p = f"layers.{i}."
+        shapes.update({p + "attn_norm.weight": (W,), p + "attn.in_proj_weight": (3 * W, W),
+                       p + "attn.in_proj_bias": (3 * W,), **lin(p + "attn.out_proj", W, W), p + "mlp_norm.weight": (W,),
+                       **lin(p + "mlp.up_proj", m, W), **lin(p + "mlp.down_proj", W, m)})
+    return shapes
 
 
 def lilicorr_scores(d, rows, candidates, logp, anchor_rows, embed_w):
@@ -3718,36 +3943,86 @@ def lilicorr_scores(d, rows, candidates, logp, anchor_rows, embed_w):
     return h["logit_scale"] * start.float(), h["logit_scale"] * (out[:, :-1] @ into[:, 1:].transpose(-1, -2)).float()
 
 
-def lilicorr_round(d, context_kv, anchors, first, starts, embed_w, head, prompt_id, given=None, sampling=None):
-    """LiLiCorr's round: each slot's top-k candidates by the drafter's log-probs, scored by lilicorr_scores, walked
-    greedily from the anchor (the engines' walk, not Viterbi); with `given` tokens, each one's chance under
-    softmax(scores / T) over the candidates (vLLM's probabilistic drafts)."""
-    hidden = drafter_forward(d, context_kv, anchors, mask_block(d, first), embed_w, starts)
-    rows, k = proposal_rows(d, hidden), d.head["candidate_topk"]
-    logits = drafter_logits(d, head, rows, prompt_id)[0].float()
-    logp, candidates = logits.log_softmax(-1).topk(k, dim=-1)
-    ctx = context_kv[-1][0][0]
-    start, pairs = lilicorr_scores(d, rows, candidates, logp, ctx[anchors - 1 + (0 if starts is None else starts)],
-                                   embed_w)
-    pick, path = start.argmax(-1), []
-    for s in range(rows.shape[1]):
-        if s:
-            pick = pairs[:, s - 1].gather(1, pick[:, None, None].expand(-1, 1, k))[:, 0].argmax(-1)
-        path.append(candidates[:, s].gather(1, pick[:, None])[:, 0])
-    if given is None:
-        return torch.stack(path, 1), None
-    at = candidates == given[:, :, None]   # where each given token stands among its slot's candidates
-    before = torch.cat([torch.zeros_like(at[:, :1, 0], dtype=torch.long), at[:, :-1].float().argmax(-1)], 1)
-    scores = torch.cat([start[:, None], pairs.gather(2, before[:, 1:, None, None].expand(-1, -1, 1, k))[:, :, 0]], 1)
-    q = ((scores.double() / sampling[0]).softmax(-1) * at).sum(-1)
-    return torch.stack(path, 1), q
+@register("LiLiCorr")
+class LiLiCorr(DFlash):
+    """A block drafter whose drafts are a walk over a lattice of each slot's top-k candidates, scored by a correlator
+    over them all; DFlash 2's convolutions where its config asks for them, no selector."""
+    full_vocabulary, words, tensors = "candidate lattice's scores", ("lilicorr",), (LILICORR,)
+    sources, engines = "the engines' (LiLiCorrDraftModel)", "vLLM 0.33 and 0.34, SGLang 0.5.23"
+    ddtree_note = ("LiLiCorr drafts a chain: its walk picks each slot's candidate after the one before it, and both "
+                   "engines verify a chain, so no DDTree rows")
+    kinds = {**{"lilicorr_" + k: SIZE for k in ("candidate_topk", "num_layers", "num_heads", "factor_dim")},
+             "lilicorr_hidden_size": COUNT, "lilicorr_mlp_ratio": POSITIVE, "lilicorr_vector_eps": POSITIVE,
+             "lilicorr_logit_scale": NUMBER, "lilicorr_enabled": SWITCH, "has_own_lm_head": SWITCH}
 
+    def read_head(self, cfg, state, where, settings):
+        missing = next((k for k in LILICORR_KEYS if dflash_value(cfg, "lilicorr_" + k) is None), None)
+        refuse((dflash_value(cfg, "lilicorr_enabled") is False, f"{where} with lilicorr_enabled false: no engine "
+                "serves it so (vLLM refuses it, SGLang then loads no correlator); set it true"),
+               (missing, f"{where} needs lilicorr_{missing} in its dflash_config (neither engine has a default); it is "
+                "missing"))
+        head = {k: dflash_value(cfg, "lilicorr_" + k) for k in LILICORR_KEYS}
+        top, width = head["candidate_topk"], head["hidden_size"] or cfg["hidden_size"]
+        refuse((top > 16 or top & (top - 1), f"{where}: lilicorr_candidate_topk {top} must be a power of two <= 16, as "
+                "both engines require"),
+               (width % head["num_heads"], f"{where}: lilicorr_num_heads {head['num_heads']} does not divide its width "
+                f"{width}"),
+               (dflash_value(cfg, "has_own_lm_head") and settings.engine == "vllm", f"{where} with "
+                "has_own_lm_head: vLLM takes its candidates from the checkpoint's lm_head, which this tool does not "
+                "run; --engine sglang takes them from the target's head, as SGLang does"))
+        return {**head, "width": width, "block": dflash_value(cfg, "block_size") or 16, "context_rows": True}
 
-PARALLEL_MASK_KEYS = ("mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")   # vLLM's order
+    def read_conv(self, cfg, state, name, settings):
+        """A LiLiCorr drafter's DFlash 2 convolutions, which both engines build from conv_kernel_size and
+        conv_group_size (both or neither; not inferred from the tensors, as both engines say); no DFlash 2 selector."""
+        keys = [k for k in ("conv_kernel_size", "conv_group_size") if dflash_value(cfg, k) is not None]
+        if len(keys) == 1 or (not keys and any("_conv." in k for k in state)):
+            missing = next(k for k in ("conv_kernel_size", "conv_group_size") if k not in keys)
+            fail(f"drafter {name}: a LiLiCorr drafter with DFlash 2's convolutions needs {missing} in its "
+                 "dflash_config (vLLM and SGLang build them from conv_kernel_size and conv_group_size, both or "
+                 "neither); it is missing")
+        return (conv_settings(cfg, state, name, settings) if keys else ()), 0
+
+    def note(self, head):
+        return (f"; correlator over each slot's top {head['candidate_topk']} candidates ({head['num_layers']} layers, "
+                f"width {head['width']}), drafts by a greedy walk of cosine scores x {head['logit_scale']} from the "
+                "anchor; "
+                "served by vLLM 0.33 (method dflash; sampled drafts with draft_sample_method probabilistic) and SGLang "
+                "0.5.23 (greedy unless SGLANG_ENABLE_LILICORR_SAMPLING=1), both with the target's head for candidates")
+
+    def own_tensors(self, cfg, state, vocab, head, draft_vocab):
+        return {LILICORR + k: shape for k, shape in lilicorr_tensors(head, cfg["hidden_size"]).items()}
+
+    def propose(self, d, r):
+        """LiLiCorr's round: each slot's top-k candidates by the drafter's log-probs, scored by lilicorr_scores, walked
+        greedily from the anchor (the engines' walk, not Viterbi); with `given` tokens, each one's chance under
+        softmax(scores / T) over the candidates (vLLM's probabilistic drafts)."""
+        hidden = drafter_forward(d, r.context, r.anchors, mask_block(d, r.first), r.embed_w, r.starts)
+        rows, k = proposal_rows(d, hidden), d.head["candidate_topk"]
+        logits = drafter_logits(d, r.head, rows, r.prompt_id)[0].float()
+        logp, candidates = logits.log_softmax(-1).topk(k, dim=-1)
+        before_anchor = r.context[-1][0][0][r.anchors - 1 + (0 if r.starts is None else r.starts)]
+        start, pairs = lilicorr_scores(d, rows, candidates, logp, before_anchor, r.embed_w)
+        pick, path = start.argmax(-1), []
+        for s in range(rows.shape[1]):
+            if s:
+                pick = pairs[:, s - 1].gather(1, pick[:, None, None].expand(-1, 1, k))[:, 0].argmax(-1)
+            path.append(candidates[:, s].gather(1, pick[:, None])[:, 0])
+        if r.given is None:
+            return torch.stack(path, 1), None
+        at = candidates == r.given[:, :, None]   # where each given token stands among its slot's candidates
+        before = torch.cat([torch.zeros_like(at[:, :1, 0], dtype=torch.long), at[:, :-1].float().argmax(-1)], 1)
+        scores = torch.cat([start[:, None], pairs.gather(2, before[:, 1:, None, None].expand(-1, -1, 1, k))[:, :, 0]],
+                           1)
+        q = ((scores.double() / r.sampling[0]).softmax(-1) * at).sum(-1)
+        return torch.stack(path, 1), q
 
 
 # ----------------------------------------------------------------------------------------------------
 # Drafter families, causal: EAGLE-3, P-EAGLE and the MTP layer (their loading and proposal code)
+
+
+PARALLEL_MASK_KEYS = ("mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")   # vLLM's order
 
 
 def eagle3_config(cfg, name, layout, parallel=False):
@@ -3797,111 +4072,6 @@ def eagle3_layers(e, target_cfg, settings, name, n_fc, parallel):
     return sorted(ids), source
 
 
-def load_eagle3(name, path, generation, fam, cfg, state, layout, raw, target_cfg, settings, identify):
-    """An EAGLE-3 drafter (one decoder layer over [embedding; fused target features], chained K steps) or P-EAGLE's."""
-    e, parallel = cfg["eagle"], generation == "P-EAGLE"
-    check_hidden(cfg, target_cfg, name)
-    refuse(("fc.weight" not in state or "layers.0.hidden_norm.weight" not in state, f"drafter {name}: an {generation} "
-            "drafter needs fc.weight and layers.0.hidden_norm.weight (or midlayer.*)"),
-           (any(k.startswith("layers.1.") for k in state), f"drafter {name}: an {generation} drafter of several layers "
-            "(layers.1.*): this tool runs one-layer EAGLE-3 and P-EAGLE drafters"))
-    n_fc = state["fc.weight"].shape[1] // target_cfg.hidden_size
-    layers, source = eagle3_layers(e, target_cfg, settings, name, n_fc, parallel)
-    carried = {k: state.pop(k) for k in CARRIED if k in state}
-    if "embed_tokens.weight" in carried:   # trained with it (P-EAGLE always): vLLM keeps a drafter's own embedding
-        state["embed_tokens.weight"] = carried.pop("embed_tokens.weight")
-    vocab = draft_vocabulary(carried, {**cfg, "speculators": {"draft_vocab_size": e["draft_vocab_size"]}}, target_cfg,
-                             name)
-    if vocab is None and "lm_head.weight" in carried:   # its own head over the target's vocabulary
-        vocab = (torch.arange(target_cfg.vocab_size), torch.arange(target_cfg.vocab_size))
-    steps = (settings.block_size or e["steps"] + 1) - 1
-    head = {k: e[k] for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")}
-    head["engine"] = settings.engine
-    mask_id = e["mask_token_id"] if settings.mask_token_id is None else settings.mask_token_id
-    if parallel and mask_id is None:   # SpecForge keeps it in its training state, not in the exported config
-        fail(f"drafter {name}: its P-EAGLE config has no mask_token_id (nor pard_token), which vLLM needs too; pass "
-             "--mask-token-id (the id it was trained with)")
-    if parallel and not 0 <= int(mask_id) < target_cfg.vocab_size:
-        fail(f"drafter {name}: mask_token_id {mask_id} is outside the target vocab ({target_cfg.vocab_size})")
-    if parallel and "mask_hidden" in state:   # [1, 1, n * H] as trained; vLLM reads it flat
-        state["mask_hidden"] = state["mask_hidden"].reshape(1, 1, -1)
-    tree, tree_note = eagle_tree_shape(settings, target_cfg, name) if fam.tree else (None, "")
-    log(settings, f"drafter {name}: {generation}, {layout} layout; captured layers {layers} from {source}; " +
-                  (f"{steps} drafts a round in one pass, the bonus token's row then {steps - 1} mask slots (token "
-                   f"{mask_id}, fc(mask_hidden)), as vLLM 0.33 drafts it (method eagle3, parallel_drafting; SGLang "
-                   "does not serve it; vLLM 0.34 refuses it: \"P-EAGLE (parallel drafting EAGLE-3) is not "
-                   "supported\", and run as plain eagle3 it skips mask_hidden and chains instead)" if parallel else
-                   f"{steps} steps a round") +
-                  f"; norm_before_residual {head['norm_before_residual']}" +
-                  ("" if parallel else f", feeds back the {'post' if head['norm_output'] else 'pre'}-norm hidden") +
-                  ("; SpecForge's norm_output means the norm before lm_head, the engines read it as the hidden fed "
-                   "back: the engines' reading is used" if e["norm_output_given"] and layout == "SpecForge" else "")
-                  + tree_note + ("; vLLM serves it on its V1 runner, which has no block verification: its --verify "
-                                 "block row is what no vLLM serves yet" if parallel and "block" in
-                                 settings.verify else ""))
-    mask_id = int(mask_id) if parallel else -1
-    # its own lm_head is never the target's to warn about: vocab holds it (an identity mapping at full vocabulary)
-    return drafter_record(state, expected_tensors(cfg, (), generation, state, target_cfg.vocab_size, head), carried,
-                          vocab, target_cfg, settings, identify, (cfg, layers, steps + 1, generation, head)
-                          + ((mask_id,) if parallel else ()),
-                          name=name, checkpoint=os.path.abspath(path), cfg=cfg, layers=layers, block_size=steps + 1,
-                          mask_token_id=mask_id, rules=[], generation=generation, layout=layout, head=head, warnings=[],
-                          tree=tree, defaults={} if e["steps_given"] else {"block_size": (e["steps"] + 1, "default")})
-
-
-MTP_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")   # text model types whose MTP layer this tool runs
-MTP_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "rms_norm_eps", "attention_bias", "attn_output_gate", "num_experts", "num_experts_per_tok",
-            "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "max_position_embeddings",
-            "rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor")
-DRAFTER_KEYS = ("dflash_config", "speculators_model_type", "block_size", "target_layer_ids", "mask_token_id",
-                "draft_vocab_size", "eagle_config", "eagle_aux_hidden_state_layer_ids")   # in no target's config
-
-
-def load_mtp(name, path, target_cfg, settings, identify):
-    """A target's own MTP layer (Qwen3.5/3.6, Qwen3-Next: mtp.* in its safetensors, which transformers does not load),
-    drafting every step fed its own post-norm output back, as vLLM (method mtp) and SGLang (NEXTN) draft it."""
-    text, files = read_target_config(path), target_tensor_files(path)
-    names = sorted(k for k in files if k.startswith("mtp."))
-    where = f"drafter {name}: {path} is a {text.model_type} target"
-    if not names:
-        deepseek = any(re.search(r"\.(eh_proj|enorm|hnorm)\.weight$", k) for k in files)
-        fail(f"{where} model, not a drafter, and its checkpoint has " + (
-             "a DeepSeek-style MTP layer (eh_proj, enorm, hnorm, shared_head), which this tool does not run yet"
-             if deepseek else "no MTP layer (no mtp.* tensors)") + f" to evaluate; give --ckpt a drafter (the tool "
-             f"runs the MTP layers of {', '.join(MTP_TYPES)} targets)")
-    if text.model_type not in MTP_TYPES:
-        fail(f"{where}: this tool runs the MTP layers of {', '.join(MTP_TYPES)} targets only")
-    if {k.split(".")[2] for k in names if k.startswith("mtp.layers.")} != {"0"}:
-        fail(f"{where} whose MTP has several layers (mtp.layers.1.*): the engines' step-by-step rotation over "
-             "them is not modelled; this tool runs a single MTP layer")
-    # Qwen3.5's and Qwen3-Next's norms scale by 1 + weight (zero-centred): kept here as the plain scale
-    state = {k[len("mtp."):]: (1.0 + v.float() if "norm" in k.split(".")[-2] else v.float())
-             for k, v in target_tensors(files, names).items()}
-    for p in [k[:-len("gate_up_proj")] for k in state if k.endswith("mlp.experts.gate_up_proj")]:
-        gate_up, down = state.pop(p + "gate_up_proj"), state.pop(p + "down_proj")   # transformers 5.x's fused experts
-        for e in range(gate_up.shape[0]):   # gate and up stacked in gate_up_proj
-            state.update(zip((f"{p}{e}.gate_proj.weight", f"{p}{e}.up_proj.weight"), gate_up[e].chunk(2, 0)))
-            state[f"{p}{e}.down_proj.weight"] = down[e]
-    cfg = {k: v for k, v in text.to_dict().items() if k in MTP_KEYS}   # no path: its identity is its content
-    check_hidden(cfg, target_cfg, name)
-    steps = (settings.block_size or 4) - 1   # SGLang's default for Qwen: 3 steps, top-1
-    head = {"norm_output": True, "gate": bool(cfg.get("attn_output_gate", True))}
-    if settings.layers is not None:
-        log(settings, f"drafter {name}: --layers does not apply to an MTP layer (it reads the last hidden state)")
-    log(settings, f"drafter {name}: MTP, the target's own layer (mtp.* in its safetensors; transformers does not "
-                  f"load it); {steps} steps a round, the one layer reused; reads the last hidden state after the final "
-                  f"norm and feeds its own post-norm output back, as vLLM and SGLang draft it; " +
-                  (f"{cfg['num_experts']} experts, top {cfg['num_experts_per_tok']}, and a shared expert"
-                   if "layers.0.mlp.gate.weight" in state else "a dense MLP"))
-    layers = [target_cfg.num_hidden_layers - 1]   # this tool's id of the post-norm last hidden state
-    return drafter_record(state, expected_tensors(cfg, (), "MTP", state, target_cfg.vocab_size, head), {}, None,
-                          target_cfg, settings, identify, (cfg, layers, steps + 1, "MTP", head), name=name,
-                          checkpoint=os.path.abspath(path), cfg=cfg, layers=layers, block_size=steps + 1,
-                          mask_token_id=-1, rules=[], generation="MTP", layout="target", head=head, warnings=[],
-                          rope=target_rope(text, settings.device), defaults={"block_size": (4, "SGLang's default")})
-
-
 def mlp(d, p, y):
     """Layer p's MLP: SwiGLU, or a softmax router's top-k experts (norm_topk_prob) plus a gated shared expert."""
     w = d.weights
@@ -3921,14 +4091,7 @@ def causal_layer(d, emb, g, positions, attend):
     """EAGLE-3's, P-EAGLE's or MTP's decoder layer on rows (embedding, hidden g); attend(q, k, v) gives the attention.
     EAGLE-3's q/k/v read [norm(emb); norm(g)] (2H), MTP's fc of them feeds the target's layer: (h pre-norm, k, v)."""
     w, cfg, p, eps = d.weights, d.cfg, "layers.0.", d.cfg.get("rms_norm_eps", 1e-6)
-    if d.generation != "MTP":
-        normed = rms_norm(g, w[p + "hidden_norm.weight"], eps)
-        x = torch.cat([rms_norm(emb, w[p + "input_layernorm.weight"], eps), normed], -1)
-        residual = normed if d.head["norm_before_residual"] else g
-    else:
-        residual = F.linear(torch.cat([rms_norm(emb, w["pre_fc_norm_embedding.weight"], eps),
-                                       rms_norm(g, w["pre_fc_norm_hidden.weight"], eps)], -1), w["fc.weight"])
-        x = rms_norm(residual, w[p + "input_layernorm.weight"], eps)
+    x, residual = family(d).layer_input(d, emb, g, eps)
     q, gate = linear(x, w, p + "self_attn.q_proj"), None
     if d.head.get("gate"):   # each head's query, then its gate
         q, gate = (t.reshape(x.shape[0], -1) for t in q.view(x.shape[0], cfg["num_attention_heads"], 2, -1).unbind(2))
@@ -3961,8 +4124,7 @@ def causal_pass(d, features, ids, embed_w, cache=None):
     token j + 1's embedding and the features at j. With `cache` (a pass over the first rows), only the rows after it."""
     n0, embed_w = 0 if cache is None else cache[0][0].shape[1], own_embedding(d, embed_w)
     ids_t, g = torch.tensor(ids[n0 + 1:], device=features.device), features[n0:len(ids) - 1]
-    if d.generation != "MTP":
-        g = fused(d, g)
+    g = family(d).take(d, g)
     positions = torch.arange(n0, len(ids) - 1, device=features.device)
 
     def attend(q, k, v):
@@ -4012,10 +4174,20 @@ def causal_chain(d, context, anchors, starts, embed_w, head, prompt_id, given=No
     return torch.stack(steps, 1) if steps else out
 
 
-def causal_round(d, context, anchors, first, starts, embed_w, head, prompt_id, given=None, sampling=None):
-    """EAGLE-3's and MTP's round: (K chained drafts, with `given` tokens a sampling drafter's chance of each)."""
-    args = (d, context, anchors, starts, embed_w, head, prompt_id)
-    return causal_chain(*args), None if given is None else causal_chain(*args, given, sampling)
+class Causal(Family):
+    """One causal pass over the text, then K chained steps of one decoder layer (EAGLE-3, MTP): no block, no mask.
+    Each family says how its layer reads a row's embedding and hidden (layer_input) and how it takes in the target's
+    features (take)."""
+    causal, rounds = True, "chain"
+
+    def context(self, d, features, ids, embed_w):
+        """What its steps attend to: the causal pass over the text, as engines prefill their cache."""
+        return causal_pass(d, layer_features(d, features), ids, embed_w)
+
+    def propose(self, d, r):
+        """EAGLE-3's and MTP's round: (K chained drafts, with `given` tokens a sampling drafter's chance of each)."""
+        args = (d, r.context, r.anchors, r.starts, r.embed_w, r.head, r.prompt_id)
+        return causal_chain(*args), None if r.given is None else causal_chain(*args, r.given, r.sampling)
 
 
 # SGLang 0.5.23 picks (steps, top-k, draft tokens) by the target's architecture when a user gives none
@@ -4101,28 +4273,266 @@ def tree_reach(tokens, parents, reference):
     return (depth * ok).max(1).values if size else torch.zeros(n, dtype=torch.long)
 
 
-def parallel_round(d, context, anchors, first, starts, embed_w, head, prompt_id, given=None, sampling=None):
-    """P-EAGLE's round as vLLM's parallel drafting runs it: draft 1 from the bonus token's row (the text pass's row
-    before the anchor), draft k + 1 from mask slot k: the mask token's embedding and fc(mask_hidden) at the anchor's
-    position + k - 1, seeing the text up to the bonus row and the slots before it. One pass: no draft reads another."""
-    w, eps, S, n = d.weights, d.cfg.get("rms_norm_eps", 1e-6), d.block_size - 1, anchors.shape[0]
-    start = torch.zeros_like(anchors) if starts is None else starts
-    n_ctx, rows = int((anchors + start).max()), context[0][2][0, start + anchors - 1][:, None]
-    if S > 1:   # the mask slots: one pass, their rows after the text's (a path of one row each)
-        attend = growing_attend(context, n_ctx, block_mask(anchors, n_ctx, S - 1, ("causal", None), starts), ([], []))
-        emb = own_embedding(d, embed_w)[d.mask_token_id].expand(n * (S - 1), -1)
-        g = fused(d, w["mask_hidden"].view(1, -1)).expand(n * (S - 1), -1)
-        h = causal_layer(d, emb, g, (anchors[:, None] + torch.arange(S - 1, device=anchors.device)).reshape(-1),
-                         attend)[0]
-        rows = torch.cat([rows, h.view(n, S - 1, -1)], 1)
-    normed, out = rms_norm(rows, w["norm.weight"], eps), torch.empty(n, S, dtype=torch.long, device=anchors.device)
-    q = None if given is None else torch.empty(n, S, dtype=torch.float64, device=anchors.device)
-    for k in range(S):
-        logits, drafted = drafter_logits(d, head, normed[:, k], prompt_id)
-        chain_step(d, out, k, logits, drafted, None, None)
-        if given is not None:
-            chain_step(d, q, k, logits, drafted, given, sampling)
-    return out, q
+@register("EAGLE-3")
+class EAGLE3(Causal):
+    """One decoder layer over [embedding; fused target features], chained K steps, each fed its own hidden back."""
+    method, tree, adaptive, words, tensors = "eagle3", True, True, ("eagle3",), ("midlayer.",)
+    sources = "speculators', SpecForge's exports and training states"
+    engines = "vLLM 0.33 and 0.34 (chains), SGLang 0.5.23 (trees)"
+    ddtree_note = ("EAGLE-3 drafts a chain here, as vLLM serves it; its trees are SGLang's, built step by step (the "
+                   "SGLang tree row, --eagle-tree), not DDTree's from one pass, so no DDTree rows")
+    kinds = {**dict.fromkeys(("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"), SWITCH),
+             "eagle_aux_hidden_state_layer_ids": IDS}
+    parallel = False            # drafts its K drafts in one pass (P-EAGLE)
+
+    def public(self, cfg, state, renamed, name, speculators, native):
+        """(layout, config, state): what engines read under "eagle", its layer named layers.0 (SpecForge: midlayer)."""
+        layout = "speculators" if speculators else "SpecForge"
+        return layout, eagle3_config(cfg or {}, name, layout, self.parallel), \
+            {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()}
+
+    def load(self, name, path, cfg, state, layout, raw, target_cfg, settings, identify):
+        """An EAGLE-3 drafter (one decoder layer over [embedding; fused target features], chained K steps)."""
+        e = cfg["eagle"]
+        check_hidden(cfg, target_cfg, name)
+        refuse(("fc.weight" not in state or "layers.0.hidden_norm.weight" not in state, f"drafter {name}: an "
+                f"{self.generation} drafter needs fc.weight and layers.0.hidden_norm.weight (or midlayer.*)"),
+               (any(k.startswith("layers.1.") for k in state), f"drafter {name}: an {self.generation} drafter of "
+                "several layers (layers.1.*): this tool runs one-layer EAGLE-3 and P-EAGLE drafters"))
+        n_fc = state["fc.weight"].shape[1] // target_cfg.hidden_size
+        layers, source = eagle3_layers(e, target_cfg, settings, name, n_fc, self.parallel)
+        carried = {k: state.pop(k) for k in CARRIED if k in state}
+        if "embed_tokens.weight" in carried:   # trained with it (P-EAGLE always): vLLM keeps a drafter's own embedding
+            state["embed_tokens.weight"] = carried.pop("embed_tokens.weight")
+        vocab = draft_vocabulary(carried, {**cfg, "speculators": {"draft_vocab_size": e["draft_vocab_size"]}},
+                                 target_cfg, name)
+        if vocab is None and "lm_head.weight" in carried:   # its own head over the target's vocabulary
+            vocab = (torch.arange(target_cfg.vocab_size), torch.arange(target_cfg.vocab_size))
+        steps = (settings.block_size or e["steps"] + 1) - 1
+        head = {k: e[k] for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")}
+        head["engine"] = settings.engine
+        mask_id = self.mask_token(e, settings, target_cfg, name)
+        tree, tree_note = eagle_tree_shape(settings, target_cfg, name) if self.tree else (None, "")
+        log(settings, f"drafter {name}: {self.generation}, {layout} layout; captured layers {layers} from {source}; "
+                      + self.round_note(steps, mask_id) + f"; norm_before_residual {head['norm_before_residual']}"
+                      + self.fed_note(head) + ("; SpecForge's norm_output means the norm before lm_head, the engines "
+                                               "read it as the hidden fed back: the engines' reading is used"
+                                               if e["norm_output_given"] and layout == "SpecForge" else "")
+                      + tree_note + self.verify_note(settings))
+        mask_id = int(mask_id)
+        # its own lm_head is never the target's to warn about: vocab holds it (an identity mapping at full vocabulary)
+        return drafter_record(state, self.expected_tensors(cfg, state, target_cfg.vocab_size, head), carried, vocab,
+                              target_cfg, settings, identify, (cfg, layers, steps + 1, self.generation, head)
+                              + ((mask_id,) if mask_id >= 0 else ()),   # P-EAGLE's mask token (EAGLE-3 has none)
+                              name=name, checkpoint=os.path.abspath(path), cfg=cfg, layers=layers,
+                              block_size=steps + 1, mask_token_id=mask_id, rules=[], generation=self.generation,
+                              layout=layout, head=head, warnings=[], tree=tree,
+                              defaults={} if e["steps_given"] else {"block_size": (e["steps"] + 1, "default")})
+
+    def mask_token(self, e, settings, target_cfg, name):
+        """Its mask slots' token: none (-1)."""
+        return -1
+
+    def round_note(self, steps, mask_id):
+        return f"{steps} steps a round"
+
+    def fed_note(self, head):
+        return f", feeds back the {'post' if head['norm_output'] else 'pre'}-norm hidden"
+
+    def verify_note(self, settings):
+        return ""
+
+    def expected_tensors(self, cfg, state, vocab, head):
+        """{name: shape} of its tensors: one layer, q/k/v over [embedding; features] (2H), q/k norms where it has them
+        (Llama's EAGLE-3 has none); fc over the n captured layers' features, after their norms where the config asks
+        for them."""
+        H = cfg["hidden_size"]
+        n = state["fc.weight"].shape[1] // H
+        layer = layer_tensors(cfg, state, 2 * H, "layers.0.self_attn.q_norm.weight" in state,
+                              {"hidden_norm.weight": (H,)})
+        return {"fc.weight": (H, n * H), "norm.weight": (H,), **{"layers.0." + k: s for k, s in layer.items()},
+                **({"input_norm.weight": (n * H,)} if head["norm_before_fc"] else {}),
+                **{f"fc_norm.{i}.weight": (H,) for i in range(n if head["fc_norm"] else 0)},
+                **self.own_tensors(n * H),
+                **({"embed_tokens.weight": (vocab, H)} if "embed_tokens.weight" in state else {})}
+
+    def own_tensors(self, width):
+        """{name: shape} of its own tensors beside EAGLE-3's, for fused features `width` wide."""
+        return {}
+
+    def layer_input(self, d, emb, g, eps):
+        """(x, residual) of its layer's rows: q/k/v read [norm(emb); norm(g)] (2H); the residual is g, or its norm."""
+        w, p = d.weights, "layers.0."
+        normed = rms_norm(g, w[p + "hidden_norm.weight"], eps)
+        x = torch.cat([rms_norm(emb, w[p + "input_layernorm.weight"], eps), normed], -1)
+        return x, normed if d.head["norm_before_residual"] else g
+
+    def take(self, d, g):
+        """The captured layers' features as its layer reads them: fc over them (fused)."""
+        return fused(d, g)
+
+
+@register("P-EAGLE")
+class PEAGLE(EAGLE3):
+    """EAGLE-3's layer drafting its K drafts in one pass: the bonus token's row, then K - 1 mask slots."""
+    tree, adaptive, words, tensors, rounds, parallel = False, False, ("peagle",), ("mask_hidden",), "parallel", True
+    vllm = {"parallel_drafting": True}
+    sources, engines = "speculators', SpecForge's", "vLLM 0.33 (V1 runner); vLLM 0.34 refuses it"
+    ddtree_note = ("P-EAGLE drafts a chain here, as vLLM, the one engine serving it, verifies its K parallel drafts, "
+                   "so no DDTree rows")
+    kinds = {**EAGLE3.kinds, "pard_token": COUNT}
+
+    def load(self, name, path, cfg, state, *rest):
+        if "mask_hidden" in state:   # [1, 1, n * H] as trained; vLLM reads it flat
+            state["mask_hidden"] = state["mask_hidden"].reshape(1, 1, -1)
+        return super().load(name, path, cfg, state, *rest)
+
+    def mask_token(self, e, settings, target_cfg, name):
+        """Its mask slots' token: --mask-token-id, else its config's (vLLM's order of keys); within the vocabulary."""
+        mask_id = e["mask_token_id"] if settings.mask_token_id is None else settings.mask_token_id
+        if mask_id is None:   # SpecForge keeps it in its training state, not in the exported config
+            fail(f"drafter {name}: its P-EAGLE config has no mask_token_id (nor pard_token), which vLLM needs too; "
+                 "pass --mask-token-id (the id it was trained with)")
+        if not 0 <= int(mask_id) < target_cfg.vocab_size:
+            fail(f"drafter {name}: mask_token_id {mask_id} is outside the target vocab ({target_cfg.vocab_size})")
+        return mask_id
+
+    def round_note(self, steps, mask_id):
+        return (f"{steps} drafts a round in one pass, the bonus token's row then {steps - 1} mask slots (token "
+                f"{mask_id}, fc(mask_hidden)), as vLLM 0.33 drafts it (method eagle3, parallel_drafting; SGLang does "
+                "not serve it; vLLM 0.34 refuses it: \"P-EAGLE (parallel drafting EAGLE-3) is not supported\", and "
+                "run as plain eagle3 it skips mask_hidden and chains instead)")
+
+    def fed_note(self, head):
+        return ""
+
+    def verify_note(self, settings):
+        return "; vLLM serves it on its V1 runner, which has no block verification: its --verify block row is what " \
+            "no vLLM serves yet" if "block" in settings.verify else ""
+
+    def own_tensors(self, width):
+        return {"mask_hidden": (1, 1, width)}
+
+    def propose(self, d, r):
+        """P-EAGLE's round as vLLM's parallel drafting runs it: draft 1 from the bonus token's row (the text pass's row
+        before the anchor), draft k + 1 from mask slot k: the mask token's embedding and fc(mask_hidden) at the
+        anchor's position + k - 1, seeing the text up to the bonus row and the slots before it. One pass: no draft
+        reads another."""
+        w, eps, S, n = d.weights, d.cfg.get("rms_norm_eps", 1e-6), d.block_size - 1, r.anchors.shape[0]
+        anchors, start = r.anchors, torch.zeros_like(r.anchors) if r.starts is None else r.starts
+        n_ctx, rows = int((anchors + start).max()), r.context[0][2][0, start + anchors - 1][:, None]
+        if S > 1:   # the mask slots: one pass, their rows after the text's (a path of one row each)
+            mask = block_mask(anchors, n_ctx, S - 1, ("causal", None), r.starts)
+            emb = own_embedding(d, r.embed_w)[d.mask_token_id].expand(n * (S - 1), -1)
+            g = fused(d, w["mask_hidden"].view(1, -1)).expand(n * (S - 1), -1)
+            h = causal_layer(d, emb, g, (anchors[:, None] + torch.arange(S - 1, device=anchors.device)).reshape(-1),
+                             growing_attend(r.context, n_ctx, mask, ([], [])))[0]
+            rows = torch.cat([rows, h.view(n, S - 1, -1)], 1)
+        normed, out = rms_norm(rows, w["norm.weight"], eps), torch.empty(n, S, dtype=torch.long, device=anchors.device)
+        q = None if r.given is None else torch.empty(n, S, dtype=torch.float64, device=anchors.device)
+        for k in range(S):
+            logits, drafted = drafter_logits(d, r.head, normed[:, k], r.prompt_id)
+            chain_step(d, out, k, logits, drafted, None, None)
+            if r.given is not None:
+                chain_step(d, q, k, logits, drafted, r.given, r.sampling)
+        return out, q
+
+
+MTP_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")   # text model types whose MTP layer this tool runs
+MTP_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "rms_norm_eps", "attention_bias", "attn_output_gate", "num_experts", "num_experts_per_tok",
+            "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "max_position_embeddings",
+            "rope_parameters", "rope_theta", "rope_scaling", "partial_rotary_factor")
+DRAFTER_KEYS = ("dflash_config", "speculators_model_type", "block_size", "target_layer_ids", "mask_token_id",
+                "draft_vocab_size", "eagle_config", "eagle_aux_hidden_state_layer_ids")   # in no target's config
+
+
+def mtp_state(path, name):
+    """(the target's text config, its MTP layer's tensors under the drafter's names), refused where this tool does not
+    run the target's MTP layer."""
+    text, files = read_target_config(path), target_tensor_files(path)
+    names = sorted(k for k in files if k.startswith("mtp."))
+    where = f"drafter {name}: {path} is a {text.model_type} target"
+    if not names:
+        deepseek = any(re.search(r"\.(eh_proj|enorm|hnorm)\.weight$", k) for k in files)
+        fail(f"{where} model, not a drafter, and its checkpoint has " + (
+             "a DeepSeek-style MTP layer (eh_proj, enorm, hnorm, shared_head), which this tool does not run yet"
+             if deepseek else "no MTP layer (no mtp.* tensors)") + f" to evaluate; give --ckpt a drafter (the tool "
+             f"runs the MTP layers of {', '.join(MTP_TYPES)} targets)")
+    if text.model_type not in MTP_TYPES:
+        fail(f"{where}: this tool runs the MTP layers of {', '.join(MTP_TYPES)} targets only")
+    if {k.split(".")[2] for k in names if k.startswith("mtp.layers.")} != {"0"}:
+        fail(f"{where} whose MTP has several layers (mtp.layers.1.*): the engines' step-by-step rotation over "
+             "them is not modelled; this tool runs a single MTP layer")
+    # Qwen3.5's and Qwen3-Next's norms scale by 1 + weight (zero-centred): kept here as the plain scale
+    state = {k[len("mtp."):]: (1.0 + v.float() if "norm" in k.split(".")[-2] else v.float())
+             for k, v in target_tensors(files, names).items()}
+    for p in [k[:-len("gate_up_proj")] for k in state if k.endswith("mlp.experts.gate_up_proj")]:
+        gate_up, down = state.pop(p + "gate_up_proj"), state.pop(p + "down_proj")   # transformers 5.x's fused experts
+        for e in range(gate_up.shape[0]):   # gate and up stacked in gate_up_proj
+            state.update(zip((f"{p}{e}.gate_proj.weight", f"{p}{e}.up_proj.weight"), gate_up[e].chunk(2, 0)))
+            state[f"{p}{e}.down_proj.weight"] = down[e]
+    return text, state
+
+
+@register("MTP")
+class MTP(Causal):
+    """A target's own MTP layer (Qwen3.5/3.6, Qwen3-Next: mtp.* in its safetensors, which transformers does not load),
+    drafting every step fed its own post-norm output back, as vLLM (method mtp) and SGLang (NEXTN) draft it."""
+    method, adaptive, from_target = "mtp", True, True
+    sources, engines = "the target's own mtp.* layer (Qwen3.5/3.6, Qwen3-Next)", "vLLM 0.33 and 0.34, SGLang 0.5.23"
+    ddtree_note = ("the MTP layer drafts a chain here, as vLLM serves it and SGLang by default (top-1; its token trees "
+                   "are out of scope), so no DDTree rows")
+
+    def claims(self, path):
+        """A target's directory (...ForCausalLM, ...ForConditionalGeneration; no drafter keys): its own layer drafts."""
+        file = os.path.join(path, "config.json")   # only a directory holds one
+        beside = read_json(file) if os.path.isfile(file) else {}
+        return not any(k in beside for k in DRAFTER_KEYS) and any(
+            str(a).endswith(("ForCausalLM", "ForConditionalGeneration")) for a in beside.get("architectures") or [])
+
+    def load_path(self, name, path, target_cfg, settings, identify):
+        """The target's MTP layer as a drafter: the last hidden state after the final norm in, its output fed back."""
+        text, state = mtp_state(path, name)
+        cfg = {k: v for k, v in text.to_dict().items() if k in MTP_KEYS}   # no path: its identity is its content
+        check_hidden(cfg, target_cfg, name)
+        steps = (settings.block_size or 4) - 1   # SGLang's default for Qwen: 3 steps, top-1
+        head = {"norm_output": True, "gate": bool(cfg.get("attn_output_gate", True))}
+        if settings.layers is not None:
+            log(settings, f"drafter {name}: --layers does not apply to an MTP layer (it reads the last hidden state)")
+        log(settings, f"drafter {name}: MTP, the target's own layer (mtp.* in its safetensors; transformers does not "
+                      f"load it); {steps} steps a round, the one layer reused; reads the last hidden state after the "
+                      f"final norm and feeds its own post-norm output back, as vLLM and SGLang draft it; " +
+                      (f"{cfg['num_experts']} experts, top {cfg['num_experts_per_tok']}, and a shared expert"
+                       if "layers.0.mlp.gate.weight" in state else "a dense MLP"))
+        layers = [target_cfg.num_hidden_layers - 1]   # this tool's id of the post-norm last hidden state
+        return drafter_record(state, self.expected_tensors(cfg, state, head), {}, None, target_cfg, settings, identify,
+                              (cfg, layers, steps + 1, self.generation, head), name=name,
+                              checkpoint=os.path.abspath(path), cfg=cfg, layers=layers, block_size=steps + 1,
+                              mask_token_id=-1, rules=[], generation=self.generation, layout="target", head=head,
+                              warnings=[], rope=target_rope(text, settings.device),
+                              defaults={"block_size": (4, "SGLang's default")})
+
+    def expected_tensors(self, cfg, state, head):
+        """{name: shape} of its tensors: one layer over fc([embedding; hidden]); q_proj gives each head's query, then
+        its gate where the config has attn_output_gate."""
+        H, hd = cfg["hidden_size"], head_dim_of(cfg)
+        q, layer = cfg["num_attention_heads"] * hd, attention_tensors(cfg, state, H)
+        layer["self_attn.q_proj.weight"] = (2 * q if head["gate"] else q, H)
+        return {"fc.weight": (H, 2 * H), "norm.weight": (H,), "pre_fc_norm_embedding.weight": (H,),
+                "pre_fc_norm_hidden.weight": (H,), "layers.0.self_attn.q_norm.weight": (hd,),
+                "layers.0.self_attn.k_norm.weight": (hd,), **{"layers.0." + k: s for k, s in layer.items()}}
+
+    def layer_input(self, d, emb, g, eps):
+        """(x, residual) of its layer's rows: fc of [norm(emb); norm(g)] feeds the target's layer (pre-norm)."""
+        w = d.weights
+        residual = F.linear(torch.cat([rms_norm(emb, w["pre_fc_norm_embedding.weight"], eps),
+                                       rms_norm(g, w["pre_fc_norm_hidden.weight"], eps)], -1), w["fc.weight"])
+        return rms_norm(residual, w["layers.0.input_layernorm.weight"], eps), residual
+
+    def take(self, d, g):
+        """The last hidden state as its layer reads it: as it is."""
+        return g
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -4154,23 +4564,6 @@ def text_spec(path):
     refuse((knobs.get("min", 1) > knobs.get("max", 1), f"--ckpt {path}: min {knobs.get('min')} is above max "
             f"{knobs.get('max')} (vLLM refuses it too)"))
     return kind, knobs
-
-
-def load_text(name, path, target_cfg, settings):
-    """A baseline as a drafter record: no target layers; its K, if not given, settled with the others'. A draft model
-    loads in the run's dtype and device; a sampling run's draft_sample_method follows --draft-policy."""
-    kind, knobs = text_spec(path)
-    head = {"rule": f"vLLM 0.34's {kind}", **{k: v for k, v in knobs.items() if k != "k"}}
-    model = load_draft_model(knobs["dir"], target_cfg, settings, name) if kind == "draft_model" else None
-    if model is None:
-        head["lookup"] = [knobs["min"], knobs["max"]] if kind == "ngram" else [1, knobs["depth"]]
-    else:
-        sample = settings.temperature > 0 and settings.draft_policy == "sample"
-        head.update(draft_sample_method="probabilistic" if sample else "greedy", temperature=sample and
-                    settings.temperature, parameters=sum(t.numel() for t in model.parameters()))
-    return Drafter(name=name, checkpoint=path, cfg={}, weights={}, layers=[], block_size=knobs.get("k", 0) + 1,
-                   mask_token_id=-1, rules=[], rope=None, logit_rows=0, generation=kind, layout="vLLM 0.34", head=head,
-                   warnings=[], defaults={}, model=model)
 
 
 def load_draft_model(where, target_cfg, settings, name):
@@ -4221,108 +4614,85 @@ def lookup_drafts(ids, k, low, high):
     return out
 
 
-def text_round(d, context, anchors, first, starts, embed_w, head, prompt_id, given=None, sampling=None):
-    """A baseline's round: the drafts at the anchors, and (`given` tokens) the chance of each: a sampling draft model's,
-    else 1 where it is the draft, as vLLM verifies drafts that carry no probabilities (the target's p alone decides)."""
-    drafts, chances = context[0][anchors.cpu()], context[1]
-    return drafts, None if given is None else chances[anchors.cpu()] if chances is not None else \
-        (drafts == given.cpu()).double()
+class TextBaseline(Family):
+    """A baseline drafting from the text alone: no weights of its own read (a draft model aside), no target features;
+    its drafts at every position from one pass over the text (context), looked up at the anchors (propose)."""
+    causal, text, greedy, rounds = True, True, "its rule is", "text"
 
+    def claims(self, path):
+        return (text_spec(path) or (None,))[0] == self.generation
+
+    def load_path(self, name, path, target_cfg, settings, identify):
+        """A baseline as a drafter record: no target layers; its K, if not given, settled with the others'."""
+        knobs = text_spec(path)[1]
+        head = {"rule": f"vLLM 0.34's {self.generation}", **{k: v for k, v in knobs.items() if k != "k"}}
+        more, model = self.setup(knobs, target_cfg, settings, name)
+        return Drafter(name=name, checkpoint=path, cfg={}, weights={}, layers=[], block_size=knobs.get("k", 0) + 1,
+                       mask_token_id=-1, rules=[], rope=None, logit_rows=0, generation=self.generation,
+                       layout="vLLM 0.34", head={**head, **more}, warnings=[], defaults={}, model=model)
+
+    def setup(self, knobs, target_cfg, settings, name):
+        """(what its head adds, its draft model): prompt lookup's gram lengths [min, max], no model."""
+        return {"lookup": [knobs["min"], knobs["max"]]}, None
+
+    def context(self, d, features, ids, embed_w):
+        """Its drafts at every position of the text, (drafts, chances: None)."""
+        return lookup_drafts(ids, d.block_size - 1, *d.head["lookup"]), None
+
+    def propose(self, d, r):
+        """A baseline's round: the drafts at the anchors, and (`given` tokens) the chance of each: a sampling draft
+        model's, else 1 where it is the draft, as vLLM verifies drafts that carry no probabilities (the target's p
+        alone decides)."""
+        drafts, chances = r.context[0][r.anchors.cpu()], r.context[1]
+        return drafts, None if r.given is None else chances[r.anchors.cpu()] if chances is not None else \
+            (drafts == r.given.cpu()).double()
+
+
+@register("ngram")
+class NGram(TextBaseline):
+    method = "ngram"
+    sources = "none: prompt lookup over the text (--ckpt NAME=ngram[:k=K,min=N,max=M])"
+    engines = "vLLM 0.33 and 0.34 (this rule, 0.34's); SGLang 0.5.23 (NGRAM) and llama.cpp look up by other rules"
+    ddtree_note = "an n-gram lookup proposes one chain, as vLLM serves it, so no DDTree rows"
+
+
+@register("suffix")
+class Suffix(TextBaseline):
+    """Suffix decoding's own-history match: prompt lookup's rule over grams of 1 to its depth."""
+    method = "suffix"
+    sources = "none: the request's own text (--ckpt NAME=suffix[:k=K,depth=D])"
+    engines = "vLLM 0.34 (method suffix, its own-history match; its cross-request corpus off)"
+    ddtree_note = "suffix decoding proposes one chain in vLLM, so no DDTree rows"
+
+    def setup(self, knobs, target_cfg, settings, name):
+        return {"lookup": [1, knobs["depth"]]}, None
+
+
+@register("draft_model")
+class DraftModel(TextBaseline):
+    """A small causal LM on the target's vocabulary, every round's drafts from one teacher-forced pass over the text."""
+    method, greedy, rounds = "draft_model", "", "chain"
+    sources = "a small causal LM on the target's vocabulary (--ckpt NAME=draft_model:DIR[:k=K])"
+    engines = "vLLM 0.33 and 0.34 (draft_model), SGLang 0.5.23 (STANDALONE, a chain at top-1)"
+    ddtree_note = "a draft model proposes one chain in vLLM, so no DDTree rows"
+
+    def setup(self, knobs, target_cfg, settings, name):
+        """(its sampling and size, its model): loaded in the run's dtype and device; a sampling run's
+        draft_sample_method follows --draft-policy."""
+        model = load_draft_model(knobs["dir"], target_cfg, settings, name)
+        sample = settings.temperature > 0 and settings.draft_policy == "sample"
+        return dict(draft_sample_method="probabilistic" if sample else "greedy", temperature=sample and
+                    settings.temperature, parameters=sum(t.numel() for t in model.parameters())), model
+
+    def context(self, d, features, ids, embed_w):
+        return model_drafts(d, ids)
 
 # ----------------------------------------------------------------------------------------------------
-# Drafter families: recognition and the family table, the one place a family is dispatched from
-
-
-@dataclass
-class Family:
-    """A drafter family as the rest of the tool sees it: how it loads and proposes, what the report says of it."""
-    load: object                # (name, path, generation, entry, cfg, state, layout, raw, target_cfg, settings, ...)
-    propose: object = None      # a chained round: (drafts, proposal probabilities); None: each slot's argmax
-    causal: bool = False        # one causal pass over the text, then K chained one-layer steps: no block, no mask
-    text: bool = False          # drafts from the text alone (a baseline): no weights, no target features
-    adaptive: bool = False      # SGLang adapts its step count (--speculative-adaptive: EAGLE, EAGLE-3, NEXTN)
-    head: object = None         # (cfg, state, where, settings) -> what its proposal step reads
-    note: object = None         # (head) -> what its load line adds
-    conv: object = None         # (cfg, state, name, settings) -> (conv taps, selector candidates): DFlash 2's
-    from_anchor: bool = False   # its anchor's slot drafts too, unless its config says otherwise
-    full_vocabulary: str = ""   # what scores target-vocabulary tokens (a reduced draft vocabulary is refused)
-    greedy: str = ""            # who drafts it greedily at every temperature (--draft-policy sample is refused)
-    ddtree_note: str = None     # why it has no DDTree rows (None: DDTree trees from the same drafter pass)
-    method: str = "dflash"      # vLLM's speculative method
-    vllm: dict = None           # what else vLLM's speculative config says of it
-    tree: bool = False          # SGLang also serves it with token trees (--eagle-tree)
-    sources: str = ""           # the layouts its checkpoints come in (--help, the manual's support table)
-    engines: str = ""           # who serves it
-    rounds: str = "block"       # a round for the roofline: block, one pass; chain, K steps; parallel, + K - 1 masks
-    words: tuple = ()           # what names it: a word of its architectures, or its speculators or projector type
-    tensors: tuple = ()         # or a part of its own tensors' names
-
-
-FAMILIES = {
-    "DFlash": Family(load_block, sources="z-lab's, transformers' native assistant, speculators', SpecForge's exports "
-                     "and training states", engines="vLLM 0.33 and 0.34, SGLang 0.5.23"),
-    "DFlash 2": Family(load_block, conv=dflash2_settings, full_vocabulary="selector scores", words=("dflash2",),
-                       tensors=(SELECTOR, "_conv."), sources="z-lab's, "
-                       "speculators'", engines="vLLM 0.33 and 0.34, SGLang 0.5.23", ddtree_note=(
-        "DFlash 2 drafts a chain: its selector couples each slot's choice to the previous one, and no public tree "
-        "verifier exists for those paths, so no DDTree rows (a tree from the unary logits alone is not what any "
-        "engine runs)")),
-    "DSpark": Family(load_block, chained_round, head=dspark_head, note=dspark_note, from_anchor=True, method="dspark",
-                     words=("dspark",), tensors=("markov_head.markov_w1.weight",),
-                     sources="SpecForge's, speculators'", engines="vLLM 0.33 and 0.34 (vanilla head), SGLang 0.5.23",
-                     ddtree_note="DSpark drafts a chain: each slot's Markov bias depends on the token drafted before "
-                     "it, and neither vLLM nor SGLang verifies DSpark trees, so no DDTree rows"),
-    "Domino": Family(load_block, chained_round, head=domino_head, note=domino_note, full_vocabulary="correction scores",
-                     words=("domino",), tensors=("prefix_gru.weight_ih_l0",), sources="SpecForge's",
-                     engines="SGLang 0.5.23", greedy="SGLang serves it so", ddtree_note="Domino drafts a chain: each "
-                     "proposal reads a GRU state over the tokens drafted before it, and SGLang serves it as a chain "
-                     "only, so no DDTree rows"),
-    "XPress": Family(load_block, xpress_round, head=xpress_head, note=xpress_note, greedy="vLLM serves it so",
-                     words=("xpress",), tensors=(XPRESS + "readout.weight",),
-                     sources="speculators', vLLM's", engines="vLLM 0.33 and 0.34",
-                     ddtree_note="XPress drafts a chain: its refiner reads the token drafted before each slot, and "
-                     "vLLM, the one engine serving it, verifies a chain, so no DDTree rows"),
-    "LiLiCorr": Family(load_block, lilicorr_round, head=lilicorr_head, note=lilicorr_note, conv=lilicorr_conv,
-                       words=("lilicorr",), tensors=(LILICORR,), full_vocabulary="candidate lattice's scores",
-                       sources="the engines' (LiLiCorrDraftModel)", engines="vLLM 0.33 and 0.34, SGLang 0.5.23",
-                       ddtree_note="LiLiCorr drafts a chain: its walk picks each slot's candidate after the one "
-                       "before it, and both engines verify a chain, so no DDTree rows"),
-    "EAGLE-3": Family(load_eagle3, causal_round, causal=True, method="eagle3", tree=True, rounds="chain",
-                      adaptive=True, words=("eagle3",), tensors=("midlayer.",), sources="speculators', SpecForge's "
-                      "exports and training states", engines="vLLM 0.33 and 0.34 (chains), SGLang 0.5.23 (trees)",
-                      ddtree_note="EAGLE-3 drafts a chain here, as vLLM serves it; its trees are SGLang's, built step "
-                      "by step (the SGLang tree row, --eagle-tree), not DDTree's from one pass, so no DDTree rows"),
-    "P-EAGLE": Family(load_eagle3, parallel_round, causal=True, method="eagle3", vllm={"parallel_drafting": True},
-                      words=("peagle",), tensors=("mask_hidden",), rounds="parallel",
-                      sources="speculators', SpecForge's", engines="vLLM 0.33 (V1 runner); vLLM 0.34 refuses it",
-                      ddtree_note="P-EAGLE drafts a chain here, as vLLM, the one engine serving it, verifies its K "
-                      "parallel drafts, so no DDTree rows"),
-    # the MTP layer is read from a target directory: load_drafter takes it to load_mtp before any checkpoint is read
-    "ngram": Family(None, text_round, causal=True, text=True, method="ngram", rounds="text", greedy="its rule is",
-                    sources="none: prompt lookup over the text (--ckpt NAME=ngram[:k=K,min=N,max=M])", engines="vLLM "
-                    "0.33 and 0.34 (this rule, 0.34's); SGLang 0.5.23 (NGRAM) and llama.cpp look up by other rules",
-                    ddtree_note="an n-gram lookup proposes one chain, as vLLM serves it, so no DDTree rows"),
-    "suffix": Family(None, text_round, causal=True, text=True, method="suffix", rounds="text", greedy="its rule is",
-                     sources="none: the request's own text (--ckpt NAME=suffix[:k=K,depth=D])", engines="vLLM 0.34 "
-                     "(method suffix, its own-history match; its cross-request corpus off)",
-                     ddtree_note="suffix decoding proposes one chain in vLLM, so no DDTree rows"),
-    "draft_model": Family(None, text_round, causal=True, text=True, method="draft_model", rounds="chain",
-                          sources="a small causal LM on the target's vocabulary (--ckpt NAME=draft_model:DIR[:k=K])",
-                          engines="vLLM 0.33 and 0.34 (draft_model), SGLang 0.5.23 (STANDALONE, a chain at top-1)",
-                          ddtree_note="a draft model proposes one chain in vLLM, so no DDTree rows"),
-    "MTP": Family(None, causal_round, causal=True, method="mtp", rounds="chain", adaptive=True,
-                  sources="the target's own mtp.* layer (Qwen3.5/3.6, Qwen3-Next)",
-                  engines="vLLM 0.33 and 0.34, SGLang 0.5.23", ddtree_note="the MTP layer drafts a chain here, as "
-                  "vLLM serves it and SGLang by default (top-1; its token trees are out of scope), so no DDTree rows"),
-}
-
-
-def family(d):
-    return FAMILIES[d.generation]
+# Drafter families: recognition, a checkpoint's family named from its config or tensors
 
 
 def recognize(cfg, state, name):
-    """(generation, layout, config, state) under the public DFlash keys and names. The family: the table's last entry
+    """(generation, layout, config, state) under the public DFlash keys and names. The family: the last in FAMILIES
     whose words an architecture holds or a speculators/projector type is, or whose tensors it holds (else DFlash)."""
     given = cfg or {}
     archs, speculators = [str(a).lower() for a in given.get("architectures") or []], "speculators_model_type" in given
@@ -4334,12 +4704,13 @@ def recognize(cfg, state, name):
     names = [*state, *renamed]
     generation = next((g for g, f in reversed(FAMILIES.items()) if set(f.words) & types or any(
         w in a for w in f.words for a in archs) or any(t in k for t in f.tensors for k in names)), "DFlash")
-    if FAMILIES[generation].causal:   # EAGLE-3, P-EAGLE
-        layout = "speculators" if speculators else "SpecForge"
-        return generation, layout, eagle3_config(given, name, layout, FAMILIES[generation].rounds == "parallel"), \
-            {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in state.items()}
-    layout = "speculators" if speculators else "transformers-native assistant" if native else "public"
-    return generation, layout, speculators_config(cfg, name) if speculators else cfg, renamed
+    return generation, *FAMILIES[generation].public(cfg, state, renamed, name, speculators, native)
+
+
+def listed_families():
+    """FAMILIES as --help and the README list them: the drafters of a checkpoint or of the text, then the target's own
+    MTP layer."""
+    return sorted(FAMILIES.items(), key=lambda item: item[1].from_target)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -4349,20 +4720,15 @@ def recognize(cfg, state, name):
 def read_drafter(spec, target_cfg, settings, identify=True, given=None):
     """A drafter from its --ckpt spec, or from `given` = (config or None, state dict) held in memory (left whole)."""
     name, path = split_ckpt_spec(spec)
-    if given is None and text_spec(path):
-        return load_text(name, path, target_cfg, settings)
+    own = None if given is not None else next((f for f in FAMILIES.values() if f.claims(path)), None)
+    if own:   # a baseline's spec, a target's directory (its MTP layer): no drafter checkpoint to read
+        return own.load_path(name, path, target_cfg, settings, identify)
     if given is not None:
         cfg, raw = given
         cfg = check_config(cfg, f"drafter {name}'s config") if cfg is not None else None
     else:
         if not os.path.exists(path):
             fail(f"drafter checkpoint not found: {path} (pass a drafter directory or file to --ckpt)")
-        file = os.path.join(path, "config.json")   # only a directory holds one
-        beside = read_json(file) if os.path.isfile(file) else {}
-        # a target (...ForCausalLM, ...ForConditionalGeneration; no drafter keys): its own MTP layer drafts
-        if not any(k in beside for k in DRAFTER_KEYS) and any(
-                str(a).endswith(("ForCausalLM", "ForConditionalGeneration")) for a in beside.get("architectures") or []):
-            return load_mtp(name, path, target_cfg, settings, identify)
         cfg, raw = read_checkpoint(path, name)
         if settings.drafter_config:   # an explicit flag beats the file beside the weights (named: overrides)
             cfg = check_config(read_json(settings.drafter_config), settings.drafter_config)
@@ -4371,16 +4737,15 @@ def read_drafter(spec, target_cfg, settings, identify=True, given=None):
     heads = {k: getattr(settings, f) for k, f in (("head_dim", "head_dim"), ("num_attention_heads", "num_heads"),
                                                   ("num_key_value_heads", "num_kv_heads")) if getattr(settings, f)}
     cfg = {**cfg, **heads} if cfg is not None and heads else cfg   # over a config too: named as an override
-    fam = FAMILIES[generation]
     said = recorded_target(path if given is None else None, given_cfg, raw)
-    d = fam.load(name, path, generation, fam, cfg, state, layout, raw, target_cfg, settings, identify)
+    d = FAMILIES[generation].load(name, path, cfg, state, layout, raw, target_cfg, settings, identify)
     if identify:
         d.warnings = (d.warnings or []) + foreign_target(said, target_cfg, settings.target)
     return d
 
 
 # What flags can replace of what a checkpoint states: (flags, what their value sets (None: the value itself), the
-# drafter's value, does its checkpoint state it?)
+# drafter's value, does its checkpoint state it?); the families' own rows follow, then WHOLE_CONFIG's
 OVERRIDES = (
     (("--mask-token-id",), None, lambda d: d.mask_token_id, lambda d: True),
     (("--block-size",), None, lambda d: d.block_size - d.from_anchor, lambda d: "block_size" not in (d.defaults or {})),
@@ -4388,12 +4753,8 @@ OVERRIDES = (
     (("--block-mask", "--sliding-window"), "in-block mask", lambda d: "; ".join(map(rule_label, d.rules)),
      lambda d: True),
     (("--head-dim", "--num-heads", "--num-kv-heads"), "attention", lambda d: "{} heads of {}, {} KV heads".format(
-        d.cfg["num_attention_heads"], head_dim_of(d.cfg), d.cfg["num_key_value_heads"]), lambda d: True),
-    (("--xpress-passes",), None, lambda d: (d.head or {}).get("passes"),
-     lambda d: any(dflash_value(d.cfg, k) is not None for k in ("xpress_num_passes", "num_jacobi_passes"))),
-    (("--xpress-topc",), None, lambda d: (d.head or {}).get("topc"),
-     lambda d: dflash_value(d.cfg, "xpress_topc") is not None),
-    (("--drafter-config",), None, lambda d: d.cfg, lambda d: True))
+        d.cfg["num_attention_heads"], head_dim_of(d.cfg), d.cfg["num_key_value_heads"]), lambda d: True))
+WHOLE_CONFIG = (("--drafter-config",), None, lambda d: d.cfg, lambda d: True)
 
 
 def settle_text_depth(drafters):
@@ -4425,7 +4786,8 @@ def load_drafter(spec, target_cfg, settings, identify=True, given=None):
     except UsageError:   # the checkpoint does not load without them: they supply what it lacks, override nothing
         return d
     d.overrides = {}
-    for names, sets, value, stated in OVERRIDES:
+    for names, sets, value, stated in (*OVERRIDES, *(row for f in FAMILIES.values() for row in f.overrides),
+                                       WHOLE_CONFIG):
         if any(f in flags for f in names) and stated(own) and value(d) != value(own):
             d.overrides[" ".join(f"{f} {flags[f]}" for f in names if f in flags) if sets else names[0]] = \
                 {"given": value(d), "checkpoint": value(own), **({"sets": sets} if sets else {})}
@@ -4446,12 +4808,7 @@ def override_text(flag, o):
 
 def prompt_context(drafter, features, ids=None, embed_w=None):
     """What the blocks attend to: per-layer context K/V, a causal pass over the text, or a baseline's drafts."""
-    if family(drafter).text:
-        return model_drafts(drafter, ids) if drafter.model else \
-            (lookup_drafts(ids, drafter.block_size - 1, *drafter.head["lookup"]), None)
-    features = torch.cat([features[L] for L in drafter.layers], dim=-1)
-    return causal_pass(drafter, features, ids, embed_w) if family(drafter).causal else \
-        drafter_context(drafter, features)
+    return family(drafter).context(drafter, features, ids, embed_w)
 
 
 def tree_top_k(top, logits, done, B, top_k, after, n):
@@ -4481,23 +4838,21 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
     """Argmax drafts (n, B-1; DFlash 2: the selector's path) of blocks [first, MASK, ...] at `anchors`, DDTree's top_k;
     given `reference`, fills `proposal` (a sampling drafter's chance of each; B counts sample_from_anchor's slot) and
     `ties` (each slot's draft a near-tie, by block drafters' own logits; chains, DFlash 2's selector: none marked)."""
-    B, n, dev, propose = drafter.block_size, anchors.shape[0], anchors.device, family(drafter).propose
+    B, n, dev, fam = drafter.block_size, anchors.shape[0], anchors.device, family(drafter)
     if n == 0:
         empty = torch.zeros(0, B - 1, max(top_k, 1))
         return torch.zeros(0, B - 1, dtype=torch.long), (empty, empty.long())
     # Outputs allocated up front: small tensors made between the big per-chunk logits would pin freed heap.
-    drafts, top, done, picks = torch.empty(n * (B - 1), dtype=torch.long, device=dev), None, 0, None
-    if drafter.selector_top_k:   # per draft row, what DFlash 2's selector reads: top-k logits, their ids, h projected
-        m, k, projection = n * (B - 1), drafter.selector_top_k, drafter.weights[SELECTOR + "hidden_projection.weight"]
-        picks = (torch.empty(m, k, dtype=projection.dtype, device=dev), torch.empty(m, k, dtype=torch.long, device=dev),
-                 torch.empty(m, projection.shape[0], dtype=projection.dtype, device=dev))
+    drafts, top, done = torch.empty(n * (B - 1), dtype=torch.long, device=dev), None, 0
+    chooser = None if fam.propose else fam.chooser(drafter, n * (B - 1), dev)   # DFlash 2: its selector's inputs
     per_call = max(1, ANCHOR_TOKENS_PER_CHUNK // B)
     for lo in range(0, n, per_call):
         part = slice(lo, lo + per_call)
         starts_part = None if starts is None else starts[part]
-        if propose:   # a chain: each draft after the ones before it
-            drafted, q = propose(drafter, context_kv, anchors[part], first[part], starts_part, embed_w, head,
-                                 prompt_id, None if proposal is None else reference[part].to(dev), sampling)
+        if fam.propose:   # a chain: each draft after the ones before it
+            drafted, q = fam.propose(drafter, Round(context_kv, anchors[part], first[part], starts_part, embed_w, head,
+                                                    prompt_id, None if proposal is None else reference[part].to(dev),
+                                                    sampling))
             drafts.view(n, B - 1)[part] = drafted
             if q is not None:
                 proposal[part] = q.to(proposal.device)
@@ -4507,23 +4862,20 @@ def draft_all_anchors(drafter, context_kv, anchors, first, embed_w, head, top_k=
         for rows in hidden.reshape(-1, hidden.shape[-1]).split(drafter.logit_rows):
             at = slice(done, done + rows.shape[0])
             logits, drafts[at] = drafter_logits(drafter, head, rows, prompt_id)
-            if (proposal is not None or ties is not None) and picks is None:
+            if (proposal is not None or ties is not None) and chooser is None:
                 tokens = to_draft(drafter, reference.reshape(-1)[at].to(dev))   # -1: outside the draft vocabulary
                 if proposal is not None:
                     proposal.view(-1)[at] = (sampled_prob(logits, tokens.clamp(min=0), sampling) * (tokens >= 0)).to(
                         proposal.device)
                 if ties is not None:
                     ties.view(-1)[at] = near_ties(logits, tokens).to(ties.device)
-            if picks is not None:
-                picks[0][at], picks[1][at] = logits.topk(drafter.selector_top_k, dim=-1, sorted=False)
-                picks[2][at] = F.linear(rows, drafter.weights[SELECTOR + "hidden_projection.weight"])
+            if chooser is not None:
+                chooser.take(at, logits, rows)
             if top_k:
                 top = tree_top_k(top, logits, done, B, top_k, None if after is None else to_draft(drafter, after), n)
             done += rows.shape[0]
-    if picks is not None:
-        drafts = select_path(drafter, *picks, first)
-        if proposal is not None:
-            proposal.copy_(selector_prob(drafter, *picks, first, reference, sampling[0]).view(proposal.shape))
+    if chooser is not None:
+        drafts = chooser.drafts(first, reference, sampling, proposal)
     shape = (n, B - 1, -1)
     top = (top[0].view(shape).cpu(), to_target(drafter, top[1]).view(shape).cpu()) if top_k else None
     return drafts.view(n, B - 1).cpu(), top
@@ -5134,17 +5486,6 @@ def round_sums(rounds, block_size, number=int):
             "histogram": [number(rounds.count(n)) for n in range(1, block_size + 1)]}
 
 
-def block_accept(q, p_at):
-    """Block verification (Sun et al. 2024, arXiv 2403.10444) given the text, drafts marginalised: a round reaches
-    slot j with P(tau >= j | text) = min(1, P_1, ..., P_j), P_j = prod_{i <= j} q_i / p_i at the text's tokens
-    (docs/sampling.md, Verification rules), returned as each slot's chance once the slot before it is reached, as the
-    standard rule's min(1, q / p) is. In log space: the products of many ratios overflow."""
-    ok = (p_at > 0) & (q > 0)
-    logs = torch.where(ok, q.clamp_min(1e-300).log() - p_at.clamp_min(1e-300).log(), -math.inf).cumsum(1)
-    reach = torch.cat([torch.zeros_like(logs[:, :1]), logs], 1).cummin(1).values
-    return torch.where(reach[:, :-1] > -math.inf, (reach[:, 1:] - reach[:, :-1]).exp(), torch.zeros_like(q))
-
-
 def served_moments(accept, per_step):
     """An engine's verify steps (drafts accepted each) on a text whose anchors' slot chances are the rows of `accept`:
     [accepted, its expectation, variance, steps, steps of probability 0] over the steps at those anchors. Given the
@@ -5168,8 +5509,7 @@ def add_expectations(res, block_size, n_prompt, total_len, p, q=None, rules=("st
     res.verify; an engine's per-step figures (served, at this depth) meet the first rule's chances."""
     p_at, sampled = p[res.anchors[:, None] + torch.arange(1, block_size) - n_prompt], q is not None
     q = q if sampled else res.equal.double()
-    accepts = {"standard": torch.where(p_at > 0, (q / p_at.clamp_min(1e-300)).clamp(max=1.0), torch.zeros_like(q)),
-               "block": block_accept(q, p_at)}
+    accepts = {name: rule.accept(q, p_at) for name, rule in VERIFY_RULES.items() if rule.accept}
     for rule in rules:
         accept = accepts[rule]
         if sampled:
@@ -5232,8 +5572,7 @@ def score_drafter(d, prompts, group, embed_w, head, settings, budgets, rules):
                 drafts, top = draft_all_anchors(d, context, anchors, ids_t[anchors], embed_w, head,
                                                 max(budgets, default=0), prompt_id, after=ids_t[anchors + 1],
                                                 reference=reference, sampling=sampling, proposal=q, ties=ties)
-                confidence = (d.head or {}).get("confidence") and \
-                    dspark_confidence(d, context, anchors, ids_t[anchors], drafts, embed_w).tolist()
+                confidence = family(d).confidence(d, context, anchors, ids_t[anchors], drafts, embed_w)
             res = score_prompt(drafts, ids, n_prompt, d.block_size, top, budgets, ties)
             if confidence:
                 res.confidence = confidence
@@ -8569,7 +8908,7 @@ TARGET_KINDS = ("a Hugging Face directory of a decoder-only model (Qwen3, hybrid
 def supported():
     """What --help lists last: each family of the family table, where its checkpoints come from, who serves it."""
     return "drafters (--ckpt), from the family table:\n" + "".join(
-        f"  {name:<9} {fam.sources}; served by {fam.engines}\n" for name, fam in FAMILIES.items()) + (
+        f"  {name:<9} {fam.sources}; served by {fam.engines}\n" for name, fam in listed_families()) + (
         "  and any of them as a .safetensors file, a training .pt/.pth/.bin state dict or a run's directory of steps\n"
         f"targets (--target): {TARGET_KINDS}")
 
@@ -8577,7 +8916,7 @@ def supported():
 def support_markdown():
     """The README's support table, from the same family table (tests/test_docs.py holds the README to it)."""
     return "| drafter | checkpoints (layouts) | served by |\n|---|---|---|\n" + "".join(
-        f"| {name} | {fam.sources} | {fam.engines} |\n" for name, fam in FAMILIES.items()) + (
+        f"| {name} | {fam.sources} | {fam.engines} |\n" for name, fam in listed_families()) + (
         "\nAny of them also as a `.safetensors` file, a training `.pt`/`.pth`/`.bin` state dict or a run's directory "
         f"of steps. Targets (`--target`): {TARGET_KINDS}.\n")
 

@@ -317,7 +317,8 @@ def train_drafter(out_dir, target, lang, steps=1500, anchors_per_step=48, n_sequ
         if family:
             rows, prev, state, logits = ed.proposal_rows(drafter, hidden), ids_t[anchors], None, []
             for k in range(rows.shape[1]):
-                raw, state = ed.corrected(drafter, head(rows[:, k]), rows[:, k], prev, state, k, embed.weight)
+                raw, state = ed.family(drafter).correct(drafter, head(rows[:, k]), rows[:, k], prev, state, k,
+                                                        embed.weight)
                 logits.append(raw)
                 prev = labels[:, k]
             logits = torch.stack(logits, 1)

@@ -11,7 +11,6 @@
   parallel_drafting); --costs measure times both.
 - The wrong-drafter check: fed another target's features, neither drafts better with them than with them shuffled.
 """
-import dataclasses
 import json
 import os
 
@@ -109,12 +108,13 @@ def test_an_interruption_in_the_proposals_loses_nothing(tmp_path, monkeypatch, w
     """Ctrl-C inside the family's proposal step in the third prompt: the two finished prompts stay in the partial
     file, --resume ends with the uninterrupted run's numbers."""
     out, family = tmp_path / "cut.json", ed.FAMILIES[generation]
-    stopping, calls = stop_in_prompt(out, family.propose)
-    monkeypatch.setitem(ed.FAMILIES, generation, dataclasses.replace(family, propose=stopping))
+    real = family.propose
+    stopping, calls = stop_in_prompt(out, real)
+    monkeypatch.setattr(family, "propose", stopping)
     argv = [*ARGV, "--quiet", "--output", str(out)]
     assert ed.main(argv) == 130
     assert finished_prompts(out) == 2 and len(calls) == 2
-    monkeypatch.setitem(ed.FAMILIES, generation, family)
+    monkeypatch.setattr(family, "propose", real)
     assert ed.main([*argv, "--resume"]) == 0
     assert results(json.loads(out.read_text())) == results(whole)
 
