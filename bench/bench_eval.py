@@ -282,8 +282,7 @@ def tool_prompts(path, target_dir):
     """The prompts as the tool tokenizes them (its own functions, so the ids are the same)."""
     from transformers import AutoTokenizer
     items = ed.read_prompts(path)
-    ed.encode_prompts(AutoTokenizer.from_pretrained(target_dir), items,
-                      {"no_chat_template": False, "enable_thinking": False, "quiet": True})
+    ed.encode_prompts(AutoTokenizer.from_pretrained(target_dir), items, ed.Settings(quiet=True))
     return items
 
 
@@ -483,8 +482,8 @@ def measure_dflash2(paths, args, work, dcfg):
 
 
 def bench_settings(paths, args):
-    return {**ed.resolve_settings(ed.parse_args(tool_argv(paths, args, os.devnull, "--prompts", paths["prompts"]))),
-            "quiet": True}
+    argv = tool_argv(paths, args, os.devnull, "--prompts", paths["prompts"])
+    return ed.quietly(ed.prepare(ed.resolve_settings(ed.parse_args(argv)), ranks=False))
 
 
 def time_per_anchor(paths, args, model, variants, span):
@@ -690,7 +689,8 @@ def speculative_loop(model, drafter, prompt_ids, n_completion):
 
 
 def load_for_loop(paths, args):
-    settings = ed.resolve_settings(ed.parse_args(tool_argv(paths, args, os.devnull, "--prompts", paths["prompts"])))
+    settings = ed.prepare(ed.resolve_settings(ed.parse_args(tool_argv(paths, args, os.devnull, "--prompts",
+                                                                       paths["prompts"]))), ranks=False)
     model, _ = ed.load_target(settings)
     drafter = ed.load_drafter("bench=" + paths["drafter"], ed.read_target_config(paths["target"]), settings)
     return model, drafter
@@ -1127,8 +1127,8 @@ def hybrid_references(args):
     target = AutoModelForCausalLM.from_pretrained(os.path.join(HYBRID_DEMO, "target"), dtype=torch.float32)
     target.to(device).eval()
     tok = AutoTokenizer.from_pretrained(os.path.join(HYBRID_DEMO, "target"))
-    drafter = ed.load_drafter(os.path.join(HYBRID_DEMO, "drafter"), target.config, {"layers": None, "block_size": None, "block_mask": "auto", "sliding_window": "train",
-                                "dtype": "float32", "device": device, "quiet": True, "max_memory_gb": 0.5})
+    drafter = ed.load_drafter(os.path.join(HYBRID_DEMO, "drafter"), target.config,
+                              ed.Settings(dtype="float32", device=device, quiet=True))
     with open(os.path.join(HYBRID_DEMO, "prompts.jsonl")) as fh:
         prompts = [tok(json.loads(line)["prompt"])["input_ids"] for line in fh]
     rounds, verify = [], ed.verify
@@ -1460,8 +1460,7 @@ def measure_speedup(args, work):
     d = report["drafters"][0]
     predicted = {k: d["predicted_speedup"]["1"]["rows"][f"K={k}"]["speedup"] for k in SPEEDUP_DEPTHS}
     target = AutoModelForCausalLM.from_pretrained(os.path.join(demo, "target"), dtype=torch.float32).to(args.device).eval()
-    settings = {"layers": None, "block_size": None, "block_mask": "auto", "sliding_window": "train",
-                "dtype": "float32", "device": args.device, "quiet": True, "max_memory_gb": 0.5}
+    settings = ed.Settings(dtype="float32", device=args.device, quiet=True)
     drafter = ed.load_drafter(os.path.join(demo, "drafter"), target.config, settings)
     prompts = [it.prompt_ids for it in tool_prompts(os.path.join(demo, "prompts.jsonl"), os.path.join(demo, "target"))]
 
