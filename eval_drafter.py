@@ -2819,8 +2819,9 @@ def draft_vocabulary(carried, cfg, target_cfg, name):
             fail(f"drafter {name}: its config says draft_vocab_size {declared} (the target has {V} tokens) but it "
                  "carries no d2t / t2d to map draft ids to target tokens")
         return None
+    has = ", ".join(k for k in ("d2t", "t2d", "lm_head.weight") if k in carried)
     refuse((d2t is None or t2d is None or head is None, f"{where} needs d2t, t2d and its own lm_head.weight; it has "
-            f"only {', '.join(k for k in ('d2t', 't2d', 'lm_head.weight') if k in carried)}"))
+            f"only {has}"))
     n = head.shape[0]
     declared = n if declared is None else declared
     refuse((d2t.dim() != 1 or len(d2t) != n or declared != n, f"{where}: d2t has {tuple(d2t.shape)} entries, "
@@ -2886,7 +2887,7 @@ def mlp_tensors(cfg, moe):
 
 def check_drafter_tensors(weights, shapes, name, generation):
     def listed(keys):
-        return f"{', '.join(keys[:3]) or 'none'}{', ...' if len(keys) > 3 else ''}"
+        return ", ".join(keys[:3] + ["..."] * (len(keys) > 3)) or "none"
     missing = [k for k in shapes if k not in weights]
     unexpected = [k for k in weights if k not in shapes and not k.endswith("rotary_emb.inv_freq")]
     if missing or unexpected or not any(k.startswith("layers.") for k in shapes):
@@ -2951,8 +2952,9 @@ def check_layer_types(cfg, name):
         return
     if not isinstance(types, list):
         fail(f"{where} is {json.dumps(types)[:60]}, not a list; give one type per layer ({kinds})")
-    refuse((len(types) != n, f"{where} has {len(types)} entr{'y' if len(types) == 1 else 'ies'} for its {n} layers "
-            f"(num_hidden_layers); give one per layer ({kinds})"))
+    entries = "entry" if len(types) == 1 else "entries"
+    refuse((len(types) != n, f"{where} has {len(types)} {entries} for its {n} layers (num_hidden_layers); give one per "
+            f"layer ({kinds})"))
     bad = next((i for i, kind in enumerate(types) if kind not in known), None)
     if bad is not None:
         fail(f"{where} names {json.dumps(types[bad])} for layer {bad}, a type this tool does not run; it knows "
@@ -4028,11 +4030,11 @@ PARALLEL_MASK_KEYS = ("mask_token_id", "dspark_noise_token_id", "pard_token", "p
 def eagle3_config(cfg, name, layout, parallel=False):
     """An EAGLE-3 (or P-EAGLE) config: the layer config on top, what engines read under "eagle" (ids: hidden_states
     indices; vLLM: norm_before_residual for EAGLE-3); SpecForge's a Llama config; P-EAGLE's mask token, vLLM's order."""
-    where = f"drafter {name}: its {'P-EAGLE' if parallel else 'EAGLE-3'} config"
+    where = f"drafter {name}: its " + ("P-EAGLE" if parallel else "EAGLE-3") + " config"
+    key = "transformer_layer_config" if layout == "speculators" else "hidden_size"
     layer = cfg.get("transformer_layer_config") if layout == "speculators" else cfg
     if not isinstance(layer, dict) or not layer.get("hidden_size"):
-        fail(f"{where} has no {'transformer_layer_config' if layout == 'speculators' else 'hidden_size'} (pass the "
-             "config it was trained with: --drafter-config FILE)")
+        fail(f"{where} has no {key} (pass the config it was trained with: --drafter-config FILE)")
     nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     proposals = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
     return {**layer, "architectures": cfg.get("architectures"), "eagle": {
@@ -4337,7 +4339,7 @@ class EAGLE3(Causal):
         return f"{steps} steps a round"
 
     def fed_note(self, head):
-        return f", feeds back the {'post' if head['norm_output'] else 'pre'}-norm hidden"
+        return ", feeds back the " + ("post" if head["norm_output"] else "pre") + "-norm hidden"
 
     def verify_note(self, settings):
         return ""
@@ -4803,7 +4805,8 @@ def load_drafter(spec, target_cfg, settings, identify=True, given=None):
 def override_text(flag, o):
     if "keys" in o:
         return f"{flag} {o['given']} (overrides {o['checkpoint']}: {', '.join(o['keys'][:6]) or 'no key'} differ)"
-    return f"{flag}{': ' + o['sets'] if 'sets' in o else ''} {o['given']} (overrides the checkpoint's {o['checkpoint']})"
+    sets = f": {o['sets']}" if "sets" in o else ""
+    return f"{flag}{sets} {o['given']} (overrides the checkpoint's {o['checkpoint']})"
 
 
 def prompt_context(drafter, features, ids=None, embed_w=None):
