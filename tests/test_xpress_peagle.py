@@ -14,6 +14,7 @@
 - Refusals, in one line.
 P-EAGLE's rows read the drafter's own trained embed_tokens, as vLLM and both trainers do.
 """
+import dataclasses
 import json
 import math
 import os
@@ -374,7 +375,7 @@ def test_peagle_drafts_equal_the_trainers_modules(demo, layout):
     path = PEAGLE if layout == "speculators" else PEAGLE_SF
     expected = json.load(open(os.path.join(path, "expected.json")))
     settings = drafter_settings() if layout == "speculators" else drafter_settings(mask_token_id=2, layers=[1, 3, 4])
-    drafter = ed.load_drafter(path, target.config, {**settings, "block_size": expected["num_depths"] + 1})
+    drafter = ed.load_drafter(path, target.config, dataclasses.replace(settings, block_size=expected["num_depths"] + 1))
     compared = 0
     for seq in expected["sequences"]:
         assert tool_drafts(drafter, target, seq) == seq["drafts"]
