@@ -1425,9 +1425,9 @@ def resolve_demo(args, notes):
         args.prompts = args.prompts or os.path.join(HERE if real else DEMO_DIR, "prompts.jsonl")
 
 
-def check_sources(args, names, suites, gguf):
+def check_sources(args, names, suites, gguf, from_file):
     """The target, the drafters and the prompts exist and go together (--bench's names, stdin, a tokenizer)."""
-    comparing, from_file = bool(args.compare_hidden), bool(args.load_hidden or args.compare_hidden)
+    comparing = bool(args.compare_hidden)
     if not args.target and (args.ckpt or args.mtp or not comparing):
         fail("--target is required (or run --demo for the bundled example)")
     if not args.ckpt and not args.mtp and not comparing and not args.watch:
@@ -1461,7 +1461,7 @@ def check_sources(args, names, suites, gguf):
              "tokenizer files beside its config.json")
 
 
-def check_modes(args, from_file, output_streamed):
+def check_modes(args, from_file, output_streamed, costs_file):
     """Flags that contradict each other, or need one not given: refused in one line before anything loads."""
     refuse((args.served and not os.path.isfile(args.served), f"--served file not found: {args.served}"),
            (args.served and args.server, "--served and --server both give the references: give one"),
@@ -1487,7 +1487,6 @@ def check_modes(args, from_file, output_streamed):
             + ("resume" if args.resume else "overwrite") + "; give --output a file"),
            (args.drafter_config and not os.path.isfile(args.drafter_config),
             f"--drafter-config file not found: {args.drafter_config}"))
-    costs_file = bool(args.costs) and args.costs != "measure" and not args.costs.startswith("gpu:")
     refuse((args.export_depth and not args.export_vllm_synthetic,
             "--export-depth sets the depth of --export-vllm-synthetic, which is not given"),
            (costs_file and not os.path.isfile(args.costs), f"--costs takes measure, gpu:NAME or a JSON file of costs; "
@@ -1556,7 +1555,7 @@ def resolve_settings(args):
         return resolve_merge(args)
     from_file = bool(args.load_hidden or args.compare_hidden)
     gguf = gguf_file(args.target) if args.target else None   # made a directory by prepare
-    check_sources(args, names, suites, gguf)
+    check_sources(args, names, suites, gguf, from_file)
     if args.mtp:
         args.ckpt = [*args.ckpt, "mtp=" + args.target]
     if names:   # its prompts JSONL, built by prepare, stands for a --prompts file: hashed, read, resumed as one
@@ -1565,8 +1564,8 @@ def resolve_settings(args):
     output_streamed = bool(args.output) and streamed(args.output)
     shard = parse_shard(args.shard) if args.shard else None
     parse_steps(args.steps)
-    check_modes(args, from_file, output_streamed)
     costs_file = bool(args.costs) and args.costs != "measure" and not args.costs.startswith("gpu:")
+    check_modes(args, from_file, output_streamed, costs_file)
     rules = parse_verify(args.verify)
     fly = resolve_fly(args, rules, from_file)
     device, dtype = resolve_device(args)
@@ -1612,7 +1611,8 @@ def prepare(settings, ranks=True):
     version, gguf = check_transformers(), gguf_file(settings.target) if settings.target else None
     if gguf:
         target, facts = gguf_target(gguf, settings.quiet, settings.ckpt)
-        mtp = [spec for spec in settings.ckpt if spec.startswith("mtp=") and os.path.abspath(spec[4:]) == settings.target]
+        mtp = [spec for spec in settings.ckpt
+               if spec.startswith("mtp=") and os.path.abspath(spec[4:]) == settings.target]
         settings = replace(settings, target=os.path.abspath(target), target_gguf=facts,   # --mtp: now the directory
                            ckpt=tuple("mtp=" + target if spec in mtp else spec for spec in settings.ckpt))
     if settings.bench:
@@ -6619,7 +6619,8 @@ def served_causes(held, compared, ks, evaluated, z, impossible):
                           f"its own near-ties decide, in {count} of {len(hard)} requests that differ so")
             left = [h for h in left if h not in explained]
         elif explained and len(left) == len(hard):
-            causes.append(f"{len(hard)} request{'s differ' if len(hard) > 1 else ' differs'} at steps no near-tie decides; "
+            differ = "requests differ" if len(hard) > 1 else "request differs"
+            causes.append(f"{len(hard)} {differ} at steps no near-tie decides; "
                           f"{name} reproduces {count} of them, too few to name a cause (serve more prompts)")
     if left and len(left) < len(hard):
         causes.append(f"{len(left)} of the {len(hard)} requests that differ so are reproduced by none of these")
@@ -6667,7 +6668,8 @@ def served_summary(held, B, depths):
 def prompt_report(it, res, B):
     sampled = res.expected is not None
     committed, rounds = result_totals(res)   # exact or expected
-    entry = {"id": it.id, **{k: v for k, v in (("sample", it.sample), ("turn", it.turn)) if v is not None}, "split": it.split,
+    entry = {"id": it.id, **{k: v for k, v in (("sample", it.sample), ("turn", it.turn)) if v is not None},
+             "split": it.split,
              "prompt_tokens": len(it.prompt_ids), "completion_tokens": len(it.completion_ids),
              "reference_generated": it.source != "file", "reference_source": it.source,
              "first_divergence": it.first_divergence, "divergence": it.divergence,
@@ -6897,7 +6899,8 @@ def bench_table(drafters, results, items, config):
             half = math.sqrt(sum(h * h for h in halves)) / len(got) if got and len(halves) == len(got) else None
             row[key + "_ci95"] = None if half is None else [row[key] - half, row[key] + half]
         average.append(row)
-    (source, _, seed, tokens, reported), sampling = RECIPES[config["bench_recipe"]], sampling_of(Settings.from_json(config))
+    (source, _, seed, tokens, reported) = RECIPES[config["bench_recipe"]]
+    sampling = sampling_of(Settings.from_json(config))
     departs = ([f"references of up to {config['max_new_tokens']} new tokens (the recipe's: {tokens})"]
                if config["max_new_tokens"] != tokens else []) + \
         ([f"sampled at {describe_sampling(sampling)} (the recipe decodes greedily)"] if sampling else []) + \
