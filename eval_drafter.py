@@ -6004,10 +6004,25 @@ def ci95(center, terms):
     return [center - 1.96 * se, center + 1.96 * se]
 
 
-def ratio_ci95(committed, rounds):
-    """95% interval of sum(committed) / sum(rounds) over units, by the delta method."""
+def bounded_ci95(center, half, floor):
+    """center +- half kept above `floor`, the least the quantity can be: the same half-width taken on the log of
+    center - floor (the delta method's interval of log(x - floor)), so that it never reaches below; where the center
+    sits on the floor the interval is that point."""
+    gap = center - floor
+    if gap <= 0:
+        return [center, center]
+    spread = math.exp(half / gap)
+    return [floor + gap / spread, floor + gap * spread]
+
+
+def ratio_ci95(committed, rounds, floor=1.0):
+    """95% interval of sum(committed) / sum(rounds) over units by the delta method, bounded below by `floor` (1 for
+    tau: a round commits at least the target's own token; 0 for a speedup)."""
     units = [(c, r) for c, r in zip(committed, rounds) if r]
-    return ci95(*ratio_terms(units)) if len(units) >= 2 else None
+    if len(units) < 2:
+        return None
+    ratio, terms = ratio_terms(units)
+    return bounded_ci95(ratio, ci95(0.0, terms)[1], floor)
 
 
 def walked_summary(rounds, longest):
@@ -6369,8 +6384,11 @@ def predicted_speedups(report, costs, results, items):
             for n in ranked[1:]:
                 priced[n]["below_top"] = paired_speedup(ranked[0], n, {m: (units[m], priced[m]) for m in (ranked[0], n)})
             leaders = ranked[:1] + [n for n in ranked[1:] if (priced[n]["below_top"] or [0, 0])[1] <= 0]
+            # plain decoding wins when even the fastest row predicts a slowdown: then no row is best
+            plain_wins = bool(ranked) and priced[ranked[0]]["speedup"] < 1
             out[batch] = {"plain_s": t["target"]["1"], "rows": priced, "leaders": leaders,
-                          "best": leaders[0] if len(leaders) == 1 else None}
+                          "best": leaders[0] if len(leaders) == 1 and not plain_wins else None,
+                          "plain_decoding_wins": plain_wins}
             if table:   # vLLM's K at this batch size: its row, or plain decoding (speedup 1) at K 0
                 k = batch_k(table, int(batch), int(K))
                 out[batch]["vllm_k"] = {"k": k, "row": f"K={k}" if k else None,
@@ -6378,7 +6396,8 @@ def predicted_speedups(report, costs, results, items):
         d["predicted_speedup"] = out
     for row, d in zip((report.get("comparison") or {}).get("drafters", []), report["drafters"]):
         row["predicted_speedup"] = {batch: {"best": p["best"], "leaders": p["leaders"], "speedup": p["rows"][
-            p["leaders"][0]]["speedup"] if p["leaders"] else None} for batch, p in d["predicted_speedup"].items()}
+            p["leaders"][0]]["speedup"] if p["leaders"] else None, "plain_decoding_wins": p["plain_decoding_wins"]}
+            for batch, p in d["predicted_speedup"].items()}
 
 
 def adaptive_verification(report, costs, results, items):
@@ -6411,7 +6430,7 @@ def adaptive_verification(report, costs, results, items):
             "verified_per_round": sum(budgets) / len(budgets) if budgets else None,
             "verified_by_slot": [sum(m > i for m in budgets) / len(budgets) if budgets else None for i in range(K)],
             "speedup": sum(gained) / sum(spent) if sum(spent) else None,
-            "speedup_ci95": ratio_ci95(gained, spent) if sum(spent) else None, "fixed_speedup": fixed,
+            "speedup_ci95": ratio_ci95(gained, spent, floor=0.0) if sum(spent) else None, "fixed_speedup": fixed,
             "prompt_rounds": [rounds for rounds, _ in walks], "prompt_budgets": [ms for _, ms in walks]}
 
 
@@ -6878,7 +6897,7 @@ def bench_table(drafters, results, items, config):
             delta, ci = paired_delta(t, totals[0]) if t is not totals[0] else (None, None)
             out.append({"drafter": drafters[len(out)]["name"], "prompts": len(t), "requests": len(means), "tau": tau,
                         "tau_ci95": ratio_ci95(committed, rounds), "tau_request_mean": mean,
-                        "tau_request_mean_ci95": None if half is None else [mean - half, mean + half],
+                        "tau_request_mean_ci95": None if half is None else bounded_ci95(mean, half, 1.0),
                         "tau_request_p10_p50_p90": torch.quantile(torch.tensor(means, dtype=torch.float64),
                                                                torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64))
                         .tolist() if means else None,
@@ -6897,7 +6916,11 @@ def bench_table(drafters, results, items, config):
             row[key] = sum(r[key] for r in got) / len(got) if got else None
             halves = [(r[key + "_ci95"][1] - r[key + "_ci95"][0]) / 2 for r in got if r[key + "_ci95"]]
             half = math.sqrt(sum(h * h for h in halves)) / len(got) if got and len(halves) == len(got) else None
-            row[key + "_ci95"] = None if half is None else [row[key] - half, row[key] + half]
+            row[key + "_ci95"] = None
+            if half is not None:   # a difference may be negative; a tau is at least 1
+                row[key + "_ci95"] = [row[key] - half, row[key] + half]
+                if key != "delta_tau":
+                    row[key + "_ci95"] = bounded_ci95(row[key], half, 1.0)
         average.append(row)
     (source, _, seed, tokens, reported) = RECIPES[config["bench_recipe"]]
     sampling = sampling_of(Settings.from_json(config))
@@ -7064,6 +7087,8 @@ def speedup_lines(batch, p, source):
             speed = f"{r['speedup']:.2f}x [{r['speedup_ci95'][0]:.2f}, {r['speedup_ci95'][1]:.2f}]"
         if name == p["best"]:
             mark = "  <- best"
+        elif p["plain_decoding_wins"]:
+            mark = ""
         elif name in leaders[1:] or leaders[:1] == [name] and not p["best"]:   # no best: those tied at the top
             mark = "  <- a leader"
         yield f"     {name:<{width}} tau {fmt(r['tau'])}  round {cost:<20} speedup {speed}{mark}"
@@ -7071,9 +7096,16 @@ def speedup_lines(batch, p, source):
     if against:
         yield (f"     paired speedup differences over the same prompts, {leaders[0]} minus: "
                + ", ".join(f"{n} {v[0]:+.3f}x [{v[1]:+.3f}, {v[2]:+.3f}]" for n, v in against))
-    if len(leaders) > 1:
+    if p["plain_decoding_wins"]:
+        top = p["rows"][leaders[0]]
+        yield (f"     plain decoding wins{at}: every row predicts a slowdown (the fastest, {leaders[0]}, "
+               f"{top['speedup']:.2f}x): serve without this drafter")
+    elif len(leaders) > 1:
         yield (f"     no best at this precision: {', '.join(leaders[1:])} cannot be told from {leaders[0]} (their "
                "paired intervals reach 0)")
+    if leaders and not p["plain_decoding_wins"] and p["rows"][leaders[0]]["speedup_ci95"][0] < 1:
+        yield (f"     {leaders[0]}'s interval reaches below 1x: at this precision it cannot be told from plain "
+               "decoding")
     if "vllm_k" in p:
         v = p["vllm_k"]
         said = f"the {v['row']} row (no cost)"
@@ -7171,6 +7203,8 @@ def comparison_lines(c):
             speed = "  n/a"
         elif batch:   # the best speedup and where (a depth, a budget; the leaders where none is best)
             speed = f"  {p['speedup']:>5.2f}x at {p['best'] or ' ~ '.join(p['leaders'])}"
+            if p["plain_decoding_wins"]:
+                speed = f"  {p['speedup']:>5.2f}x at {p['leaders'][0]}: plain decoding wins"
         if "series" in row and c["best_steps"].get(row["series"]) == row["step"] and \
                 sum(r.get("series") == row["series"] for r in rows) > 1:
             best = "  <- best of " + row["series"]

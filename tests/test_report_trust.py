@@ -89,8 +89,11 @@ def test_identical_samples_give_the_interval_of_one(tmp_path, monkeypatch):
     assert one["drafters"][0]["tau_ci95"] == two["drafters"][0]["tau_ci95"] is not None
     refs = two["drafters"][0]["prompts"]
     lo, hi = ed.ratio_ci95([p["expected_committed"] for p in refs], [p["expected_rounds"] for p in refs])
-    width = two["drafters"][0]["tau_ci95"][1] - two["drafters"][0]["tau_ci95"][0]
-    assert (hi - lo) == pytest.approx(width * math.sqrt(9 / 19), rel=1e-9)   # sqrt((n-1)/(2n-1)), n = 10
+    tau = two["drafters"][0]["tau"]
+
+    def half(ci):   # the half-width on the log of tau - 1, where the interval is taken (it never reaches below 1)
+        return math.log((ci[1] - 1) / (tau - 1))
+    assert half([lo, hi]) == pytest.approx(half(two["drafters"][0]["tau_ci95"]) * math.sqrt(9 / 19), rel=1e-9)
 
 
 def jackknife_se(pairs):
