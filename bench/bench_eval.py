@@ -1060,20 +1060,25 @@ def report_ranked(ranks):
 
 
 def busy_costs(args):
-    """n. Three identical `eval_drafter.py --demo --depths 3,5 --costs measure` runs with 2 x cores other processes
-    spinning: the best row each names, or the leaders it calls indistinguishable."""
+    """n. Three identical `--costs measure` runs with 2 x cores other processes spinning, two drafters (the demo's
+    DFlash and a DSpark fixture) at depths 3,5 and DDTree 8: the best row each run names per drafter, or the leaders
+    it calls indistinguishable."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    fixtures = os.path.join(os.path.dirname(TOOL), "tests", "fixtures")
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * cores)]
     picks = []
     try:
         for _ in range(3):
             with tempfile.TemporaryDirectory() as tmp:
                 out = os.path.join(tmp, "o.json")
-                subprocess.run([sys.executable, TOOL, "--demo", "--depths", "3,5", "--costs", "measure", "--quiet",
+                subprocess.run([sys.executable, TOOL, "--demo", "--ckpt", "demo=" + os.path.join(fixtures, "demo",
+                                "drafter"), "--ckpt", "dspark=" + os.path.join(fixtures, "families", "dspark_vanilla"),
+                                "--depths", "3,5", "--ddtree-budgets", "8", "--costs", "measure", "--quiet",
                                 "--output", out], check=True, stdout=subprocess.DEVNULL)
-                p = json.load(open(out))["drafters"][0]["predicted_speedup"]["1"]
-                picks.append((p["best"], p["leaders"], {n: (r["speedup"], r["speedup_ci95"]) for n, r in
-                                                        p["rows"].items()}))
+                picks.append({d["name"]: (d["predicted_speedup"]["1"]["best"], d["predicted_speedup"]["1"]["leaders"],
+                                          {n: (r["speedup"], r["speedup_ci95"]) for n, r in
+                                           d["predicted_speedup"]["1"]["rows"].items() if r["speedup"]})
+                              for d in json.load(open(out))["drafters"]})
     finally:
         for sp in spinners:
             sp.kill()
@@ -1082,13 +1087,13 @@ def busy_costs(args):
 
 
 def report_busy_costs(n):
-    for i, (best, leaders, rows) in enumerate(n["picks"], 1):
-        say(f"n. run {i} on a busy box ({n['busy']} spinning processes): " +
-            (f"best {best}" if best else f"leaders indistinguishable: {', '.join(leaders)}") + "; " +
-            ", ".join(f"{k} {x:.2f}x [{c[0]:.2f}, {c[1]:.2f}]" for k, (x, c) in rows.items()))
-    same = len({(b, tuple(sorted(l))) if b else ("leaders",) for b, l, _ in n["picks"]}) == 1
-    verdict(same, "three busy-box --costs measure runs name the same best row, or all call the leaders "
-                  "indistinguishable")
+    for i, run in enumerate(n["picks"], 1):
+        for name, (best, leaders, rows) in run.items():
+            say(f"n. run {i} on a busy box ({n['busy']} spinning processes), {name}: " +
+                (f"best {best}" if best else f"leaders {', '.join(leaders)}") + "; " +
+                ", ".join(f"{k} {x:.2f}x [{c[0]:.2f}, {c[1]:.2f}]" for k, (x, c) in rows.items()))
+    named = {tuple((name, tuple(sorted(leaders))) for name, (_, leaders, _) in run.items()) for run in n["picks"]}
+    verdict(len(named) == 1, "three busy-box --costs measure runs name the same leaders for every drafter")
 
 
 def reference_generation(paths, args, work):

@@ -645,6 +645,7 @@ def resume_and_check(many, out, finished, monkeypatch, capsys):
     rc, _, err = run_main(argv + ["--output", out, "--resume"], capsys)
     assert rc == 0, err
     assert f"resuming: {len(finished)} prompts already finished" in err
+    assert " 0 more references" not in err   # a count of nothing is not said
     assert called == [f"p{i:02d}" for i in range(N_MANY) if f"p{i:02d}" not in finished]
     final = read_json(out)
     assert "interrupted" not in final
@@ -740,7 +741,7 @@ def test_sigterm_keeps_finished_prompts_and_resume_completes(many, tmp_path, mon
 
 def test_complete_run_replaces_output_atomically_and_removes_partial(tmp_path, good_json, monkeypatch, capsys):
     out = tmp_path / "out.json"
-    out.write_bytes(b'{"old": true}')
+    out.write_bytes(b'{\n "config": {"old": true}}')   # an earlier report: the one file --output may replace
     seen = []
     replace = os.replace
 

@@ -121,7 +121,8 @@ def test_every_old_heading_has_a_home_and_every_link_leads_somewhere():
 
 # Keys whose children are named by the data (depths, budgets, splits, drafters, batch sizes, ...): their values are
 # described once under a placeholder.
-MAPS = {"depths", "verify", "ddtree", "splits", "turns", "predicted_speedup", "rows", "by_context", "best_steps",
+MAPS = {"depths", "verify", "ddtree", "splits", "turns", "predicted_speedup", "rows", "by_context", "by_reply",
+        "reply_leaders", "best_steps",
         "drafts_per_round", "at_depth", "benchmarks", "overrides", "modes", "ddtree_rounds", "depth_rounds",
         "verify_tau", "bench_files", "batch_sizes", "figures", "steps"}
 # Described, and written only where other tests go: a run cut short (test_long_runs), a failed self-check

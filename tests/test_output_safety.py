@@ -179,7 +179,7 @@ def test_resume_onto_a_device_is_refused(tmp_path, capsys):
 def test_a_link_to_a_file_stays_a_link(tmp_path):
     real = tmp_path / "results" / "real.json"
     real.parent.mkdir()
-    real.write_text("old")
+    real.write_text('{\n "config": {"old": true}}')   # an earlier report behind the link
     link = tmp_path / "link.json"
     link.symlink_to(real)
     assert ed.main([*FAST, "--output", str(link)]) == 0

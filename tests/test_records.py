@@ -40,6 +40,7 @@ def full():
     res.ddtree_rounds, res.ties = {8: [3, 3], 32: [4, 2]}, torch.tensor([[True, False, False]] * 3)
     res.mask_check, res.override_check = {"configured": [1, 2, 3, 4, 0, 0]}, {"as given": [1, 2, 3, 4, 0, 0]}
     res.by_context, res.expected = {"<512": [6.0, 3.0, 3.0, 3]}, {"rounds": 2.5, "committed": 6.0}
+    res.by_reply = {"<64": [6.0, 3.0, 3.0, 3]}
     res.feature_check, res.suspects, res.served_steps = [3, 3, 1, 6, 2, 9], ["layers [1, 2]"], {"rounds": [3]}
     res.confidence = [[0.9, 0.5, 0.1]] * 3
     res.depths, res.tree, res.verify = {2: plain([2, 2], 2)}, plain([5], 4), {"block": plain([3, 1, 2])}
