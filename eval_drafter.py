@@ -463,6 +463,33 @@ def stated_width(spec):
         (cfg.get("transformer_layer_config") or {}).get("hidden_size")
 
 
+def read_gguf(path, quiet):
+    """(model, tokenizer) by transformers' GGUF loader, its tensor loop's progress as the tool's (lines in a log)."""
+    import transformers
+    import transformers.modeling_gguf_pytorch_utils as loader
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from types import SimpleNamespace
+    where, name = os.path.split(os.path.abspath(path))
+
+    def counted(tensors, **_):
+        with progress(SimpleNamespace(quiet=quiet), len(tensors), "GGUF conversion", unit="tensors") as bar:
+            for tensor in tensors:
+                yield tensor
+                bar.update(1)
+    bar_maker, bars = loader.tqdm, transformers.utils.logging.is_progress_bar_enabled()
+    loader.tqdm = counted
+    transformers.utils.logging.disable_progress_bar()   # its loading bar too: counted shows the work
+    try:
+        return (AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32),
+                AutoTokenizer.from_pretrained(where, gguf_file=name))
+    except Exception as e:  # noqa: BLE001 - an architecture transformers' GGUF loader lacks, a damaged file
+        fail(f"transformers cannot read the GGUF file {path}: {str(e).splitlines()[0]}")
+    finally:
+        loader.tqdm = bar_maker
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+
+
 def gguf_target(path, settings_quiet, drafters=()):
     """A GGUF target as a transformers directory, made once (docs/drafters.md, "GGUF targets"): bos, eos and pad from
     the GGUF's metadata (transformers' converter takes eos from the bos id). Returns (the directory, the GGUF facts).
@@ -484,7 +511,6 @@ def gguf_target(path, settings_quiet, drafters=()):
             fail(f"--target {path} is a GGUF file, which transformers reads with the {package} package: "
                  f"pip install gguf accelerate")
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     import gguf
     try:   # what the file says of itself: its quantization (commonest type), special tokens
         reader = gguf.GGUFReader(path)
@@ -510,27 +536,7 @@ def gguf_target(path, settings_quiet, drafters=()):
              "transformers_major": major}
     if not settings_quiet:
         say(f"note: converting {path} (GGUF {facts['type']}) once to a transformers directory, {out}")
-    where, name = os.path.split(os.path.abspath(path))
-    import transformers.modeling_gguf_pytorch_utils as loader   # its tensor loop's bar, as progress lines in a log
-    from types import SimpleNamespace
-    bar_maker = loader.tqdm
-
-    def counted(tensors, **_):
-        with progress(SimpleNamespace(quiet=settings_quiet), len(tensors), "GGUF conversion", unit="tensors") as bar:
-            for tensor in tensors:
-                yield tensor
-                bar.update(1)
-    loader.tqdm, bars = counted, transformers.utils.logging.is_progress_bar_enabled()
-    transformers.utils.logging.disable_progress_bar()   # its loading bar too: counted shows the work
-    try:
-        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
-    except Exception as e:  # noqa: BLE001 - an architecture transformers' GGUF loader lacks, a damaged file
-        fail(f"transformers cannot read the GGUF file {path}: {str(e).splitlines()[0]}")
-    finally:
-        loader.tqdm = bar_maker
-        if bars:
-            transformers.utils.logging.enable_progress_bar()
+    model, tokenizer = read_gguf(path, settings_quiet)
     for key in special:
         if facts[key] is not None:
             setattr(model.config, key, facts[key])
@@ -1668,6 +1674,9 @@ def prepare(settings, ranks=True):
     if settings.from_ or settings.merge:
         return settings
     version, gguf = check_transformers(), gguf_file(settings.target) if settings.target else None
+    if not sys.stderr.isatty():   # a log: the tool's progress lines, not transformers' bars' carriage returns
+        import transformers
+        transformers.utils.logging.disable_progress_bar()
     if gguf:
         target, facts = gguf_target(gguf, settings.quiet, settings.ckpt)
         mtp = [spec for spec in settings.ckpt

@@ -133,3 +133,15 @@ def test_a_drafters_warning_shows_once_on_one_screen(tmp_path):
     assert rc == 0 and screen.count("names its target /models/Qwen3-8B") == 1, screen
     rc, screen = on_one_screen([*base, "--output", "/dev/stdout"], tmp_path)   # the JSON on stdout, the report on stderr
     assert rc == 0 and screen.count("names its target /models/Qwen3-8B") == 2   # the report's line, and the JSON's
+
+
+def test_a_log_holds_lines_not_carriage_returns(tmp_path):
+    """stderr a file (nohup, a job scheduler): every long step's progress comes as lines, transformers' loading bars
+    included."""
+    import subprocess
+    import sys
+    with open(tmp_path / "log.txt", "w") as log:
+        run = subprocess.run([sys.executable, ed.__file__, *argv()[:-1]], stdout=subprocess.DEVNULL, stderr=log,
+                             stdin=subprocess.DEVNULL, cwd=tmp_path, timeout=300)
+    text = (tmp_path / "log.txt").read_text()
+    assert run.returncode == 0 and "\r" not in text and "progress: target" in text
