@@ -3057,23 +3057,34 @@ def layer_rules(cfg, settings, layout="public"):
     sliding layers causal, full ones bidirectional, config overrides win. The transformers-native assistant is
     bidirectional and keeps |q - p| <= W: window W + 1 here. speculators' sliding layers see the W context positions
     before the anchor, none in the block (causal unless sliding_window_non_causal), and need use_sliding_window."""
-    n, speculators = cfg["num_hidden_layers"], layout == "speculators"
-    window = None if speculators and not cfg.get("use_sliding_window") else \
-        dflash_value(cfg, "swa_window_size") or cfg.get("sliding_window")
+    n, speculators, native = cfg["num_hidden_layers"], layout == "speculators", layout == "transformers-native assistant"
+    window = dflash_value(cfg, "swa_window_size") or cfg.get("sliding_window")
+    if speculators and not cfg.get("use_sliding_window"):
+        window = None
     types = cfg.get("layer_types")
     if not types:
         sliding, first = cfg.get("use_sliding_window") and window, cfg.get("max_window_layers", n)
         types = ["sliding_attention" if sliding and i >= first else "full_attention" for i in range(n)]
-    forced = cfg.get("is_causal", (cfg.get("dflash_config") or {}).get("causal")) if layout == "public" else \
-        False if layout == "transformers-native assistant" else None
+    forced = None   # a causal flag the layout's config sets for every layer
+    if layout == "public":
+        forced = cfg.get("is_causal", (cfg.get("dflash_config") or {}).get("causal"))
+    if native:
+        forced = False
     rules = []
     for kind in types[:n]:
         sliding = kind == "sliding_attention" and window and settings.sliding_window == "train"
-        causal = forced if forced is not None else \
-            sliding and not (speculators and cfg["speculators"]["sliding_window_non_causal"])
-        mode = settings.block_mask if settings.block_mask != "auto" else "causal" if causal else "bidirectional"
-        rules.append((mode, None) if not sliding else (mode, int(window), "anchor") if speculators else
-                     (mode, int(window) + (layout == "transformers-native assistant")))
+        causal = forced
+        if causal is None:
+            causal = sliding and not (speculators and cfg["speculators"]["sliding_window_non_causal"])
+        mode = settings.block_mask
+        if mode == "auto":
+            mode = "causal" if causal else "bidirectional"
+        if not sliding:
+            rules.append((mode, None))
+        elif speculators:
+            rules.append((mode, int(window), "anchor"))
+        else:
+            rules.append((mode, int(window) + native))
     return rules
 
 
@@ -6771,10 +6782,11 @@ def served_causes(held, compared, ks, evaluated, z, impossible):
     other = [h for h in held if "prompt_differs_at" in h]
     flags = sorted({h["prompt_flag"] for h in other if "prompt_flag" in h})
     if other:
+        why = "the chat template, thinking or a system prompt differ"
+        if flags:
+            why = f"this run with {' or '.join(flags)} gives the engine's prompt ids: run so to hold the same text"
         causes.append(f"{len(other)} of {n} requests were served another prompt than this run's (first at token "
-                      f"{other[0]['prompt_differs_at']}): " + (f"this run with {' or '.join(flags)} gives the "
-                      "engine's prompt ids: run so to hold the same text" if flags else "the chat template, thinking "
-                      "or a system prompt differ"))
+                      f"{other[0]['prompt_differs_at']}): {why}")
     differ = [h for h in compared if h["equal"] is False and "prompt_differs_at" not in h]
     hard = [h for h in differ if h.get("hard_steps") and not (h.get("within_ties") and not h.get("suspects"))]
     agreement = [h["agreement"] for h in compared if h["agreement"] is not None and "z" not in h]
@@ -6793,21 +6805,28 @@ def served_causes(held, compared, ks, evaluated, z, impossible):
                       f"in their second (contexts past about {middle} tokens) over {len(hard)} requests, intervals "
                       "apart: the engine serves the drafter contexts it handles worse than this run's (a context cap, "
                       "a window, longer than trained)")
-    if z is not None:
-        causes.append(f"{'none: ' if abs(z) <= 3 else ''}the served acceptance is {abs(z):.1f} standard errors "
-                      f"{'above' if z > 0 else 'below'} the exact expectation on the same texts" +
-                      ("" if abs(z) <= 3 else ": the engine's drafter or rule differs from this run's") +
-                      (f"; {impossible} served steps are ones this run's drafter never takes" if impossible else ""))
+    if z is not None:   # sampled: the served acceptance against its exact expectation
+        side = "above" if z > 0 else "below"
+        cause = f"the served acceptance is {abs(z):.1f} standard errors {side} the exact expectation on the same texts"
+        if abs(z) <= 3:
+            cause = "none: " + cause
+        else:
+            cause += ": the engine's drafter or rule differs from this run's"
+        if impossible:
+            cause += f"; {impossible} served steps are ones this run's drafter never takes"
+        causes.append(cause)
     elif compared and not hard and not other:
+        cause = "none: every served verify step is the exact round on the same text"
         tied = [h for h in differ if h.get("tie_steps") or h.get("near_ties")]
-        counted = any("within_ties" in h for h in differ)
-        causes.append("none: every served verify step is the exact round on the same text" + (
-            f", but for {sum(h.get('tie_steps') or 0 for h in tied) or 'a few'} steps in {len(tied)} of "
-            f"{len(compared)} requests where a near-tie decides (the drafter's top-2 logits, or its draft and the "
-            "text's token, within the dtype's precision): numerics, not a bug" if differ and not counted else
-            f", but for {len(differ)} of {len(compared)} requests whose counts differ by no more than the rounds "
-            "near-ties decide on them (counts alone cannot place a step: likely numerics; detailed per-step "
-            "figures would tell)" if differ else ""))
+        if differ and not any("within_ties" in h for h in differ):
+            cause += (f", but for {sum(h.get('tie_steps') or 0 for h in tied) or 'a few'} steps in {len(tied)} of "
+                      f"{len(compared)} requests where a near-tie decides (the drafter's top-2 logits, or its draft "
+                      "and the text's token, within the dtype's precision): numerics, not a bug")
+        elif differ:   # counts alone
+            cause += (f", but for {len(differ)} of {len(compared)} requests whose counts differ by no more than the "
+                      "rounds near-ties decide on them (counts alone cannot place a step: likely numerics; detailed "
+                      "per-step figures would tell)")
+        causes.append(cause)
     left = list(hard)   # named in order of the requests each explains that the ones before it do not
     for name, count in sorted(found.items(), key=lambda x: -x[1]):
         explained = [h for h in left if name in (h.get("suspects") or [])]
@@ -6845,21 +6864,25 @@ def served_summary(held, B, depths):
     if len(ks) == 1 and any("exact_histogram" in h for h in held):   # greedy: this run's rounds over the same replies
         exact = [sum(h.get("exact_histogram", [0] * (ks[0] + 1))[j] for h in held) for j in range(ks[0] + 1)]
     one_by_one = [h for h in compared if "tie_steps" in h]
-    return {"engine": held[0]["engine"], "k": ks, "requests": len(held), "steps": steps,
-            "tau_served": 1 + accepted / steps if steps else None,
-            "tau_served_scored": pooled_tau[0], "tau_exact": pooled_tau[1],
-            **({"scope": "whole replies, the tail past the last full block scored too" + (
-                "" if len(one_by_one) == len(compared) else "; counts alone: the same tokens in the engine's steps "
-                "and in this run's rounds")} if any("hard_steps" in h for h in compared) else {}),
-            "gap": gap, "gap_ci95": ci, "compared": len(compared), "equal": sum(h["equal"] is True for h in compared),
-            **({"near_tie_steps": sum(h["tie_steps"] for h in one_by_one),
-                "numerics_only": sum(h["equal"] is False and not h["hard_steps"] for h in one_by_one),
-                "differ": sum(bool(h["hard_steps"]) for h in one_by_one)} if one_by_one else {}),
-            **({"z": z, "beyond_3se": sum(abs(h["z"]) > 3 for h in compared if "z" in h)} if z is not None else {}),
-            **({"per_position": {"served": round_acceptance([h["histogram"] for h in held], ks[0]),
-                                 "exact": round_acceptance([exact], ks[0])}}
-               if exact and any(h["histogram"] for h in held) else {}),
-            "causes": served_causes(held, compared, ks, sorted(depths), z, moments[4])}
+    out = {"engine": held[0]["engine"], "k": ks, "requests": len(held), "steps": steps,
+           "tau_served": 1 + accepted / steps if steps else None,
+           "tau_served_scored": pooled_tau[0], "tau_exact": pooled_tau[1]}
+    if any("hard_steps" in h for h in compared):
+        out["scope"] = "whole replies, the tail past the last full block scored too"
+        if len(one_by_one) != len(compared):
+            out["scope"] += "; counts alone: the same tokens in the engine's steps and in this run's rounds"
+    out.update(gap=gap, gap_ci95=ci, compared=len(compared), equal=sum(h["equal"] is True for h in compared))
+    if one_by_one:
+        out.update(near_tie_steps=sum(h["tie_steps"] for h in one_by_one),
+                   numerics_only=sum(h["equal"] is False and not h["hard_steps"] for h in one_by_one),
+                   differ=sum(bool(h["hard_steps"]) for h in one_by_one))
+    if z is not None:
+        out.update(z=z, beyond_3se=sum(abs(h["z"]) > 3 for h in compared if "z" in h))
+    if exact and any(h["histogram"] for h in held):
+        out["per_position"] = {"served": round_acceptance([h["histogram"] for h in held], ks[0]),
+                               "exact": round_acceptance([exact], ks[0])}
+    out["causes"] = served_causes(held, compared, ks, sorted(depths), z, moments[4])
+    return out
 
 
 def prompt_report(it, res, B):
@@ -6925,9 +6948,10 @@ def acceptance_warning(s, check):
 
 
 def drafter_report(d, results, items):
+    """A drafter's report: its facts, its figures over every prompt (at each depth, rule and tree), the engines' and
+    the tools' figures, by context, reply position, split and turn, its checks and warnings, and its prompts."""
     B = d["drafts_per_round"] + 1   # the longest round: every draft and the target's own token
-    note, first = FAMILIES[d["generation"]].ddtree_note, results[0] if results else None
-    no_trees = {"ddtree": None, "ddtree_note": note} if note else {}
+    first = results[0] if results else None
     sampled = first is not None and first.expected is not None
 
     def section(keep=lambda it: True, depth=None, pick=None):   # the kept prompts' figures, at the trained depth,
@@ -6935,47 +6959,61 @@ def drafter_report(d, results, items):
         chosen = [(pick(res), it) for res, it in zip(results, items) if keep(it)]
         kept = [it for _, it in chosen]
         totals = list(prompt_totals([result_totals(res) for res, _ in chosen], kept).values())
-        size = B if depth is None else depth + 1
-        summary = summarize([res for res, _ in chosen], size)
+        summary = summarize([res for res, _ in chosen], B if depth is None else depth + 1)
         for b, t in (summary["ddtree"] or {}).items():   # a tree's interval over prompts, as the chain's
             units = prompt_totals([walk_totals(res.ddtree_rounds[int(b)]) for res, _ in chosen], kept).values()
             t["tau_ci95"] = ratio_ci95([c for c, _ in units], [r for _, r in units])
-        return {**summary, "tau_ci95": ratio_ci95([c for c, _ in totals], [r for _, r in totals]),
-                **reference_fit([it for _, it in chosen], sampled)[0], **(no_trees if depth is None else {})}
+        figures = {**summary, "tau_ci95": ratio_ci95([c for c, _ in totals], [r for _, r in totals]),
+                   **reference_fit([it for _, it in chosen], sampled)[0]}
+        note = FAMILIES[d["generation"]].ddtree_note
+        if note and depth is None:   # a family no engine serves with a DDTree: no tree rows, and why
+            figures.update(ddtree=None, ddtree_note=note)
+        return figures
 
     def depth_figures(s, k, tokens=None):   # a depth's figures, with the engines' at it
         return {**{key: s[key] for key in DEPTH_KEYS}, "engine_metrics": engine_metrics(s, k, tokens)}
-    whole, check = section(), feature_check_summary([res.feature_check for res in results
-                                                     if res.feature_check is not None])
-    overridden = override_summary(d["overrides"], [r.override_check for r in results]) \
-        if d.get("overrides") else None
-    splits = {split: section(lambda it: it.split == split) for split in sorted({it.split for it in items})}
-    numbers = sorted({it.turn for it in items} - {None})   # rows per turn where there are several
-    turns = {str(t): section(lambda it: it.turn == t) for t in numbers} if len(numbers) > 1 else {}
-    depths = {B - 1: whole, **{k: section(depth=k) for k in (first and first.depths) or {}}}
-    verify = {rule: section(pick=lambda res, rule=rule: res.verify[rule]) for rule in (first and first.verify) or {}}
-    prompts = [prompt_report(it, res, B) for it, res in zip(items, results)]
-    adaptive = adaptive_summary(results, items, B) if FAMILIES[d["generation"]].adaptive and results and all(
-        k in depths for k in ADAPTIVE["candidates"]) else None
-    runs = [(it.id, it.fly[d["name"]]) for it in items if d["name"] in (it.fly or {})]
-    held, tree = [p["served"] for p in prompts if "served" in p], d.get("eagle_tree")
-    if tree and (first and first.tree):   # SGLang's token tree: its walk, its rounds of up to steps + 1
+
+    whole = section()
+    depths = {B - 1: whole, **{k: section(depth=k) for k in (first.depths if first else None) or {}}}
+    out = {k: v for k, v in d.items() if k != "mask_modes"}
+    out.update(whole)
+    tree = d.get("eagle_tree")
+    if tree and first and first.tree:   # SGLang's token tree: its walk, its rounds of up to steps + 1
         s = section(depth=tree["steps"], pick=lambda res: res.tree)
-        tree = {**tree, **depth_figures(s, tree["steps"], tree["tokens"])}
-    return {**{k: v for k, v in d.items() if k != "mask_modes"}, **whole, **({"eagle_tree": tree} if tree else {}),
-            **({"verify": {rule: depth_figures(s, B - 1) for rule, s in verify.items()}} if verify else {}),
-            "engine_metrics": engine_metrics(whole, B - 1),
-            **({"depths": {str(k): depth_figures(s, k) for k, s in sorted(depths.items())}} if len(depths) > 1 else {}),
-            "by_context": by_context([res.by_context for res in results]),
-            "by_reply": by_context([res.by_reply for res in results], REPLY_BUCKETS),
-            "conventions": conventions(whole, results, B - 1),
-            "feature_check": check, "warnings": d["warnings"] + acceptance_warning(whole, check) +
-            ([overridden[1]] if overridden else []), "splits": splits,
-            **({"turns": turns} if turns else {}), **({"mask_check": mask_check_summary(d["mask_modes"], [
-                r.mask_check for r in results if r.mask_check is not None])} if d["mask_modes"] else {}),
-            **({"override_check": overridden[0]} if overridden and overridden[0] else {}),
-            "prompts": prompts, **({"served": served_summary(held, B, depths)} if held else {}),
-            **({"adaptive": adaptive} if adaptive else {}), **({"fly": fly_summary(runs, B)} if runs else {})}
+        out["eagle_tree"] = {**tree, **depth_figures(s, tree["steps"], tree["tokens"])}
+    if first and first.verify:   # the other verification rules, each walked over the same drafts
+        out["verify"] = {rule: depth_figures(section(pick=lambda res, rule=rule: res.verify[rule]), B - 1)
+                         for rule in first.verify}
+    out["engine_metrics"] = engine_metrics(whole, B - 1)
+    if len(depths) > 1:
+        out["depths"] = {str(k): depth_figures(s, k) for k, s in sorted(depths.items())}
+    out["by_context"] = by_context([res.by_context for res in results])
+    out["by_reply"] = by_context([res.by_reply for res in results], REPLY_BUCKETS)
+    out["conventions"] = conventions(whole, results, B - 1)
+    out["feature_check"] = feature_check_summary([res.feature_check for res in results
+                                                  if res.feature_check is not None])
+    out["warnings"] = d["warnings"] + acceptance_warning(whole, out["feature_check"])
+    overridden = None
+    if d.get("overrides"):
+        overridden = override_summary(d["overrides"], [r.override_check for r in results])
+        out["warnings"].append(overridden[1])
+    out["splits"] = {split: section(lambda it: it.split == split) for split in sorted({it.split for it in items})}
+    numbers = sorted({it.turn for it in items} - {None})
+    if len(numbers) > 1:   # rows per turn where there are several
+        out["turns"] = {str(t): section(lambda it: it.turn == t) for t in numbers}
+    if d["mask_modes"]:
+        out["mask_check"] = mask_check_summary(d["mask_modes"], [r.mask_check for r in results
+                                                                 if r.mask_check is not None])
+    if overridden and overridden[0]:
+        out["override_check"] = overridden[0]
+    out["prompts"] = [prompt_report(it, res, B) for it, res in zip(items, results)]
+    if held := [p["served"] for p in out["prompts"] if "served" in p]:
+        out["served"] = served_summary(held, B, depths)
+    if FAMILIES[d["generation"]].adaptive and results and all(k in depths for k in ADAPTIVE["candidates"]):
+        out["adaptive"] = adaptive_summary(results, items, B)
+    if runs := [(it.id, it.fly[d["name"]]) for it in items if d["name"] in (it.fly or {})]:
+        out["fly"] = fly_summary(runs, B)
+    return out
 
 
 def fly_summary(runs, B):
