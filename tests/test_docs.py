@@ -126,9 +126,9 @@ MAPS = {"depths", "verify", "ddtree", "splits", "turns", "predicted_speedup", "r
         "drafts_per_round", "at_depth", "benchmarks", "overrides", "modes", "ddtree_rounds", "depth_rounds",
         "verify_tau", "bench_files", "batch_sizes", "figures", "steps"}
 # Described, and written only where other tests go: a run cut short (test_long_runs), a failed self-check
-# (test_selfcheck), --costs measure's timing runs (test_costs), an engine's counts alone (test_served) and llama-server's
-# figures (test_llamacpp).
-RARE = {"interrupted", "message", "runs", "within_ties", "drafted_exact"}
+# (test_selfcheck), --costs measure's timing runs (test_costs), an engine's counts alone (test_served), llama-server's
+# figures (test_llamacpp) and a conversion run beside its source (test_verdict).
+RARE = {"interrupted", "message", "runs", "within_ties", "drafted_exact", "same_weights", "layouts"}
 
 
 def keys(x, parent, got, mapped=False):

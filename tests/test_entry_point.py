@@ -19,7 +19,7 @@ import eval_drafter as ed
 TARGET = os.path.join(ed.DEMO_DIR, "target")
 DRAFTER = os.path.join(ed.DEMO_DIR, "drafter")
 EXTRACT = ["--demo", "--limit", "4", "--max-new-tokens", "64", "--quiet"]
-WHERE = ("name", "checkpoint", "hash")   # where the drafter came from, not what it measured
+WHERE = ("name", "checkpoint", "hash", "weights_hash")   # where the drafter came from, not what it measured
 
 
 def figures(d):
