@@ -2772,9 +2772,10 @@ NEEDED_CONFIG = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num
 def check_hidden(cfg, target_cfg, name, state=None):
     """The drafter's width: its config's against its own weights' first (fc.weight's rows), then the target's."""
     fc = (state or {}).get("fc.weight")
-    refuse((fc is not None and cfg.get("hidden_size") != fc.shape[0], f"drafter {name}: its config says hidden_size "
-            f"{cfg.get('hidden_size')} but its weights are {fc.shape[0] if fc is not None else 0} wide (fc.weight): the "
-            "config does not belong to these weights (edited, or another checkpoint's); fix its hidden_size"),
+    width = fc.shape[0] if fc is not None else cfg.get("hidden_size")
+    refuse((cfg.get("hidden_size") != width, f"drafter {name}: its config says hidden_size {cfg.get('hidden_size')} "
+            f"but its weights are {width} wide (fc.weight): the config does not belong to these weights (edited, or "
+            "another checkpoint's); fix its hidden_size"),
            (cfg.get("hidden_size") != target_cfg.hidden_size, f"drafter {name} has hidden size "
             f"{cfg.get('hidden_size')} but the target has {target_cfg.hidden_size}: it was trained for another target"))
 
@@ -3057,7 +3058,8 @@ def layer_rules(cfg, settings, layout="public"):
     sliding layers causal, full ones bidirectional, config overrides win. The transformers-native assistant is
     bidirectional and keeps |q - p| <= W: window W + 1 here. speculators' sliding layers see the W context positions
     before the anchor, none in the block (causal unless sliding_window_non_causal), and need use_sliding_window."""
-    n, speculators, native = cfg["num_hidden_layers"], layout == "speculators", layout == "transformers-native assistant"
+    n, speculators = cfg["num_hidden_layers"], layout == "speculators"
+    native = layout == "transformers-native assistant"
     window = dflash_value(cfg, "swa_window_size") or cfg.get("sliding_window")
     if speculators and not cfg.get("use_sliding_window"):
         window = None
@@ -6261,7 +6263,8 @@ CONVENTIONS = (
     ("sglang_request_mean", "SGLang spec_accept_length, averaged over requests (SpecForge's, dflash's benchmarks)",
      "completion tokens, the prefill's included, / steps", lambda u, K, acc, every: mean_of((1 + c) / r for c, r in u)),
     ("trtllm_request_mean", "TensorRT-LLM avgDecodedTokensPerIter, averaged over requests (trtllm-bench)",
-     "tokens, the prefill's included, / (steps + 1)", lambda u, K, acc, every: mean_of((1 + c) / (r + 1) for c, r in u)),
+     "tokens, the prefill's included, / (steps + 1)",
+     lambda u, K, acc, every: mean_of((1 + c) / (r + 1) for c, r in u)),
     ("draft_acceptance_rate", "llama.cpp draft acceptance, vLLM Avg Draft acceptance rate",
      "accepted / drafted: a rate, not a length",
      lambda u, K, acc, every: sum(c - r for c, r in u) / (K * sum(r for _, r in u))),
@@ -6492,7 +6495,8 @@ def round_ratios(t, draft, n, k):
     """Each measured round's cost ratio c_target(1) / (c_target(n) + c_draft(k)), its passes timed in that round
     (None without rounds: a file's or a roofline's costs)."""
     runs = t.get("runs") or {}
-    paired = [runs.get("target", {}).get(x) for x in ("1", n)] + [runs.get("draft", {}).get(draft.get("name"), {}).get(k)]
+    paired = [runs.get("target", {}).get(x) for x in ("1", n)]
+    paired.append(runs.get("draft", {}).get(draft.get("name"), {}).get(k))
     return [a / (b + c) for a, b, c in zip(*paired)] if all(paired) else None
 
 
@@ -7348,7 +7352,7 @@ def speedup_lines(batch, p, source):
             speed = f"{r['speedup']:.2f}x [{r['speedup_ci95'][0]:.2f}, {r['speedup_ci95'][1]:.2f}]"
         if name == p["best"]:
             mark = "  <- best"
-        elif p["plain_decoding_wins"]:
+        elif p.get("plain_decoding_wins"):
             mark = ""
         elif name in leaders[1:] or leaders[:1] == [name] and not p["best"]:   # no best: those tied at the top
             mark = "  <- a leader"
@@ -7357,14 +7361,14 @@ def speedup_lines(batch, p, source):
     if against:
         yield (f"     paired speedup differences over the same prompts, {leaders[0]} minus: "
                + ", ".join(f"{n} {v[0]:+.3f}x [{v[1]:+.3f}, {v[2]:+.3f}]" for n, v in against))
-    if p["plain_decoding_wins"]:
+    if p.get("plain_decoding_wins"):
         top = p["rows"][leaders[0]]
         yield (f"     plain decoding wins{at}: every row predicts a slowdown (the fastest, {leaders[0]}, "
                f"{top['speedup']:.2f}x): serve without this drafter")
     elif len(leaders) > 1:
         yield (f"     no best at this precision: {', '.join(leaders[1:])} cannot be told from {leaders[0]} (their "
                "paired intervals reach 0)")
-    if leaders and not p["plain_decoding_wins"] and p["rows"][leaders[0]]["speedup_ci95"][0] < 1:
+    if leaders and not p.get("plain_decoding_wins") and p["rows"][leaders[0]]["speedup_ci95"][0] < 1:
         yield (f"     {leaders[0]}'s interval reaches below 1x: at this precision it cannot be told from plain "
                "decoding")
     if "vllm_k" in p:
@@ -7464,7 +7468,7 @@ def comparison_lines(c):
             speed = "  n/a"
         elif batch:   # the best speedup and where (a depth, a budget; the leaders where none is best)
             speed = f"  {p['speedup']:>5.2f}x at {p['best'] or ' ~ '.join(p['leaders'])}"
-            if p["plain_decoding_wins"]:
+            if p.get("plain_decoding_wins"):
                 speed = f"  {p['speedup']:>5.2f}x at {p['leaders'][0]}: plain decoding wins"
         if "series" in row and c["best_steps"].get(row["series"]) == row["step"] and \
                 sum(r.get("series") == row["series"] for r in rows) > 1:
@@ -7499,7 +7503,8 @@ def reply_lines(c, width):
     for i, row in enumerate(c["by_reply"][buckets[0]]):
         yield f"   {row['name']:<{width}}" + "".join(f"  {fmt(c['by_reply'][b][i]['tau']):>8}" for b in buckets)
     if c["reply_flips"]:
-        runs = [(name, [label for label in buckets if leaders[label] == name]) for name in dict.fromkeys(leaders.values())]
+        runs = [(name, [label for label in buckets if leaders[label] == name])
+                for name in dict.fromkeys(leaders.values())]
         yield ("   the better drafter changes with reply length: " + "; ".join(
             f"{name} leads at {', '.join(labels)}" for name, labels in runs)
             + " tokens into the reply: rank them on replies as long as the ones you serve")
@@ -8190,7 +8195,7 @@ def replaced_input(settings):
     named += [("a --merge input", path) for path in settings.merge or []]
     named += [(f"checkpoint --ckpt {spec}", split_ckpt_spec(spec)[1]) for spec in settings.ckpt or []]
     mine = os.stat(output) if os.path.exists(output) else None   # else only an output spelled to its place can be it
-    report = is_our_report(output)   # an earlier report (or series) here, in a model's or run's directory, is none of them
+    report = is_our_report(output)   # an earlier report (or series) in a model's or run's directory is none of them
     for what, path in [(what, path) for what, path in named if path]:
         if os.path.realpath(path) == os.path.realpath(output):
             return what, path

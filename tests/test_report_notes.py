@@ -49,7 +49,8 @@ def test_side_by_side_has_each_drafters_best_predicted_speedup(two_splits):
     for row, d in zip(rows, report["drafters"]):
         p = d["predicted_speedup"]["1"]
         assert row["predicted_speedup"] == {"1": {"best": p["best"], "leaders": p["leaders"],
-                                                  "speedup": p["rows"][p["leaders"][0]]["speedup"]}}
+                                                  "speedup": p["rows"][p["leaders"][0]]["speedup"],
+                                                  "plain_decoding_wins": False}}
         assert row["predicted_speedup"]["1"]["speedup"] > 1 and "delta_tau" in row   # added, nothing dropped
     start = lines.index(next(line for line in lines if line.startswith("== side by side")))
     header, table = lines[start + 1], lines[start + 2:start + 2 + len(rows)]
