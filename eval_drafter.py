@@ -1448,6 +1448,10 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.mo
                    "vocab.txt", "tekken.json")
 
 
+def has_tokenizer(path):
+    return any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES)
+
+
 def bench_names(bench, recipe):
     """--bench's benchmarks: "all" is the recipe's own suite (dflash's by default), else the names given."""
     if bench == "all":
@@ -1508,13 +1512,10 @@ def check_sources(args, names, suites, gguf, from_file):
     elif not from_file and not names and not os.path.isfile(prompts):
         fail(f"--prompts {prompts} is a directory: pass a JSONL file in it" if os.path.isdir(prompts) else
              f"prompts file not found: {prompts} (pass a JSONL file to --prompts)")
-    tokenizer = any(os.path.isfile(os.path.join(args.target or "", name)) for name in TOKENIZER_FILES)
-    swapped = [spec for spec in args.ckpt if any(os.path.isfile(os.path.join(spec_path(spec), name))
-                                                 for name in TOKENIZER_FILES)]
-    if not from_file and not gguf and not tokenizer and swapped:
-        fail(f"the target {args.target} has no tokenizer and the drafter {swapped[0]} has one: --target and --ckpt "
-             "look swapped (--target takes the model the drafter drafts for)")
-    if not from_file and not gguf and not tokenizer:   # a GGUF holds its tokenizer
+    if not from_file and not gguf and not has_tokenizer(args.target or ""):   # a GGUF holds its tokenizer
+        for spec in [spec for spec in args.ckpt if has_tokenizer(spec_path(spec))]:
+            fail(f"the target {args.target} has no tokenizer and the drafter {spec} has one: --target and --ckpt "
+                 "look swapped (--target takes the model the drafter drafts for)")
         fail(f"the target {args.target} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the model's "
              "tokenizer files beside its config.json")
 
@@ -1674,9 +1675,6 @@ def prepare(settings, ranks=True):
     if settings.from_ or settings.merge:
         return settings
     version, gguf = check_transformers(), gguf_file(settings.target) if settings.target else None
-    if not sys.stderr.isatty():   # a log: the tool's progress lines, not transformers' bars' carriage returns
-        import transformers
-        transformers.utils.logging.disable_progress_bar()
     if gguf:
         target, facts = gguf_target(gguf, settings.quiet, settings.ckpt)
         mtp = [spec for spec in settings.ckpt
@@ -2798,24 +2796,41 @@ TARGET_FIELDS = ("speculators_config.verifier.architectures", "speculators_confi
                  "target_model", "target_model_path", "target_model_name_or_path", "base_model")
 
 
+def card_base_model(path):
+    """The first base_model in the front matter of a checkpoint directory's model card (README.md), or None."""
+    card = os.path.join(path, "README.md") if path and os.path.isdir(path) else None
+    if not card or not os.path.isfile(card):
+        return None
+    front = re.match(r"---\n(.*?)\n---", open(card, encoding="utf-8", errors="replace").read(), re.DOTALL)
+    base = front and re.search(r"^base_model:[ \t]*(\S.*)?$((?:\n[ \t]*- .*)*)", front.group(1), re.M)
+    if not base:
+        return None
+    names = [base.group(1).strip()] if base.group(1) else re.findall(r"- *(\S+)", base.group(2))
+    return names[0].strip("'\"") if names else None
+
+
+def specforge_target(raw):
+    """What SpecForge's training state records of its target: (its reference, its config.json's sha256 or None)."""
+    provenance = raw.get("specforge_model_provenance") if isinstance(raw, dict) else None
+    if not isinstance(provenance, (tuple, list)):
+        return None
+    source = dict(provenance).get("target_model")
+    if not isinstance(source, (tuple, list)) or len(source) < 2:
+        return None
+    files = source[2] if len(source) > 2 else ()   # ("sha256", name, size, digest) a file
+    config = next((f[3] for f in files if isinstance(f, (tuple, list)) and len(f) == 4 and f[1] == "config.json"), None)
+    return source[1], config
+
+
 def recorded_target(path, cfg, raw):
     """[(where, value)] of what a checkpoint records of its target: its config's fields, its model card's
     base_model, SpecForge's model provenance (a reference, or a directory with its config.json's sha256)."""
     said = [(where, value) for where in TARGET_FIELDS
             if (value := reduce(lambda c, key: (c or {}).get(key), where.split("."), cfg or {}))]
-    card = os.path.join(path, "README.md") if path and os.path.isdir(path) else None
-    if card and os.path.isfile(card):
-        front = re.match(r"---\n(.*?)\n---", open(card, encoding="utf-8", errors="replace").read(), re.DOTALL)
-        base = re.search(r"^base_model:[ \t]*(\S.*)?$((?:\n[ \t]*- .*)*)", front.group(1), re.M) if front else None
-        names = ([base.group(1).strip()] if base and base.group(1) else
-                 re.findall(r"- *(\S+)", base.group(2)) if base else [])
-        said += [("README.md base_model", n.strip("'\"")) for n in names[:1]]
-    provenance = raw.get("specforge_model_provenance") if isinstance(raw, dict) else None
-    source = dict(provenance).get("target_model") if isinstance(provenance, (tuple, list)) else None
-    if isinstance(source, (tuple, list)) and len(source) >= 2:
-        config = next((f[3] for f in (source[2] if len(source) > 2 else ()) if isinstance(f, (tuple, list))
-                       and len(f) == 4 and f[1] == "config.json"), None)
-        said.append(("SpecForge training state", (source[1], config)))
+    if (base := card_base_model(path)) is not None:
+        said.append(("README.md base_model", base))
+    if source := specforge_target(raw):
+        said.append(("SpecForge training state", source))
     return said
 
 
@@ -6507,17 +6522,16 @@ def median_and_drift(values):
     return mid, (min(lo, *drift), max(hi, *drift))
 
 
-def speedup(tau, tau_ci, t, draft, n, k):
+def speedup(tau, tau_ci, t, draft, n, k, ratios):
     """A row's predicted speedup tau * c_target(1) / (c_target(n) + c_draft(k)) and its 95% interval: tau's interval
-    times that of the cost ratio's median over the measured rounds, each round's ratio from passes timed together
-    (widened to hold the ratio of the median costs and each block's median; none without rounds: a file's or a
-    roofline's costs)."""
+    times that of the cost ratio's median over the measured rounds' `ratios` (round_ratios), widened to hold the ratio
+    of the median costs and each block's median; none without rounds: a file's or a roofline's costs."""
     one, verify_s, draft_s = t["target"]["1"], t["target"].get(n), draft.get(k)
     if None in (tau, verify_s, draft_s):
         return {"tau": tau, "target_s": verify_s, "draft_s": draft_s, "speedup": None, "speedup_ci95": None}
     ratio = one / (verify_s + draft_s)   # the costs as printed; their rounds' spread gives the interval
     lo, hi = ratio, ratio
-    if ratios := round_ratios(t, draft, n, k):   # a busy box's contention moving during the run: the interval holds it
+    if ratios:   # a busy box's contention moving during the run: the interval holds it
         _, (lo, hi) = median_and_drift(ratios)
     low, high = tau_ci or (tau, tau)
     return {"tau": tau, "target_s": verify_s, "draft_s": draft_s, "speedup": tau * ratio,
@@ -6568,10 +6582,10 @@ def predicted_speedups(report, costs, results, items):
                                                                                   [result_totals(r.tree) for r in res])
         units = {name: prompt_totals(picked, items) for name, (*_, picked) in rows.items()}   # {prompt: (c, rounds)}
         for batch, t in costs.get("batch_sizes", {"1": costs}).items():
-            draft = t["draft"].get(d["name"], t["draft"])
-            priced = {name: speedup(s["tau"], s.get("tau_ci95"), t, {**draft, "name": d["name"]}, n, k)
+            draft = {**t["draft"].get(d["name"], t["draft"]), "name": d["name"]}
+            ratios = {name: round_ratios(t, draft, n, k) for name, (_, n, k, _) in rows.items()}
+            priced = {name: speedup(s["tau"], s.get("tau_ci95"), t, draft, n, k, ratios[name])
                       for name, (s, n, k, _) in rows.items()}
-            ratios = {name: round_ratios(t, {**draft, "name": d["name"]}, n, k) for name, (_, n, k, _) in rows.items()}
             ranked = sorted((n for n, r in priced.items() if r["speedup"]), key=lambda n: -priced[n]["speedup"])
             for n in ranked[1:]:
                 priced[n]["below_top"] = paired_speedup(ranked[0], n, {m: (units[m], priced[m], ratios[m])
@@ -6697,13 +6711,13 @@ def self_check(items, config):
                                         "target's (within its dtype's precision)" if tied else ""))
     rule = "none on CPU in float32" if strict else \
         f"{tolerance:.0%} of tokens on {where['device']} in {where['dtype']}, where batch shapes can flip near-ties"
-    if check["passed"]:
-        log(Settings.from_json(config), f"note: self-check within tolerance ({rule}): {facts}")
-    else:
+    if not check["passed"]:
         made = "samples" if sampled else "greedy output"
         check["message"] = (f"the tool's own generation and evaluation disagree ({facts}; tolerance: {rule}). It "
                             f"generated these references itself as the target's {made}, so a bug in the tool or "
                             "numerics is at fault, not the references: tau is not exact")
+    elif not config.get("quiet"):
+        say(f"note: self-check within tolerance ({rule}): {facts}")
     return check
 
 
@@ -7117,9 +7131,9 @@ def reply_leaders(drafters):
     return {"by_reply": rows, "reply_leaders": leaders, "reply_flips": len(set(leaders.values())) > 1}
 
 
-def published_beside(name, rows, drafter, config):
+def published_beside(name, rows, drafter, config, sampling):
     """The published row NAME for the benchmarks run, and where its recipe differs from this run's."""
-    pub, ours = PUBLISHED[name], sampling_of(Settings.from_json(config)) or 0
+    pub, ours = PUBLISHED[name], sampling or 0
     differs = [f"{what}: {theirs} there, {here} here" for what, theirs, here, same in (
         ("sampling", describe_sampling(pub.sampling) if pub.sampling is not None else "not stated",
          describe_sampling(ours), pub.sampling is not None and tuple(pub.sampling or ()) == tuple(ours or ())),
@@ -7133,59 +7147,99 @@ def published_beside(name, rows, drafter, config):
             "figures": {b: tau for b, tau in pub.figures.items() if b in rows}, "differences": differs}
 
 
-def bench_table(drafters, results, items, config):
+def bench_row(name, units, items, ref):
+    """One drafter's figures on one benchmark from its units [(committed, rounds)], one per item: tau pooled over the
+    prompts, each request's own tau (a turn or a sample on its own) and their mean, and tau's difference from the
+    first drafter's on the same prompts (`ref`, its {prompt: (committed, rounds)}; None for the first itself)."""
+    totals = prompt_totals(units, items)
+    committed, rounds = [c for c, _ in totals.values()], [r for _, r in totals.values()]
+    means = [c / r for c, r in units if r]
+    row = {"drafter": name, "prompts": len(totals), "requests": len(means), "tau": None,
+           "tau_ci95": ratio_ci95(committed, rounds), "tau_request_mean": None, "tau_request_mean_ci95": None,
+           "tau_request_p10_p50_p90": None, "accepted_per_step": None, "delta_tau": None, "delta_tau_ci95": None}
+    if sum(rounds):
+        row["tau"] = sum(committed) / sum(rounds)
+        row["accepted_per_step"] = row["tau"] - 1
+    if means:
+        row["tau_request_mean"] = sum(means) / len(means)
+        at = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
+        row["tau_request_p10_p50_p90"] = torch.quantile(torch.tensor(means, dtype=torch.float64), at).tolist()
+    if len(means) > 1:
+        half = 1.96 * statistics.stdev(means) / math.sqrt(len(means))
+        row["tau_request_mean_ci95"] = bounded_ci95(row["tau_request_mean"], half, 1.0)
+    if ref is not None:
+        row["delta_tau"], row["delta_tau_ci95"] = paired_delta(totals, ref)
+    return row
+
+
+def in_benchmark(split, name):
+    """Whether a prompt of split `split` counts toward benchmark `name`: its own, or the suite's that holds it."""
+    return split == name or split.split("/")[0] == name
+
+
+def benchmark_figures(drafters, results, items, K, name):
+    """A row per drafter on benchmark `name`'s items, all at depth K."""
+    idx = [i for i, it in enumerate(items) if in_benchmark(it.split, name)]
+    picked = [items[i] for i in idx]
+    rows, ref = [], None
+    for d, res in zip(drafters, results):
+        units = [result_totals(at_depth(res[i], d, K)) for i in idx]
+        rows.append(bench_row(d["name"], units, picked, ref))
+        if ref is None:
+            ref = prompt_totals(units, picked)
+    return rows
+
+
+def bench_mean(name, rows):
+    """The mean over benchmarks, each weighing one (the papers' last column); its interval from theirs, taken as
+    independent. A difference may be negative; a tau is at least 1."""
+    mean = {"drafter": name}
+    for key in ("tau", "tau_request_mean", "delta_tau"):
+        got = [r for r in rows if r[key] is not None]
+        mean[key] = mean[key + "_ci95"] = None
+        if not got:
+            continue
+        mean[key] = sum(r[key] for r in got) / len(got)
+        halves = [(r[key + "_ci95"][1] - r[key + "_ci95"][0]) / 2 for r in got if r[key + "_ci95"]]
+        if len(halves) < len(got):
+            continue
+        half = math.sqrt(sum(h * h for h in halves)) / len(got)
+        if key == "delta_tau":
+            mean[key + "_ci95"] = [mean[key] - half, mean[key] + half]
+        else:
+            mean[key + "_ci95"] = bounded_ci95(mean[key], half, 1.0)
+    return mean
+
+
+def recipe_departures(config, sampling, tokens):
+    """Where this run departs from its benchmark recipe."""
+    departs = []
+    if config["max_new_tokens"] != tokens:
+        departs.append(f"references of up to {config['max_new_tokens']} new tokens (the recipe's: {tokens})")
+    if sampling:
+        departs.append(f"sampled at {describe_sampling(sampling)} (the recipe decodes greedily)")
+    if config["turns"] != "all":
+        departs.append("the first turn only (--turns first; the recipe runs every turn)")
+    return departs
+
+
+def bench_table(drafters, results, items, config, sampling):
     """--bench: a row per drafter per benchmark or category, then the suite pooled (Spec-Bench's overall), then the mean
     over benchmarks, each weighing one (the papers' last column), its interval from theirs; recipe departures."""
     K = common_depth(drafters)   # drafters drafting different numbers: the table at the fewest, where all draft
-
-    def figures(keep):
-        idx = [i for i, it in enumerate(items) if keep(it.split)]
-        picked = [[result_totals(at_depth(res[i], d, K)) for i in idx] for d, res in zip(drafters, results)]
-        totals, out = [prompt_totals(units, [items[i] for i in idx]) for units in picked], []
-        for t, units in zip(totals, picked):   # a request's own tau: each turn and sample on its own
-            means = [c / r for c, r in units if r]
-            mean = sum(means) / len(means) if means else None
-            half = 1.96 * statistics.stdev(means) / math.sqrt(len(means)) if len(means) > 1 else None
-            committed, rounds = [c for c, _ in t.values()], [r for _, r in t.values()]
-            tau = sum(committed) / sum(rounds) if sum(rounds) else None
-            delta, ci = paired_delta(t, totals[0]) if t is not totals[0] else (None, None)
-            out.append({"drafter": drafters[len(out)]["name"], "prompts": len(t), "requests": len(means), "tau": tau,
-                        "tau_ci95": ratio_ci95(committed, rounds), "tau_request_mean": mean,
-                        "tau_request_mean_ci95": None if half is None else bounded_ci95(mean, half, 1.0),
-                        "tau_request_p10_p50_p90": torch.quantile(torch.tensor(means, dtype=torch.float64),
-                                                               torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64))
-                        .tolist() if means else None,
-                        "accepted_per_step": None if tau is None else tau - 1, "delta_tau": delta,
-                        "delta_tau_ci95": ci})
-        return out
     splits, rows = list(dict.fromkeys(it.split for it in items)), {}
     for suite in dict.fromkeys(s.split("/")[0] for s in splits):
         for name in [s for s in splits if s.split("/")[0] == suite and s != suite] + [suite]:
-            rows[name] = figures(lambda split, name=name: split == name or split.split("/")[0] == name)
-    average = []
-    for j, d in enumerate(drafters):
-        row = {"drafter": d["name"]}
-        for key in ("tau", "tau_request_mean", "delta_tau"):
-            got = [r[j] for name, r in rows.items() if "/" not in name and r[j][key] is not None]
-            row[key] = sum(r[key] for r in got) / len(got) if got else None
-            halves = [(r[key + "_ci95"][1] - r[key + "_ci95"][0]) / 2 for r in got if r[key + "_ci95"]]
-            half = math.sqrt(sum(h * h for h in halves)) / len(got) if got and len(halves) == len(got) else None
-            row[key + "_ci95"] = None
-            if half is not None:   # a difference may be negative; a tau is at least 1
-                row[key + "_ci95"] = [row[key] - half, row[key] + half]
-                if key != "delta_tau":
-                    row[key + "_ci95"] = bounded_ci95(row[key], half, 1.0)
-        average.append(row)
+            rows[name] = benchmark_figures(drafters, results, items, K, name)
+    benchmarks = [r for name, r in rows.items() if "/" not in name]
+    average = [bench_mean(d["name"], [r[j] for r in benchmarks]) for j, d in enumerate(drafters)]
     (source, _, seed, tokens, reported) = RECIPES[config["bench_recipe"]]
-    sampling = sampling_of(Settings.from_json(config))
-    departs = ([f"references of up to {config['max_new_tokens']} new tokens (the recipe's: {tokens})"]
-               if config["max_new_tokens"] != tokens else []) + \
-        ([f"sampled at {describe_sampling(sampling)} (the recipe decodes greedily)"] if sampling else []) + \
-        (["the first turn only (--turns first; the recipe runs every turn)"] if config["turns"] != "all" else [])
-    return {"recipe": {"name": config["bench_recipe"], "source": source, "seed": seed, "max_new_tokens": tokens,
-                       "reported": reported}, "depth": K, "departures": departs, "benchmarks": rows, "average": average,
-            **({"published": published_beside(config["published"], rows, drafters[0], config)}
-               if config.get("published") else {})}
+    table = {"recipe": {"name": config["bench_recipe"], "source": source, "seed": seed, "max_new_tokens": tokens,
+                        "reported": reported}, "depth": K, "departures": recipe_departures(config, sampling, tokens),
+             "benchmarks": rows, "average": average}
+    if config.get("published"):
+        table["published"] = published_beside(config["published"], rows, drafters[0], config, sampling)
+    return table
 
 
 def one_screen(output=None):
@@ -7233,12 +7287,16 @@ def make_report(config, facts, done, skipped, seconds, interrupted, warn=True):
         target["sampling_note"] = (f"every token of the {len(finished)} sampled references is the target's argmax: at "
                                    f"{describe_sampling(sampling)} sampling changed nothing here, so tau is greedy "
                                    "decoding's (a flatter target, or a higher temperature, would differ)")
-    report = {"config": config, "target": target, "drafters": drafters,
-              **({"comparison": side_by_side(drafters, results, finished)} if len(drafters) > 1 and done else {}),
-              **({"bench": bench_table(drafters, results, finished, config)} if config.get("bench") and done else {}),
-              "skipped": skipped,
-              "timing": {**{k: round(v, 4) for k, v in sorted(TIMING.items())}, "total_s": round(seconds, 4)},
-              "elapsed_s": seconds, **({"interrupted": True} if interrupted else {})}
+    report = {"config": config, "target": target, "drafters": drafters}
+    if len(drafters) > 1 and done:
+        report["comparison"] = side_by_side(drafters, results, finished)
+    if config.get("bench") and done:
+        report["bench"] = bench_table(drafters, results, finished, config, sampling)
+    report["skipped"] = skipped
+    report["timing"] = {**{k: round(v, 4) for k, v in sorted(TIMING.items())}, "total_s": round(seconds, 4)}
+    report["elapsed_s"] = seconds
+    if interrupted:
+        report["interrupted"] = True
     if config.get("costs_used"):
         predicted_speedups(report, config["costs_used"], results, finished)
         adaptive_verification(report, config["costs_used"], results, finished)
@@ -9111,12 +9169,23 @@ def plot_from(settings):
     return {}
 
 
+@contextlib.contextmanager
+def torch_threads(n):
+    """torch's CPU threads at n (None: as they are) for a run, then put back: main() or measure() called from Python
+    leaves its caller's process as it found it."""
+    held = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(held)
+
+
 def run(settings, earlier=None):
     """The run the settings ask for (earlier: an --overwrite's backup of the earlier partial file): its report."""
     if settings.from_:
         return plot_from(settings)
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
     if str(settings.device).startswith("cuda"):
         # cuDNN attention plans each new sequence length, met at every generation or walk step (suspected, not
         # measured, cause of the bf16 demo's 9x CUDA slowdown); the flash and memory-efficient kernels need none
@@ -9249,12 +9318,8 @@ def measure(drafter, features, config=None, target=None, name="drafter", step=No
     d.name += "" if step is None else f"@{step}"   # a training series' step, named as --steps names one
     d.mask_variants = mask_variants(d, f.settings)
     check_depths([d], f.settings)
-    held = torch.get_num_threads()
-    torch.set_num_threads(f.threads)
-    try:
+    with torch_threads(f.threads):
         return drafter_figures(f.settings, f.learned, d, iter(f.entries), f.embed_w, f.head)
-    finally:
-        torch.set_num_threads(held)
 
 
 TARGET_KINDS = ("a Hugging Face directory of a decoder-only model (Qwen3, hybrid Qwen3.5/3.6, Llama, gpt-oss, ...) or "
@@ -9299,7 +9364,7 @@ def main(argv=None):
         if is_main_thread():   # from here Ctrl-C is a KeyboardInterrupt, which the prompts' loop keeps its work on
             signal.signal(signal.SIGINT, signal.default_int_handler)
         settings = prepare(resolve_settings(args))
-        with output_claimed(settings) as earlier:
+        with output_claimed(settings) as earlier, torch_threads(settings.threads):
             report = run(settings, earlier)
         leave_ranks()
     except UsageError as e:

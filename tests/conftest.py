@@ -26,6 +26,14 @@ import make_demo as md  # noqa: E402
 # anything else, each small matmul can wait milliseconds for a busy core (a 0.4 s run became 12 s).
 torch.set_num_threads(1)
 
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Each test starts at that one thread, whatever the one before set (a helper training a fixture, say): with two
+    threads in each of CI's two lanes on two cores, the whole suite ran 2.5 times slower."""
+    yield
+    torch.set_num_threads(1)
+
 QWEN_VOCAB = 151936
 IM_START = 151644
 IM_END = 151645

@@ -6,6 +6,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 import eval_drafter as ed
 from conftest import refused_in_one_line
@@ -63,7 +64,9 @@ def test_output_over_a_file_that_is_not_a_report_is_refused_and_kept(tmp_path, c
 
 def test_threads_past_the_cores_and_float16_on_a_cpu_are_warned(capsys, monkeypatch):
     monkeypatch.setattr(ed, "usable_cores", lambda: 2)
+    before = torch.get_num_threads()
     assert ed.main(argv(TARGET, DRAFTER, "--threads", "64", "--dtype", "float16", "--limit", "1")) == 0
+    assert torch.get_num_threads() == before   # main() from Python gives its caller's threads back
     err = capsys.readouterr().err
     assert "warning: --threads 64 is more than the 2 cores" in err and "give --threads 2 or fewer" in err
     assert "warning: --dtype float16 on a CPU" in err and "use float32" in err

@@ -150,12 +150,14 @@ def test_sampled_expectations_match_the_public_loop_on_the_real_pair(tmp_path, m
     have_public()
     import transformers
     if ed.version_tuple(transformers.__version__) < (5, 0, 0):   # the public loop is written for 5.x
-        pytest.skip("150 sampled runs of the public loop on a 135M target take minutes: under transformers 5.x only "
+        pytest.skip("sampled runs of the public loop on a 135M target take minutes: under transformers 5.x only "
                     "(the greedy rounds are checked under both)")
     from test_sampled import mc_check, public_sampled_runs, sampling_argv
     target, _, rows, ids = real
     sampling, n_new = (0.7, 0.95, 20), 16
-    runs = public_sampled_runs(public_module(monkeypatch), DRAFTER, target, ids[:5], sampling, 150, n_new=n_new)
+    # 60 runs (3 s each here): the sum of their differences is held within 3 standard errors, a bias of half a
+    # run's spread in 60 shows; the demo pair's sampled tests (test_sampled.py) hold it over more
+    runs = public_sampled_runs(public_module(monkeypatch), DRAFTER, target, ids[:5], sampling, 60, n_new=n_new)
     refs = [{"id": f"run{i}", "messages": rows[p]["messages"], "completion_ids": text}
             for i, (p, text, _) in enumerate(runs)]
     out = tmp_path / "s.json"

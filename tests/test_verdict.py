@@ -85,7 +85,7 @@ def test_a_tau_at_its_floor_has_a_point_interval_and_a_speedup_interval_stays_po
     low = ed.ratio_ci95([31, 30, 30, 30], [30, 30, 30, 30])
     assert low[0] >= 1 and low[1] > 1
     t = {"target": {"1": 0.01, "4": 0.04}}
-    row = ed.speedup(1.01, low, t, {"3": 0.05, "name": "x"}, "4", "3")
+    row = ed.speedup(1.01, low, t, {"3": 0.05, "name": "x"}, "4", "3", None)
     assert 0 < row["speedup_ci95"][0] <= row["speedup"] <= row["speedup_ci95"][1]
     assert ed.ratio_ci95([0.0, 0.001, 0.0], [1.0, 1.0, 1.0], floor=0.0)[0] >= 0
     assert ed.bounded_ci95(1.5, 0.1, 1.0) == pytest.approx([1 + 0.5 / 1.2214027581601699, 1 + 0.5 * 1.2214027581601699])
@@ -179,7 +179,8 @@ def test_measured_speedups_widen_by_the_drift_of_their_cost_ratio_over_the_run()
     verify = [0.012] * rounds
     drift = [0.002 + 0.004 * i / rounds for i in range(rounds)]   # 2 ms growing to 6 ms
     t = {"target": {"1": 0.010, "4": 0.012}, "runs": {"target": {"1": plain, "4": verify}, "draft": {"x": {"3": drift}}}}
-    row = ed.speedup(3.0, [2.9, 3.1], t, {"3": statistics.median(drift), "name": "x"}, "4", "3")
+    draft = {"3": statistics.median(drift), "name": "x"}
+    row = ed.speedup(3.0, [2.9, 3.1], t, draft, "4", "3", ed.round_ratios(t, draft, "4", "3"))
     ratios = [a / (b + c) for a, b, c in zip(plain, verify, drift)]
     quarters = [statistics.median(ratios[i * 12:(i + 1) * 12]) for i in range(4)]
     lo, hi = row["ratio_ci95"]
@@ -189,7 +190,7 @@ def test_measured_speedups_widen_by_the_drift_of_their_cost_ratio_over_the_run()
     shuffled = drift[:]
     random.Random(0).shuffle(shuffled)
     t["runs"]["draft"]["x"]["3"] = shuffled
-    calm = ed.speedup(3.0, [2.9, 3.1], t, {"3": statistics.median(drift), "name": "x"}, "4", "3")
+    calm = ed.speedup(3.0, [2.9, 3.1], t, draft, "4", "3", ed.round_ratios(t, draft, "4", "3"))
     quarters = [statistics.median(ratios_q) for ratios_q in (
         [a / (b + c) for a, b, c in zip(plain, verify, shuffled)][i * 12:(i + 1) * 12] for i in range(4))]
     assert calm["ratio_ci95"][1] - calm["ratio_ci95"][0] < hi - lo
