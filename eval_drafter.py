@@ -1782,11 +1782,6 @@ def prompt_json(it, fields):
     return {k: getattr(it, k) for k in fields}
 
 
-def kept_prompt(it, fields):
-    """A copy of `it` with only `fields` (the rest at their defaults): a record holds no features or texts."""
-    return Prompt(**prompt_json(it, fields))
-
-
 def finished_prompt(row):
     """A finished prompt from its record's JSON; agree back to the tuple scoring made."""
     it = Prompt(**{k: row.get(k) for k in FINISHED_FIELDS})
@@ -5352,6 +5347,16 @@ def fetch_references(items, settings, learned, keep):
 # Scoring: walks, expectations under sampling, DDTree, the mask check, intervals
 
 
+def quotient(a, b, plus=0):
+    """plus + a / b, or None where nothing was counted (b is 0)."""
+    return plus + a / b if b else None
+
+
+def mean_of(values):
+    values = list(values)
+    return quotient(sum(values), len(values))
+
+
 def fitting_anchors(n_prompt, total_len, block_size):
     """Anchors whose block's B-1 drafted positions all lie inside the reference."""
     return torch.arange(n_prompt, max(n_prompt, total_len - block_size + 1))
@@ -5986,8 +5991,8 @@ def check_table(per_prompt, shown):
     for name, fields in shown.items():
         hits, drafts, matched, anchors, wins, losses = (sum(c[name][i] for c in per_prompt) for i in range(6))
         z = (wins - losses - 1) / math.sqrt(wins + losses) if wins + losses else 0.0  # continuity-corrected
-        table[name] = {**fields, "accuracy": hits / drafts if drafts else None,
-                       "tau_all_anchors": 1 + matched / anchors if anchors else None, "anchors": anchors,
+        table[name] = {**fields, "accuracy": quotient(hits, drafts),
+                       "tau_all_anchors": quotient(matched, anchors, 1), "anchors": anchors,
                        "wins": wins, "losses": losses, "z": round(z, 2)}
     return table
 
@@ -6110,7 +6115,7 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
         it.divergence = None if diverge is None else {"reference": it.completion_ids[diverge],
                                                       "argmax": argmax[diverge],
                                                       "logit_gap": (it.gaps or {}).get(diverge)}
-        records.append({"item": kept_prompt(it, FINISHED_FIELDS), "results": res})
+        records.append({"item": Prompt(**prompt_json(it, FINISHED_FIELDS)), "results": res})   # no features, texts
     return records
 
 
@@ -6156,8 +6161,7 @@ def walked_summary(rounds, longest):
     """Pooled tau of per-prompt rounds walked outside the chain's records (FLy's texts, adaptive steps and
     verification), its 95% interval over prompts, the rounds and their histogram."""
     flat = [n for r in rounds for n in r]
-    return {"tau": sum(flat) / len(flat) if flat else None, "tau_ci95": ratio_ci95(list(map(sum, rounds)),
-                                                                                   list(map(len, rounds))),
+    return {"tau": mean_of(flat), "tau_ci95": ratio_ci95(list(map(sum, rounds)), list(map(len, rounds))),
             "rounds": len(flat), "histogram": [flat.count(n) for n in range(1, longest + 1)]}
 
 
@@ -6197,8 +6201,8 @@ def pooled(e, block_size):
     """tau pooled over the rounds of counts e (round_sums'), tau_prompt_mean over prompts, the histogram."""
     committed, rounds = [x["committed"] for x in e], [x["rounds"] for x in e]
     per_prompt = [c / r for c, r in zip(committed, rounds) if r]
-    return {"tau": sum(committed) / sum(rounds) if sum(rounds) else None,
-            "tau_prompt_mean": sum(per_prompt) / len(per_prompt) if per_prompt else None, "rounds": sum(rounds),
+    return {"tau": quotient(sum(committed), sum(rounds)),
+            "tau_prompt_mean": mean_of(per_prompt), "rounds": sum(rounds),
             "histogram": [sum(x["histogram"][k] for x in e) for k in range(block_size)]}
 
 
@@ -6220,11 +6224,11 @@ def summarize(results, block_size):
     reach = [sum(x["reach"][j] for x in e) for j in range(block_size)]
     hits, anchors = [sum(x["hits"][j] for x in e) for j in range(block_size - 1)], sum(x["anchors"] for x in e)
     ties = [x.get("near_ties") for x in e]
-    return {**pooled(e, block_size), "tau_all_anchors": 1 + sum(reach[1:]) / anchors if anchors else None,
+    return {**pooled(e, block_size), "tau_all_anchors": quotient(sum(reach[1:]), anchors, 1),
             "near_ties": None if None in ties or not ties else sum(ties),
-            "anchors": anchors, "per_position": {"acceptance": [reach[j + 1] / reach[j] if reach[j] else None
+            "anchors": anchors, "per_position": {"acceptance": [quotient(reach[j + 1], reach[j])
                                                                 for j in range(block_size - 1)],
-                                                 "accuracy": [h / anchors if anchors else None for h in hits]},
+                                                 "accuracy": [quotient(h, anchors) for h in hits]},
             "ddtree": {str(b): pooled([round_sums(res.ddtree_rounds[b], block_size) for res in results], block_size)
                        for b in (results[0].ddtree_rounds if results else {})}}
 
@@ -6252,11 +6256,6 @@ def engine_metrics(s, depth, tokens=None):
     return {"vllm": {"num_speculative_tokens": depth, "mean_acceptance_length": 1 + accepted / drafts,
                      "per_position_acceptance_rate": [sum(h[i:]) / drafts for i in range(1, depth + 1)],
                      "avg_draft_acceptance_rate": 100 * accepted / (drafts * depth)}, "sglang": sglang}
-
-
-def mean_of(values):
-    values = list(values)
-    return sum(values) / len(values) if values else None
 
 
 def product_sum(accuracy):
@@ -6305,7 +6304,7 @@ def by_context(sums_per_prompt, buckets=None):
     for sums in sums_per_prompt:
         for bucket, values in (sums or {}).items():
             total[bucket] = [a + b for a, b in zip(total.get(bucket, [0, 0, 0, 0]), values)]
-    return {label: {"tau": c / r, "rounds": r, "first_position_acceptance": f / n if n else None, "anchors": n}
+    return {label: {"tau": c / r, "rounds": r, "first_position_acceptance": quotient(f, n), "anchors": n}
             for _, label in buckets or CONTEXT_BUCKETS if label in total for c, r, f, n in [total[label]] if r}
 
 
@@ -6497,15 +6496,6 @@ def roofline_costs(target_cfg, drafters, settings, items):
 DRIFT_BLOCKS = 4   # measured rounds split in time order: each block's median cost ratio must lie in the interval
 
 
-def block_medians(ratios):
-    """The median cost ratio of each of DRIFT_BLOCKS consecutive blocks of rounds (none under two rounds a block): how
-    far the ratio moved while the costs were measured, which the spread of one sample's median does not show."""
-    n = len(ratios)
-    if n < 2 * DRIFT_BLOCKS:
-        return []
-    return [median_ci95(ratios[i * n // DRIFT_BLOCKS:(i + 1) * n // DRIFT_BLOCKS])[0] for i in range(DRIFT_BLOCKS)]
-
-
 def round_ratios(t, draft, n, k):
     """Each measured round's cost ratio c_target(1) / (c_target(n) + c_draft(k)), its passes timed in that round
     (None without rounds: a file's or a roofline's costs)."""
@@ -6516,9 +6506,14 @@ def round_ratios(t, draft, n, k):
 
 
 def median_and_drift(values):
-    """(median, 95% interval) of per-round values, the interval widened to hold each block's median (block_medians)."""
+    """(median, 95% interval) of per-round values, the interval widened to hold the median of each of DRIFT_BLOCKS
+    blocks of rounds in time order (none under two rounds a block): how far the value moved while the costs were
+    measured, which the spread of one sample's median does not show."""
     mid, (lo, hi) = median_ci95(values)
-    drift = block_medians(values)
+    n = len(values)
+    if n < 2 * DRIFT_BLOCKS:
+        return mid, (lo, hi)
+    drift = [median_ci95(values[i * n // DRIFT_BLOCKS:(i + 1) * n // DRIFT_BLOCKS])[0] for i in range(DRIFT_BLOCKS)]
     return mid, (min(lo, *drift), max(hi, *drift))
 
 
@@ -6533,12 +6528,10 @@ def speedup(tau, tau_ci, t, draft, n, k, ratios):
     lo, hi = ratio, ratio
     if ratios:   # a busy box's contention moving during the run: the interval holds it
         _, (lo, hi) = median_and_drift(ratios)
+        lo, hi = min(lo, ratio), max(hi, ratio)
     low, high = tau_ci or (tau, tau)
     return {"tau": tau, "target_s": verify_s, "draft_s": draft_s, "speedup": tau * ratio,
-            "speedup_ci95": [low * min(lo, ratio), high * max(hi, ratio)], "ratio": ratio,
-            "ratio_ci95": [min(lo, ratio), max(hi, ratio)]}
-
-
+            "speedup_ci95": [low * lo, high * hi], "ratio": ratio, "ratio_ci95": [lo, hi]}
 
 def paired_speedup(a, b, units):
     """speedup(a) - speedup(b) over the same prompts with its 95% interval: the prompts' paired delta-method terms
@@ -6636,7 +6629,7 @@ def adaptive_verification(report, costs, results, items):
             **walked_summary([rounds for rounds, _ in walks], K + 1), "capture_sizes": sizes,
             "verified_per_round": sum(budgets) / len(budgets) if budgets else None,
             "verified_by_slot": [sum(m > i for m in budgets) / len(budgets) if budgets else None for i in range(K)],
-            "speedup": sum(gained) / sum(spent) if sum(spent) else None,
+            "speedup": quotient(sum(gained), sum(spent)),
             "speedup_ci95": ratio_ci95(gained, spent, floor=0.0) if sum(spent) else None, "fixed_speedup": fixed,
             "prompt_rounds": [rounds for rounds, _ in walks], "prompt_budgets": [ms for _, ms in walks]}
 
@@ -6672,8 +6665,8 @@ def reference_fit(items, sampled=None, key="target_agreement"):
     its sampling support (sampled). Gives the report's figures, the tokens that fit, all, and [(item, first misfit)]."""
     fits = [it.support or (*it.agree, 0.0, it.first_divergence) for it in items]
     fit, total, logp = (sum(f[i] for f in fits) for i in range(3))
-    share = fit / total if total else None
-    figures = {"reference_support": share, "reference_mean_logprob": logp / fit if fit else None} if sampled \
+    share = quotient(fit, total)
+    figures = {"reference_support": share, "reference_mean_logprob": quotient(logp, fit)} if sampled \
         else {key: share}
     return figures, fit, total, [(it, f[3]) for it, f in zip(items, fits) if f[3] is not None]
 
@@ -6739,14 +6732,14 @@ def held_served(it, res, B):
     at = res if k == B - 1 else depths.get(k) or depths.get(str(k))
     moments, walked = ((at and at.expected) or {}).get("served"), res.served_steps
     held = {"engine": s["engine"], "k": k, "steps": s["steps"], "accepted": s["accepted"],
-            "tau_served": 1 + s["accepted"] / s["steps"] if s["steps"] else None, "tau_exact": None, "equal": None,
+            "tau_served": quotient(s["accepted"], s["steps"], 1), "tau_exact": None, "equal": None,
             "histogram": s.get("histogram"),
             "agreement": it.agree[0] / it.agree[1] if it.agree and it.agree[1] else None,
             **{key: s[key] for key in ("prompt_differs_at", "prompt_flag") if key in s},
             **({"suspects": res.suspects} if res.suspects is not None else {})}
     if moments:   # [accepted, its expectation, variance, steps, impossible steps]
         obs, mean, var, n, _ = moments
-        held.update(tau_exact=1 + mean / n if n else None, moments=moments, units=[[obs + n, n], [mean + n, n]],
+        held.update(tau_exact=quotient(mean, n, 1), moments=moments, units=[[obs + n, n], [mean + n, n]],
                     z=(obs - mean) / math.sqrt(var) if var > 0 else 0.0 if obs == mean else math.inf)
     elif walked and walked["rounds"]:
         exact, steps = walked["rounds"], walked["steps"]
@@ -6781,7 +6774,7 @@ def round_acceptance(histograms, k):
         for j, n in enumerate(h or []):
             histogram[min(j, k)] += n
     tail = [sum(histogram[j:]) for j in range(k + 1)]
-    return [tail[j + 1] / tail[j] if tail[j] else None for j in range(k)]
+    return [quotient(tail[j + 1], tail[j]) for j in range(k)]
 
 
 CAUSE_MIN_REQUESTS = 2     # a cause is named from the requests it explains: more than one
@@ -6883,7 +6876,7 @@ def served_summary(held, B, depths):
         exact = [sum(h.get("exact_histogram", [0] * (ks[0] + 1))[j] for h in held) for j in range(ks[0] + 1)]
     one_by_one = [h for h in compared if "tie_steps" in h]
     out = {"engine": held[0]["engine"], "k": ks, "requests": len(held), "steps": steps,
-           "tau_served": 1 + accepted / steps if steps else None,
+           "tau_served": quotient(accepted, steps, 1),
            "tau_served_scored": pooled_tau[0], "tau_exact": pooled_tau[1]}
     if any("hard_steps" in h for h in compared):
         out["scope"] = "whole replies, the tail past the last full block scored too"
@@ -6912,7 +6905,7 @@ def prompt_report(it, res, B):
              "reference_generated": it.source != "file", "reference_source": it.source,
              "first_divergence": it.first_divergence, "divergence": it.divergence,
              **reference_fit([it], sampled)[0], **({"first_outside_support": it.support[3]} if sampled else {}),
-             "tau": committed / rounds if rounds else None,
+             "tau": quotient(committed, rounds),
              **({"expected_rounds": rounds, "expected_committed": committed} if sampled else {}),
              **({"rounds": res.rounds} if res.rounds is not None else {}),
              "ddtree_rounds": {str(b): r for b, r in res.ddtree_rounds.items()}, "reply": it.reply}
@@ -6920,7 +6913,7 @@ def prompt_report(it, res, B):
         entry["eagle_tree_rounds"] = res.tree.rounds
     for rule, v in (res.verify or {}).items():   # each other rule's tau on this reference (exact or expected)
         c, r = result_totals(v)
-        entry.setdefault("verify_tau", {})[rule] = c / r if r else None
+        entry.setdefault("verify_tau", {})[rule] = quotient(c, r)
     if res.depths is not None:
         entry["depth_rounds"] = {str(k): other.rounds for k, other in sorted(res.depths.items())}
     if it.served:
@@ -7072,7 +7065,7 @@ def side_by_side(drafters, results, items):
     def split_tau(d, res, K, split):   # at depth K, for the bars
         kept = [(result_totals(at_depth(r, d, K)), it) for r, it in zip(res, items) if it.split == split]
         c, r = map(sum, zip(*prompt_totals(*zip(*kept)).values()))
-        return c / r if r else None
+        return quotient(c, r)
 
     def paired(rows, K=None):   # each row with its tau's difference from the first's, paired on the prompts
         totals = [prompt_totals([result_totals(at_depth(r, d, K)) for r in res], items)
@@ -7109,15 +7102,12 @@ def same_weights(drafters, results, items):
     in-block mask): each pair's paired delta tau, what the other reading costs."""
     totals = [prompt_totals([result_totals(r) for r in res], items) for res in results]
     pairs = []
-    for i, a in enumerate(drafters):
-        for j in range(i + 1, len(drafters)):
-            b = drafters[j]
-            if a.get("weights_hash") and a["weights_hash"] == b.get("weights_hash") and \
-                    (a["layout"], a["block_mask"]) != (b["layout"], b["block_mask"]):
-                delta, ci = paired_delta(totals[j], totals[i])
-                pairs.append({"drafters": [a["name"], b["name"]], "layouts": [a["layout"], b["layout"]],
-                              "block_mask": [a["block_mask"], b["block_mask"]], "delta_tau": delta,
-                              "delta_tau_ci95": ci})
+    for (i, a), (j, b) in itertools.combinations(enumerate(drafters), 2):
+        if a.get("weights_hash") and a["weights_hash"] == b.get("weights_hash") and \
+                (a["layout"], a["block_mask"]) != (b["layout"], b["block_mask"]):
+            delta, ci = paired_delta(totals[j], totals[i])
+            pairs.append({"drafters": [a["name"], b["name"]], "layouts": [a["layout"], b["layout"]],
+                          "block_mask": [a["block_mask"], b["block_mask"]], "delta_tau": delta, "delta_tau_ci95": ci})
     return pairs
 
 
@@ -7172,14 +7162,9 @@ def bench_row(name, units, items, ref):
     return row
 
 
-def in_benchmark(split, name):
-    """Whether a prompt of split `split` counts toward benchmark `name`: its own, or the suite's that holds it."""
-    return split == name or split.split("/")[0] == name
-
-
 def benchmark_figures(drafters, results, items, K, name):
     """A row per drafter on benchmark `name`'s items, all at depth K."""
-    idx = [i for i, it in enumerate(items) if in_benchmark(it.split, name)]
+    idx = [i for i, it in enumerate(items) if name in (it.split, it.split.split("/")[0])]   # its own, or its suite
     picked = [items[i] for i in idx]
     rows, ref = [], None
     for d, res in zip(drafters, results):
@@ -8931,12 +8916,12 @@ def compare_hidden(settings, shown):
                 if float(diff[worst].max()) >= st["max_abs"]:
                     st.update(max_abs=float(diff[worst].max()), worst={"prompt": row["id"], "position": worst})
     per_layer = {str(L): {"relative_error": math.sqrt(diff_sq / ref_sq) if ref_sq else None,
-                          "cosine_mean": cos_sum / n if n else None, "cosine_min": st["cos_min"],
+                          "cosine_mean": quotient(cos_sum, n), "cosine_min": st["cos_min"],
                           "max_abs_diff": st["max_abs"], "worst": st["worst"]}
                  for L, st in stats.items() for diff_sq, ref_sq, cos_sum, n in [st["sums"].tolist()]}
     report = {"config": settings.json(), "files": [{"path": p, "dtype": m["dtype"], "device": m["device"],
                                                    "torch_version": m["torch_version"]} for p, m in zip(paths, metas)],
-              "layers": per_layer, "argmax_agreement": same_argmax / total_argmax if total_argmax else None,
+              "layers": per_layer, "argmax_agreement": quotient(same_argmax, total_argmax),
               "argmax_differ": total_argmax - same_argmax, "argmax_near_ties": tied}
     if settings.ckpt:
         report["drafters"] = [hidden_drafters(settings, path) for path in paths]
