@@ -5380,15 +5380,17 @@ CONTEXT_BUCKETS = ((512, "<512"), (2048, "512-2k"), (8192, "2k-8k"), (math.inf, 
 REPLY_BUCKETS = ((64, "<64"), (128, "64-128"), (256, "128-256"), (512, "256-512"), (math.inf, ">=512"))
 
 
-def context_sums(anchors, first_accepted, round_anchors, lengths, weights=None, buckets=None, start=0):
-    """{bucket: [committed, rounds, first drafts accepted, anchors]} by anchor position (rounds: P-weighted), counted
-    from `start` (0: the context's length, CONTEXT_BUCKETS; the prompt's length: into the reply, REPLY_BUCKETS)."""
-    totals, rows = {}, [(a, [0.0, 0.0, float(ok), 1]) for a, ok in zip(anchors.tolist(), first_accepted.tolist())]
+def context_sums(anchors, first_accepted, round_anchors, lengths, n_prompt, weights=None):
+    """{bucket: [committed, rounds, first drafts accepted, anchors]} by anchor position (rounds: P-weighted), twice:
+    by the context's length (CONTEXT_BUCKETS), and by how far into the reply (REPLY_BUCKETS)."""
+    rows = [(a, [0.0, 0.0, float(ok), 1]) for a, ok in zip(anchors.tolist(), first_accepted.tolist())]
     rows += [(a, [w * n, w, 0.0, 0]) for a, n, w in zip(round_anchors, lengths, weights or [1.0] * len(lengths))]
-    for a, values in rows:
-        bucket = next(label for bound, label in buckets or CONTEXT_BUCKETS if a - start < bound)
-        totals[bucket] = [x + y for x, y in zip(totals.get(bucket, [0.0, 0.0, 0.0, 0]), values)]
-    return totals
+    tables = ({}, {})
+    for totals, buckets, start in zip(tables, (CONTEXT_BUCKETS, REPLY_BUCKETS), (0, n_prompt)):
+        for a, values in rows:
+            bucket = next(label for bound, label in buckets if a - start < bound)
+            totals[bucket] = [x + y for x, y in zip(totals.get(bucket, [0.0, 0.0, 0.0, 0]), values)]
+    return tables
 
 
 def build_tree(logp, budget, until=None):
@@ -5660,9 +5662,8 @@ def add_expectations(res, block_size, n_prompt, total_len, p, q=None, rules=("st
             continue
         if sampled:
             res.rounds = None   # sampled proposals: no one walk, its expectation
-            res.by_context = context_sums(res.anchors, accept[:, 0], res.anchors.tolist(), length, start)
-            res.by_reply = context_sums(res.anchors, accept[:, 0], res.anchors.tolist(), length, start,
-                                        REPLY_BUCKETS, n_prompt)
+            res.by_context, res.by_reply = context_sums(res.anchors, accept[:, 0], res.anchors.tolist(), length,
+                                                        n_prompt, start)
         res.expected = expected
 
 
@@ -5714,9 +5715,7 @@ def score_drafter(d, prompts, group, embed_w, head, settings, budgets, rules):
             if q is None:   # one walk, the argmax drafts': round i starts at n_prompt + the rounds before it
                 rounds = res.rounds
                 starts = [n_prompt + sum(rounds[:i]) for i in range(len(rounds))]
-                res.by_context = context_sums(res.anchors, res.matched >= 1, starts, rounds)
-                res.by_reply = context_sums(res.anchors, res.matched >= 1, starts, rounds, None, REPLY_BUCKETS,
-                                            n_prompt)
+                res.by_context, res.by_reply = context_sums(res.anchors, res.matched >= 1, starts, rounds, n_prompt)
             if sampling:
                 add_expectations(res, d.block_size, n_prompt, len(ids), group[i][0].p, q, rules,
                                  group[i][0].served)
