@@ -1513,8 +1513,8 @@ def check_sources(args, names, suites, gguf, from_file):
         fail(f"--prompts {prompts} is a directory: pass a JSONL file in it" if os.path.isdir(prompts) else
              f"prompts file not found: {prompts} (pass a JSONL file to --prompts)")
     if not from_file and not gguf and not has_tokenizer(args.target or ""):   # a GGUF holds its tokenizer
-        for spec in [spec for spec in args.ckpt if has_tokenizer(spec_path(spec))]:
-            fail(f"the target {args.target} has no tokenizer and the drafter {spec} has one: --target and --ckpt "
+        if swapped := next((spec for spec in args.ckpt if has_tokenizer(spec_path(spec))), None):
+            fail(f"the target {args.target} has no tokenizer and the drafter {swapped} has one: --target and --ckpt "
                  "look swapped (--target takes the model the drafter drafts for)")
         fail(f"the target {args.target} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the model's "
              "tokenizer files beside its config.json")
@@ -5663,7 +5663,7 @@ def add_expectations(res, block_size, n_prompt, total_len, p, q=None, rules=("st
         if sampled:
             res.rounds = None   # sampled proposals: no one walk, its expectation
             res.by_context, res.by_reply = context_sums(res.anchors, accept[:, 0], res.anchors.tolist(), length,
-                                                        n_prompt, start)
+                                                        n_prompt, weights=start)
         res.expected = expected
 
 
@@ -6114,7 +6114,7 @@ def evaluate_prompts(group, drafters, embed_w, head, settings):
         it.divergence = None if diverge is None else {"reference": it.completion_ids[diverge],
                                                       "argmax": argmax[diverge],
                                                       "logit_gap": (it.gaps or {}).get(diverge)}
-        records.append({"item": Prompt(**prompt_json(it, FINISHED_FIELDS)), "results": res})   # no features, texts
+        records.append({"item": Prompt(**prompt_json(it, FINISHED_FIELDS)), "results": res})   # a record: no features or texts
     return records
 
 
@@ -7136,11 +7136,11 @@ def published_beside(name, rows, drafter, config, sampling):
             "figures": {b: tau for b, tau in pub.figures.items() if b in rows}, "differences": differs}
 
 
-def bench_row(name, units, items, ref):
-    """One drafter's figures on one benchmark from its units [(committed, rounds)], one per item: tau pooled over the
-    prompts, each request's own tau (a turn or a sample on its own) and their mean, and tau's difference from the
-    first drafter's on the same prompts (`ref`, its {prompt: (committed, rounds)}; None for the first itself)."""
-    totals = prompt_totals(units, items)
+def bench_row(name, units, totals, ref):
+    """One drafter's figures on one benchmark from its units [(committed, rounds)], one per item, and their `totals`
+    by prompt (prompt_totals): tau pooled over the prompts, each request's own tau (a turn or a sample on its own) and
+    their mean, and tau's difference from the first drafter's on the same prompts (`ref`, its totals; None for the
+    first itself)."""
     committed, rounds = [c for c, _ in totals.values()], [r for _, r in totals.values()]
     means = [c / r for c, r in units if r]
     row = {"drafter": name, "prompts": len(totals), "requests": len(means), "tau": None,
@@ -7150,7 +7150,7 @@ def bench_row(name, units, items, ref):
         row["tau"] = sum(committed) / sum(rounds)
         row["accepted_per_step"] = row["tau"] - 1
     if means:
-        row["tau_request_mean"] = sum(means) / len(means)
+        row["tau_request_mean"] = mean_of(means)
         at = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
         row["tau_request_p10_p50_p90"] = torch.quantile(torch.tensor(means, dtype=torch.float64), at).tolist()
     if len(means) > 1:
@@ -7168,9 +7168,10 @@ def benchmark_figures(drafters, results, items, K, name):
     rows, ref = [], None
     for d, res in zip(drafters, results):
         units = [result_totals(at_depth(res[i], d, K)) for i in idx]
-        rows.append(bench_row(d["name"], units, picked, ref))
-        if ref is None:
-            ref = prompt_totals(units, picked)
+        totals = prompt_totals(units, picked)
+        rows.append(bench_row(d["name"], units, totals, ref))
+        if ref is None:   # the first drafter's: every row's difference is from it
+            ref = totals
     return rows
 
 
